@@ -1,0 +1,1 @@
+"""Megatron-Core integration (imports megatron.core; lands with the Megatron issue)."""

@@ -1,0 +1,17 @@
+"""sp_attention: context-parallel attention for long-sequence training.
+
+Linear attention with per-head decay split over a CP group by a parallel prefix scan of one
+fp32 state per sequence piece, and causal GQA softmax attention split by ring or head-strided
+all-gather schedules. Every public function takes an explicit :class:`SPContext`.
+"""
+from .context import LAYOUTS, SPContext, build_sp_context
+from .sharding import (pad_for_layout, pad_to_multiple, shard_position_ids, shard_sequence,
+                       shift_labels, unshard_sequence)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__", "LAYOUTS", "SPContext", "build_sp_context",
+    "shard_sequence", "unshard_sequence", "shard_position_ids", "shift_labels",
+    "pad_to_multiple", "pad_for_layout",
+]
