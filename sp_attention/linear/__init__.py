@@ -1,0 +1,6 @@
+"""Linear attention with per-head decay, split across a CP group by a parallel prefix scan."""
+from .attention import IMPLS, lightning_attention
+from .naive import chunked_linear_attention, recurrent_linear_attention
+
+__all__ = ["lightning_attention", "IMPLS", "recurrent_linear_attention",
+           "chunked_linear_attention"]

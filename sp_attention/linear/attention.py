@@ -1,0 +1,162 @@
+"""Context-parallel linear attention with per-head decay: autograd Function and public function.
+
+Per rank: split the shard into its leaves (1 contiguous, 2 zigzag), run the local op on each
+leaf from a zero start (output + end state ``b``), scan the fp32 elements ``(λ^C, b)`` across
+ranks for every leaf's incoming state, then add the inter term ``scale·λ^{i+1} q_i S_in``.
+Backward mirrors it: each leaf's state-gradient contribution is suffix-scanned to give the
+gradient ``G`` arriving at its end, then the local backward consumes ``(S_in, dO, G)``.
+Only ``S_in`` per leaf is saved for backward; everything else is recomputed by the local op.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..context import SPContext
+from .local import BACKENDS, chunk_decay, inter_output, leaf_backward, leaf_forward, \
+    resolve_backend, state_grad_local
+from .scan_allgather import allgather_scan
+from .scan_blelloch import blelloch_scan
+from .scan_common import scan_dtype
+from .scan_ring import ring_scan
+
+SCANS = {"blelloch": blelloch_scan, "allgather": allgather_scan, "ring": ring_scan}
+IMPLS = tuple(SCANS) + ("auto",)
+
+# `auto`: one all-gather (a single latency) beats 2⌈log2 L⌉ dependent rounds while the gathered
+# states stay small; past this many leaves the tree's O(log L) rounds and O(1) bytes per round win.
+_AUTO_ALLGATHER_MAX_LEAVES = 16
+
+
+def resolve_impl(impl: str, ctx: SPContext) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"unknown linear-attention scan impl {impl!r}; use one of {IMPLS}")
+    if impl == "auto":
+        return "allgather" if ctx.num_leaves <= _AUTO_ALLGATHER_MAX_LEAVES else "blelloch"
+    return impl
+
+
+def _leaf_elements(q: torch.Tensor, slopes: torch.Tensor, n_leaves: int, b: list) -> list:
+    """``A = λ^C`` per leaf as ``[B, H]`` in the scan dtype (every leaf has C = T_local / n)."""
+    A = chunk_decay(slopes, q.shape[1] // n_leaves, dtype=b[0].dtype, device=q.device)
+    return [A.reshape(1, -1).expand(q.shape[0], -1).contiguous()] * n_leaves
+
+
+class _LightningAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, q, k, v, slopes, ctx: SPContext, impl: str, scale: float,
+                backend: Optional[str]):
+        scan = SCANS[impl]
+        n = len(ctx.leaves)
+        qs, ks, vs = q.chunk(n, 1), k.chunk(n, 1), v.chunk(n, 1)
+        local = [leaf_forward(a, b_, c, slopes, scale, backend) for a, b_, c in zip(qs, ks, vs)]
+        dt = scan_dtype(q.dtype)
+        b = [st.to(dt) for _, st in local]
+        A = _leaf_elements(q, slopes, n, b)
+        s_in = scan(A, b, ctx, reverse=False)  # world size 1 too: a zigzag rank's 2 leaves
+        outs = []
+        for (o0, _), qi, si, leaf in zip(local, qs, s_in, ctx.leaves):
+            o = o0.to(dt)
+            if leaf > 0:  # the first leaf of the sequence starts from zero: no inter term
+                o = o + inter_output(qi, slopes, scale, si)
+            outs.append(o.to(q.dtype))
+        fctx.save_for_backward(q, k, v, slopes, *s_in)
+        fctx.sp, fctx.impl, fctx.scale, fctx.backend = ctx, impl, scale, backend
+        return torch.cat(outs, 1) if n > 1 else outs[0]
+
+    @staticmethod
+    def backward(fctx, do):
+        q, k, v, slopes, *s_in = fctx.saved_tensors
+        ctx, scale, backend = fctx.sp, fctx.scale, fctx.backend
+        n = len(ctx.leaves)
+        qs, ks, vs, dos = q.chunk(n, 1), k.chunk(n, 1), v.chunk(n, 1), do.chunk(n, 1)
+        d = [state_grad_local(qi, di, slopes, scale).to(s_in[0].dtype) for qi, di in zip(qs, dos)]
+        A = _leaf_elements(q, slopes, n, d)
+        G = SCANS[fctx.impl](A, d, ctx, reverse=True)
+        last = ctx.num_leaves - 1
+        grads = []
+        for qi, ki, vi, di, si, gi, leaf in zip(qs, ks, vs, dos, s_in, G, ctx.leaves):
+            grads.append(leaf_backward(qi, ki, vi, slopes, scale, si if leaf > 0 else None,
+                                       di, gi if leaf < last else None, backend))
+        dq, dk, dv = (torch.cat(t, 1) if n > 1 else t[0] for t in zip(*grads))
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _check_inputs(q, k, v, slopes, ctx: SPContext, scale) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v), ("slopes", slopes)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be [B, T, H, K/V]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape != k.shape:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must have the same shape")
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v {tuple(v.shape)} must match q {tuple(q.shape)} in B, T, H")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them "
+                         "to one dtype")
+    if not (q.device == k.device == v.device):
+        raise ValueError("q, k, v are on different devices")
+    H = q.shape[2]
+    if slopes.dim() != 1 or slopes.shape[0] != H:
+        raise ValueError(f"slopes must be [H] = [{H}] (one decay rate per head), got "
+                         f"{tuple(slopes.shape)}")
+    if slopes.requires_grad:
+        raise ValueError("slopes are fixed decay rates here (no gradient is computed for them); "
+                         "pass slopes.detach() or a buffer")
+    if not torch.isfinite(slopes).all() or (slopes < 0).any():
+        raise ValueError("slopes must be finite and >= 0 (decay exp(-slope) in (0, 1]); "
+                         f"got min {slopes.min().item()}")
+    if not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a positive float, got {scale!r}")
+    n = len(ctx.leaves)
+    if q.shape[1] == 0 or q.shape[1] % n:
+        raise ValueError(f"the local sequence length {q.shape[1]} must be a positive multiple of "
+                         f"{n} for layout {ctx.layout!r} (each rank holds {n} equal chunks); "
+                         "pad the global sequence with sp_attention.pad_for_layout")
+
+
+def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
+                        *, ctx: Optional[SPContext] = None, impl: str = "auto",
+                        scale: float = 1.0, backend: Optional[str] = None) -> torch.Tensor:
+    """Causal linear attention with per-head decay over a context-parallel group.
+
+    For each head with slope ``s ≥ 0`` (decay ``λ = exp(−s)``), over the *global* sequence::
+
+        S_t = λ·S_{t−1} + k_tᵀ v_t,    o_t = scale · q_t S_t
+        (o_t = scale · Σ_{j≤t} λ^{t−j} (q_t·k_j) v_j)
+
+    Args:
+        q, k: ``[B, T_local, H, K]`` this rank's shard of the sequence (see
+            :func:`sp_attention.shard_sequence`; zigzag holds chunks ``r`` and ``2P−1−r``).
+        v: ``[B, T_local, H, V]``.
+        slopes: ``[H]`` fixed, non-negative decay rates (0 = no decay). Not differentiated.
+        ctx: the CP :class:`~sp_attention.SPContext` (its layout must match how the sequence
+            was sharded). ``None`` or world size 1: plain single-device attention.
+        impl: cross-rank state scan: ``"blelloch"`` (tree, 2⌈log2 L⌉ rounds of one fp32
+            state), ``"allgather"`` (one all-gather, local fold), ``"ring"`` (P−1 sequential
+            hops, baseline), ``"auto"`` (allgather up to 16 leaves, else blelloch).
+        scale: multiplies ``q`` (default 1.0; pass ``K ** -0.5`` for softmax-like scaling).
+        backend: local kernel, ``"fla"`` (fla-core Triton, CUDA) or ``"torch"`` (chunked pure
+            torch, any device, fp64 capable); ``None`` picks fla when it can run.
+
+    Returns:
+        ``[B, T_local, H, V]`` in ``q.dtype``. Cross-rank states and the inter term are fp32
+        (fp64 for fp64 inputs); the local kernel runs in the input dtype.
+
+    Raises ``ValueError``/``TypeError`` before any communication for mismatched shapes or
+    dtypes, slopes of the wrong shape or sign, an unknown impl or backend, or a local length
+    the layout cannot split. Every rank must call with the same shapes and impl.
+    """
+    ctx = ctx if ctx is not None else SPContext(None, 0, 1, (0,), "contiguous")
+    if not isinstance(ctx, SPContext):
+        raise TypeError(f"ctx must be an SPContext, got {type(ctx).__name__}")
+    _check_inputs(q, k, v, slopes, ctx, scale)
+    impl = resolve_impl(impl, ctx)
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown local backend {backend!r}; use one of {BACKENDS} or None")
+    backend = resolve_backend(backend, q, k, v)
+    slopes = slopes.to(device=q.device)
+    return _LightningAttention.apply(q, k, v, slopes, ctx, impl, float(scale), backend)

@@ -1,0 +1,229 @@
+"""Single-device "local op" of linear attention with decay, called once per leaf by the scan.
+
+A leaf is a contiguous piece of C tokens. With S_in the state just before the leaf (local
+position -1) and lam = exp(-s) per head, unrolling S_i = lam S_{i-1} + k_i^T v_i gives
+
+    S_i = lam^(i+1) S_in + sum_{j<=i} lam^(i-j) k_j^T v_j         (local i = 0 .. C-1)
+    o_i = scale q_i S_i = o_zero_i + scale lam^(i+1) q_i S_in       -> inter_output
+    S_end = S_{C-1} = lam^C S_in + b,   b = sum_j lam^(C-1-j) k_j^T v_j   -> leaf_forward
+
+Backward with do = dL/do and G = dL/dS_end (from later leaves):
+
+    dL/dS_in = scale sum_i lam^(i+1) q_i^T do_i  +  lam^C G        -> state_grad_local, chunk_decay
+    dq_i = intra + scale lam^(i+1) do_i S_in^T
+    dk_j, dv_j = intra + lam^(C-1-j) (v_j G^T, k_j G)              -> leaf_backward
+
+All decays are exp(-s * n) in fp32 (fp64 for fp64 inputs); nothing divides by lam^C.
+
+Backends: "torch" (chunked pure torch, any device/dtype, backward by autograd on a
+recomputed forward that lives only inside the call) and "fla" (fla-core's Triton
+chunk_simple_gla kernels, CUDA, fp16/bf16/fp32). None picks fla when it can run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import torch
+
+from sp_attention.linear.naive import chunk_decay, chunked_core, compute_dtype, decay_powers
+
+__all__ = [
+    "BACKENDS",
+    "resolve_backend",
+    "leaf_forward",
+    "inter_output",
+    "state_grad_local",
+    "leaf_backward",
+    "decay_powers",
+    "chunk_decay",
+]
+
+BACKENDS = ("torch", "fla")
+_FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_CHUNK = 64  # chunk size of both backends (fla's default BT; a power of two is required there)
+
+# fla-core 0.6.0 convention (fla/ops/simple_gla/{naive,chunk}.py, fla/ops/common/chunk_{h,o}.py):
+# its recurrence is S_t = exp(g_t) S_{t-1} + k_t^T v_t, o_t = scale q_t S_t, i.e. the decay is
+# applied *before* adding the current token, exactly like our spec, so g_gamma = -s (natural
+# log). The kernels form decays with exp2 from b_g = g_gamma * (i + 1) (the inter term
+# q_i lam^(i+1) S_in, same exponent as ours) and the chunk end g_gamma * len (so the final
+# state is lam^C S_in + b); the public chunk_simple_gla multiplies g_gamma by 1/ln2 before
+# calling chunk_simple_gla_fwd/bwd, so calling those internals directly we must pass
+# g_gamma = -s / ln 2 ourselves. scale defaults to K^-0.5 there: we always pass it. ht/dh0
+# are fp32; h0/dht are read and upcast to fp32. The internals need contiguous [B, T, H, D]
+# tensors and the right current CUDA device (the public wrapper's input_guard does both).
+# chunk_simple_gla_bwd(initial_state=S_in, dht=G) returns dq (incl. the S_in term) and
+# dk, dv (incl. the G terms) complete, plus dg=None and dh0 = dL/dS_in.
+
+
+@functools.lru_cache(maxsize=1)
+def _fla_import_error() -> str | None:
+    """None if fla's simple_gla kernels import, else the reason (cached: imports are slow)."""
+    try:
+        import fla.ops.simple_gla.chunk  # noqa: F401
+    except Exception as e:  # ImportError, or triton failing to initialise without a GPU
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _fla_unusable_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    if not q.is_cuda:
+        return f"inputs are on {q.device}, fla needs CUDA tensors"
+    if q.dtype not in _FLA_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"fla needs q, k, v of one dtype in {_FLA_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.dtype != torch.float32 and (q.shape[-1] % 2 or v.shape[-1] % 2):
+        return f"fla's 16-bit backward needs even K and V, got K={q.shape[-1]}, V={v.shape[-1]}"
+    err = _fla_import_error()
+    if err is not None:
+        return f"fla-core is not importable ({err})"
+    return None
+
+
+def resolve_backend(
+    backend: str | None, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None
+) -> str:
+    """Map None to "fla" when it can run on these inputs, else "torch"; validate explicit names."""
+    k = q if k is None else k
+    v = q if v is None else v
+    if backend is None:
+        return "fla" if _fla_unusable_reason(q, k, v) is None else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown linear-attention backend {backend!r}; valid: {BACKENDS} or None (auto)")
+    if backend == "fla":
+        reason = _fla_unusable_reason(q, k, v)
+        if reason is not None:
+            raise ValueError(
+                f"backend='fla' cannot run: {reason}. Install the `gpu` extra "
+                f"(pip install 'sp_attention[gpu]', i.e. fla-core) on a CUDA machine, "
+                f"or use backend='torch'."
+            )
+    return backend
+
+
+def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    # States and decays must stay fp32 even when the caller runs under autocast.
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+def _fla_g_gamma(slopes: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # Natural-log decay -s converted to log2 units because fla's kernels use exp2 (see above).
+    return (-slopes.to(device=device, dtype=torch.float32) / math.log(2.0)).contiguous()
+
+
+def _state_or_none(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.to(torch.float32).contiguous()
+
+
+def leaf_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor,
+    scale: float,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-start output and end state of one leaf.
+
+    q, k [B, C, H, K], v [B, C, H, V], slopes [H]. Returns
+      o_zero [B, C, H, V]: scale q_i sum_{j<=i} lam^(i-j) k_j^T v_j; fp32/fp64 for "torch",
+                           v.dtype for "fla" (the kernel writes the input dtype);
+      b [B, H, K, V]: sum_j lam^(C-1-j) k_j^T v_j; fp32 (fp64 for fp64 inputs).
+    """
+    backend = resolve_backend(backend, q, k, v)
+    if backend == "fla":
+        from fla.ops.simple_gla.chunk import chunk_simple_gla_fwd
+
+        # fla 0.6.0 bug (seen on H200): in a partial last chunk, chunk_fwd_h scales the
+        # zero-padded rows of v by exp2(g_last - g) > 1, which overflows to inf once
+        # s * pad > ~88, and 0 * inf makes the final state NaN (o is unaffected). Leading
+        # zero tokens are exact instead: the zero start state stays zero and zero k, v add
+        # nothing, so pad at the front to a multiple of the chunk and drop those rows of o.
+        pad = (-q.shape[1]) % _CHUNK
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, pad, 0)) if pad else x for x in (q, k, v))
+        with torch.cuda.device(q.device):
+            o, b = chunk_simple_gla_fwd(
+                q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=None,
+                g_gamma=_fla_g_gamma(slopes, q.device), scale=float(scale),
+                initial_state=None, output_final_state=True, chunk_size=_CHUNK,
+            )
+        return o[:, pad:], b
+    with _no_autocast(q.device):
+        return chunked_core(q, k, v, slopes, scale, None, _CHUNK)
+
+
+def inter_output(q: torch.Tensor, slopes: torch.Tensor, scale: float, S_in: torch.Tensor) -> torch.Tensor:
+    """Contribution of the incoming state: scale * lam^(i+1) q_i @ S_in -> [B, C, H, V] fp32/fp64.
+
+    Local position i = 0 sees S_in decayed once (S_0 = lam S_in + k_0^T v_0), hence i + 1.
+    """
+    dt = compute_dtype(q, S_in)
+    with _no_autocast(q.device):
+        dec = decay_powers(slopes, q.shape[1], 1, dtype=dt, device=q.device)  # [H, C]
+        qd = q.to(dt) * dec.t()[None, :, :, None]  # [B, C, H, K]
+        return scale * torch.einsum("bchk,bhkv->bchv", qd, S_in.to(dt))
+
+
+def state_grad_local(q: torch.Tensor, do: torch.Tensor, slopes: torch.Tensor, scale: float) -> torch.Tensor:
+    """dL/dS_in through this leaf's outputs only: scale sum_i lam^(i+1) q_i^T do_i -> [B, H, K, V].
+
+    fp32 (fp64 for fp64 inputs). The full dL/dS_in adds chunk_decay(slopes, C) * G.
+    """
+    dt = compute_dtype(q, do)
+    with _no_autocast(q.device):
+        dec = decay_powers(slopes, q.shape[1], 1, dtype=dt, device=q.device)  # [H, C]
+        qd = q.to(dt) * dec.t()[None, :, :, None]  # [B, C, H, K]
+        return scale * torch.einsum("bchk,bchv->bhkv", qd, do.to(dt))
+
+
+def _torch_leaf_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, scale: float,
+    S_in: torch.Tensor | None, do: torch.Tensor, G: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Recompute the chunked forward from S_in under autograd and pull (do, G) back through it.
+    # The graph (and its per-chunk states) is freed when this call returns.
+    dt = compute_dtype(q, k, v, S_in)
+    with torch.enable_grad(), _no_autocast(q.device):
+        qd, kd, vd = (x.detach().to(dt).requires_grad_(True) for x in (q, k, v))
+        s_in = None if S_in is None else S_in.detach().to(dt)
+        o, S_end = chunked_core(qd, kd, vd, slopes.detach(), scale, s_in, _CHUNK)
+        outs, grads = [o], [do.to(dt)]
+        if G is not None:
+            outs.append(S_end)
+            grads.append(G.to(dt))
+        dq, dk, dv = torch.autograd.grad(outs, (qd, kd, vd), grads)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def leaf_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor,
+    scale: float,
+    S_in: torch.Tensor | None,
+    do: torch.Tensor,
+    G: torch.Tensor | None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Complete dq, dk, dv of one leaf (in q/k/v dtypes).
+
+    S_in [B, H, K, V]: state entering the leaf (None = zero). do [B, C, H, V]: dL/do of the
+    leaf's full output (o_zero + inter). G [B, H, K, V]: dL/dS_end from later leaves (None =
+    zero). Includes the intra terms, the S_in term of dq and the G terms of dk and dv.
+    """
+    backend = resolve_backend(backend, q, k, v)
+    if backend == "fla":
+        from fla.ops.simple_gla.chunk import chunk_simple_gla_bwd
+
+        with torch.cuda.device(q.device):
+            dq, dk, dv, _dg, _dh0 = chunk_simple_gla_bwd(
+                q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=None,
+                g_gamma=_fla_g_gamma(slopes, q.device), initial_state=_state_or_none(S_in),
+                do=do.to(v.dtype).contiguous(), dht=_state_or_none(G), scale=float(scale),
+                chunk_size=_CHUNK,
+            )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return _torch_leaf_backward(q, k, v, slopes, scale, S_in, do, G)

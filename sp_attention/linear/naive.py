@@ -1,0 +1,195 @@
+"""Pure-torch references for linear attention with a constant per-head decay.
+
+Recurrence (the spec, DESIGN §4), per batch b and head h with slope s_h >= 0 and
+decay lam_h = exp(-s_h):
+
+    S_t = lam_h * S_{t-1} + k_t^T v_t          # state [K, V], S_{-1} = initial_state (or 0)
+    o_t = scale * q_t @ S_t                     # scale defaults to 1.0 (no 1/sqrt(K))
+
+so o_t = scale * sum_{j<=t} lam^(t-j) (q_t . k_j) v_j + scale * lam^(t+1) q_t @ S_{-1}.
+
+Shapes: q, k [B, T, H, K]; v [B, T, H, V]; slopes [H]; states [B, H, K, V].
+Everything is computed in fp32 (fp64 when any input is fp64); outputs are cast back to
+q.dtype once, states stay in the compute dtype.
+
+Every power of lam is formed as exp(-s * n) with n an integer held in the compute dtype:
+never as lam**n, never by dividing by lam^C (which underflows to 0 for fast heads).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "recurrent_linear_attention",
+    "chunked_linear_attention",
+    "decay_powers",
+    "chunk_decay",
+    "compute_dtype",
+]
+
+
+def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """fp64 if any given tensor is fp64, else fp32 (states and decays are never bf16)."""
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64
+    return torch.float32
+
+
+def decay_powers(
+    slopes: torch.Tensor,
+    n: int,
+    offset: int = 0,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """lam^(offset + i) for i in [0, n) as exp(-s * (offset + i)): [H, n] in `dtype`."""
+    device = slopes.device if device is None else device
+    s = slopes.to(device=device, dtype=dtype)
+    idx = torch.arange(n, device=device, dtype=dtype) + offset
+    return torch.exp(-s[:, None] * idx[None, :])
+
+
+def chunk_decay(
+    slopes: torch.Tensor,
+    C: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """lam^C = exp(-s * C): [H] in `dtype` (the scan's transition A for a leaf of C tokens)."""
+    device = slopes.device if device is None else device
+    return torch.exp(-slopes.to(device=device, dtype=dtype) * C)
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor) -> None:
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"expected q, k [B, T, H, K] and v [B, T, H, V] with equal B, T, H; got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if slopes.shape != (q.shape[2],):
+        raise ValueError(f"slopes must have shape [H] = [{q.shape[2]}], got {tuple(slopes.shape)}")
+
+
+def recurrent_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-by-token reference: S_t = lam S_{t-1} + k_t^T v_t, o_t = scale q_t S_t.
+
+    Returns (o [B, T, H, V] in q.dtype, final state [B, H, K, V] in fp32/fp64 or None).
+    Slow (a Python loop over T); for tests and as the spec.
+    """
+    _check_shapes(q, k, v, slopes)
+    dt = compute_dtype(q, k, v, initial_state)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    qf, kf, vf = (x.to(dt) for x in (q, k, v))
+    lam = chunk_decay(slopes, 1, dtype=dt, device=q.device)[None, :, None, None]  # [1, H, 1, 1]
+    if initial_state is None:
+        S = q.new_zeros(B, H, K, V, dtype=dt)
+    else:
+        S = initial_state.to(dt)
+    outs = []
+    for t in range(T):
+        S = lam * S + kf[:, t, :, :, None] * vf[:, t, :, None, :]  # [B, H, K, V]
+        outs.append(scale * torch.einsum("bhk,bhkv->bhv", qf[:, t], S))
+    o = torch.stack(outs, dim=1) if T > 0 else q.new_zeros(B, 0, H, V, dtype=dt)
+    return o.to(q.dtype), (S if output_final_state else None)
+
+
+def chunked_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked form; returns (o [B, T, H, V], final state [B, H, K, V]) both in fp32/fp64.
+
+    The sequence is cut into N chunks of chunk_size (the last one possibly shorter; it is
+    zero-padded, and zero k/v add nothing to any state). Within chunk n, with local index
+    i, j and true chunk length L_n:
+        intra   o_i += scale * sum_{j<=i} lam^(i-j) (q_i . k_j) v_j
+        inter   o_i += scale * lam^(i+1) q_i @ S_n                (S_n: state before chunk n)
+        state   S_{n+1} = lam^(L_n) S_n + sum_j lam^(L_n-1-j) k_j^T v_j
+    Differentiable by autograd (also w.r.t. initial_state and, in principle, slopes).
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    _check_shapes(q, k, v, slopes)
+    dt = compute_dtype(q, k, v, initial_state)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dev = q.device
+    C = chunk_size
+    N = max(1, -(-T // C))
+    pad = N * C - T
+    # [B, T, H, D] -> [B, H, N, C, D], zero-padded at the end of the last chunk.
+    def to_chunks(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(dt).transpose(1, 2)
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+        return x.reshape(B, H, N, C, x.shape[-1])
+
+    qc, kc, vc = to_chunks(q), to_chunks(k), to_chunks(v)
+    s = slopes.to(device=dev, dtype=dt)
+    idx = torch.arange(C, device=dev, dtype=dt)
+    # Intra-chunk decay mask lam^(i-j) for j <= i; the exponent is clamped at 0 before exp
+    # so the masked-out upper triangle never holds inf (inf * 0 = NaN for fast heads).
+    diff = idx[:, None] - idx[None, :]
+    causal = diff >= 0
+    D = torch.exp(-s[:, None, None] * diff.clamp(min=0)) * causal  # [H, C, C]
+    scores = torch.einsum("bhnik,bhnjk->bhnij", qc, kc) * D[None, :, None]
+    o = torch.einsum("bhnij,bhnjv->bhniv", scores, vc)
+
+    # True length of each chunk (only the last may be short).
+    lengths = torch.full((N,), C, device=dev, dtype=dt)
+    lengths[-1] = T - (N - 1) * C
+    k_exp = (lengths[:, None] - 1 - idx[None, :]).clamp(min=0)  # [N, C]; padded rows have k = 0
+    k_dec = torch.exp(-s[:, None, None] * k_exp[None])  # [H, N, C]
+    b = torch.einsum("bhnjk,bhnjv->bhnkv", kc * k_dec[None, ..., None], vc)  # zero-start chunk states
+    A = torch.exp(-s[:, None] * lengths[None, :])  # [H, N]
+
+    # Sequential scan over chunks (N is small); a list keeps it autograd-friendly.
+    S = q.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
+    starts = []
+    for n in range(N):
+        starts.append(S)
+        S = A[None, :, n, None, None] * S + b[:, :, n]
+    S_start = torch.stack(starts, dim=2)  # [B, H, N, K, V]
+    q_dec = torch.exp(-s[:, None] * (idx + 1)[None, :])  # [H, C]: lam^(i+1)
+    o = o + torch.einsum("bhnik,bhnkv->bhniv", qc * q_dec[None, :, None, :, None], S_start)
+    o = (scale * o).reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2)
+    return o, S
+
+
+def chunked_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked pure-torch form of S_t = lam S_{t-1} + k_t^T v_t, o_t = scale q_t S_t.
+
+    Any T (not only multiples of chunk_size). Returns (o [B, T, H, V] in q.dtype, final
+    state [B, H, K, V] in fp32/fp64 or None). Differentiable by torch autograd, including
+    w.r.t. initial_state.
+    """
+    o, S = chunked_core(q, k, v, slopes, scale, initial_state, chunk_size)
+    return o.to(q.dtype), (S if output_final_state else None)

@@ -1,0 +1,74 @@
+"""The scan element of linear attention with decay and what every scan schedule shares.
+
+Element of leaf ℓ: ``e = (A, b)`` with ``A = λ^C`` (``[B, H]``) and ``b`` the leaf's state from a
+zero start (``[B, H, K, V]``). Operator (associative, not commutative)::
+
+    (A₁, b₁) ⊕ (A₂, b₂) = (A₂·A₁, A₂·b₁ + b₂),   identity (1, 0)
+
+A schedule receives the elements of this rank's leaves and returns, per leaf, the ``b`` part of
+the exclusive prefix (the state entering the leaf). ``reverse=True`` runs the same scan right
+to left, which turns state-gradient contributions into the gradient arriving at each leaf's end
+from later leaves (backward). All cross-rank math is in fp32 (fp64 when the inputs are fp64).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..context import SPContext
+from ..layout import holder_of_leaf, scan_position
+
+
+@dataclass
+class Element:
+    """One scan element: ``A [B, H]`` and ``b [B, H, K, V]``."""
+
+    A: torch.Tensor
+    b: torch.Tensor
+
+    def then(self, later: "Element") -> "Element":
+        """``self ⊕ later``: first ``self``, then ``later``."""
+        return Element(later.A * self.A, later.A[..., None, None] * self.b + later.b)
+
+    def pack(self) -> torch.Tensor:
+        """One flat buffer so an element crosses the network as one message."""
+        return torch.cat([self.A.reshape(-1), self.b.reshape(-1)])
+
+    def unpack_like(self, flat: torch.Tensor) -> "Element":
+        n = self.A.numel()
+        return Element(flat[:n].view_as(self.A), flat[n:].view_as(self.b))
+
+    @staticmethod
+    def identity_like(e: "Element") -> "Element":
+        return Element(torch.ones_like(e.A), torch.zeros_like(e.b))
+
+
+def scan_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for every cross-rank combination; fp64 stays fp64 (exactness tests)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class LeafMap:
+    """Where the leaves of the scan live, in scan order (positions), for one rank."""
+
+    def __init__(self, ctx: SPContext, reverse: bool):
+        self.ctx, self.reverse = ctx, reverse
+        self.num = ctx.num_leaves
+        self.local_leaves = ctx.leaves                       # global leaf ids, shard order
+        self.local_positions = [scan_position(l, self.num, reverse) for l in self.local_leaves]
+
+    def holder(self, position: int) -> int:
+        """Group rank holding scan position ``position``."""
+        leaf = scan_position(position, self.num, self.reverse)
+        return holder_of_leaf(leaf, self.ctx.world_size, self.ctx.layout)
+
+    def is_mine(self, position: int) -> bool:
+        return position in self.local_positions
+
+
+def check_elements(A: list, b: list, ctx: SPContext) -> None:
+    n = len(ctx.leaves)
+    if len(A) != n or len(b) != n:
+        raise ValueError(f"this rank holds {n} leaves ({ctx.layout}); got {len(A)} A and "
+                         f"{len(b)} b elements")

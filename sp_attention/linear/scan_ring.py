@@ -1,0 +1,41 @@
+"""Ring (LASP-1 chain) scan, the baseline: the prefix walks the leaves in scan order, one hop
+per leaf boundary that crosses ranks (P−1 hops contiguous, 2(P−1) zigzag). Each rank's local
+intra-leaf work is done before the scan starts, so only the state waits on the chain.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import p2p_exchange
+from ..context import SPContext
+from .scan_common import Element, LeafMap, check_elements
+
+
+def ring_scan(A: list, b: list, ctx: SPContext, reverse: bool = False) -> list:
+    """Exclusive prefix (suffix if ``reverse``) ``b`` state for each of this rank's leaves."""
+    check_elements(A, b, ctx)
+    leaves = LeafMap(ctx, reverse)
+    mine = {pos: Element(a, s) for pos, a, s in zip(leaves.local_positions, A, b)}
+    incoming = {}
+    template = next(iter(mine.values()))
+    state = None   # running prefix b of the chain, held by whoever holds the current position
+    for pos in range(leaves.num):
+        holder = leaves.holder(pos)
+        if pos > 0:
+            src = leaves.holder(pos - 1)
+            if src != holder and ctx.rank in (src, holder):
+                if ctx.rank == src:
+                    works = p2p_exchange([(state.contiguous(), holder)], [], ctx)
+                else:
+                    state = torch.empty_like(template.b)
+                    works = p2p_exchange([], [(state, src)], ctx)
+                for w in works:
+                    w.wait()
+        if holder != ctx.rank:
+            continue
+        if state is None:
+            state = torch.zeros_like(template.b)
+        incoming[pos] = state
+        e = mine[pos]
+        state = e.A[..., None, None] * state + e.b
+    return [incoming[pos] for pos in leaves.local_positions]

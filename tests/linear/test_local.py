@@ -1,0 +1,251 @@
+"""Single-device linear attention with decay: chunked vs recurrent, and the per-leaf local op.
+
+CPU tests run in fp64 against autograd through the token-by-token recurrence (the spec);
+GPU tests (-m gpu) compare the fla backend in bf16 against the torch backend in fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sp_attention.linear import local
+from sp_attention.linear.local import (
+    chunk_decay,
+    inter_output,
+    leaf_backward,
+    leaf_forward,
+    resolve_backend,
+    state_grad_local,
+)
+from sp_attention.linear.naive import chunked_linear_attention, recurrent_linear_attention
+from sp_attention.testing import assert_close
+
+F64 = torch.float64
+TOL = 1e-10
+
+
+def _slopes(kind: str, H: int) -> torch.Tensor:
+    table = {
+        "mixed": [0.05, 0.5, 0.0, 2.0][:H] + [0.1] * max(0, H - 4),
+        "zero": [0.0] * H,
+        "tiny": [1e-6] * H,
+        "huge": [50.0] * H,  # lam^64 = exp(-3200) underflows to exactly 0 in fp64
+    }
+    return torch.tensor(table[kind], dtype=F64)
+
+
+def _inputs(B=2, T=50, H=2, K=4, V=5, dtype=F64, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=g, dtype=F64)
+    k = torch.randn(B, T, H, K, generator=g, dtype=F64)
+    v = torch.randn(B, T, H, V, generator=g, dtype=F64)
+    S0 = torch.randn(B, H, K, V, generator=g, dtype=F64)
+    do = torch.randn(B, T, H, V, generator=g, dtype=F64)
+    G = torch.randn(B, H, K, V, generator=g, dtype=F64)
+    cast = lambda x: x.to(device=device, dtype=dtype)  # noqa: E731
+    return cast(q), cast(k), cast(v), S0.to(device), do.to(device), G.to(device)
+
+
+def _reference_grads(q, k, v, slopes, scale, S0, do, G):
+    """(o, S_end, dq, dk, dv, dS0) by autograd through the recurrence; loss = <o,do> + <S_end,G>."""
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    s0 = None if S0 is None else S0.detach().clone().requires_grad_(True)
+    o, S = recurrent_linear_attention(*leaves, slopes, scale=scale, initial_state=s0, output_final_state=True)
+    loss = (o * do).sum() + (0.0 if G is None else (S * G).sum())
+    grads = torch.autograd.grad(loss, leaves + ([s0] if s0 is not None else []))
+    dS0 = grads[3] if s0 is not None else None
+    return o.detach(), S.detach(), grads[0], grads[1], grads[2], dS0
+
+
+CASES = [  # (T, H, chunk_size, slope kind)
+    (50, 2, 16, "mixed"),  # T not a multiple of the chunk
+    (10, 3, 64, "mixed"),  # T < chunk, odd head count
+    (64, 1, 16, "mixed"),  # one head, exact multiple
+    (37, 2, 8, "zero"),
+    (37, 2, 8, "tiny"),
+    (70, 3, 16, "huge"),
+]
+
+
+@pytest.mark.parametrize("T,H,chunk,kind", CASES)
+@pytest.mark.parametrize("with_init", [False, True])
+def test_chunked_matches_recurrent(T, H, chunk, kind, with_init):
+    q, k, v, S0, _, _ = _inputs(T=T, H=H)
+    slopes = _slopes(kind, H)
+    init = S0 if with_init else None
+    o_r, S_r = recurrent_linear_attention(q, k, v, slopes, scale=0.7, initial_state=init, output_final_state=True)
+    o_c, S_c = chunked_linear_attention(
+        q, k, v, slopes, scale=0.7, initial_state=init, output_final_state=True, chunk_size=chunk
+    )
+    assert o_c.dtype == F64 and S_c.dtype == F64
+    assert_close(o_c, o_r, TOL)
+    assert_close(S_c, S_r, TOL)
+    assert chunked_linear_attention(q, k, v, slopes)[1] is None
+
+
+def test_chunked_autograd_matches_recurrent():
+    q, k, v, S0, do, G = _inputs(T=45, H=3)
+    slopes = _slopes("mixed", 3)
+    ref = _reference_grads(q, k, v, slopes, 1.3, S0, do, G)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, S0)]
+    o, S = chunked_linear_attention(
+        *leaves[:3], slopes, scale=1.3, initial_state=leaves[3], output_final_state=True, chunk_size=16
+    )
+    grads = torch.autograd.grad((o * do).sum() + (S * G).sum(), leaves)
+    for got, exp in zip(grads, ref[2:]):
+        assert_close(got, exp, TOL)
+
+
+def test_fp32_inputs_keep_dtypes():
+    q, k, v, S0, _, _ = _inputs(T=20, dtype=torch.float32)
+    slopes = _slopes("mixed", 2)
+    o, S = chunked_linear_attention(q, k, v, slopes, initial_state=S0.float(), output_final_state=True)
+    assert o.dtype == torch.float32 and S.dtype == torch.float32
+    o_z, b = leaf_forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), slopes, 1.0, "torch")
+    assert o_z.dtype == torch.float32 and b.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kind", ["mixed", "huge", "zero"])
+def test_leaf_forward_plus_inter_matches_recurrence(kind):
+    q, k, v, S0, _, _ = _inputs(T=100, H=3, K=8)
+    slopes = _slopes(kind, 3)
+    o_ref, S_ref = recurrent_linear_attention(q, k, v, slopes, scale=0.5, initial_state=S0, output_final_state=True)
+    o_zero, b = leaf_forward(q, k, v, slopes, 0.5, "torch")
+    o = o_zero + inter_output(q, slopes, 0.5, S0)
+    S_end = chunk_decay(slopes, 100, dtype=F64)[None, :, None, None] * S0 + b
+    assert_close(o, o_ref, TOL)
+    assert_close(S_end, S_ref, TOL)
+    # Zero start: b is the end state of the recurrence without an initial state.
+    assert_close(b, recurrent_linear_attention(q, k, v, slopes, output_final_state=True)[1], TOL)
+
+
+@pytest.mark.parametrize("with_init,with_G", [(True, True), (False, True), (True, False), (False, False)])
+@pytest.mark.parametrize("kind", ["mixed", "huge"])
+def test_leaf_backward_matches_autograd(with_init, with_G, kind):
+    T, H = 70, 3
+    q, k, v, S0, do, G = _inputs(T=T, H=H, K=6)
+    slopes = _slopes(kind, H)
+    S0 = S0 if with_init else None
+    G = G if with_G else None
+    _, _, dq_r, dk_r, dv_r, dS0_r = _reference_grads(q, k, v, slopes, 0.9, S0, do, G)
+    dq, dk, dv = leaf_backward(q, k, v, slopes, 0.9, S0, do, G, "torch")
+    assert_close(dq, dq_r, TOL)
+    assert_close(dk, dk_r, TOL)
+    assert_close(dv, dv_r, TOL)
+    if with_init:
+        dS_in = state_grad_local(q, do, slopes, 0.9)
+        if G is not None:
+            dS_in = dS_in + chunk_decay(slopes, T, dtype=F64)[None, :, None, None] * G
+        assert_close(dS_in, dS0_r, TOL)
+
+
+def test_three_leaves_chained_equal_one_piece():
+    sizes = [30, 25, 35]
+    T, H, scale = sum(sizes), 3, 0.8
+    q, k, v, S0, do, G = _inputs(T=T, H=H, K=5)
+    slopes = torch.tensor([0.02, 0.3, 50.0], dtype=F64)
+    o_r, S_r, dq_r, dk_r, dv_r, dS0_r = _reference_grads(q, k, v, slopes, scale, S0, do, G)
+    bounds = [0, 30, 55, 90]
+    pieces = [slice(bounds[i], bounds[i + 1]) for i in range(3)]
+    A = [chunk_decay(slopes, n, dtype=F64)[None, :, None, None] for n in sizes]
+
+    # Forward: S_in(l+1) = lam^C_l S_in(l) + b_l.
+    S_in, outs = [S0], []
+    for l, sl in enumerate(pieces):
+        o_zero, b = leaf_forward(q[:, sl], k[:, sl], v[:, sl], slopes, scale, "torch")
+        outs.append(o_zero + inter_output(q[:, sl], slopes, scale, S_in[l]))
+        S_in.append(A[l] * S_in[l] + b)
+    assert_close(torch.cat(outs, 1), o_r, TOL)
+    assert_close(S_in[-1], S_r, TOL)
+
+    # Backward: G_l = dL/dS_end(l) = dS_in(l+1) = d_{l+1} + lam^C G_{l+1}, right to left.
+    Gs, grads = [None] * 3, [None] * 3
+    g_next = G
+    for l in reversed(range(3)):
+        sl = pieces[l]
+        Gs[l] = g_next
+        grads[l] = leaf_backward(q[:, sl], k[:, sl], v[:, sl], slopes, scale, S_in[l], do[:, sl], Gs[l], "torch")
+        g_next = state_grad_local(q[:, sl], do[:, sl], slopes, scale) + A[l] * Gs[l]
+    for i, ref in enumerate((dq_r, dk_r, dv_r)):
+        assert_close(torch.cat([g[i] for g in grads], 1), ref, TOL)
+    assert_close(g_next, dS0_r, TOL)
+
+
+def test_backend_resolution():
+    q = torch.zeros(1, 4, 1, 2)
+    assert resolve_backend(None, q) == "torch"
+    assert resolve_backend("torch", q) == "torch"
+    with pytest.raises(ValueError, match="valid"):
+        resolve_backend("triton", q)
+    with pytest.raises(ValueError, match="gpu"):
+        resolve_backend("fla", q)
+    with pytest.raises(ValueError, match="backend='torch'"):
+        leaf_forward(q, q, q, torch.zeros(1), 1.0, "fla")
+
+
+# ----------------------------------------------------------------------------- GPU (fla)
+
+
+def _fla_ready() -> bool:
+    return torch.cuda.is_available() and local._fla_import_error() is None
+
+
+gpu = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(not _fla_ready(), reason="needs fla-core (the `gpu` extra)"),
+]
+
+
+def _apply(marks):
+    def deco(fn):
+        for m in reversed(marks):
+            fn = m(fn)
+        return fn
+
+    return deco
+
+
+@_apply(gpu)
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("T", [256, 300])
+def test_fla_backend_matches_torch_bf16(with_state, T):
+    """fla on bf16 inputs vs the torch backend in fp32 on the same (bf16-rounded) inputs."""
+    H, K, V, scale = 4, 64, 64, 64**-0.5
+    q, k, v, S0, do, G = _inputs(B=2, T=T, H=H, K=K, V=V, dtype=torch.bfloat16, device="cuda")
+    slopes = torch.tensor([0.0, 0.01, 0.3, 50.0], device="cuda")
+    S0 = S0.float() if with_state else None
+    G = G.float() if with_state else None
+    do = do.bfloat16()
+    assert resolve_backend(None, q, k, v) == "fla"
+
+    o_f, b_f = leaf_forward(q, k, v, slopes, scale, "fla")
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    o_t, b_t = leaf_forward(q32, k32, v32, slopes, scale, "torch")
+    assert b_f.dtype == torch.float32
+    assert_close(o_f.float(), o_t, 3e-3)
+    assert_close(b_f, b_t, 3e-3)
+
+    dq_f, dk_f, dv_f = leaf_backward(q, k, v, slopes, scale, S0, do, G, "fla")
+    dq_t, dk_t, dv_t = leaf_backward(q32, k32, v32, slopes, scale, S0, do.float(), G, "torch")
+    assert dq_f.dtype == torch.bfloat16
+    assert_close(dq_f.float(), dq_t, 3e-3)
+    assert_close(dk_f.float(), dk_t, 3e-3)
+    assert_close(dv_f.float(), dv_t, 3e-3)
+
+
+@_apply(gpu)
+def test_fla_backend_fp32_exact_composition():
+    """fp32 fla: leaf_forward + inter_output equals the fp64 recurrence with an initial state."""
+    q, k, v, S0, do, G = _inputs(B=2, T=200, H=3, K=32, V=16, dtype=torch.float32, device="cuda")
+    slopes = torch.tensor([0.0, 0.2, 50.0], device="cuda")
+    o_zero, b = leaf_forward(q, k, v, slopes, 1.0, "fla")
+    o = o_zero.float() + inter_output(q, slopes, 1.0, S0.float())
+    S_end = chunk_decay(slopes, 200)[None, :, None, None] * S0.float() + b
+    ref = _reference_grads(q.double(), k.double(), v.double(), slopes.double(), 1.0, S0, do, G)
+    assert_close(o, ref[0], 3e-3)
+    assert_close(S_end, ref[1], 3e-3)
+    dq, dk, dv = leaf_backward(q, k, v, slopes, 1.0, S0.float(), do.float(), G.float(), "fla")
+    for got, exp in zip((dq, dk, dv), ref[2:5]):
+        assert_close(got, exp, 3e-3)
