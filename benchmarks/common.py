@@ -1,0 +1,94 @@
+"""Shared benchmark plumbing: process-group setup (torchrun/NCCL or CPU/gloo), timing by the
+PERF.md protocol (warm-up, ≥ 10 timed iterations, median of ≥ 3 repeats, barrier first) and JSON
+lines on stdout (and ``--out FILE``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--device", choices=["cuda", "cpu"],
+                   default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--t-local", type=int, nargs="+", help="tokens per rank (default by device)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", help="append the JSON lines to this file too")
+    p.add_argument("--dtype", default=None, help="bfloat16 (cuda default) / float32 (cpu default)")
+    return p
+
+
+def init_dist(device: str) -> tuple[int, int]:
+    """Initialise from torchrun's environment (one process per GPU); single process if absent."""
+    if "RANK" not in os.environ:
+        return 0, 1
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def barrier(device: str) -> None:
+    if dist.is_initialized():
+        dist.barrier(device_ids=[torch.cuda.current_device()] if device == "cuda" else None)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn: Callable[[], object], device: str, warmup: int, iters: int, repeats: int) -> float:
+    """Median over ``repeats`` of the mean time of ``iters`` calls (ms), after ``warmup``."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    results = []
+    for _ in range(repeats):
+        barrier(device)
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end) / iters
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            ms = (time.perf_counter() - t0) * 1e3 / iters
+        results.append(ms)
+    # Every rank reports the slowest rank's time: a CP step is as slow as its slowest member.
+    t = torch.tensor([statistics.median(results)], dtype=torch.float64,
+                     device=device if device == "cuda" else "cpu")
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+def emit(record: dict, out: Optional[str], rank: int) -> None:
+    if rank != 0:
+        return
+    record.setdefault("torch", torch.__version__)
+    record.setdefault("date", time.strftime("%Y-%m-%d"))
+    line = json.dumps(record, sort_keys=True)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")

@@ -1,0 +1,125 @@
+"""Benchmark: context-parallel linear attention with decay (lightning_attention) per scan schedule.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/linear_cp.py --out results/linear.jsonl
+    python benchmarks/linear_cp.py                      # P = 1
+    torchrun --standalone --nproc-per-node 8 benchmarks/linear_cp.py --device cpu   # gloo dry run
+
+For each T_local, every rank first runs the single-GPU local kernel on its own T_local tokens
+(the baseline: P GPUs each doing the same per-GPU work alone), then the CP op per schedule and
+layout. ratio = (P·T_local / t_cp) ÷ (P · T_local / t_local) = t_local / t_cp. Per-phase times
+(local kernel, scan, inter term; backward: state-grad, reverse scan, local backward) are
+measured by timing each piece alone.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import base_parser, device_name, emit, init_dist, time_ms  # noqa: E402
+from sp_attention import SPContext, build_sp_context  # noqa: E402
+from sp_attention.linear import lightning_attention  # noqa: E402
+from sp_attention.linear.attention import SCANS, _leaf_elements  # noqa: E402
+from sp_attention.linear.local import (inter_output, leaf_backward, leaf_forward,  # noqa: E402
+                                       resolve_backend, state_grad_local)
+from sp_attention.linear.scan_common import scan_dtype  # noqa: E402
+
+
+def _phases(q, k, v, slopes, do, ctx, impl, backend, timer) -> dict:
+    """Time the pieces of one CP step alone (ms)."""
+    n = len(ctx.leaves)
+    qs, ks, vs, dos = q.chunk(n, 1), k.chunk(n, 1), v.chunk(n, 1), do.chunk(n, 1)
+    local = [leaf_forward(a, b, c, slopes, 1.0, backend) for a, b, c in zip(qs, ks, vs)]
+    dt = scan_dtype(q.dtype)
+    b = [st.to(dt) for _, st in local]
+    A = _leaf_elements(q, slopes, n, b)
+    s_in = SCANS[impl](A, b, ctx)
+    d = [state_grad_local(a, g, slopes, 1.0) for a, g in zip(qs, dos)]
+    return {
+        "ms_local_fwd": timer(lambda: [leaf_forward(a, b_, c, slopes, 1.0, backend)
+                                       for a, b_, c in zip(qs, ks, vs)]),
+        "ms_scan_fwd": timer(lambda: SCANS[impl](A, b, ctx)),
+        "ms_inter_fwd": timer(lambda: [inter_output(a, slopes, 1.0, s) for a, s in zip(qs, s_in)]),
+        "ms_state_grad_bwd": timer(lambda: [state_grad_local(a, g, slopes, 1.0)
+                                            for a, g in zip(qs, dos)]),
+        "ms_scan_bwd": timer(lambda: SCANS[impl](A, d, ctx, reverse=True)),
+        "ms_local_bwd": timer(lambda: [leaf_backward(a, b_, c, slopes, 1.0, s, g, s, backend)
+                                       for a, b_, c, s, g in zip(qs, ks, vs, s_in, dos)]),
+    }
+
+
+def main() -> None:
+    p = base_parser(__doc__.splitlines()[1])
+    p.add_argument("--impls", nargs="+", default=list(SCANS))
+    p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"])
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--no-phases", action="store_true")
+    a = p.parse_args()
+    dev = a.device
+    rank, world = init_dist(dev)
+    device = torch.device("cuda", torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu")
+    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if dev == "cuda" else torch.float32)
+    t_locals = a.t_local or ([8192, 16384, 32768] if dev == "cuda" else [256])
+    group = dist.new_group(list(range(world))) if world > 1 else None
+    B, H, K = a.batch, a.heads, a.head_dim
+    backend = resolve_backend(None, torch.empty(1, device=device, dtype=dtype))
+
+    def timer(fn):
+        return time_ms(fn, dev, a.warmup, a.iters, a.repeats)
+
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=device)
+    for T in t_locals:
+        g = torch.Generator(device=device).manual_seed(1234 + rank)
+        q, k, v, do = (torch.randn(B, T, H, K, device=device, dtype=dtype, generator=g) * 0.1
+                       for _ in range(4))
+        qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+
+        def step(ctx, impl, backward):
+            o = lightning_attention(qg, kg, vg, slopes, ctx=ctx, impl=impl, backend=backend)
+            if backward:
+                o.backward(do)
+
+        base = {"bench": "linear_cp", "world": world, "B": B, "T_local": T, "H": H, "K": K,
+                "V": K, "dtype": str(dtype).replace("torch.", ""), "device": device_name(dev),
+                "backend": backend}
+        # Baseline: the single-GPU local op on this rank's T_local tokens, no communication.
+        single = SPContext(None, 0, 1, (0,), "contiguous")
+        t1_f, t1_fb = timer(lambda: step(single, "allgather", False)), timer(lambda: step(single, "allgather", True))
+        emit(dict(base, impl="local_kernel", world=1, ms_fwd=t1_f, ms_fwd_bwd=t1_fb,
+                  mtok_s=T / t1_fb / 1e3, baseline="self", ratio=1.0), a.out, rank)
+        if backend == "fla":  # the library kernel itself, for transparency about our wrapper
+            from fla.ops.simple_gla import chunk_simple_gla
+
+            def fla_step(backward):
+                o, _ = chunk_simple_gla(qg, kg, vg, g_gamma=-slopes, scale=1.0)
+                if backward:
+                    o.backward(do)
+            f_f, f_fb = timer(lambda: fla_step(False)), timer(lambda: fla_step(True))
+            emit(dict(base, impl="fla_chunk_simple_gla", world=1, ms_fwd=f_f, ms_fwd_bwd=f_fb,
+                      mtok_s=T / f_fb / 1e3, baseline="local_kernel", ratio=t1_fb / f_fb),
+                 a.out, rank)
+        for layout in a.layouts:
+            ctx = build_sp_context(group, layout=layout)
+            for impl in a.impls:
+                tf, tfb = timer(lambda: step(ctx, impl, False)), timer(lambda: step(ctx, impl, True))
+                rec = dict(base, impl=impl, layout=layout, ms_fwd=tf, ms_fwd_bwd=tfb,
+                           mtok_s=world * T / tfb / 1e3, mtok_s_fwd=world * T / tf / 1e3,
+                           baseline=f"{world} x local_kernel", ratio=t1_fb / tfb,
+                           ratio_fwd=t1_f / tf)
+                if not a.no_phases:
+                    ph = _phases(q, k, v, slopes, do, ctx, impl, backend, timer)
+                    rec.update(ph)
+                    rec["scan_share"] = (ph["ms_scan_fwd"] + ph["ms_scan_bwd"]) / tfb
+                emit(rec, a.out, rank)
+        del q, k, v, do, qg, kg, vg
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
