@@ -32,11 +32,13 @@ class WorkerError(RuntimeError):
     """A spawned rank raised; the message carries its rank and traceback."""
 
 
-def _worker(fn, rank, world, init_file, args, results, timeout_s):
+def _worker(fn, rank, world, init_file, args, results, timeout_s, backend):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world,
                                 timeout=datetime.timedelta(seconds=max(1, int(timeout_s))))
         out = fn(rank, world, *args)
@@ -52,8 +54,9 @@ def _worker(fn, rank, world, init_file, args, results, timeout_s):
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
-                    timeout: float = 120.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes.
+                    timeout: float = 120.0, backend: str = "gloo") -> list:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes (gloo on CPU; with
+    ``backend="nccl"`` one GPU per rank).
 
     Returns the list of return values by rank. If any rank raises, raises
     :class:`WorkerError` with that rank's traceback (the first failure, others listed). If the
@@ -63,12 +66,14 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     spawn = mp.get_context("spawn")
     results = spawn.Queue()
     with tempfile.TemporaryDirectory(prefix="sp_dist_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [spawn.Process(target=_worker, daemon=True,
-                               args=(fn, r, world_size, init_file, args, results, timeout))
+                               args=(fn, r, world_size, init_file, args, results, timeout, backend))
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then the benchmarks, each step logged under $OUT (the device
+# tool's output folder; defaults to ./device-out elsewhere). Usage on a 2-GPU machine:
+#   bash scripts/device_sweep.sh [tests|linear|softmax ...]   (default: all three)
+set -uo pipefail
+OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpus.txt"
+steps=${*:-tests linear softmax}
+for step in $steps; do
+  case $step in
+    tests)
+      timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider -rA tests \
+        2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    linear)
+      python3 benchmarks/linear_cp.py --out "$OUT/linear.jsonl" > /dev/null
+      [ "$NGPU" -ge 2 ] && torchrun --standalone --nproc-per-node 2 benchmarks/linear_cp.py \
+        --out "$OUT/linear.jsonl" > /dev/null
+      python3 benchmarks/summarize.py "$OUT/linear.jsonl" ;;
+    softmax)
+      [ "$NGPU" -ge 2 ] && torchrun --standalone --nproc-per-node 2 benchmarks/softmax_cp.py \
+        --out "$OUT/softmax.jsonl" > "$OUT/softmax_stdout.log" 2>&1
+      python3 benchmarks/summarize.py "$OUT/softmax.jsonl" ;;
+  esac
+done

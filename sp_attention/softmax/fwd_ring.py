@@ -1,0 +1,80 @@
+"""Ring forward: K/V blocks travel one hop per step; each block's result is merged by LSE.
+
+Step ``s`` (0 … P−1) holds the K/V shard of rank ``(rank − s) mod P`` (local KV heads only,
+never expanded to the query heads). Before computing on it, the block is posted to the next
+rank (:class:`~sp_attention.comm.RingComm`), so the hop overlaps the kernel calls. Which local
+query chunk meets which key chunk follows from global chunk indices (:func:`.plan.ring_calls`):
+with zigzag every rank does the same work per step; fully masked pairs are skipped.
+
+Block results are merged in fp32 (fp64 for fp64 inputs) with :func:`.merge.merge_blocks_`;
+step 0 (the rank's own block, which every query row sees at least partly) initialises the
+accumulators by a plain copy. Traffic: P − 1 hops of ``B·T_local·2·Hkv·D`` input-dtype elements.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..comm import RingComm
+from ..context import SPContext
+from .kernels import KernelBackend
+from .merge import acc_dtype, merge_blocks_
+from .plan import ring_calls
+
+__all__ = ["ring_forward", "pack_kv"]
+
+
+def pack_kv(k: torch.Tensor, v: torch.Tensor, ctx: SPContext) -> list[torch.Tensor]:
+    """``[2, B, T, Hkv, D]`` ring buffers (two when P > 1: the block in use and the one being
+    received), the first holding this rank's K and V: one message per hop."""
+    bufs = [torch.empty((2,) + tuple(k.shape), dtype=k.dtype, device=k.device)
+            for _ in range(2 if ctx.world_size > 1 else 1)]
+    bufs[0][0].copy_(k)
+    bufs[0][1].copy_(v)
+    return bufs
+
+
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SPContext,
+                 backend: KernelBackend, *, causal: bool,
+                 scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward by ring exchange of K/V.
+
+    Args:
+        q: ``[B, T_local, H, D]``; k, v: ``[B, T_local, Hkv, D]`` (local shards, ctx's layout).
+
+    Returns ``(out [B, T_local, H, D] in q.dtype, lse [B, H, T_local] fp32 (fp64 for fp64))``.
+    """
+    b, t, h, d = q.shape
+    world, rank = ctx.world_size, ctx.rank
+    ls = t // len(ctx.leaves)
+    acc = acc_dtype(q.dtype)
+    out = torch.empty((b, t, h, d), dtype=acc, device=q.device)
+    lse = torch.empty((b, h, t), dtype=acc, device=q.device)
+    if world == 1:
+        bufs: list[torch.Tensor] = []           # no ring: read k, v in place
+        block = (k, v)
+    else:
+        bufs = pack_kv(k, v, ctx)
+        block = (bufs[0][0], bufs[0][1])
+    ring = RingComm(ctx) if world > 1 else None
+    nxt = None
+    for step in range(world):
+        if step + 1 < world:
+            nxt = ring.send_recv(bufs[step % 2], bufs[(step + 1) % 2])
+            ring.commit()                               # the hop overlaps this step's calls
+        src = (rank - step) % world
+        for c in ring_calls(rank, src, world, ctx.layout, bool(causal)):
+            rows = slice(c.q_start * ls, c.q_stop * ls)
+            n_keys = c.keys * ls
+            o, l = backend.forward(q[:, rows], block[0][:, :n_keys], block[1][:, :n_keys],
+                                   c.causal, scale)
+            if step == 0:
+                out[:, rows].copy_(o)
+                lse[:, :, rows].copy_(l)
+            else:
+                merge_blocks_(out[:, rows], lse[:, :, rows], o, l)
+        if step + 1 < world:
+            ring.wait()
+            block = (nxt[0], nxt[1])
+    return out.to(q.dtype), lse
