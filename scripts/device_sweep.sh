@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, each step logged under $OUT (the device
 # tool's output folder; defaults to ./device-out elsewhere). Usage on a 2-GPU machine:
-#   bash scripts/device_sweep.sh [tests|linear|softmax ...]   (default: all three)
+#   bash scripts/device_sweep.sh [tests_softmax|softmax|linear|tests_linear ...]  (default: all)
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -14,12 +14,12 @@ fi
 export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpus.txt"
-steps=${*:-tests linear softmax}
+steps=${*:-tests_softmax softmax linear tests_linear}
 for step in $steps; do
   case $step in
-    tests)
-      timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider -rA tests \
-        2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    tests_softmax|tests_linear)
+      timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider -rA -s \
+        "tests/${step#tests_}" 2>&1 | tee "$OUT/gpu_$step.log" | grep -v "^PASSED" | tail -40 ;;
     linear)
       python3 benchmarks/linear_cp.py --out "$OUT/linear.jsonl" > /dev/null
       [ "$NGPU" -ge 2 ] && torchrun --standalone --nproc-per-node 2 benchmarks/linear_cp.py \
