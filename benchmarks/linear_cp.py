@@ -59,6 +59,8 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--no-phases", action="store_true")
+    p.add_argument("--backend", choices=["fla", "torch"], default=None,
+                   help="local kernel (default: fla when it can run)")
     a = p.parse_args()
     dev = a.device
     rank, world = init_dist(dev)
@@ -67,7 +69,7 @@ def main() -> None:
     t_locals = a.t_local or ([8192, 16384, 32768] if dev == "cuda" else [256])
     group = dist.new_group(list(range(world))) if world > 1 else None
     B, H, K = a.batch, a.heads, a.head_dim
-    backend = resolve_backend(None, torch.empty(1, device=device, dtype=dtype))
+    backend = resolve_backend(a.backend, torch.empty(1, 1, H, K, device=device, dtype=dtype))
 
     def timer(fn):
         return time_ms(fn, dev, a.warmup, a.iters, a.repeats)

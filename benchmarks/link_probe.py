@@ -1,0 +1,48 @@
+"""Probe the links between the GPUs of one host: NCCL all-gather, reduce-scatter and p2p
+bandwidth for a few message sizes (the α/β figures the schedules' overlap depends on).
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/link_probe.py [--out FILE]
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import base_parser, device_name, emit, init_dist, time_ms  # noqa: E402
+
+
+def main() -> None:
+    a = base_parser(__doc__.splitlines()[0]).parse_args()
+    rank, world = init_dist(a.device)
+    dev = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else "cpu"
+    for mib in (1, 8, 32, 128):
+        n = mib * 2 ** 20 // 2                                   # bf16 elements per rank
+        x = torch.randn(n, device=dev).to(torch.bfloat16)
+        out = torch.empty(world * n, device=dev, dtype=torch.bfloat16)
+        peer_next, peer_prev = (rank + 1) % world, (rank - 1) % world
+        recv = torch.empty_like(x)
+
+        def p2p():
+            ops = [dist.P2POp(dist.isend, x, peer_next), dist.P2POp(dist.irecv, recv, peer_prev)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        t = {"all_gather": time_ms(lambda: dist.all_gather_into_tensor(out, x), a.device,
+                                   a.warmup, a.iters, a.repeats),
+             "reduce_scatter": time_ms(lambda: dist.reduce_scatter_tensor(x, out), a.device,
+                                       a.warmup, a.iters, a.repeats),
+             "p2p_ring_hop": time_ms(p2p, a.device, a.warmup, a.iters, a.repeats)}
+        for op, ms in t.items():
+            # bytes each rank receives: (P-1)·n for the collectives, n for one hop
+            recv_bytes = (world - 1) * n * 2 if op != "p2p_ring_hop" else n * 2
+            emit({"bench": "link_probe", "op": op, "MiB_per_rank": mib, "world": world,
+                  "ms": ms, "GB_s_received": recv_bytes / ms / 1e6,
+                  "device": device_name(a.device)}, a.out, rank)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
