@@ -6,9 +6,9 @@
 
 For each T_local, every rank first runs the single-GPU local kernel on its own T_local tokens
 (the baseline: P GPUs each doing the same per-GPU work alone), then the CP op per schedule and
-layout. ratio = (P·T_local / t_cp) ÷ (P · T_local / t_local) = t_local / t_cp. Per-phase times
-(local kernel, scan, inter term; backward: state-grad, reverse scan, local backward) are
-measured by timing each piece alone.
+layout. ratio = (P·T_local / t_cp) ÷ (P · T_local / t_local) = t_local / t_cp. The raw fla
+kernel (`chunk_simple_gla`) is timed too. Per-phase times (leaf state GEMM, scan, local kernel
+from S_in; backward: state-grad GEMM, reverse scan, local backward) time each piece alone.
 """
 from __future__ import annotations
 
@@ -23,26 +23,23 @@ from benchmarks.common import base_parser, device_name, emit, init_dist, time_ms
 from sp_attention import SPContext, build_sp_context  # noqa: E402
 from sp_attention.linear import lightning_attention  # noqa: E402
 from sp_attention.linear.attention import SCANS, _leaf_elements  # noqa: E402
-from sp_attention.linear.local import (inter_output, leaf_backward, leaf_forward,  # noqa: E402
+from sp_attention.linear.local import (leaf_backward, leaf_output, leaf_state,  # noqa: E402
                                        resolve_backend, state_grad_local)
-from sp_attention.linear.scan_common import scan_dtype  # noqa: E402
 
 
 def _phases(q, k, v, slopes, do, ctx, impl, backend, timer) -> dict:
-    """Time the pieces of one CP step alone (ms)."""
+    """Time the pieces of one CP step alone (ms), in the order the autograd Function runs them."""
     n = len(ctx.leaves)
     qs, ks, vs, dos = q.chunk(n, 1), k.chunk(n, 1), v.chunk(n, 1), do.chunk(n, 1)
-    local = [leaf_forward(a, b, c, slopes, 1.0, backend) for a, b, c in zip(qs, ks, vs)]
-    dt = scan_dtype(q.dtype)
-    b = [st.to(dt) for _, st in local]
+    b = [leaf_state(kk, vv, slopes) for kk, vv in zip(ks, vs)]
     A = _leaf_elements(q, slopes, n, b)
     s_in = SCANS[impl](A, b, ctx)
     d = [state_grad_local(a, g, slopes, 1.0) for a, g in zip(qs, dos)]
     return {
-        "ms_local_fwd": timer(lambda: [leaf_forward(a, b_, c, slopes, 1.0, backend)
-                                       for a, b_, c in zip(qs, ks, vs)]),
+        "ms_state_fwd": timer(lambda: [leaf_state(kk, vv, slopes) for kk, vv in zip(ks, vs)]),
         "ms_scan_fwd": timer(lambda: SCANS[impl](A, b, ctx)),
-        "ms_inter_fwd": timer(lambda: [inter_output(a, slopes, 1.0, s) for a, s in zip(qs, s_in)]),
+        "ms_local_fwd": timer(lambda: [leaf_output(a, b_, c, slopes, 1.0, s, backend)
+                                       for a, b_, c, s in zip(qs, ks, vs, s_in)]),
         "ms_state_grad_bwd": timer(lambda: [state_grad_local(a, g, slopes, 1.0)
                                             for a, g in zip(qs, dos)]),
         "ms_scan_bwd": timer(lambda: SCANS[impl](A, d, ctx, reverse=True)),

@@ -1,8 +1,10 @@
 """Context-parallel linear attention with per-head decay: autograd Function and public function.
 
-Per rank: split the shard into its leaves (1 contiguous, 2 zigzag), run the local op on each
-leaf from a zero start (output + end state ``b``), scan the fp32 elements ``(λ^C, b)`` across
-ranks for every leaf's incoming state, then add the inter term ``scale·λ^{i+1} q_i S_in``.
+Per rank: split the shard into its leaves (1 contiguous, 2 zigzag), form each leaf's end state
+from a zero start ``b = Σ λ^{C−1−j} k_jᵀ v_j`` (one GEMM), scan the fp32 elements ``(λ^C, b)``
+across ranks for every leaf's incoming state ``S_in``, then run the local kernel once per leaf
+with its chunk states starting from ``S_in`` (the inter term ``scale·λ^{i+1} q_i S_in`` is
+formed inside the kernel; no zero-start output is materialised and corrected).
 Backward mirrors it: each leaf's state-gradient contribution is suffix-scanned to give the
 gradient ``G`` arriving at its end, then the local backward consumes ``(S_in, dO, G)``.
 Only ``S_in`` per leaf is saved for backward; everything else is recomputed by the local op.
@@ -14,11 +16,10 @@ from typing import Optional
 import torch
 
 from ..context import SPContext
-from .local import BACKENDS, chunk_decay, inter_output, leaf_backward, leaf_forward, \
+from .local import BACKENDS, chunk_decay, leaf_backward, leaf_output, leaf_state, \
     resolve_backend, state_grad_local
 from .scan_allgather import allgather_scan
 from .scan_blelloch import blelloch_scan
-from .scan_common import scan_dtype
 from .scan_ring import ring_scan
 
 SCANS = {"blelloch": blelloch_scan, "allgather": allgather_scan, "ring": ring_scan}
@@ -47,23 +48,20 @@ class _LightningAttention(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, slopes, ctx: SPContext, impl: str, scale: float,
                 backend: Optional[str]):
-        scan = SCANS[impl]
         n = len(ctx.leaves)
         qs, ks, vs = q.chunk(n, 1), k.chunk(n, 1), v.chunk(n, 1)
-        local = [leaf_forward(a, b_, c, slopes, scale, backend) for a, b_, c in zip(qs, ks, vs)]
-        dt = scan_dtype(q.dtype)
-        b = [st.to(dt) for _, st in local]
-        A = _leaf_elements(q, slopes, n, b)
-        s_in = scan(A, b, ctx, reverse=False)  # world size 1 too: a zigzag rank's 2 leaves
-        outs = []
-        for (o0, _), qi, si, leaf in zip(local, qs, s_in, ctx.leaves):
-            o = o0.to(dt)
-            if leaf > 0:  # the first leaf of the sequence starts from zero: no inter term
-                o = o + inter_output(qi, slopes, scale, si)
-            outs.append(o.to(q.dtype))
+        # 1. each leaf's zero-start end state: one GEMM, no chunk recurrence
+        b = [leaf_state(ki, vi, slopes) for ki, vi in zip(ks, vs)]
+        # 2. the states entering the leaves (world size 1 too: a zigzag rank's 2 leaves)
+        s_in = SCANS[impl](_leaf_elements(q, slopes, n, b), b, ctx, reverse=False)
+        # 3. one kernel call per leaf whose chunk states start from S_in: the inter term is
+        #    formed inside the kernel. The sequence's first leaf starts from zero.
+        outs = [leaf_output(qi, ki, vi, slopes, scale, si if leaf > 0 else None, backend)
+                for qi, ki, vi, si, leaf in zip(qs, ks, vs, s_in, ctx.leaves)]
         fctx.save_for_backward(q, k, v, slopes, *s_in)
         fctx.sp, fctx.impl, fctx.scale, fctx.backend = ctx, impl, scale, backend
-        return torch.cat(outs, 1) if n > 1 else outs[0]
+        out = torch.cat(outs, 1) if n > 1 else outs[0]
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(fctx, do):

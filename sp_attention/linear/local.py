@@ -37,6 +37,8 @@ __all__ = [
     "inter_output",
     "state_grad_local",
     "leaf_backward",
+    "leaf_state",
+    "leaf_output",
     "decay_powers",
     "chunk_decay",
 ]
@@ -166,16 +168,74 @@ def inter_output(q: torch.Tensor, slopes: torch.Tensor, scale: float, S_in: torc
         return scale * torch.einsum("bchk,bhkv->bchv", qd, S_in.to(dt))
 
 
+def _weighted_outer_sum(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``sum_i w[h, i] x_i^T y_i`` per (batch, head) -> [B, H, K, V] in fp32 (fp64 for fp64).
+
+    x [B, C, H, K], y [B, C, H, V], w [H, C] (decay weights). For 16-bit CUDA inputs this is one
+    tensor-core GEMM that accumulates and writes fp32 (the weighted x rounded to the input
+    dtype, as the chunk kernels round their operands); otherwise it runs in the compute dtype.
+    """
+    dt = compute_dtype(x, y)
+    with _no_autocast(x.device):
+        if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and y.dtype == x.dtype:
+            b, c, h, k = x.shape
+            xw = (x * w.t()[None, :, :, None].to(x.dtype)).permute(0, 2, 3, 1).reshape(b * h, k, c)
+            yy = y.permute(0, 2, 1, 3).reshape(b * h, c, y.shape[-1])
+            try:
+                out = torch.bmm(xw, yy, out_dtype=torch.float32)
+            except (TypeError, RuntimeError):  # torch without bf16 -> fp32 GEMMs: same math
+                out = torch.bmm(xw.float(), yy.float())
+            return out.view(b, h, k, -1)
+        return torch.einsum("bchk,bchv->bhkv", x.to(dt) * w.t().to(dt)[None, :, :, None], y.to(dt))
+
+
+def leaf_state(k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor) -> torch.Tensor:
+    """End state of a leaf from a zero start, b = sum_j lam^(C-1-j) k_j^T v_j -> [B, H, K, V].
+
+    One GEMM (no chunk recurrence): what the scan needs before the leaf's output can be formed.
+    fp32 (fp64 for fp64 inputs).
+    """
+    c = k.shape[1]
+    dec = decay_powers(slopes, c, 0, dtype=torch.float32 if k.dtype != torch.float64 else k.dtype,
+                       device=k.device).flip(-1)                       # [H, C]: lam^(C-1-j)
+    return _weighted_outer_sum(k, dec, v)
+
+
+def leaf_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
+                scale: float, S_in: torch.Tensor | None, backend: str | None = None) -> torch.Tensor:
+    """Complete output of a leaf entered with state ``S_in`` (None = zero): one kernel call
+    whose chunk states start from ``S_in``, so the inter term needs no extra pass.
+
+    q, k [B, C, H, K], v [B, C, H, V] -> o [B, C, H, V] in the input dtype for "fla",
+    fp32/fp64 for "torch".
+    """
+    backend = resolve_backend(backend, q, k, v)
+    if backend == "fla":
+        from fla.ops.simple_gla.chunk import chunk_simple_gla_fwd
+
+        # No final state is requested, so fla's partial-last-chunk final-state bug (see
+        # leaf_forward) cannot reach the output; no padding needed here.
+        with torch.cuda.device(q.device):
+            o, _ = chunk_simple_gla_fwd(
+                q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=None,
+                g_gamma=_fla_g_gamma(slopes, q.device), scale=float(scale),
+                initial_state=_state_or_none(S_in), output_final_state=False, chunk_size=_CHUNK,
+            )
+        return o
+    with _no_autocast(q.device):
+        s_in = None if S_in is None else S_in.to(compute_dtype(q, k, v, S_in))
+        return chunked_core(q, k, v, slopes, scale, s_in, _CHUNK)[0]
+
+
 def state_grad_local(q: torch.Tensor, do: torch.Tensor, slopes: torch.Tensor, scale: float) -> torch.Tensor:
     """dL/dS_in through this leaf's outputs only: scale sum_i lam^(i+1) q_i^T do_i -> [B, H, K, V].
 
-    fp32 (fp64 for fp64 inputs). The full dL/dS_in adds chunk_decay(slopes, C) * G.
+    fp32 (fp64 for fp64 inputs); one GEMM. The full dL/dS_in adds chunk_decay(slopes, C) * G.
     """
-    dt = compute_dtype(q, do)
-    with _no_autocast(q.device):
-        dec = decay_powers(slopes, q.shape[1], 1, dtype=dt, device=q.device)  # [H, C]
-        qd = q.to(dt) * dec.t()[None, :, :, None]  # [B, C, H, K]
-        return scale * torch.einsum("bchk,bchv->bhkv", qd, do.to(dt))
+    dec = decay_powers(slopes, q.shape[1], 1,
+                       dtype=torch.float32 if q.dtype != torch.float64 else q.dtype,
+                       device=q.device)                                # [H, C]: lam^(i+1)
+    return scale * _weighted_outer_sum(q, dec, do)
 
 
 def _torch_leaf_backward(

@@ -15,6 +15,8 @@ from sp_attention.linear.local import (
     inter_output,
     leaf_backward,
     leaf_forward,
+    leaf_output,
+    leaf_state,
     resolve_backend,
     state_grad_local,
 )
@@ -249,3 +251,37 @@ def test_fla_backend_fp32_exact_composition():
     dq, dk, dv = leaf_backward(q, k, v, slopes, 1.0, S0.float(), do.float(), G.float(), "fla")
     for got, exp in zip((dq, dk, dv), ref[2:5]):
         assert_close(got, exp, 3e-3)
+
+
+@pytest.mark.parametrize("kind", ["mixed", "zero", "tiny", "huge"])
+@pytest.mark.parametrize("T", [1, 50, 64, 130])
+def test_leaf_state_and_output_match_recurrence(kind, T):
+    """leaf_state = the zero-start end state; leaf_output(S_in) = the recurrence entered with
+    S_in (the path the CP forward takes: GEMM state, scan, one kernel call per leaf)."""
+    q, k, v, S0, _, _ = _inputs(B=2, T=T, H=3)
+    slopes = _slopes(kind, 3)
+    _, b_ref = recurrent_linear_attention(q, k, v, slopes, output_final_state=True)
+    assert_close(leaf_state(k, v, slopes), b_ref, TOL, "leaf_state")
+    o_ref, _ = recurrent_linear_attention(q, k, v, slopes, scale=0.3, initial_state=S0)
+    assert_close(leaf_output(q, k, v, slopes, 0.3, S0, "torch"), o_ref, TOL, "leaf_output")
+    o0, _ = recurrent_linear_attention(q, k, v, slopes, scale=0.3)
+    assert_close(leaf_output(q, k, v, slopes, 0.3, None, "torch"), o0, TOL, "leaf_output S_in=None")
+
+
+@_apply(gpu)
+@pytest.mark.parametrize("T", [256, 300])
+def test_fla_leaf_output_and_gemm_state_bf16(T):
+    """GPU path of the CP forward: bf16 GEMM state (fp32 out) and fla output entered with S_in,
+    vs the torch backend in fp32 on the same bf16-rounded inputs."""
+    H, K, V = 4, 64, 64
+    q, k, v, S0, do, _ = _inputs(B=2, T=T, H=H, K=K, V=V, dtype=torch.bfloat16, device="cuda")
+    slopes = torch.tensor([0.0, 0.01, 0.3, 50.0], device="cuda")
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    b = leaf_state(k, v, slopes)
+    assert b.dtype == torch.float32
+    assert_close(b, leaf_state(k32, v32, slopes), 3e-3, "bf16 GEMM state")
+    o = leaf_output(q, k, v, slopes, 0.125, S0.float(), "fla")
+    assert_close(o.float(), leaf_output(q32, k32, v32, slopes, 0.125, S0.float(), "torch"), 3e-3)
+    d = state_grad_local(q, do.bfloat16(), slopes, 0.125)
+    assert d.dtype == torch.float32
+    assert_close(d, state_grad_local(q32, do.float(), slopes, 0.125), 3e-3, "bf16 GEMM dS_in")
