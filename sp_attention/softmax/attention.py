@@ -35,7 +35,10 @@ PRESETS: dict[str, tuple[str, str]] = {
     "allgather": ("allgather", "allgather"),  # no LSE merge; best for small P within a node
     "ag_ring": ("allgather", "ring"),
 }
-DEFAULT_PRESET = "ring_ag"
+# Default by measurement (2x H200, Llama-3-8B attention, benchmarks/results): ring/ring was the
+# fastest pair at T_local 8K (0.76 of one GPU vs 0.66 for ring/allgather) and 32K (0.925 vs
+# 0.910). Revisit when the all-gather backward's per-stride overhead is fixed.
+DEFAULT_PRESET = "ring"
 
 # Smallest useful kernel call: query heads per call × query tiles should fill the GPU (8 heads
 # × 32 tiles of 128 rows at a 4K-token chunk = 256 CTAs, about two waves on 132 SMs).
@@ -218,8 +221,8 @@ def context_parallel_attention(
         ctx: the CP :class:`~sp_attention.SPContext`. ``None`` or world size 1: single-device
             attention through the same code.
         fwd, bwd: forward / backward schedule, each ``"ring"`` or ``"allgather"``; ``None``
-            takes the value of the default preset ``"ring_ag"`` (fwd ``"ring"``, bwd
-            ``"allgather"``).
+            takes the value of the default preset ``"ring"`` (fwd and bwd ``"ring"``, the
+            fastest pair measured on 2× H200; see benchmarks/results).
         heads_k_stride: KV heads per all-gather step (allgather schedules only); must divide
             ``Hkv``. ``None``: the smallest divisor giving at least 8 query heads per kernel
             call (:func:`default_heads_k_stride`; 2 for Llama-3-8B's 8 KV heads and group 4).

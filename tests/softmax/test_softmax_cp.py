@@ -141,13 +141,15 @@ def _qkv(B=1, T=8, H=8, Hkv=4, D=4, dtype=torch.float64):
 @pytest.mark.parametrize("kwargs,inputs,match", [
     (dict(heads_k_stride=3), {}, "heads_k_stride=3 must be a positive divisor of the 4"),
     (dict(heads_k_stride=0), {}, "positive divisor"),
-    (dict(heads_k_stride=2, bwd_head_first_stride=2), {}, "0 < bwd_head_first_stride < "),
-    (dict(heads_k_stride=2, bwd_head_last_stride=0), {}, "0 < bwd_head_last_stride < "),
-    (dict(heads_k_stride=1, bwd_head_first_stride=1), {}, "no split is possible"),
-    (dict(heads_k_stride=4, bwd_head_first_stride=3, bwd_head_last_stride=2), {},
+    (dict(bwd="allgather", heads_k_stride=2, bwd_head_first_stride=2), {},
+     "0 < bwd_head_first_stride < "),
+    (dict(bwd="allgather", heads_k_stride=2, bwd_head_last_stride=0), {},
+     "0 < bwd_head_last_stride < "),
+    (dict(bwd="allgather", heads_k_stride=1, bwd_head_first_stride=1), {}, "no split is possible"),
+    (dict(bwd="allgather", heads_k_stride=4, bwd_head_first_stride=3, bwd_head_last_stride=2), {},
      "must be <= 4"),
     (dict(bwd="ring", heads_k_stride=2, bwd_head_first_stride=1), {}, "only applies to"),
-    (dict(bwd_head_first_stride=1), dict(Hkv=1), "one local KV head"),
+    (dict(bwd="allgather", bwd_head_first_stride=1), dict(Hkv=1), "one local KV head"),
     ({}, dict(H=6), "multiple of KV heads"),
     (dict(fwd="tree"), {}, "unknown forward schedule"),
     (dict(bwd="flash"), {}, "unknown backward schedule"),
@@ -306,4 +308,4 @@ def test_public_api_is_pinned():
     import sp_attention.softmax as sm
     assert sorted(sm.__all__) == sorted(["context_parallel_attention", "PRESETS",
                                          "DEFAULT_PRESET", "attention_reference"])
-    assert sm.DEFAULT_PRESET == "ring_ag"
+    assert sm.DEFAULT_PRESET == "ring"
