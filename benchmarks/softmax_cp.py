@@ -68,6 +68,22 @@ def _torch_cp(world, q, k, v, do, H, causal, timer, device):
         return timer(lambda: step(False)), timer(lambda: step(True))
 
 
+def _profile(step, out_dir: str, tag: str, rank: int) -> None:
+    """One profiled fwd+bwd step: Chrome trace per rank, top-kernel table from rank 0."""
+    from torch.profiler import ProfilerActivity, profile
+    os.makedirs(out_dir, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(os.path.join(out_dir, f"trace_{tag}_rank{rank}.json"))
+    if rank == 0:
+        key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        print(f"# profile {tag}\n" + prof.key_averages().table(sort_by=key, row_limit=12),
+              file=sys.stderr, flush=True)
+
+
 def main() -> None:
     p = base_parser(__doc__.splitlines()[1])
     p.add_argument("--heads", type=int, default=32)
@@ -78,6 +94,10 @@ def main() -> None:
     p.add_argument("--strides", nargs="+", default=["default", "1", "2", "2:1:1"],
                    help="all-gather backward stride patterns 'stride[:first:last]'")
     p.add_argument("--no-torch-cp", action="store_true")
+    p.add_argument("--profile", metavar="DIR",
+                   help="also write a torch-profiler Chrome trace of one fwd+bwd step per pair "
+                        "(first T_local) to DIR and print its top kernels: the timeline that "
+                        "shows what overlaps what")
     a = p.parse_args()
     dev = a.device
     rank, world = init_dist(dev)
@@ -133,6 +153,8 @@ def main() -> None:
             except (ValueError, RuntimeError) as e:  # e.g. a stride the head count cannot take
                 emit(dict(base, impl=f"{fwd}/{bwd}", stride=stride, error=str(e)[:300]), a.out, rank)
                 continue
+            if a.profile and T_local == t_locals[0]:
+                _profile(lambda: step(True), a.profile, f"{fwd}-{bwd}-{stride}", rank)
             tp_f, tp_fb = fl_f / tf / 1e9, fl_fb / tfb / 1e9
             emit(dict(base, impl=f"{fwd}/{bwd}", stride=stride, ms_fwd=tf, ms_fwd_bwd=tfb,
                       tflops_per_gpu=tp_fb, tflops_fwd=tp_f, baseline="single_global",

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, each step logged under $OUT (the device
 # tool's output folder; defaults to ./device-out elsewhere). Usage on a 2-GPU machine:
-#   bash scripts/device_sweep.sh [tests_softmax|softmax|linear|tests_linear ...]  (default: all)
+#   bash scripts/device_sweep.sh [tests_softmax|softmax|linear|tests_linear|profile ...]
+# (default: all but profile)
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -29,5 +30,10 @@ for step in $steps; do
       [ "$NGPU" -ge 2 ] && torchrun --standalone --nproc-per-node 2 benchmarks/softmax_cp.py \
         --out "$OUT/softmax.jsonl" > "$OUT/softmax_stdout.log" 2>&1
       python3 benchmarks/summarize.py "$OUT/softmax.jsonl" ;;
+    profile)   # timeline of one fwd+bwd step per pair at T_local 8K, packed into one file
+      [ "$NGPU" -ge 2 ] && torchrun --standalone --nproc-per-node 2 benchmarks/softmax_cp.py \
+        --t-local 8192 --strides default --no-torch-cp --profile /tmp/prof \
+        --out "$OUT/softmax_profiled.jsonl" > "$OUT/profile_tables.log" 2>&1
+      tar czf "$OUT/softmax_traces.tgz" -C /tmp prof && tail -60 "$OUT/profile_tables.log" ;;
   esac
 done
