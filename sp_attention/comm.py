@@ -18,7 +18,7 @@ from .context import SPContext
 __all__ = [
     "all_gather_flat", "reduce_scatter_flat", "all_gather_along", "reduce_scatter_along",
     "gather_along", "scatter_reduce_along", "pad_flat", "p2p_exchange", "RingComm",
-    "AsyncReduceScatter", "check_same_shape",
+    "AsyncReduceScatter", "check_collective_input",
 ]
 
 # torch 2.13 renamed the fixed-shape collectives to `*_single` and deprecated the `*_tensor`
@@ -60,7 +60,7 @@ def pad_flat(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.nn.functional.pad(flat, (0, pad)) if pad else flat
 
 
-def check_same_shape(x: torch.Tensor, ctx: SPContext, name: str = "tensor") -> None:
+def check_collective_input(x: torch.Tensor, ctx: SPContext, name: str = "tensor") -> None:
     """Cheap local checks before a fixed-shape collective (the shapes of other ranks cannot be
     seen without communicating; this catches what one rank can know)."""
     if not isinstance(x, torch.Tensor):
@@ -71,7 +71,7 @@ def check_same_shape(x: torch.Tensor, ctx: SPContext, name: str = "tensor") -> N
 
 def all_gather_along(x: torch.Tensor, ctx: SPContext, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's ``x`` (same shape everywhere) along ``dim``, in rank order."""
-    check_same_shape(x, ctx, "all_gather_along input")
+    check_collective_input(x, ctx, "all_gather_along input")
     if ctx.world_size == 1:
         return x
     dim = dim % x.dim()
@@ -88,7 +88,7 @@ def reduce_scatter_along(x: torch.Tensor, ctx: SPContext, dim: int = 0,
     ``reduce_dtype`` (e.g. ``torch.float32``) upcasts before reducing (never downcasts); the
     result is returned in that dtype so callers decide when to cast back.
     """
-    check_same_shape(x, ctx, "reduce_scatter_along input")
+    check_collective_input(x, ctx, "reduce_scatter_along input")
     dim = dim % x.dim()
     if x.shape[dim] % ctx.world_size:
         raise ValueError(f"reduce_scatter_along: dim {dim} has size {x.shape[dim]}, not a "
