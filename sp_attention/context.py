@@ -68,10 +68,6 @@ class SPContext:
         """Global rank of ``group_rank`` (for p2p ops, which address global ranks)."""
         return self.global_ranks[group_rank % self.world_size]
 
-    def with_layout(self, layout: str) -> "SPContext":
-        """Same group, another sequence layout."""
-        return SPContext(self.group, self.rank, self.world_size, self.global_ranks, layout)
-
 
 def build_sp_context(group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag",
                      ) -> SPContext:

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from sp_attention.comm import (AsyncReduceScatter, RingComm, all_gather_along, all_gather_flat,
-                               gather_along, p2p_exchange, reduce_scatter_along,
+                               gather_along, p2p_exchange, pad_flat, reduce_scatter_along,
                                reduce_scatter_flat, scatter_reduce_along)
 from sp_attention.context import SPContext, build_sp_context
 from sp_attention.testing import assert_close, megatron_groups, run_distributed, seeded
@@ -79,6 +79,15 @@ def _check_all(ctx: SPContext, tag: str):
     rs = torch.empty(3, dtype=torch.float64)
     reduce_scatter_flat(rs, torch.arange(3 * P, dtype=torch.float64), ctx)
     assert rs.tolist() == [P * float(3 * r + j) for j in range(3)]
+    # --- an uneven flat length, padded to a multiple of the group size
+    uneven = torch.arange(7, dtype=torch.float64) * (r + 1)
+    padded = pad_flat(uneven, P)
+    assert padded.numel() % P == 0 and torch.equal(padded[:7], uneven)
+    shard = torch.empty(padded.numel() // P, dtype=torch.float64)
+    reduce_scatter_flat(shard, padded, ctx)
+    total = torch.arange(7, dtype=torch.float64) * sum(range(1, P + 1))
+    want = pad_flat(total, P).view(P, -1)[r]
+    assert torch.equal(shard, want), (tag, shard, want)
     # --- ring hops: after k hops rank r holds the block of rank r − k
     if P > 1:
         ring = RingComm(ctx)

@@ -44,11 +44,6 @@ class Element:
         return Element(torch.ones_like(e.A), torch.zeros_like(e.b))
 
 
-def scan_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for every cross-rank combination; fp64 stays fp64 (exactness tests)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 class LeafMap:
     """Where the leaves of the scan live, in scan order (positions), for one rank."""
 
