@@ -96,3 +96,15 @@ def test_no_group_is_single_device():
     (out * w).sum().backward()
     for got, exp in zip((out, q.grad, k.grad, v.grad), (o, dq, dk, dv)):
         assert_close(got, exp, 1e-10)
+
+
+def test_non_contiguous_inputs_megatron_layout():
+    """Megatron hands [s, b, h, d] tensors; their [b, s, h, d] transposed views work as is."""
+    (q, k, v, w, s), (o, dq, dk, dv) = _reference(CASES[0], 1, 3)
+    sbhd = [t.transpose(0, 1).contiguous().requires_grad_(True) for t in (q, k, v)]
+    views = [t.transpose(0, 1) for t in sbhd]
+    assert not views[0].is_contiguous()
+    out = lightning_attention(*views, s, scale=0.7, backend="torch")
+    (out * w).sum().backward()
+    for got, exp in zip((out, *(t.grad.transpose(0, 1) for t in sbhd)), (o, dq, dk, dv)):
+        assert_close(got, exp, 1e-10)
