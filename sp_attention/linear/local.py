@@ -183,7 +183,8 @@ def _weighted_outer_sum(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> to
             yy = y.permute(0, 2, 1, 3).reshape(b * h, c, y.shape[-1])
             try:
                 out = torch.bmm(xw, yy, out_dtype=torch.float32)
-            except (TypeError, RuntimeError):  # torch without bf16 -> fp32 GEMMs: same math
+            except Exception:  # noqa: BLE001 - a torch without bf16->fp32 GEMMs: the same
+                # products of the same bf16 operands, accumulated in fp32 (only slower)
                 out = torch.bmm(xw.float(), yy.float())
             return out.view(b, h, k, -1)
         return torch.einsum("bchk,bchv->bhkv", x.to(dt) * w.t().to(dt)[None, :, :, None], y.to(dt))
