@@ -13,12 +13,18 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import base_parser, device_name, emit, init_dist, time_ms  # noqa: E402
+from sp_attention import build_sp_context  # noqa: E402
+from sp_attention.comm import all_gather_flat, reduce_scatter_flat  # noqa: E402
 
 
 def main() -> None:
     a = base_parser(__doc__.splitlines()[0]).parse_args()
     rank, world = init_dist(a.device)
+    if world < 2:
+        sys.exit("link_probe measures links between ranks: start it with "
+                 "torchrun --standalone --nproc-per-node N (N >= 2)")
     dev = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else "cpu"
+    ctx = build_sp_context(dist.new_group(list(range(world))))
     for mib in (1, 8, 32, 128):
         n = mib * 2 ** 20 // 2                                   # bf16 elements per rank
         x = torch.randn(n, device=dev).to(torch.bfloat16)
@@ -30,9 +36,9 @@ def main() -> None:
             ops = [dist.P2POp(dist.isend, x, peer_next), dist.P2POp(dist.irecv, recv, peer_prev)]
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
-        t = {"all_gather": time_ms(lambda: dist.all_gather_into_tensor(out, x), a.device,
+        t = {"all_gather": time_ms(lambda: all_gather_flat(out, x, ctx), a.device,
                                    a.warmup, a.iters, a.repeats),
-             "reduce_scatter": time_ms(lambda: dist.reduce_scatter_tensor(x, out), a.device,
+             "reduce_scatter": time_ms(lambda: reduce_scatter_flat(x, out, ctx), a.device,
                                        a.warmup, a.iters, a.repeats),
              "p2p_ring_hop": time_ms(p2p, a.device, a.warmup, a.iters, a.repeats)}
         for op, ms in t.items():
