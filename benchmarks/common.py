@@ -88,8 +88,7 @@ def emit(record: dict, out: Optional[str], rank: int) -> None:
     record.setdefault("torch", torch.__version__)
     record.setdefault("date", time.strftime("%Y-%m-%d"))
     # NCCL knobs change what overlaps what; keep them with the numbers they produced.
-    nccl = {k: v for k, v in os.environ.items() if k in ("NCCL_MAX_NCHANNELS", "NCCL_MIN_NCHANNELS",
-                                                          "NCCL_NCHANNELS_PER_PEER")}
+    nccl = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
     if nccl:
         record.setdefault("nccl_env", nccl)
     line = json.dumps(record, sort_keys=True)

@@ -93,6 +93,8 @@ def main() -> None:
     p.add_argument("--non-causal", action="store_true")
     p.add_argument("--strides", nargs="+", default=["default", "1", "2", "2:1:1"],
                    help="all-gather backward stride patterns 'stride[:first:last]'")
+    p.add_argument("--pairs", nargs="+", default=None,
+                   help="fwd/bwd pairs to run, e.g. ring/ring ring/allgather (default: all)")
     p.add_argument("--no-torch-cp", action="store_true")
     p.add_argument("--profile", metavar="DIR",
                    help="also write a torch-profiler Chrome trace of one fwd+bwd step per pair "
@@ -133,8 +135,10 @@ def main() -> None:
         ql, kl, vl, dol = (shard_sequence(t, ctx, 1).contiguous() for t in (q, k, v, do))
         ql, kl, vl = (t.requires_grad_(True) for t in (ql, kl, vl))
         fl_f, fl_fb = flops(B, H, T, D, causal, False) / world, flops(B, H, T, D, causal, True) / world
-        runs = [(f, b, "default") for f, b in PAIRS]
-        runs += [("ring", "allgather", s) for s in a.strides if s != "default"]
+        pairs = [tuple(x.split("/")) for x in a.pairs] if a.pairs else PAIRS
+        runs = [(f, b, "default") for f, b in pairs]
+        if ("ring", "allgather") in pairs:
+            runs += [("ring", "allgather", s) for s in a.strides if s != "default"]
         for fwd, bwd, stride in runs:
             kw = {}
             if stride != "default":

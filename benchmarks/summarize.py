@@ -4,7 +4,8 @@ import sys
 
 COLS = ["bench", "impl", "layout", "stride", "world", "T_local", "ms_fwd", "ms_fwd_bwd", "mtok_s",
         "tflops_per_gpu", "ratio", "ratio_fwd", "ratio_vs_t_local", "scan_share", "ms_state_fwd", "ms_local_fwd",
-        "ms_scan_fwd", "ms_inter_fwd", "ms_scan_bwd", "ms_local_bwd", "error"]
+        "ms_scan_fwd", "ms_inter_fwd", "ms_state_grad_bwd", "ms_scan_bwd", "ms_local_bwd", "baseline",
+        "error"]
 
 
 def fmt(v):

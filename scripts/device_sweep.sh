@@ -13,18 +13,23 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
+# fla's Triton autotuning costs minutes on a fresh machine: keep the cache in the tree (carry
+# .triton_cache to the next call) and hand it back as $OUT/triton_cache.tgz.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
+trap 'tar czf "$OUT/triton_cache.tgz" -C "$(dirname "$TRITON_CACHE_DIR")" "$(basename "$TRITON_CACHE_DIR")" 2>/dev/null' EXIT
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpus.txt"
+env | grep '^NCCL_' | tee "$OUT/nccl_env.txt"
 steps=${*:-tests_softmax softmax linear tests_linear}
 for step in $steps; do
   case $step in
     tests_softmax|tests_linear)
       timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider -rA -s \
         "tests/${step#tests_}" 2>&1 | tee "$OUT/gpu_$step.log" | grep -v "^PASSED" | tail -40 ;;
-    linear)
-      python3 benchmarks/linear_cp.py --out "$OUT/linear.jsonl" > /dev/null
+    linear)   # LINEAR_ARGS e.g. "--t-local 16384 32768"
+      python3 benchmarks/linear_cp.py --out "$OUT/linear.jsonl" ${LINEAR_ARGS:-} > /dev/null
       [ "$NGPU" -ge 2 ] && torchrun --standalone --nproc-per-node 2 benchmarks/linear_cp.py \
-        --out "$OUT/linear.jsonl" > /dev/null
+        --out "$OUT/linear.jsonl" ${LINEAR_ARGS:-} > /dev/null
       python3 benchmarks/summarize.py "$OUT/linear.jsonl" ;;
     softmax)
       [ "$NGPU" -ge 2 ] && torchrun --standalone --nproc-per-node 2 benchmarks/softmax_cp.py \
@@ -33,6 +38,7 @@ for step in $steps; do
     profile)   # timeline of one fwd+bwd step per pair at T_local 8K, packed into one file
       [ "$NGPU" -ge 2 ] && torchrun --standalone --nproc-per-node 2 benchmarks/softmax_cp.py \
         --t-local 8192 --strides default --no-torch-cp --profile /tmp/prof \
+        --pairs ${PROFILE_PAIRS:-ring/ring ring/allgather allgather/allgather allgather/ring} \
         --out "$OUT/softmax_profiled.jsonl" > "$OUT/profile_tables.log" 2>&1
       tar czf "$OUT/softmax_traces.tgz" -C /tmp prof && tail -60 "$OUT/profile_tables.log" ;;
   esac

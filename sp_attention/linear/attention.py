@@ -17,7 +17,7 @@ import torch
 
 from ..context import SPContext
 from .local import BACKENDS, chunk_decay, leaf_backward, leaf_output, leaf_state, \
-    resolve_backend, state_grad_local
+    resolve_backend, slope_constant, state_grad_local
 from .scan_allgather import allgather_scan
 from .scan_blelloch import blelloch_scan
 from .scan_ring import ring_scan
@@ -40,8 +40,10 @@ def resolve_impl(impl: str, ctx: SPContext) -> str:
 
 def _leaf_elements(q: torch.Tensor, slopes: torch.Tensor, n_leaves: int, b: list) -> list:
     """``A = λ^C`` per leaf as ``[B, H]`` in the scan dtype (every leaf has C = T_local / n)."""
-    A = chunk_decay(slopes, q.shape[1] // n_leaves, dtype=b[0].dtype, device=q.device)
-    return [A.reshape(1, -1).expand(q.shape[0], -1).contiguous()] * n_leaves
+    c, B, dt = q.shape[1] // n_leaves, q.shape[0], b[0].dtype
+    A = slope_constant(slopes, ("leaf_A", c, B, dt, q.device), lambda: chunk_decay(
+        slopes, c, dtype=dt, device=q.device).reshape(1, -1).expand(B, -1).contiguous())
+    return [A] * n_leaves
 
 
 class _LightningAttention(torch.autograd.Function):
@@ -50,10 +52,13 @@ class _LightningAttention(torch.autograd.Function):
                 backend: Optional[str]):
         n = len(ctx.leaves)
         qs, ks, vs = q.chunk(n, 1), k.chunk(n, 1), v.chunk(n, 1)
-        # 1. each leaf's zero-start end state: one GEMM, no chunk recurrence
-        b = [leaf_state(ki, vi, slopes) for ki, vi in zip(ks, vs)]
-        # 2. the states entering the leaves (world size 1 too: a zigzag rank's 2 leaves)
-        s_in = SCANS[impl](_leaf_elements(q, slopes, n, b), b, ctx, reverse=False)
+        if ctx.num_leaves == 1:     # the whole sequence is one leaf: nothing enters it
+            s_in = [torch.zeros(())]
+        else:
+            # 1. each leaf's zero-start end state: one GEMM, no chunk recurrence
+            b = [leaf_state(ki, vi, slopes) for ki, vi in zip(ks, vs)]
+            # 2. the states entering the leaves (world size 1 too: a zigzag rank's 2 leaves)
+            s_in = SCANS[impl](_leaf_elements(q, slopes, n, b), b, ctx, reverse=False)
         # 3. one kernel call per leaf whose chunk states start from S_in: the inter term is
         #    formed inside the kernel. The sequence's first leaf starts from zero.
         outs = [leaf_output(qi, ki, vi, slopes, scale, si if leaf > 0 else None, backend)
@@ -69,16 +74,35 @@ class _LightningAttention(torch.autograd.Function):
         ctx, scale, backend = fctx.sp, fctx.scale, fctx.backend
         n = len(ctx.leaves)
         qs, ks, vs, dos = q.chunk(n, 1), k.chunk(n, 1), v.chunk(n, 1), do.chunk(n, 1)
-        d = [state_grad_local(qi, di, slopes, scale).to(s_in[0].dtype) for qi, di in zip(qs, dos)]
-        A = _leaf_elements(q, slopes, n, d)
-        G = SCANS[fctx.impl](A, d, ctx, reverse=True)
         last = ctx.num_leaves - 1
+        if last == 0:               # one leaf: no gradient arrives from later leaves
+            G = [None]
+        else:
+            d = [state_grad_local(qi, di, slopes, scale).to(s_in[0].dtype)
+                 for qi, di in zip(qs, dos)]
+            G = SCANS[fctx.impl](_leaf_elements(q, slopes, n, d), d, ctx, reverse=True)
         grads = []
         for qi, ki, vi, di, si, gi, leaf in zip(qs, ks, vs, dos, s_in, G, ctx.leaves):
             grads.append(leaf_backward(qi, ki, vi, slopes, scale, si if leaf > 0 else None,
                                        di, gi if leaf < last else None, backend))
         dq, dk, dv = (torch.cat(t, 1) if n > 1 else t[0] for t in zip(*grads))
         return dq, dk, dv, None, None, None, None, None
+
+
+def _check_slope_values(slopes: torch.Tensor) -> None:
+    """Slopes must be finite and >= 0. Reading values on the host syncs a CUDA device, which
+    would stall the launch queue on every call; slopes are fixed buffers, so each tensor is
+    checked once per version (an in-place change bumps ``_version`` and is checked again)."""
+    version = slopes._version
+    if getattr(slopes, "_sp_checked_version", None) == version:
+        return
+    if not torch.isfinite(slopes).all() or (slopes < 0).any():
+        raise ValueError("slopes must be finite and >= 0 (decay exp(-slope) in (0, 1]); "
+                         f"got min {slopes.min().item()}")
+    try:
+        slopes._sp_checked_version = version
+    except (AttributeError, RuntimeError):   # a tensor subclass that refuses attributes
+        pass
 
 
 def _check_inputs(q, k, v, slopes, ctx: SPContext, scale) -> None:
@@ -104,9 +128,7 @@ def _check_inputs(q, k, v, slopes, ctx: SPContext, scale) -> None:
     if slopes.requires_grad:
         raise ValueError("slopes are fixed decay rates here (no gradient is computed for them); "
                          "pass slopes.detach() or a buffer")
-    if not torch.isfinite(slopes).all() or (slopes < 0).any():
-        raise ValueError("slopes must be finite and >= 0 (decay exp(-slope) in (0, 1]); "
-                         f"got min {slopes.min().item()}")
+    _check_slope_values(slopes)
     if not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale must be a positive float, got {scale!r}")
     n = len(ctx.leaves)

@@ -41,6 +41,7 @@ __all__ = [
     "leaf_output",
     "decay_powers",
     "chunk_decay",
+    "slope_constant",
 ]
 
 BACKENDS = ("torch", "fla")
@@ -110,9 +111,27 @@ def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type=device.type, enabled=False)
 
 
+def slope_constant(slopes: torch.Tensor, key: tuple, make):
+    """A tensor derived from ``slopes`` (decay powers, fla's g_gamma), made once per slopes
+    tensor and version and kept on it: rebuilding these small tensors on every call costs a
+    handful of kernel launches each, and the CP step is launch-bound at short T_local. An
+    in-place change of the slopes (a new ``_version``) drops the cache."""
+    cache = getattr(slopes, "_sp_constants", None)
+    if cache is None or cache[0] != slopes._version:
+        cache = (slopes._version, {})
+        try:
+            slopes._sp_constants = cache
+        except (AttributeError, RuntimeError):   # a tensor subclass that refuses attributes
+            return make()
+    if key not in cache[1]:
+        cache[1][key] = make()
+    return cache[1][key]
+
+
 def _fla_g_gamma(slopes: torch.Tensor, device: torch.device) -> torch.Tensor:
     # Natural-log decay -s converted to log2 units because fla's kernels use exp2 (see above).
-    return (-slopes.to(device=device, dtype=torch.float32) / math.log(2.0)).contiguous()
+    return slope_constant(slopes, ("fla_g_gamma", device), lambda: (
+        -slopes.to(device=device, dtype=torch.float32) / math.log(2.0)).contiguous())
 
 
 def _state_or_none(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -178,15 +197,20 @@ def _weighted_outer_sum(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> to
     dt = compute_dtype(x, y)
     with _no_autocast(x.device):
         if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and y.dtype == x.dtype:
-            b, c, h, k = x.shape
-            xw = (x * w.t()[None, :, :, None].to(x.dtype)).permute(0, 2, 3, 1).reshape(b * h, k, c)
-            yy = y.permute(0, 2, 1, 3).reshape(b * h, c, y.shape[-1])
-            try:
-                out = torch.bmm(xw, yy, out_dtype=torch.float32)
-            except Exception:  # noqa: BLE001 - a torch without bf16->fp32 GEMMs: the same
-                # products of the same bf16 operands, accumulated in fp32 (only slower)
-                out = torch.bmm(xw.float(), yy.float())
-            return out.view(b, h, k, -1)
+            # One elementwise pass for the weights, then per batch one batched GEMM over heads
+            # that reads both operands in place: [H, K, C] and [H, C, V] are strided views of
+            # the [C, H, K] / [C, H, V] buffers (leading dimension H·K, batch stride K), which
+            # cuBLAS takes as they are; no transposed copies of the sequence.
+            xw = x * w.t()[None, :, :, None].to(x.dtype)
+            outs = []
+            for xb, yb in zip(xw, y):
+                a, bb = xb.permute(1, 2, 0), yb.permute(1, 0, 2)
+                try:
+                    outs.append(torch.bmm(a, bb, out_dtype=torch.float32))
+                except Exception:  # noqa: BLE001 - a torch without bf16->fp32 GEMMs: the same
+                    # products of the same bf16 operands, accumulated in fp32 (only slower)
+                    outs.append(torch.bmm(a.float(), bb.float()))
+            return torch.stack(outs)
         return torch.einsum("bchk,bchv->bhkv", x.to(dt) * w.t().to(dt)[None, :, :, None], y.to(dt))
 
 
@@ -196,9 +220,9 @@ def leaf_state(k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor) -> torch.
     One GEMM (no chunk recurrence): what the scan needs before the leaf's output can be formed.
     fp32 (fp64 for fp64 inputs).
     """
-    c = k.shape[1]
-    dec = decay_powers(slopes, c, 0, dtype=torch.float32 if k.dtype != torch.float64 else k.dtype,
-                       device=k.device).flip(-1)                       # [H, C]: lam^(C-1-j)
+    c, dt = k.shape[1], torch.float32 if k.dtype != torch.float64 else k.dtype
+    dec = slope_constant(slopes, ("state", c, dt, k.device), lambda: decay_powers(
+        slopes, c, 0, dtype=dt, device=k.device).flip(-1).contiguous())  # [H, C]: lam^(C-1-j)
     return _weighted_outer_sum(k, dec, v)
 
 
@@ -233,9 +257,9 @@ def state_grad_local(q: torch.Tensor, do: torch.Tensor, slopes: torch.Tensor, sc
 
     fp32 (fp64 for fp64 inputs); one GEMM. The full dL/dS_in adds chunk_decay(slopes, C) * G.
     """
-    dec = decay_powers(slopes, q.shape[1], 1,
-                       dtype=torch.float32 if q.dtype != torch.float64 else q.dtype,
-                       device=q.device)                                # [H, C]: lam^(i+1)
+    c, dt = q.shape[1], torch.float32 if q.dtype != torch.float64 else q.dtype
+    dec = slope_constant(slopes, ("state_grad", c, dt, q.device), lambda: decay_powers(
+        slopes, c, 1, dtype=dt, device=q.device))                      # [H, C]: lam^(i+1)
     return scale * _weighted_outer_sum(q, dec, do)
 
 

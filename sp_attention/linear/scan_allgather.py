@@ -15,6 +15,8 @@ whose exp is exactly 0 in fp32 and fp64, so an underflowed A still contributes a
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..comm import all_gather_flat
@@ -25,13 +27,29 @@ from .scan_common import Element, LeafMap, check_elements
 _LOG_FLOOR = -1.0e4
 
 
-def _band(local_positions: list, num: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each local position p: ``between[p, q, r] = 1`` iff q < r < p (the A factors that
-    carry b_q to p), and ``before[p, q] = 1`` iff q < p."""
-    p = torch.tensor(local_positions, device=device)[:, None, None]
-    q = torch.arange(num, device=device)[None, :, None]
-    r = torch.arange(num, device=device)[None, None, :]
-    return ((q < r) & (r < p)), (q[..., 0] < p[..., 0])
+@functools.lru_cache(maxsize=64)
+def _fold_plan(rank: int, world: int, layout: str, reverse: bool, dtype: torch.dtype,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Index and band tensors of the fold, built once per (rank, group shape, direction,
+    device): a host-to-device copy per call would be a device sync per call.
+
+    ``order[pos]`` is the row of the gathered buffer holding scan position ``pos``; for each
+    local position p: ``between[p, q, r] = 1`` iff q < r < p (the A factors that carry b_q to
+    p), and ``before[p, q] = 1`` iff q < p.
+    """
+    num = len(leaves_of_rank(0, world, layout)) * world
+    per_rank = num // world
+    order = [0] * num
+    for r in range(world):
+        for i, leaf in enumerate(leaves_of_rank(r, world, layout)):
+            order[scan_position(leaf, num, reverse)] = r * per_rank + i
+    mine = [scan_position(leaf, num, reverse) for leaf in leaves_of_rank(rank, world, layout)]
+    p = torch.tensor(mine)[:, None, None]
+    q = torch.arange(num)[None, :, None]
+    r = torch.arange(num)[None, None, :]
+    between, before = ((q < r) & (r < p)), (q[..., 0] < p[..., 0])
+    return (torch.tensor(order).to(device), between.to(device=device, dtype=dtype),
+            before.to(device=device, dtype=dtype))
 
 
 def allgather_scan(A: list, b: list, ctx: SPContext, reverse: bool = False) -> list:
@@ -43,18 +61,13 @@ def allgather_scan(A: list, b: list, ctx: SPContext, reverse: bool = False) -> l
     gathered = torch.empty((ctx.world_size,) + tuple(local.shape), dtype=local.dtype,
                            device=local.device)
     all_gather_flat(gathered, local, ctx)
-    # rows of `gathered` in scan order
-    order = [0] * leaves.num
-    per_rank = local.shape[0]
-    for r in range(ctx.world_size):
-        for i, leaf in enumerate(leaves_of_rank(r, ctx.world_size, ctx.layout)):
-            order[scan_position(leaf, leaves.num, reverse)] = r * per_rank + i
-    elems = gathered.view(-1, local.shape[1])[torch.tensor(order, device=local.device)]
+    order, between, before = _fold_plan(ctx.rank, ctx.world_size, ctx.layout, bool(reverse),
+                                        local.dtype, local.device)
+    elems = gathered.view(-1, local.shape[1])[order]                   # rows in scan order
     n_a = mine[0].A.numel()
     log_a = elems[:, :n_a].log().clamp_min(_LOG_FLOOR)                 # [L, B·H]
     b_all = elems[:, n_a:].view(leaves.num, n_a, -1)                   # [L, B·H, K·V]
-    between, before = _band(leaves.local_positions, leaves.num, local.device)
-    log_w = torch.einsum("pqr,rx->pqx", between.to(log_a.dtype), log_a)   # [n_local, L, B·H]
-    w = log_w.exp() * before[..., None].to(log_a.dtype)
-    s_in = torch.einsum("pqx,qxy->pxy", w, b_all)                     # [n_local, B·H, K·V]
+    w = torch.matmul(between, log_a).exp_().mul_(before[..., None])   # [n_local, L, B·H]
+    # S_in[p, x] = Σ_q w[p, q, x] b[q, x]: one batched GEMM over x = (batch, head)
+    s_in = torch.bmm(w.permute(2, 0, 1), b_all.transpose(0, 1)).transpose(0, 1)  # [n, B·H, K·V]
     return [s_in[i].view_as(e.b) for i, e in enumerate(mine)]

@@ -6,9 +6,12 @@ rank (:class:`~sp_attention.comm.RingComm`), so the hop overlaps the kernel call
 query chunk meets which key chunk follows from global chunk indices (:func:`.plan.ring_calls`):
 with zigzag every rank does the same work per step; fully masked pairs are skipped.
 
-Block results are merged in fp32 (fp64 for fp64 inputs) with :func:`.merge.merge_blocks_`;
-step 0 (the rank's own block, which every query row sees at least partly) initialises the
-accumulators by a plain copy. Traffic: P − 1 hops of ``B·T_local·2·Hkv·D`` input-dtype elements.
+Step 0 is the rank's own block: the local query and key pieces are both in ascending global
+order, so the square causal mask over the local shard *is* the global mask, and one kernel call
+(:func:`.plan.ring_calls`) gives every row its first result, which becomes the accumulator,
+upcast once to fp32 (fp64 for fp64 inputs). Later blocks are merged by LSE with
+:func:`.merge.merge_blocks_`; the result is rounded to the input dtype once at the end.
+Traffic: P − 1 hops of ``B·T_local·2·Hkv·D`` input-dtype elements.
 """
 from __future__ import annotations
 
@@ -45,20 +48,17 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SPConte
 
     Returns ``(out [B, T_local, H, D] in q.dtype, lse [B, H, T_local] fp32 (fp64 for fp64))``.
     """
-    b, t, h, d = q.shape
     world, rank = ctx.world_size, ctx.rank
-    ls = t // len(ctx.leaves)
+    ls = q.shape[1] // len(ctx.leaves)
     acc = acc_dtype(q.dtype)
-    out = torch.empty((b, t, h, d), dtype=acc, device=q.device)
-    lse = torch.empty((b, h, t), dtype=acc, device=q.device)
-    if world == 1:
-        bufs: list[torch.Tensor] = []           # no ring: read k, v in place
-        block = (k, v)
-    else:
-        bufs = pack_kv(k, v, ctx)
-        block = (bufs[0][0], bufs[0][1])
-    ring = RingComm(ctx) if world > 1 else None
-    nxt = None
+    if world == 1:                              # no ring: read k, v in place
+        ((o, l),) = [backend.forward(q, k, v, c.causal, scale)
+                     for c in ring_calls(0, 0, 1, ctx.layout, bool(causal))]
+        return o.to(q.dtype), l.to(acc)
+    bufs = pack_kv(k, v, ctx)
+    block = (bufs[0][0], bufs[0][1])
+    ring = RingComm(ctx)
+    out = lse = nxt = None
     for step in range(world):
         if step + 1 < world:
             nxt = ring.send_recv(bufs[step % 2], bufs[(step + 1) % 2])
@@ -69,9 +69,10 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SPConte
             n_keys = c.keys * ls
             o, l = backend.forward(q[:, rows], block[0][:, :n_keys], block[1][:, :n_keys],
                                    c.causal, scale)
-            if step == 0:
-                out[:, rows].copy_(o)
-                lse[:, :, rows].copy_(l)
+            if step == 0:      # the own block: one call over every row (plan.ring_calls)
+                # fp32 running result: merging into it is cheaper than into a 16-bit one
+                # (which the merge upcasts and copies back every time)
+                out, lse = o.to(acc), l.to(acc)
             else:
                 merge_blocks_(out[:, rows], lse[:, :, rows], o, l)
         if step + 1 < world:

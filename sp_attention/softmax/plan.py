@@ -154,13 +154,15 @@ def ring_calls(rank: int, src: int, world: int, layout: str, causal: bool) -> tu
     """Calls of one ring step: this rank's query chunks against the K/V block of ``src``.
 
     A block's chunks are in ascending global order, so the chunks a query chunk may see are a
-    prefix of the block, with the diagonal (only when ``src == rank``) last: one call per query
-    chunk (bottom-right causal iff it includes the diagonal), neighbours fused when they read
-    the same prefix.
+    prefix of the block: one non-causal call per query chunk, neighbours fused when they read
+    the same prefix. The own block (``src == rank``) is one square causal call.
     """
     mine, theirs = piece_ids(rank, world, layout), piece_ids(src, world, layout)
-    if not causal:
-        return (Call(0, len(mine), len(theirs), False),)
+    if not causal or src == rank:
+        # Non-causal: everything. Own block (causal): both sides hold the same pieces in
+        # ascending global order, so the square causal mask over the local shard equals the
+        # global mask and one call covers every row (no split, nothing to merge at step 0).
+        return (Call(0, len(mine), len(theirs), bool(causal)),)
     calls = []
     for j, a in enumerate(mine):
         n = sum(1 for b in theirs if b <= a)

@@ -46,3 +46,16 @@ def test_local_length_the_layout_cannot_split():
     q, k, v = _qkv(T=7)
     with pytest.raises(ValueError, match="multiple of 2 for layout 'zigzag'"):
         lightning_attention(q, k, v, torch.tensor([0.1, 0.2]), ctx=FAKE, backend="torch")
+
+
+def test_slope_values_checked_once_per_version_and_again_after_an_inplace_change():
+    # CUDA slopes would cost a device sync per value check: a tensor is checked once per
+    # version, and an in-place change (new version) is checked again.
+    q, k, v = _qkv()
+    slopes = torch.tensor([0.1, 0.2], dtype=torch.float64)
+    single = SPContext(None, 0, 1, (0,), "contiguous")
+    lightning_attention(q, k, v, slopes, ctx=single, backend="torch")
+    assert slopes._sp_checked_version == slopes._version
+    slopes.mul_(-1.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        lightning_attention(q, k, v, slopes, ctx=FAKE, backend="torch")

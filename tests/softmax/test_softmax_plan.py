@@ -7,7 +7,7 @@ schedule; the arrangement runs must rebuild the arrangement; zigzag must balance
 import pytest
 
 from sp_attention.softmax.bwd_allgather import backward_units
-from sp_attention.softmax.plan import gather_plan, piece_ids, ring_calls, stride_widths
+from sp_attention.softmax.plan import Call, gather_plan, piece_ids, ring_calls, stride_widths
 
 WORLDS = [1, 2, 3, 4, 5, 7, 8, 16, 64]
 
@@ -76,13 +76,23 @@ def test_ring_calls_cover_each_pair_once_and_step_zero_every_row(world, layout, 
             src = (rank - step) % world
             theirs = piece_ids(src, world, layout)
             cost = 0.0
-            for c in ring_calls(rank, src, world, layout, causal):
+            calls = ring_calls(rank, src, world, layout, causal)
+            if src == rank:     # own block: one square call, causal iff the attention is
+                assert calls == (Call(0, len(mine), len(mine), causal),)
+            for c in calls:
+                # a call is bottom-right causal over its token rectangle: query piece j of the
+                # call sees key pieces up to j + (keys - rows), the last of them diagonally
+                offset = c.keys - (c.q_stop - c.q_start)
                 for j in range(c.q_start, c.q_stop):
-                    for b in theirs[:c.keys]:
+                    seen_keys = theirs[:c.keys]
+                    if c.causal:
+                        last = j - c.q_start + offset
+                        seen_keys = theirs[:last + 1]
+                        assert theirs[last] == mine[j]          # the diagonal is the rank's own
+                    for b in seen_keys:
                         assert _visible(mine[j], b, causal) and (mine[j], b) not in seen
                         seen.add((mine[j], b))
                         cost += 0.5 if b == mine[j] else 1.0
-                    assert c.causal == (causal and theirs[c.keys - 1] == mine[j])
             if step == 0:   # the forward initialises its accumulators at step 0
                 rows = {j for c in ring_calls(rank, rank, world, layout, causal)
                         for j in range(c.q_start, c.q_stop)}
@@ -116,3 +126,10 @@ def test_stride_widths_and_units():
     assert split == 2 and [(u.p0, u.p1) for u in units] == [(0, 1), (1, 2)]
     units, split = backward_units(1, 1, 5, 1, None, None)
     assert split == 1 and [(u.p0, u.p1) for u in units] == [(0, 1)]
+
+
+@pytest.mark.parametrize("kv_heads,expected", [(1, 1), (2, 2), (3, 3), (5, 1), (6, 3), (8, 4),
+                                               (12, 4), (7, 1)])
+def test_last_step_groups_is_the_largest_divisor_up_to_four(kv_heads, expected):
+    from sp_attention.softmax.bwd_ring import last_step_groups
+    assert last_step_groups(kv_heads) == expected

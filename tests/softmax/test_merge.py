@@ -1,0 +1,222 @@
+"""LSE merge: fp64 exactness against the closed form, -inf rows, a low-precision ``out``
+accumulator rounded once, strided views updated in place, clear errors."""
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from sp_attention.softmax.merge import merge_blocks, merge_blocks_
+from sp_attention.testing import assert_close
+
+F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
+NEG_INF = float("-inf")
+
+
+# ------------------------------------------------------------------ helpers
+
+def _randn(shape, gen, dtype=F64, scale=1.0, device=None):
+    return (torch.randn(shape, generator=gen, dtype=F64) * scale).to(dtype=dtype, device=device)
+
+
+def _closed_form(out, lse, out_b, lse_b):
+    """fp64 log(exp(a) + exp(b)) and the exp-weighted mean; rows empty on both sides stay."""
+    out, lse, out_b, lse_b = (x.to(F64) for x in (out, lse, out_b, lse_b))
+    ea, eb = lse.exp(), lse_b.exp()                                   # [B, H, Tq]
+    new_lse = (ea + eb).log()
+    both = (ea + eb) == 0
+    ea4, eb4 = (x.transpose(1, 2).unsqueeze(-1) for x in (ea, eb))     # [B, Tq, H, 1]
+    new_out = (ea4 * out + eb4 * out_b) / (ea4 + eb4)
+    new_out = torch.where(both.transpose(1, 2).unsqueeze(-1), out, new_out)
+    return new_out, new_lse
+
+
+def _mark_empty_rows(out, lse, lse_b):
+    """-inf rows on either or both sides, in place: whole rows and single heads."""
+    lse[:, :, 0] = NEG_INF                 # accumulator empty: merge copies the block
+    out[:, 0] = 0.0
+    lse_b[:, :, 1] = NEG_INF               # block empty: accumulator unchanged
+    lse[:, :2, 2] = NEG_INF                # both empty on heads 0-1 of row 2
+    out[:, 2, :2] = 0.0
+    lse_b[:, :2, 2] = NEG_INF
+    lse[:, -1, 3] = NEG_INF                # mixed per head in one row
+    out[:, 3, -1] = 0.0
+    lse_b[:, 0, 3] = NEG_INF
+
+
+def _slices(layout, h, t):
+    """Index tuples selecting the accumulator views from the (out, lse) full buffers."""
+    if layout == "rows":           # out[:, rows], lse[:, :, rows] as the ring forward does
+        return (slice(None), slice(2, 2 + t)), (slice(None), slice(None), slice(2, 2 + t))
+    if layout == "heads":          # head slices
+        return (slice(None), slice(None), slice(3, 3 + h)), (slice(None), slice(3, 3 + h))
+    return (), ()
+
+
+def _make_case(dtype, d, layout, h, device, seed, b=2, t=6):
+    """Full buffers (out, lse), their views per ``layout`` and a block (out_b, lse_b)."""
+    g = torch.Generator().manual_seed(seed)
+    extra_t, extra_h = (5, 0) if layout == "rows" else (0, 5) if layout == "heads" else (0, 0)
+    out_full = _randn((b, t + extra_t, h + extra_h, d), g, dtype, device=device)
+    lse_full = _randn((b, h + extra_h, t + extra_t), g, F32, 3.0, device=device)
+    so, sl = _slices(layout, h, t)
+    out, lse = out_full[so], lse_full[sl]
+    if layout == "heads":          # a strided block too, even along D: a [B, H, D, Tq] buffer
+        out_b = _randn((b, h, d, t), g, dtype, device=device).permute(0, 3, 1, 2)
+    else:
+        out_b = _randn((b, t, h, d), g, dtype, device=device)
+    lse_b = _randn((b, h, t), g, F32, 3.0, device=device)
+    _mark_empty_rows(out, lse, lse_b)
+    return out, lse, out_b, lse_b, out_full, lse_full
+
+
+def _check_result(out, lse, before, out_b, lse_b, name, rtne=True):
+    """Merged (out, lse) against the fp64 closed form of ``before`` = (out, lse) inputs.
+
+    ``rtne=False`` for Triton's interpreter, whose fp32 -> bf16 cast truncates (the GPU one
+    rounds to nearest even): a low-precision out is then only held to one ulp.
+    """
+    out0, lse0 = before
+    ref_out, ref_lse = _closed_form(out0, lse0, out_b, lse_b)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), f"{name}: -inf rows"
+    assert not torch.isnan(lse).any() and torch.isfinite(out).all(), f"{name}: NaN/inf"
+    fin = torch.isfinite(ref_lse)
+    assert (lse[fin].to(F64) - ref_lse[fin]).abs().max() <= 1e-5, f"{name}: lse"
+    err = (out.to(F64) - ref_out).abs()
+    if out.dtype.itemsize == 2:    # one rounding of fp32 math: within half an ulp (+fp32)
+        ulps = 0.5 if rtne else 1.0
+        bound = ulps * torch.finfo(out.dtype).eps * ref_out.abs() + 1e-6
+        assert (err <= bound).all(), f"{name}: out beyond {ulps} ulp"
+        same = (out == ref_out.to(out.dtype)).to(F64).mean().item()
+        assert same >= 0.999 or not rtne, f"{name}: only {same:.4f} of out rounds like fp64"
+    else:
+        assert err.max() <= 1e-5, f"{name}: out max err {err.max().item():.2e}"
+    # The -inf rules are exact, not approximate.
+    blk_empty = torch.isneginf(lse_b).transpose(1, 2)                  # [B, Tq, H]
+    acc_empty = torch.isneginf(lse0).transpose(1, 2) & ~blk_empty
+    assert torch.equal(out[blk_empty], out0[blk_empty]), f"{name}: empty block changed out"
+    assert torch.equal(out[acc_empty], out_b[acc_empty].to(out.dtype)), f"{name}: copy"
+    assert torch.equal(lse[torch.isneginf(lse_b)], lse0[torch.isneginf(lse_b)]), name
+    acc_only = torch.isneginf(lse0) & ~torch.isneginf(lse_b)
+    assert torch.equal(lse[acc_only], lse_b[acc_only].to(lse.dtype)), f"{name}: lse copy"
+
+
+def _run_case(fn, dtype, d, layout, h=20, device="cpu", seed=0, b=2, t=6, rtne=True):
+    """Merge with ``fn`` into views of bigger buffers; check the math and the untouched rest.
+
+    Returns the merged (out, lse) views for cross-implementation comparisons.
+    """
+    out, lse, out_b, lse_b, out_full, lse_full = _make_case(dtype, d, layout, h, device, seed,
+                                                            b, t)
+    before = (out.clone(), lse.clone())
+    full_before = (out_full.clone(), lse_full.clone())
+    fn(out, lse, out_b, lse_b)
+    name = f"{fn.__name__}[{dtype}, D={d}, {layout}]"
+    _check_result(out.cpu(), lse.cpu(), tuple(x.cpu() for x in before), out_b.cpu(),
+                  lse_b.cpu(), name, rtne)
+    # Everything outside the views is bitwise untouched.
+    for full, old, sel in zip((out_full, lse_full), full_before, _slices(layout, h, t)):
+        rest = torch.ones(full.shape, dtype=torch.bool, device=full.device)
+        rest[sel] = False
+        assert torch.equal(full[rest], old[rest]), f"{name}: wrote outside the view"
+    return out, lse
+
+
+def _compare_to_torch_path(kernel, dtype, d, layout, h, device, seed, b=2, t=6, rtne=True):
+    """Run ``kernel`` and the torch path on the same case; both must pass the checks and
+    agree with each other to fp32 rounding (16-bit out: at most one ulp apart, rarely)."""
+    ko, kl = _run_case(kernel, dtype, d, layout, h, device, seed, b, t, rtne)
+    to, tl = _run_case(merge_blocks_, dtype, d, layout, h, device, seed, b, t)
+    assert torch.equal(torch.isneginf(kl), torch.isneginf(tl))
+    fin = torch.isfinite(tl)
+    assert (kl[fin] - tl[fin]).abs().max().item() <= 1e-5
+    diff = (ko.to(F64) - to.to(F64)).abs()
+    if dtype.itemsize == 2:
+        assert (diff <= torch.finfo(dtype).eps * to.to(F64).abs() + 1e-6).all()
+        assert (ko != to).to(F64).mean().item() <= 1e-3 or not rtne
+    else:
+        assert diff.max().item() <= 1e-5
+
+
+# ------------------------------------------------------------------ torch path
+
+def test_torch_path_fp64_matches_closed_form():
+    g = torch.Generator().manual_seed(1)
+    b, t, h, d = 2, 7, 3, 5
+    out, out_b = _randn((b, t, h, d), g), _randn((b, t, h, d), g)
+    lse, lse_b = _randn((b, h, t), g, scale=4.0), _randn((b, h, t), g, scale=4.0)
+    ref_out, ref_lse = _closed_form(out, lse, out_b, lse_b)
+    acc_out, acc_lse = out.clone(), lse.clone()
+    merge_blocks_(acc_out, acc_lse, out_b, lse_b)
+    assert_close(acc_out, ref_out, 1e-13, "out")
+    assert_close(acc_lse, ref_lse, 1e-13, "lse")
+    # Far-apart lse (exp would overflow/underflow in fp32) stays exact in the sigmoid form.
+    lse_far = lse + 80.0
+    acc_out, acc_lse = out.clone(), lse_far.clone()
+    merge_blocks_(acc_out, acc_lse, out_b, lse_b)
+    ref_out, ref_lse = _closed_form(out, lse_far, out_b, lse_b)
+    assert_close(acc_out, ref_out, 1e-13, "out (far)")
+    assert_close(acc_lse, ref_lse, 1e-13, "lse (far)")
+
+
+@pytest.mark.parametrize("dtype", [F64, F32, BF16, torch.float16])
+def test_torch_path_empty_rows_exact(dtype):
+    g = torch.Generator().manual_seed(2)
+    b, t, h, d = 1, 4, 3, 8
+    out, out_b = _randn((b, t, h, d), g, dtype), _randn((b, t, h, d), g, dtype)
+    lse_dt = F64 if dtype == F64 else F32
+    lse, lse_b = _randn((b, h, t), g, lse_dt), _randn((b, h, t), g, lse_dt)
+    _mark_empty_rows(out, lse, lse_b)
+    before = (out.clone(), lse.clone())
+    merge_blocks_(out, lse, out_b, lse_b)
+    assert out.dtype == dtype and lse.dtype == lse_dt
+    _check_result(out, lse, before, out_b, lse_b, f"torch[{dtype}]")
+    # Merging a wholly empty block leaves the accumulator bitwise unchanged.
+    before = (out.clone(), lse.clone())
+    merge_blocks_(out, lse, torch.zeros_like(out), torch.full_like(lse, NEG_INF))
+    assert torch.equal(out, before[0]) and torch.equal(lse, before[1])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "rows", "heads"])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_torch_path_low_precision_and_views(dtype, layout):
+    # bf16 out: fp32 math rounded once (checked against fp64 math rounded once), in place
+    # through row / head slices of bigger buffers, nothing outside them written.
+    _run_case(merge_blocks_, dtype, 24, layout, h=5, seed=3)
+
+
+def test_bf16_accumulator_beats_bf16_math_over_many_merges():
+    # Eight merges into a bf16 accumulator vs the fp64 result: one rounding per merge, so
+    # the error stays at a few bf16 ulps (fp32 weights, not bf16 ones).
+    g = torch.Generator().manual_seed(4)
+    b, t, h, d = 1, 16, 4, 32
+    acc = torch.zeros(b, t, h, d, dtype=BF16)
+    acc_lse = torch.full((b, h, t), NEG_INF)
+    ref, ref_lse = torch.zeros(b, t, h, d, dtype=F64), torch.full((b, h, t), NEG_INF, dtype=F64)
+    for _ in range(8):
+        ob, lb = _randn((b, t, h, d), g, BF16), _randn((b, h, t), g, F32, 2.0)
+        merge_blocks_(acc, acc_lse, ob, lb)
+        ref, ref_lse = _closed_form(ref, ref_lse, ob, lb)
+    assert_close(acc, ref, 2.0 ** -7, "bf16 accumulator")
+    assert_close(acc_lse, ref_lse, 1e-6, "lse")
+
+
+def test_merge_blocks_out_of_place_returns_fp32():
+    g = torch.Generator().manual_seed(5)
+    out, out_b = _randn((1, 3, 2, 4), g, BF16), _randn((1, 3, 2, 4), g, BF16)
+    lse, lse_b = _randn((1, 2, 3), g, BF16), _randn((1, 2, 3), g, BF16)
+    mo, ml = merge_blocks(out, lse, out_b, lse_b)
+    assert mo.dtype == F32 and ml.dtype == F32
+    ref_out, ref_lse = _closed_form(out, lse, out_b, lse_b)
+    assert_close(mo, ref_out, 1e-6, "out")
+    assert_close(ml, ref_lse, 1e-6, "lse")
+
+
+def test_merge_errors_are_clear():
+    out = torch.zeros(1, 3, 2, 4, dtype=BF16)
+    with pytest.raises(ValueError, match="lse accumulator must be fp32"):
+        merge_blocks_(out, torch.zeros(1, 2, 3, dtype=BF16), out, torch.zeros(1, 2, 3))
+    with pytest.raises(ValueError, match="floating-point"):
+        merge_blocks_(out, torch.zeros(1, 2, 3), out.int(), torch.zeros(1, 2, 3))
+    with pytest.raises(ValueError, match="one device"):
+        merge_blocks_(out, torch.zeros(1, 2, 3), out.to("meta"), torch.zeros(1, 2, 3))
