@@ -93,16 +93,12 @@ def _check_slope_values(slopes: torch.Tensor) -> None:
     """Slopes must be finite and >= 0. Reading values on the host syncs a CUDA device, which
     would stall the launch queue on every call; slopes are fixed buffers, so each tensor is
     checked once per version (an in-place change bumps ``_version`` and is checked again)."""
-    version = slopes._version
-    if getattr(slopes, "_sp_checked_version", None) == version:
-        return
-    if not torch.isfinite(slopes).all() or (slopes < 0).any():
-        raise ValueError("slopes must be finite and >= 0 (decay exp(-slope) in (0, 1]); "
-                         f"got min {slopes.min().item()}")
-    try:
-        slopes._sp_checked_version = version
-    except (AttributeError, RuntimeError):   # a tensor subclass that refuses attributes
-        pass
+    def check() -> bool:
+        if not torch.isfinite(slopes).all() or (slopes < 0).any():
+            raise ValueError("slopes must be finite and >= 0 (decay exp(-slope) in (0, 1]); "
+                             f"got min {slopes.min().item()}")
+        return True
+    slope_constant(slopes, ("values_checked",), check)
 
 
 def _check_inputs(q, k, v, slopes, ctx: SPContext, scale) -> None:

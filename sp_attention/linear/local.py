@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import weakref
 
 import torch
 
@@ -111,21 +112,29 @@ def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type=device.type, enabled=False)
 
 
+# id(slopes) -> (weakref to it, its _version, {key: derived tensor}). A finalizer drops the
+# entry with the tensor; nothing is attached to the tensor itself (saving it saves only values).
+# (A WeakKeyDictionary would compare tensors with ==, which is elementwise.)
+_SLOPE_CONSTANTS: dict = {}
+
+
 def slope_constant(slopes: torch.Tensor, key: tuple, make):
-    """A tensor derived from ``slopes`` (decay powers, fla's g_gamma), made once per slopes
-    tensor and version and kept on it: rebuilding these small tensors on every call costs a
-    handful of kernel launches each, and the CP step is launch-bound at short T_local. An
-    in-place change of the slopes (a new ``_version``) drops the cache."""
-    cache = getattr(slopes, "_sp_constants", None)
-    if cache is None or cache[0] != slopes._version:
-        cache = (slopes._version, {})
+    """A tensor derived from ``slopes`` (decay powers, fla's g_gamma, a value check), made once
+    per slopes tensor and version: rebuilding these small tensors on every call costs a handful
+    of kernel launches each, and the CP step is launch-bound at short T_local. An in-place
+    change of the slopes (a new ``_version``) drops the entry."""
+    entry = _SLOPE_CONSTANTS.get(id(slopes))
+    if entry is None or entry[0]() is not slopes or entry[1] != slopes._version:
         try:
-            slopes._sp_constants = cache
-        except (AttributeError, RuntimeError):   # a tensor subclass that refuses attributes
+            ref = weakref.ref(slopes)
+        except TypeError:                       # not weak-referenceable: no caching
             return make()
-    if key not in cache[1]:
-        cache[1][key] = make()
-    return cache[1][key]
+        if entry is None or entry[0]() is not slopes:
+            weakref.finalize(slopes, _SLOPE_CONSTANTS.pop, id(slopes), None)
+        entry = _SLOPE_CONSTANTS[id(slopes)] = (ref, slopes._version, {})
+    if key not in entry[2]:
+        entry[2][key] = make()
+    return entry[2][key]
 
 
 def _fla_g_gamma(slopes: torch.Tensor, device: torch.device) -> torch.Tensor:

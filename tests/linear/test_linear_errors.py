@@ -8,6 +8,7 @@ import torch
 
 from sp_attention import SPContext
 from sp_attention.linear import lightning_attention
+from sp_attention.linear.local import _SLOPE_CONSTANTS
 
 FAKE = SPContext(object(), 0, 2, (0, 1), "zigzag")
 
@@ -55,7 +56,13 @@ def test_slope_values_checked_once_per_version_and_again_after_an_inplace_change
     slopes = torch.tensor([0.1, 0.2], dtype=torch.float64)
     single = SPContext(None, 0, 1, (0,), "contiguous")
     lightning_attention(q, k, v, slopes, ctx=single, backend="torch")
-    assert slopes._sp_checked_version == slopes._version
+    ref, version, constants = _SLOPE_CONSTANTS[id(slopes)]
+    assert ref() is slopes and version == slopes._version and ("values_checked",) in constants
+    assert not hasattr(slopes, "_sp_constants")        # nothing stored on the tensor itself
     slopes.mul_(-1.0)
     with pytest.raises(ValueError, match=">= 0"):
         lightning_attention(q, k, v, slopes, ctx=FAKE, backend="torch")
+    del slopes
+    import gc
+    gc.collect()
+    assert not any(ref() is None for ref, _, _ in _SLOPE_CONSTANTS.values())   # entries die too
