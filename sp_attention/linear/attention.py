@@ -1,12 +1,14 @@
 """Context-parallel linear attention with per-head decay: autograd Function and public function.
 
-Per rank: split the shard into its leaves (1 contiguous, 2 zigzag), form each leaf's end state
-from a zero start ``b = Σ λ^{C−1−j} k_jᵀ v_j`` (one GEMM), scan the fp32 elements ``(λ^C, b)``
-across ranks for every leaf's incoming state ``S_in``, then run the local kernel once per leaf
-with its chunk states starting from ``S_in`` (the inter term ``scale·λ^{i+1} q_i S_in`` is
-formed inside the kernel; no zero-start output is materialised and corrected).
-Backward mirrors it: each leaf's state-gradient contribution is suffix-scanned to give the
-gradient ``G`` arriving at its end, then the local backward consumes ``(S_in, dO, G)``.
+Per rank: view the shard's leaves (1 contiguous, 2 zigzag) as the rows of one batch, form each
+leaf's end state from a zero start ``b = Σ λ^{C−1−j} k_jᵀ v_j`` (one GEMM), and scan the fp32
+elements ``(λ^C, b)`` across ranks into every leaf's incoming state ``S_in``. On GPU this runs
+on a side stream while the chunk recurrence runs from zero on the main stream; the output
+kernel then adds ``λ^(n·BT) S_in`` to each chunk state (linearity), so the scan's latency
+hides behind the recurrence and no zero-start output is materialised and corrected.
+Backward mirrors it: each leaf's state-gradient contribution is suffix-scanned into the
+gradient ``G`` arriving at its end (side stream) while the chunk states from ``S_in`` are
+recomputed; fla's gradient recurrence from ``G`` and its dq/dk/dv kernels follow.
 Only ``S_in`` per leaf is saved for backward; everything else is recomputed by the local op.
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from ..context import SPContext
 from .local import BACKENDS, chunk_decay, leaf_backward, leaf_output, leaf_state, \
-    resolve_backend, slope_constant, state_grad_local
+    leaves_backward, leaves_output, resolve_backend, slope_constant, state_grad_local
 from .scan_allgather import allgather_scan
 from .scan_blelloch import blelloch_scan
 from .scan_ring import ring_scan
@@ -46,46 +48,63 @@ def _leaf_elements(q: torch.Tensor, slopes: torch.Tensor, n_leaves: int, b: list
     return [A] * n_leaves
 
 
+def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``[B, n·C, ...]`` -> ``[B·n, C, ...]``: one row per leaf (a view for contiguous x)."""
+    return x.reshape(x.shape[0] * n, x.shape[1] // n, *x.shape[2:])
+
+
+def _scan_rows(x: torch.Tensor, q: torch.Tensor, slopes: torch.Tensor, ctx: SPContext,
+               impl: str, reverse: bool) -> torch.Tensor:
+    """Scan the per-leaf states ``x [B·n, H, K, V]`` (this rank's leaves as rows) across the
+    group: the state entering each leaf (``reverse``: the gradient arriving at its end), in
+    the same row layout, fp32 (fp64 for fp64 inputs)."""
+    n = len(ctx.leaves)
+    parts = list(x.view(q.shape[0], n, *x.shape[1:]).unbind(1))
+    out = SCANS[impl](_leaf_elements(q, slopes, n, parts), parts, ctx, reverse=reverse)
+    return torch.stack(out, 1).view(x.shape)
+
+
 class _LightningAttention(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, slopes, ctx: SPContext, impl: str, scale: float,
                 backend: Optional[str]):
-        n = len(ctx.leaves)
-        qs, ks, vs = q.chunk(n, 1), k.chunk(n, 1), v.chunk(n, 1)
         if ctx.num_leaves == 1:     # the whole sequence is one leaf: nothing enters it
-            s_in = [torch.zeros(())]
+            S = torch.zeros(())
+            out = leaf_output(q, k, v, slopes, scale, None, backend)
         else:
-            # 1. each leaf's zero-start end state: one GEMM, no chunk recurrence
-            b = [leaf_state(ki, vi, slopes) for ki, vi in zip(ks, vs)]
-            # 2. the states entering the leaves (world size 1 too: a zigzag rank's 2 leaves)
-            s_in = SCANS[impl](_leaf_elements(q, slopes, n, b), b, ctx, reverse=False)
-        # 3. one kernel call per leaf whose chunk states start from S_in: the inter term is
-        #    formed inside the kernel. The sequence's first leaf starts from zero.
-        outs = [leaf_output(qi, ki, vi, slopes, scale, si if leaf > 0 else None, backend)
-                for qi, ki, vi, si, leaf in zip(qs, ks, vs, s_in, ctx.leaves)]
-        fctx.save_for_backward(q, k, v, slopes, *s_in)
+            # A rank's leaves are the rows of one batch. While each leaf's zero-start end
+            # state (one GEMM) is scanned across ranks into the state S_in entering it (a side
+            # stream on GPU), the chunk recurrence runs from zero; the output kernel then adds
+            # S_in to every chunk state. The sequence's first leaf gets S_in = 0 (exact).
+            n = len(ctx.leaves)
+            qb, kb, vb = _rows(q, n), _rows(k, n), _rows(v, n)
+            o, S = leaves_output(
+                qb, kb, vb, slopes, scale,
+                lambda: _scan_rows(leaf_state(kb, vb, slopes), q, slopes, ctx, impl, False),
+                backend)
+            out = o.reshape(*q.shape[:3], v.shape[-1])
+        fctx.save_for_backward(q, k, v, slopes, S)
         fctx.sp, fctx.impl, fctx.scale, fctx.backend = ctx, impl, scale, backend
-        out = torch.cat(outs, 1) if n > 1 else outs[0]
         return out.to(q.dtype)
 
     @staticmethod
     def backward(fctx, do):
-        q, k, v, slopes, *s_in = fctx.saved_tensors
+        q, k, v, slopes, S = fctx.saved_tensors
         ctx, scale, backend = fctx.sp, fctx.scale, fctx.backend
-        n = len(ctx.leaves)
-        qs, ks, vs, dos = q.chunk(n, 1), k.chunk(n, 1), v.chunk(n, 1), do.chunk(n, 1)
-        last = ctx.num_leaves - 1
-        if last == 0:               # one leaf: no gradient arrives from later leaves
-            G = [None]
+        if ctx.num_leaves == 1:     # one leaf: no state enters, no gradient arrives
+            dq, dk, dv = leaf_backward(q, k, v, slopes, scale, None, do, None, backend)
         else:
-            d = [state_grad_local(qi, di, slopes, scale).to(s_in[0].dtype)
-                 for qi, di in zip(qs, dos)]
-            G = SCANS[fctx.impl](_leaf_elements(q, slopes, n, d), d, ctx, reverse=True)
-        grads = []
-        for qi, ki, vi, di, si, gi, leaf in zip(qs, ks, vs, dos, s_in, G, ctx.leaves):
-            grads.append(leaf_backward(qi, ki, vi, slopes, scale, si if leaf > 0 else None,
-                                       di, gi if leaf < last else None, backend))
-        dq, dk, dv = (torch.cat(t, 1) if n > 1 else t[0] for t in zip(*grads))
+            # Mirror image: each leaf's state-gradient contribution (one GEMM) is suffix-scanned
+            # into the gradient G arriving at its end (side stream) while the chunk states
+            # from S_in are recomputed; the last leaf gets G = 0 (exact).
+            n = len(ctx.leaves)
+            qb, kb, vb, dob = _rows(q, n), _rows(k, n), _rows(v, n), _rows(do, n)
+            grads = leaves_backward(
+                qb, kb, vb, slopes, scale, S, dob,
+                lambda: _scan_rows(state_grad_local(qb, dob, slopes, scale), q, slopes, ctx,
+                                   fctx.impl, True),
+                backend)
+            dq, dk, dv = (g.reshape(x.shape) for g, x in zip(grads, (q, k, v)))
         return dq, dk, dv, None, None, None, None, None
 
 

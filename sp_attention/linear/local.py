@@ -43,6 +43,8 @@ __all__ = [
     "decay_powers",
     "chunk_decay",
     "slope_constant",
+    "leaves_output",
+    "leaves_backward",
 ]
 
 BACKENDS = ("torch", "fla")
@@ -321,3 +323,99 @@ def leaf_backward(
             )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     return _torch_leaf_backward(q, k, v, slopes, scale, S_in, do, G)
+
+
+# ---------------------------------------------------------------------------------------------
+# Several leaves at once, their cross-rank states overlapped with the chunk recurrence.
+# q, k, v, do here are [N, C, H, D]: one row per leaf (a rank's leaves are equal-length pieces
+# of its shard, so [B, n·C, ...] is viewed as [B·n, C, ...]); S_in and G are [N, H, K, V]
+# (zeros where no state enters / no gradient arrives, which is exact).
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One extra stream per device for the state GEMM and the scan (latency-bound, few SMs)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE_STREAMS:
+        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return _SIDE_STREAMS[idx]
+
+
+def _on_side_stream(fn, reads: tuple, device: torch.device) -> tuple:
+    """Start ``fn()`` (state GEMM + cross-rank scan) on the side stream after the work queued so
+    far; returns (result, side stream). ``reads`` are main-stream tensors it uses (kept alive
+    for the side stream by the caching allocator)."""
+    main, side = torch.cuda.current_stream(device), _side_stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        out = fn()
+    for t in reads:
+        t.record_stream(side)
+    out.record_stream(main)
+    return out, side
+
+
+def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
+                  scale: float, entering, backend: str | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs of N leaves entered with the states ``entering()`` returns (``[N, H, K, V]``,
+    fp32): ``(o [N, C, H, V], S_in)``.
+
+    fla: ``entering`` (state GEMM + scan) runs on a side stream while the zero-start chunk
+    recurrence (``chunk_fwd_h``) runs; the output kernel
+    (:func:`sp_attention.linear.kernels.output_from_states`) then adds ``λ^(n·BT) S_in`` to
+    each chunk state. torch: ``entering()`` first, then the chunked form from ``S_in``.
+    """
+    backend = resolve_backend(backend, q, k, v)
+    if backend != "fla":
+        S_in = entering()
+        return leaf_output(q, k, v, slopes, scale, S_in, backend), S_in
+    from fla.ops.common.chunk_h import chunk_fwd_h
+
+    from sp_attention.linear.kernels import output_from_states
+
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    gg = _fla_g_gamma(slopes, q.device)      # made on the main stream before the side one starts
+    S_in, side = _on_side_stream(entering, (k, v), q.device)
+    with torch.cuda.device(q.device):
+        h, _ = chunk_fwd_h(k=k, v=v, g=None, g_gamma=gg, h0=None, output_final_state=False,
+                           chunk_size=_CHUNK)
+        torch.cuda.current_stream(q.device).wait_stream(side)
+        return output_from_states(q, k, v, h, S_in.contiguous(), gg, scale, _CHUNK), S_in
+
+
+def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
+                    scale: float, S_in: torch.Tensor, do: torch.Tensor, arriving,
+                    backend: str | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of N leaves entered with ``S_in``; ``arriving()`` returns the state
+    gradients ``G [N, H, K, V]`` arriving at their ends from later leaves.
+
+    fla: ``arriving`` (state-gradient GEMM + reverse scan) runs on a side stream while the
+    chunk states from ``S_in`` are recomputed (``chunk_fwd_h``), which needs no ``G``; the
+    gradient recurrence from ``G`` and the dq/dk/dv kernels follow (fla's own backward,
+    split so the scan hides behind the recomputation).
+    """
+    backend = resolve_backend(backend, q, k, v)
+    if backend != "fla":
+        return leaf_backward(q, k, v, slopes, scale, S_in, do, arriving(), backend)
+    from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
+    from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv
+
+    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.to(v.dtype).contiguous()
+    S_in = S_in.to(torch.float32).contiguous()
+    gg = _fla_g_gamma(slopes, q.device)
+    G, side = _on_side_stream(arriving, (q, do), q.device)
+    with torch.cuda.device(q.device):
+        h, _ = chunk_fwd_h(k=k, v=v, g=None, g_gamma=gg, h0=S_in, output_final_state=False,
+                           chunk_size=_CHUNK, states_in_fp32=True)
+        torch.cuda.current_stream(q.device).wait_stream(side)
+        dh, _ = chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=G.to(torch.float32).contiguous(),
+                             scale=scale, g=None, g_gamma=gg, chunk_size=_CHUNK,
+                             states_in_fp32=True)
+        dq, dk, _, _ = chunk_bwd_dqkwg(q=q, k=k, v=v, do=do, h=h, dh=dh, g=None, g_gamma=gg,
+                                       scale=scale, chunk_size=_CHUNK)
+        dv = chunk_bwd_dv(q=q, k=k, do=do, dh=dh, g=None, g_gamma=gg, scale=scale,
+                          chunk_size=_CHUNK)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

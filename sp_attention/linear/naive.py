@@ -26,6 +26,8 @@ __all__ = [
     "decay_powers",
     "chunk_decay",
     "compute_dtype",
+    "chunk_start_states",
+    "output_from_states_ref",
 ]
 
 
@@ -106,6 +108,58 @@ def recurrent_linear_attention(
     return o.to(q.dtype), (S if output_final_state else None)
 
 
+def _chunk_layout(x: torch.Tensor, C: int, dt: torch.dtype) -> torch.Tensor:
+    """[B, T, H, D] -> [B, H, N, C, D] in `dt`, zero-padded at the end of the
+    last chunk (zero k/v add nothing to any state; padded q rows are dropped)."""
+    B, T, H, D = x.shape
+    N = max(1, -(-T // C))
+    x = x.to(dt).transpose(1, 2)
+    if N * C - T:
+        x = torch.nn.functional.pad(x, (0, 0, 0, N * C - T))
+    return x.reshape(B, H, N, C, D)
+
+
+def _chunk_starts(kc: torch.Tensor, vc: torch.Tensor, s: torch.Tensor, T: int,
+                  initial_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """States entering each chunk ``[B, H, N, K, V]`` and the final state ``[B, H, K, V]``.
+
+    Chunk n of true length L_n: S_{n+1} = lam^(L_n) S_n + sum_j lam^(L_n-1-j) k_j^T v_j.
+    """
+    B, H, N, C, K = kc.shape
+    dt, dev = kc.dtype, kc.device
+    idx = torch.arange(C, device=dev, dtype=dt)
+    lengths = torch.full((N,), C, device=dev, dtype=dt)
+    lengths[-1] = T - (N - 1) * C
+    k_exp = (lengths[:, None] - 1 - idx[None, :]).clamp(min=0)  # [N, C]; padded rows have k = 0
+    k_dec = torch.exp(-s[:, None, None] * k_exp[None])  # [H, N, C]
+    b = torch.einsum("bhnjk,bhnjv->bhnkv", kc * k_dec[None, ..., None], vc)  # zero-start chunk states
+    A = torch.exp(-s[:, None] * lengths[None, :])  # [H, N]
+    # Sequential scan over chunks (N is small); a list keeps it autograd-friendly.
+    S = kc.new_zeros(B, H, K, vc.shape[-1]) if initial_state is None else initial_state.to(dt)
+    starts = []
+    for n in range(N):
+        starts.append(S)
+        S = A[None, :, n, None, None] * S + b[:, :, n]
+    return torch.stack(starts, dim=2), S
+
+
+def _chunk_outputs(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, s: torch.Tensor,
+                   S_start: torch.Tensor, scale: float, T: int) -> torch.Tensor:
+    """o [B, T, H, V] from chunked q, k, v and the state entering each chunk ``S_start``:
+    intra ``scale Σ_{j<=i} lam^(i-j) (q_i.k_j) v_j`` + inter ``scale lam^(i+1) q_i S_n``."""
+    B, H, N, C, _ = qc.shape
+    idx = torch.arange(C, device=qc.device, dtype=qc.dtype)
+    # Intra-chunk decay mask lam^(i-j) for j <= i; the exponent is clamped at 0 before exp
+    # so the masked-out upper triangle never holds inf (inf * 0 = NaN for fast heads).
+    diff = idx[:, None] - idx[None, :]
+    D = torch.exp(-s[:, None, None] * diff.clamp(min=0)) * (diff >= 0)  # [H, C, C]
+    scores = torch.einsum("bhnik,bhnjk->bhnij", qc, kc) * D[None, :, None]
+    o = torch.einsum("bhnij,bhnjv->bhniv", scores, vc)
+    q_dec = torch.exp(-s[:, None] * (idx + 1)[None, :])  # [H, C]: lam^(i+1)
+    o = o + torch.einsum("bhnik,bhnkv->bhniv", qc * q_dec[None, :, None, :, None], S_start)
+    return (scale * o).reshape(B, H, N * C, -1)[:, :, :T].transpose(1, 2)
+
+
 def chunked_core(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -129,49 +183,47 @@ def chunked_core(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     _check_shapes(q, k, v, slopes)
     dt = compute_dtype(q, k, v, initial_state)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    dev = q.device
-    C = chunk_size
-    N = max(1, -(-T // C))
-    pad = N * C - T
-    # [B, T, H, D] -> [B, H, N, C, D], zero-padded at the end of the last chunk.
-    def to_chunks(x: torch.Tensor) -> torch.Tensor:
-        x = x.to(dt).transpose(1, 2)
-        if pad:
-            x = torch.nn.functional.pad(x, (0, 0, 0, pad))
-        return x.reshape(B, H, N, C, x.shape[-1])
+    T = q.shape[1]
+    qc, kc, vc = (_chunk_layout(x, chunk_size, dt) for x in (q, k, v))
+    s = slopes.to(device=q.device, dtype=dt)
+    S_start, S = _chunk_starts(kc, vc, s, T, initial_state)
+    return _chunk_outputs(qc, kc, vc, s, S_start, scale, T), S
 
-    qc, kc, vc = to_chunks(q), to_chunks(k), to_chunks(v)
-    s = slopes.to(device=dev, dtype=dt)
-    idx = torch.arange(C, device=dev, dtype=dt)
-    # Intra-chunk decay mask lam^(i-j) for j <= i; the exponent is clamped at 0 before exp
-    # so the masked-out upper triangle never holds inf (inf * 0 = NaN for fast heads).
-    diff = idx[:, None] - idx[None, :]
-    causal = diff >= 0
-    D = torch.exp(-s[:, None, None] * diff.clamp(min=0)) * causal  # [H, C, C]
-    scores = torch.einsum("bhnik,bhnjk->bhnij", qc, kc) * D[None, :, None]
-    o = torch.einsum("bhnij,bhnjv->bhniv", scores, vc)
 
-    # True length of each chunk (only the last may be short).
-    lengths = torch.full((N,), C, device=dev, dtype=dt)
-    lengths[-1] = T - (N - 1) * C
-    k_exp = (lengths[:, None] - 1 - idx[None, :]).clamp(min=0)  # [N, C]; padded rows have k = 0
-    k_dec = torch.exp(-s[:, None, None] * k_exp[None])  # [H, N, C]
-    b = torch.einsum("bhnjk,bhnjv->bhnkv", kc * k_dec[None, ..., None], vc)  # zero-start chunk states
-    A = torch.exp(-s[:, None] * lengths[None, :])  # [H, N]
+def chunk_start_states(k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
+                       chunk_size: int = 64,
+                       initial_state: torch.Tensor | None = None) -> torch.Tensor:
+    """The state entering each chunk, ``[B, N, H, K, V]`` (fla's ``h`` layout), fp32/fp64.
 
-    # Sequential scan over chunks (N is small); a list keeps it autograd-friendly.
-    S = q.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
-    starts = []
-    for n in range(N):
-        starts.append(S)
-        S = A[None, :, n, None, None] * S + b[:, :, n]
-    S_start = torch.stack(starts, dim=2)  # [B, H, N, K, V]
-    q_dec = torch.exp(-s[:, None] * (idx + 1)[None, :])  # [H, C]: lam^(i+1)
-    o = o + torch.einsum("bhnik,bhnkv->bhniv", qc * q_dec[None, :, None, :, None], S_start)
-    o = (scale * o).reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2)
-    return o, S
+    Reference for the chunk recurrence that fla's ``chunk_fwd_h`` runs (N = ceil(T / chunk)).
+    """
+    _check_shapes(k, k, v, slopes)
+    dt = compute_dtype(k, v, initial_state)
+    kc, vc = _chunk_layout(k, chunk_size, dt), _chunk_layout(v, chunk_size, dt)
+    s = slopes.to(device=k.device, dtype=dt)
+    return _chunk_starts(kc, vc, s, k.shape[1], initial_state)[0].transpose(1, 2)
+
+
+def output_from_states_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor,
+                           S_in: torch.Tensor, slopes: torch.Tensor, scale: float,
+                           chunk_size: int = 64) -> torch.Tensor:
+    """Output of a leaf from its zero-start chunk states and the state entering it.
+
+    ``h [B, N, H, K, V]`` are the states entering each chunk when the leaf starts from zero;
+    by linearity the true ones are ``h_n + lam^(n·chunk) S_in``, and ``o`` follows as in
+    :func:`chunked_core`. Pure-torch reference of the Triton kernel
+    :func:`sp_attention.linear.kernels.output_from_states`. Returns ``[B, T, H, V]`` in
+    fp32/fp64.
+    """
+    _check_shapes(q, k, v, slopes)
+    dt = compute_dtype(q, k, v, S_in)
+    T, C = q.shape[1], chunk_size
+    qc, kc, vc = (_chunk_layout(x, C, dt) for x in (q, k, v))
+    s = slopes.to(device=q.device, dtype=dt)
+    N = qc.shape[2]
+    carry = torch.exp(-s[:, None] * (torch.arange(N, device=q.device, dtype=dt) * C))  # [H, N]
+    S_start = h.to(dt).transpose(1, 2) + carry[None, :, :, None, None] * S_in.to(dt)[:, :, None]
+    return _chunk_outputs(qc, kc, vc, s, S_start, scale, T)
 
 
 def chunked_linear_attention(

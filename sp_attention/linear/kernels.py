@@ -1,0 +1,128 @@
+"""Triton kernel: a leaf's output from its zero-start chunk states plus the state entering it.
+
+Why it exists: the CP forward needs the state ``S_in`` that enters each leaf, which arrives
+from other ranks. fla's forward consumes ``S_in`` in its first kernel (the chunk recurrence
+``chunk_fwd_h``), so nothing could run while the scan is in flight. The recurrence is linear
+in its start, so the states entering chunk ``n`` are ``h_n + λ^(n·BT) S_in`` with ``h`` the
+zero-start states: ``chunk_fwd_h`` can run from zero while the scan runs on a side stream, and
+this kernel (fla's output kernel with one more tile load) adds ``λ^(n·BT) S_in`` to each chunk
+state in fp32 before the output GEMMs. Per (V tile, chunk, batch·head) program::
+
+    state = h_n + λ^(n·BT) S_in                 (fp32, rounded to the input dtype once)
+    o_i   = scale · ( λ^(i+1) q_i state + Σ_{j<=i} λ^(i−j) (q_i·k_j) v_j )
+
+Layers: this kernel → :func:`output_from_states` (launcher) → the leaf routines of
+:mod:`sp_attention.linear.local` → :func:`sp_attention.linear.lightning_attention`.
+Reference: :func:`sp_attention.linear.naive.output_from_states_ref`. Decays are ``exp2`` of
+``g_gamma = −slope / ln 2`` times integer positions (fla's convention, see ``local.py``).
+Needs triton (the ``gpu`` extra); runs under ``TRITON_INTERPRET=1`` on CPU for tests.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_CONFIGS = [
+    triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=st)
+    for bk, bv, w, st in ((64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 8, 2), (32, 32, 2, 3))
+]
+
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def _output_from_states_kernel(q, k, v, h, s_in, g_gamma, o, scale, T, NT,
+                               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    i_v = tl.program_id(0)
+    i_t = tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    tok0 = i_b * T                                      # first token of this batch row
+    q += (tok0 * H + i_h) * K
+    k += (tok0 * H + i_h) * K
+    v += (tok0 * H + i_h) * V
+    o += (tok0 * H + i_h) * V
+    h += ((i_b * NT + i_t) * H + i_h) * K * V
+    s_in += i_bh * K * V
+
+    gamma = tl.load(g_gamma + i_h).to(tl.float32)      # log2 of the per-token decay (<= 0)
+    carry = tl.exp2(gamma * (i_t * BT).to(tl.float32))  # λ^(n·BT): S_in decayed to chunk n
+
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_q = tl.load(q + o_t[:, None] * (H * K) + o_k[None, :],
+                      mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_k = tl.load(k + o_k[:, None] + o_t[None, :] * (H * K),
+                      mask=m_k[:, None] & m_t[None, :], other=0.0)
+        p_s = o_k[:, None] * V + o_v[None, :]
+        m_s = m_k[:, None] & m_v[None, :]
+        b_s = tl.load(h + p_s, mask=m_s, other=0.0).to(tl.float32) \
+            + carry * tl.load(s_in + p_s, mask=m_s, other=0.0)
+        b_o = tl.dot(b_q, b_s.to(b_q.dtype), b_o)
+        b_A = tl.dot(b_q, b_k, b_A)
+
+    b_g = gamma * (tl.arange(0, BT) + 1).to(tl.float32)        # log2 λ^(i+1), local i
+    b_o = b_o * tl.exp2(b_g)[:, None]
+    causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
+    # exponent masked before exp2: the upper triangle would be λ^(negative) = overflow
+    b_A = tl.where(causal, b_A * tl.exp2(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+    p_v = o_t[:, None] * (H * V) + o_v[None, :]
+    m_ov = m_t[:, None] & m_v[None, :]
+    b_v = tl.load(v + p_v, mask=m_ov, other=0.0)
+    b_o = (b_o + tl.dot(b_A.to(b_v.dtype), b_v)) * scale
+    tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_ov)
+
+
+# Autotuned on the GPU; Triton's CPU interpreter has no benchmarker, so there the first config
+# is used as it is.
+_output_from_states_tuned = triton.autotune(configs=_CONFIGS, key=["H", "K", "V", "BT"])(
+    _output_from_states_kernel)
+
+
+def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor,
+                       S_in: torch.Tensor, g_gamma: torch.Tensor, scale: float,
+                       chunk_size: int = 64) -> torch.Tensor:
+    """Launch the kernel: ``o [B, T, H, V]`` in ``v.dtype``.
+
+    q, k ``[B, T, H, K]``, v ``[B, T, H, V]`` contiguous; ``h [B, N, H, K, V]`` the zero-start
+    states entering each chunk (``N = ceil(T / chunk_size)``, fla's ``chunk_fwd_h`` layout, any
+    float dtype); ``S_in [B, H, K, V]`` fp32, the state entering the leaf; ``g_gamma [H]`` fp32
+    log2 decay per token (``−slope / ln 2``).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = triton.cdiv(T, chunk_size)
+    for name, t in (("q", q), ("k", k), ("v", v), ("h", h), ("S_in", S_in)):
+        if not t.is_contiguous():
+            raise ValueError(f"output_from_states: {name} must be contiguous")
+    if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
+    if tuple(h.shape) != (B, N, H, K, V):
+        raise ValueError(f"h must be [B, N, H, K, V] = {(B, N, H, K, V)}, got {tuple(h.shape)}")
+    if tuple(S_in.shape) != (B, H, K, V) or S_in.dtype != torch.float32:
+        raise ValueError(f"S_in must be fp32 [B, H, K, V] = {(B, H, K, V)}, got "
+                         f"{S_in.dtype} {tuple(S_in.shape)}")
+    o = torch.empty_like(v)
+
+    def grid(meta):
+        return (triton.cdiv(V, meta["BV"]), N, B * H)
+    guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
+    args = (q, k, v, h, S_in, g_gamma, o, float(scale), T, N)
+    with guard:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            _output_from_states_kernel[grid](*args, H=H, K=K, V=V, BT=chunk_size,
+                                             **_CONFIGS[0].kwargs)
+        else:
+            _output_from_states_tuned[grid](*args, H=H, K=K, V=V, BT=chunk_size)
+    return o
