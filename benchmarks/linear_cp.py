@@ -33,8 +33,9 @@ from sp_attention.linear.local import (leaf_state, leaves_backward, leaves_outpu
 
 def _phases(q, k, v, slopes, do, ctx, impl, backend, timer) -> dict:
     """Time the pieces of one CP step alone (ms), in the order the autograd Function runs them
-    (on GPU the state GEMM + scan run on a side stream under the chunk recurrence, so the step
-    costs less than the sum)."""
+    (on GPU the forward takes the end states from the chunk recurrence, not ``leaf_state``, and
+    the backward's scan runs on a side stream under the recomputed recurrence, so the step
+    costs less than the sum; ``ms_local_bwd`` includes the state-gradient pass)."""
     n = len(ctx.leaves)
     qb, kb, vb, dob = (_rows(t, n) for t in (q, k, v, do))
     b = leaf_state(kb, vb, slopes)
@@ -44,12 +45,60 @@ def _phases(q, k, v, slopes, do, ctx, impl, backend, timer) -> dict:
     return {
         "ms_state_fwd": timer(lambda: leaf_state(kb, vb, slopes)),
         "ms_scan_fwd": timer(lambda: _scan_rows(b, q, slopes, ctx, impl, False)),
-        "ms_local_fwd": timer(lambda: leaves_output(qb, kb, vb, slopes, 1.0, lambda: S, backend)),
+        "ms_local_fwd": timer(lambda: leaves_output(qb, kb, vb, slopes, 1.0, lambda _: S, backend)),
         "ms_state_grad_bwd": timer(lambda: state_grad_local(qb, dob, slopes, 1.0)),
         "ms_scan_bwd": timer(lambda: _scan_rows(d, q, slopes, ctx, impl, True)),
         "ms_local_bwd": timer(lambda: leaves_backward(qb, kb, vb, slopes, 1.0, S, dob,
-                                                      lambda: G, backend)),
+                                                      lambda _: G, backend)),
     }
+
+
+def _host_ms(fn, iters: int = 10) -> float:
+    """Host time to enqueue one call (ms), queue drained first: above the GPU time = host-bound."""
+    import time
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    ms = (time.perf_counter() - t0) * 1e3 / iters
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return ms
+
+
+def _profile(step, out_dir: str, tag: str, rank: int) -> None:
+    """One profiled fwd+bwd step: Chrome trace per rank, and from rank 0 a text timeline of
+    the GPU kernels per stream (start and length in µs from the first one) and the top ops."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+    os.makedirs(out_dir, exist_ok=True)
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    path = os.path.join(out_dir, f"trace_{tag}_rank{rank}.json")
+    prof.export_chrome_trace(path)
+    if rank != 0:
+        return
+    ev = json.load(open(path))["traceEvents"]
+    kern = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                  key=lambda e: e["ts"])
+    cpu = [e for e in ev if e.get("cat") == "cpu_op"]
+    t0 = min(e["ts"] for e in kern + cpu)
+    lines = [f"# timeline {tag} (rank 0; µs from the first event)"]
+    cpu_end = max(e["ts"] + e.get("dur", 0) for e in cpu) - t0
+    lines.append(f"host: last op ends at {cpu_end:.0f}; GPU: first kernel {kern[0]['ts'] - t0:.0f}, "
+                 f"last ends {max(e['ts'] + e['dur'] for e in kern) - t0:.0f}")
+    for e in kern:
+        lines.append(f"  s{e['args'].get('stream', '?'):<4} {e['ts'] - t0:9.0f} {e['dur']:7.0f}  "
+                     f"{e['name'][:90]}")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25), file=sys.stderr,
+          flush=True)
 
 
 def main() -> None:
@@ -60,6 +109,9 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--no-phases", action="store_true")
+    p.add_argument("--profile", metavar="DIR",
+                   help="also profile one fwd+bwd step per layout and schedule at the first "
+                        "T_local (Chrome traces per rank, text timeline on stderr)")
     p.add_argument("--backend", choices=["fla", "torch"], default=None,
                    help="local kernel (default: fla when it can run)")
     a = p.parse_args()
@@ -105,6 +157,7 @@ def main() -> None:
                     o.backward(do)
             f_f, f_fb = timer(lambda: fla_step(False)), timer(lambda: fla_step(True))
             emit(dict(base, impl="fla_chunk_simple_gla", world=1, ms_fwd=f_f, ms_fwd_bwd=f_fb,
+                      ms_host_fwd_bwd=_host_ms(lambda: fla_step(True)),
                       mtok_s=T / f_fb / 1e3, baseline="local_kernel", ratio=t1_fb / f_fb),
                  a.out, rank)
             base_name, tb_f, tb_fb = "fla_chunk_simple_gla", f_f, f_fb
@@ -112,7 +165,9 @@ def main() -> None:
             ctx = build_sp_context(group, layout=layout)
             for impl in a.impls:
                 tf, tfb = timer(lambda: step(ctx, impl, False)), timer(lambda: step(ctx, impl, True))
+                host = _host_ms(lambda: step(ctx, impl, True)) if dev == "cuda" else None
                 rec = dict(base, impl=impl, layout=layout, ms_fwd=tf, ms_fwd_bwd=tfb,
+                           ms_host_fwd_bwd=host,
                            mtok_s=world * T / tfb / 1e3, mtok_s_fwd=world * T / tf / 1e3,
                            baseline=f"{world} x {base_name}", ratio=tb_fb / tfb,
                            ratio_fwd=tb_f / tf, ratio_vs_local_op=t1_fb / tfb)
@@ -125,6 +180,8 @@ def main() -> None:
                 # GEMMs, scans, exposed communication, host work): 1 - ratio
                 rec["overhead_share"] = max(0.0, (tfb - tb_fb) / tfb)
                 emit(rec, a.out, rank)
+                if a.profile and dev == "cuda" and T == t_locals[0]:
+                    _profile(lambda: step(ctx, impl, True), a.profile, f"{layout}-{impl}-{T}", rank)
         del q, k, v, do, qg, kg, vg
     if dist.is_initialized():
         dist.destroy_process_group()

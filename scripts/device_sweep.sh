@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, each step logged under $OUT (the device
 # tool's output folder; defaults to ./device-out elsewhere). Usage on a 2-GPU machine:
-#   bash scripts/device_sweep.sh [tests_softmax|softmax|linear|tests_linear|profile ...]
+#   bash scripts/device_sweep.sh [tests_softmax|softmax|linear|tests_linear|profile|
+#                                 linear_profile|host_launch ...]
 # (default: all but profile)
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
@@ -29,6 +30,13 @@ for step in $steps; do
       [ "$NGPU" -ge 2 ] && torchrun --standalone --nproc-per-node 2 benchmarks/linear_cp.py \
         --out "$OUT/linear.jsonl" ${LINEAR_ARGS:-} > /dev/null
       python3 benchmarks/summarize.py "$OUT/linear.jsonl" ;;
+    linear_profile)   # one profiled linear CP step per layout x scan at 32K, text timelines
+      [ "$NGPU" -ge 2 ] && torchrun --standalone --nproc-per-node 2 benchmarks/linear_cp.py \
+        --t-local 32768 --no-phases --profile /tmp/lprof --out "$OUT/linear_profiled.jsonl" \
+        > /dev/null 2> "$OUT/linear_profile.log"
+      tar czf "$OUT/linear_traces.tgz" -C /tmp lprof && grep -A3 "# timeline" "$OUT/linear_profile.log" ;;
+    host_launch)   # host µs per call of each piece of the linear step (host-bound check)
+      python3 benchmarks/host_launch.py | tee "$OUT/host_launch.txt" ;;
     softmax)
       [ "$NGPU" -ge 2 ] && torchrun --standalone --nproc-per-node 2 benchmarks/softmax_cp.py \
         --out "$OUT/softmax.jsonl" > "$OUT/softmax_stdout.log" 2>&1

@@ -1,14 +1,14 @@
 """Context-parallel linear attention with per-head decay: autograd Function and public function.
 
-Per rank: view the shard's leaves (1 contiguous, 2 zigzag) as the rows of one batch, form each
-leaf's end state from a zero start ``b = Σ λ^{C−1−j} k_jᵀ v_j`` (one GEMM), and scan the fp32
-elements ``(λ^C, b)`` across ranks into every leaf's incoming state ``S_in``. On GPU this runs
-on a side stream while the chunk recurrence runs from zero on the main stream; the output
-kernel then adds ``λ^(n·BT) S_in`` to each chunk state (linearity), so the scan's latency
-hides behind the recurrence and no zero-start output is materialised and corrected.
-Backward mirrors it: each leaf's state-gradient contribution is suffix-scanned into the
-gradient ``G`` arriving at its end (side stream) while the chunk states from ``S_in`` are
-recomputed; fla's gradient recurrence from ``G`` and its dq/dk/dv kernels follow.
+Per rank: view the shard's leaves (1 contiguous, 2 zigzag) as the rows of one batch, run the
+chunk recurrence from zero (its final state is each leaf's zero-start end state ``b``), and
+scan the fp32 elements ``(λ^C, b)`` across ranks into every leaf's incoming state ``S_in`` (on
+GPU on a side stream); the output kernel then adds ``λ^(n·BT) S_in`` to each chunk state
+(linearity), so no zero-start output is materialised and corrected.
+Backward mirrors it: each leaf's state-gradient contribution (one pass over q and dO) is
+suffix-scanned into the gradient ``G`` arriving at its end on the side stream while the
+chunk states from ``S_in`` are recomputed; fla's gradient recurrence from ``G`` and its
+dq/dk/dv kernels follow.
 Only ``S_in`` per leaf is saved for backward; everything else is recomputed by the local op.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 
 from ..context import SPContext
-from .local import BACKENDS, chunk_decay, leaf_backward, leaf_output, leaf_state, \
-    leaves_backward, leaves_output, resolve_backend, slope_constant, state_grad_local
+from .local import BACKENDS, chunk_decay, leaf_backward, leaf_output, leaves_backward, \
+    leaves_output, resolve_backend, slope_constant
 from .scan_allgather import allgather_scan
 from .scan_blelloch import blelloch_scan
 from .scan_ring import ring_scan
@@ -72,16 +72,14 @@ class _LightningAttention(torch.autograd.Function):
             S = torch.zeros(())
             out = leaf_output(q, k, v, slopes, scale, None, backend)
         else:
-            # A rank's leaves are the rows of one batch. While each leaf's zero-start end
-            # state (one GEMM) is scanned across ranks into the state S_in entering it (a side
-            # stream on GPU), the chunk recurrence runs from zero; the output kernel then adds
+            # A rank's leaves are the rows of one batch. Each leaf's zero-start end state is
+            # scanned across ranks into the state S_in entering it (on GPU a side stream; the
+            # end states come from the zero-start chunk recurrence), and the output kernel adds
             # S_in to every chunk state. The sequence's first leaf gets S_in = 0 (exact).
             n = len(ctx.leaves)
             qb, kb, vb = _rows(q, n), _rows(k, n), _rows(v, n)
-            o, S = leaves_output(
-                qb, kb, vb, slopes, scale,
-                lambda: _scan_rows(leaf_state(kb, vb, slopes), q, slopes, ctx, impl, False),
-                backend)
+            o, S = leaves_output(qb, kb, vb, slopes, scale,
+                                 lambda b: _scan_rows(b, q, slopes, ctx, impl, False), backend)
             out = o.reshape(*q.shape[:3], v.shape[-1])
         fctx.save_for_backward(q, k, v, slopes, S)
         fctx.sp, fctx.impl, fctx.scale, fctx.backend = ctx, impl, scale, backend
@@ -94,16 +92,14 @@ class _LightningAttention(torch.autograd.Function):
         if ctx.num_leaves == 1:     # one leaf: no state enters, no gradient arrives
             dq, dk, dv = leaf_backward(q, k, v, slopes, scale, None, do, None, backend)
         else:
-            # Mirror image: each leaf's state-gradient contribution (one GEMM) is suffix-scanned
-            # into the gradient G arriving at its end (side stream) while the chunk states
-            # from S_in are recomputed; the last leaf gets G = 0 (exact).
+            # Mirror image: each leaf's state-gradient contribution (one pass over q, dO) is
+            # suffix-scanned into the gradient G arriving at its end (side stream) while the
+            # chunk states from S_in are recomputed; the last leaf gets G = 0 (exact).
             n = len(ctx.leaves)
             qb, kb, vb, dob = _rows(q, n), _rows(k, n), _rows(v, n), _rows(do, n)
             grads = leaves_backward(
                 qb, kb, vb, slopes, scale, S, dob,
-                lambda: _scan_rows(state_grad_local(qb, dob, slopes, scale), q, slopes, ctx,
-                                   fctx.impl, True),
-                backend)
+                lambda d: _scan_rows(d, q, slopes, ctx, fctx.impl, True), backend)
             dq, dk, dv = (g.reshape(x.shape) for g, x in zip(grads, (q, k, v)))
         return dq, dk, dv, None, None, None, None, None
 

@@ -1,4 +1,7 @@
-"""Triton kernel: a leaf's output from its zero-start chunk states plus the state entering it.
+"""Triton kernels of the CP linear attention: a leaf's output from its zero-start chunk states
+plus the state entering it, and a leaf's decay-weighted state sum in one pass.
+
+``output_from_states``
 
 Why it exists: the CP forward needs the state ``S_in`` that enters each leaf, which arrives
 from other ranks. fla's forward consumes ``S_in`` in its first kernel (the chunk recurrence
@@ -11,15 +14,23 @@ state in fp32 before the output GEMMs. Per (V tile, chunk, batch·head) program:
     state = h_n + λ^(n·BT) S_in                 (fp32, rounded to the input dtype once)
     o_i   = scale · ( λ^(i+1) q_i state + Σ_{j<=i} λ^(i−j) (q_i·k_j) v_j )
 
-Layers: this kernel → :func:`output_from_states` (launcher) → the leaf routines of
+``decayed_state_sum``: ``Σ_t λ^(base + step·t) x_tᵀ y_t`` per (batch, head) in fp32 — the
+leaf's zero-start end state (``x = k, y = v``, weights ``λ^(C−1−t)``) or its state-gradient
+contribution (``x = q, y = dO``, weights ``λ^(t+1)``). One read of x and y (a GEMM over
+torch would first write the weighted x), split over the sequence for parallelism; the
+split partial sums are added in a fixed order (deterministic).
+
+Layers: these kernels → :func:`output_from_states` (launcher) → the leaf routines of
 :mod:`sp_attention.linear.local` → :func:`sp_attention.linear.lightning_attention`.
-Reference: :func:`sp_attention.linear.naive.output_from_states_ref`. Decays are ``exp2`` of
+References: :func:`sp_attention.linear.naive.output_from_states_ref` and
+:func:`sp_attention.linear.naive.decayed_state_sum_ref`. Decays are ``exp2`` of
 ``g_gamma = −slope / ln 2`` times integer positions (fla's convention, see ``local.py``).
 Needs triton (the ``gpu`` extra); runs under ``TRITON_INTERPRET=1`` on CPU for tests.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -126,3 +137,77 @@ def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: tor
         else:
             _output_from_states_tuned[grid](*args, H=H, K=K, V=V, BT=chunk_size)
     return o
+
+
+@triton.jit(do_not_specialize=["T", "n_per_split"])
+def _decayed_state_sum_kernel(x, y, g_gamma, part, T, n_per_split, base, step,
+                              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    i_kv = tl.program_id(0)
+    i_s = tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
+    NV = tl.cdiv(V, BV)
+    i_k = i_kv // NV
+    i_v = i_kv % NV
+    i_b = i_bh // H
+    i_h = i_bh % H
+    x += (i_b * T * H + i_h) * K
+    y += (i_b * T * H + i_h) * V
+    gamma = tl.load(g_gamma + i_h).to(tl.float32)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    acc = tl.zeros([BK, BV], dtype=tl.float32)
+    for c in range(i_s * n_per_split, (i_s + 1) * n_per_split):
+        o_t = c * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        # [BK, BT]: x transposed by addressing; rows of the sequence weighted in fp32
+        b_x = tl.load(x + o_k[:, None] + o_t[None, :] * (H * K), mask=m_k[:, None] & m_t[None, :],
+                      other=0.0)
+        # exponent >= 0 inside the leaf (w <= 1); rows past T are masked before exp2 (inf * 0)
+        w = tl.exp2(gamma * tl.where(m_t, base + step * o_t, 0).to(tl.float32))
+        b_x = (b_x.to(tl.float32) * w[None, :]).to(b_x.dtype)
+        b_y = tl.load(y + o_t[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                      other=0.0)
+        acc = tl.dot(b_x, b_y, acc)
+    p = part + ((i_s * tl.num_programs(2) + i_bh) * K + o_k[:, None]) * V + o_v[None, :]
+    tl.store(p, acc, mask=m_k[:, None] & m_v[None, :])
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor, base: int,
+                      step: int, splits: int | None = None) -> torch.Tensor:
+    """``Σ_t exp2(g_gamma·(base + step·t)) x_tᵀ y_t`` -> ``[B, H, K, V]`` fp32.
+
+    x ``[B, T, H, K]``, y ``[B, T, H, V]`` contiguous, one 16-bit dtype (the weighted x is
+    rounded to it before the tensor-core product, as the chunk kernels round their operands);
+    ``base + step·t >= 0`` for every t (weights ≤ 1). ``splits``: sequence pieces summed at the
+    end (default: enough programs for ~4 per SM).
+    """
+    B, T, H, K = x.shape
+    V = y.shape[-1]
+    if not (x.is_contiguous() and y.is_contiguous()) or y.shape[:3] != x.shape[:3]:
+        raise ValueError(f"decayed_state_sum: x {tuple(x.shape)} and y {tuple(y.shape)} must be "
+                         "contiguous with equal B, T, H")
+    if min(base, base + step * (T - 1)) < 0:
+        raise ValueError("decayed_state_sum: base + step·t must be >= 0 for every t")
+    BT, BK, BV = 64, 64, 64
+    n_chunks = triton.cdiv(T, BT)
+    tiles = triton.cdiv(K, BK) * triton.cdiv(V, BV)
+    if splits is None:
+        sms = _sm_count(x.device.index) if x.is_cuda else 8
+        splits = max(1, min(n_chunks, triton.cdiv(4 * sms, tiles * B * H)))
+    per = triton.cdiv(n_chunks, splits)
+    splits = triton.cdiv(n_chunks, per)
+    part = torch.empty(splits, B, H, K, V, device=x.device, dtype=torch.float32)
+    guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+    with guard:
+        _decayed_state_sum_kernel[(tiles, splits, B * H)](
+            x, y, g_gamma, part, T, per, base, step, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
+            num_warps=4, num_stages=3)
+    return part[0] if splits == 1 else part.sum(0)

@@ -201,37 +201,31 @@ def inter_output(q: torch.Tensor, slopes: torch.Tensor, scale: float, S_in: torc
 def _weighted_outer_sum(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``sum_i w[h, i] x_i^T y_i`` per (batch, head) -> [B, H, K, V] in fp32 (fp64 for fp64).
 
-    x [B, C, H, K], y [B, C, H, V], w [H, C] (decay weights). For 16-bit CUDA inputs this is one
-    tensor-core GEMM that accumulates and writes fp32 (the weighted x rounded to the input
-    dtype, as the chunk kernels round their operands); otherwise it runs in the compute dtype.
+    x [B, C, H, K], y [B, C, H, V], w [H, C] (decay weights); computed in the compute dtype.
     """
     dt = compute_dtype(x, y)
     with _no_autocast(x.device):
-        if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and y.dtype == x.dtype:
-            # One elementwise pass for the weights, then per batch one batched GEMM over heads
-            # that reads both operands in place: [H, K, C] and [H, C, V] are strided views of
-            # the [C, H, K] / [C, H, V] buffers (leading dimension H·K, batch stride K), which
-            # cuBLAS takes as they are; no transposed copies of the sequence.
-            xw = x * w.t()[None, :, :, None].to(x.dtype)
-            outs = []
-            for xb, yb in zip(xw, y):
-                a, bb = xb.permute(1, 2, 0), yb.permute(1, 0, 2)
-                try:
-                    outs.append(torch.bmm(a, bb, out_dtype=torch.float32))
-                except Exception:  # noqa: BLE001 - a torch without bf16->fp32 GEMMs: the same
-                    # products of the same bf16 operands, accumulated in fp32 (only slower)
-                    outs.append(torch.bmm(a.float(), bb.float()))
-            return torch.stack(outs)
         return torch.einsum("bchk,bchv->bhkv", x.to(dt) * w.t().to(dt)[None, :, :, None], y.to(dt))
+
+
+def _use_state_kernel(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """16-bit CUDA inputs take the one-pass Triton kernel (fp32 accumulation, the weighted x
+    rounded to the input dtype as the chunk kernels round their operands)."""
+    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and y.dtype == x.dtype
+            and _fla_import_error() is None)
 
 
 def leaf_state(k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor) -> torch.Tensor:
     """End state of a leaf from a zero start, b = sum_j lam^(C-1-j) k_j^T v_j -> [B, H, K, V].
 
-    One GEMM (no chunk recurrence): what the scan needs before the leaf's output can be formed.
-    fp32 (fp64 for fp64 inputs).
+    One pass over k and v (no chunk recurrence): what the scan needs before the leaf's output
+    can be formed. fp32 (fp64 for fp64 inputs).
     """
     c, dt = k.shape[1], torch.float32 if k.dtype != torch.float64 else k.dtype
+    if _use_state_kernel(k, v):
+        from sp_attention.linear.kernels import decayed_state_sum
+        return decayed_state_sum(k.contiguous(), v.contiguous(), _fla_g_gamma(slopes, k.device),
+                                 c - 1, -1)
     dec = slope_constant(slopes, ("state", c, dt, k.device), lambda: decay_powers(
         slopes, c, 0, dtype=dt, device=k.device).flip(-1).contiguous())  # [H, C]: lam^(C-1-j)
     return _weighted_outer_sum(k, dec, v)
@@ -266,9 +260,14 @@ def leaf_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch
 def state_grad_local(q: torch.Tensor, do: torch.Tensor, slopes: torch.Tensor, scale: float) -> torch.Tensor:
     """dL/dS_in through this leaf's outputs only: scale sum_i lam^(i+1) q_i^T do_i -> [B, H, K, V].
 
-    fp32 (fp64 for fp64 inputs); one GEMM. The full dL/dS_in adds chunk_decay(slopes, C) * G.
+    fp32 (fp64 for fp64 inputs); one pass over q and do. The full dL/dS_in adds
+    chunk_decay(slopes, C) * G.
     """
     c, dt = q.shape[1], torch.float32 if q.dtype != torch.float64 else q.dtype
+    if _use_state_kernel(q, do):
+        from sp_attention.linear.kernels import decayed_state_sum
+        return scale * decayed_state_sum(q.contiguous(), do.contiguous(),
+                                         _fla_g_gamma(slopes, q.device), 1, 1)
     dec = slope_constant(slopes, ("state_grad", c, dt, q.device), lambda: decay_powers(
         slopes, c, 1, dtype=dt, device=q.device))                      # [H, C]: lam^(i+1)
     return scale * _weighted_outer_sum(q, dec, do)
@@ -342,72 +341,84 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
     return _SIDE_STREAMS[idx]
 
 
-def _on_side_stream(fn, reads: tuple, device: torch.device) -> tuple:
-    """Start ``fn()`` (state GEMM + cross-rank scan) on the side stream after the work queued so
-    far; returns (result, side stream). ``reads`` are main-stream tensors it uses (kept alive
-    for the side stream by the caching allocator)."""
+def _scan_on_side_stream(scan, x: torch.Tensor, device: torch.device) -> tuple:
+    """Start ``scan(x)`` (the cross-rank scan: latency-bound, a few small kernels and NCCL
+    calls) on the side stream after the work queued so far, so that what the main stream
+    queues next runs while the states travel. Returns (result, side stream); the caller makes
+    the main stream wait on the side stream before it reads the result."""
     main, side = torch.cuda.current_stream(device), _side_stream(device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        out = fn()
-    for t in reads:
-        t.record_stream(side)
-    out.record_stream(main)
+        out = scan(x)
+    # No record_stream (it makes every later allocation poll events): memory stays safe by
+    # ordering alone. Blocks made on main and read here can only be rewritten by main work
+    # queued after main waits on this stream (every caller does that before returning);
+    # blocks made here and read on main return to this stream's pool, whose next user first
+    # waits on everything main has queued (side.wait_stream(main) above).
     return out, side
 
 
 def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
-                  scale: float, entering, backend: str | None = None
+                  scale: float, scan, backend: str | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Outputs of N leaves entered with the states ``entering()`` returns (``[N, H, K, V]``,
-    fp32): ``(o [N, C, H, V], S_in)``.
+    """Outputs of N leaves: ``(o [N, C, H, V], S_in [N, H, K, V])`` where ``scan(b)`` maps the
+    leaves' zero-start end states ``b`` (fp32) to the states entering them.
 
-    fla: ``entering`` (state GEMM + scan) runs on a side stream while the zero-start chunk
-    recurrence (``chunk_fwd_h``) runs; the output kernel
-    (:func:`sp_attention.linear.kernels.output_from_states`) then adds ``λ^(n·BT) S_in`` to
-    each chunk state. torch: ``entering()`` first, then the chunked form from ``S_in``.
+    fla: the chunk recurrence runs from zero (``chunk_fwd_h``), its final state is ``b``
+    (when C is a multiple of the chunk; otherwise ``b`` comes from the one-pass state kernel
+    first and the recurrence overlaps the scan), the scan runs on a side stream, and the
+    output kernel (:func:`sp_attention.linear.kernels.output_from_states`) adds
+    ``λ^(n·BT) S_in`` to each chunk state. torch: ``b``, the scan, then the chunked form.
     """
     backend = resolve_backend(backend, q, k, v)
     if backend != "fla":
-        S_in = entering()
+        S_in = scan(leaf_state(k, v, slopes))
         return leaf_output(q, k, v, slopes, scale, S_in, backend), S_in
     from fla.ops.common.chunk_h import chunk_fwd_h
 
     from sp_attention.linear.kernels import output_from_states
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    gg = _fla_g_gamma(slopes, q.device)      # made on the main stream before the side one starts
-    S_in, side = _on_side_stream(entering, (k, v), q.device)
+    gg = _fla_g_gamma(slopes, q.device)
     with torch.cuda.device(q.device):
-        h, _ = chunk_fwd_h(k=k, v=v, g=None, g_gamma=gg, h0=None, output_final_state=False,
-                           chunk_size=_CHUNK)
+        # fla 0.6.0 turns the final state of a partial last chunk into NaN for fast heads
+        # (see leaf_forward), so only whole chunks take the final state from the recurrence.
+        whole = k.shape[1] % _CHUNK == 0
+        if whole:
+            h, b = chunk_fwd_h(k=k, v=v, g=None, g_gamma=gg, h0=None, output_final_state=True,
+                               chunk_size=_CHUNK)
+            S_in, side = _scan_on_side_stream(scan, b, q.device)
+        else:
+            S_in, side = _scan_on_side_stream(scan, leaf_state(k, v, slopes), q.device)
+            h, _ = chunk_fwd_h(k=k, v=v, g=None, g_gamma=gg, h0=None, output_final_state=False,
+                               chunk_size=_CHUNK)
         torch.cuda.current_stream(q.device).wait_stream(side)
         return output_from_states(q, k, v, h, S_in.contiguous(), gg, scale, _CHUNK), S_in
 
 
 def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
-                    scale: float, S_in: torch.Tensor, do: torch.Tensor, arriving,
+                    scale: float, S_in: torch.Tensor, do: torch.Tensor, scan,
                     backend: str | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of N leaves entered with ``S_in``; ``arriving()`` returns the state
-    gradients ``G [N, H, K, V]`` arriving at their ends from later leaves.
+    """dq, dk, dv of N leaves entered with ``S_in``; ``scan(d)`` maps the leaves' state-gradient
+    contributions ``d`` (fp32) to the gradients ``G`` arriving at their ends.
 
-    fla: ``arriving`` (state-gradient GEMM + reverse scan) runs on a side stream while the
-    chunk states from ``S_in`` are recomputed (``chunk_fwd_h``), which needs no ``G``; the
-    gradient recurrence from ``G`` and the dq/dk/dv kernels follow (fla's own backward,
-    split so the scan hides behind the recomputation).
+    fla: ``d`` from the one-pass state kernel, then the scan on a side stream while the chunk
+    states from ``S_in`` are recomputed (``chunk_fwd_h`` needs no ``G``); then fla's gradient
+    recurrence from ``G`` and its dq/dk/dv kernels (fla's own backward, split in two).
     """
     backend = resolve_backend(backend, q, k, v)
     if backend != "fla":
-        return leaf_backward(q, k, v, slopes, scale, S_in, do, arriving(), backend)
+        G = scan(state_grad_local(q, do, slopes, scale))
+        return leaf_backward(q, k, v, slopes, scale, S_in, do, G, backend)
     from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
     from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv
 
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.to(v.dtype).contiguous()
     S_in = S_in.to(torch.float32).contiguous()
     gg = _fla_g_gamma(slopes, q.device)
-    G, side = _on_side_stream(arriving, (q, do), q.device)
     with torch.cuda.device(q.device):
+        G, side = _scan_on_side_stream(scan, state_grad_local(q, do, slopes, scale), q.device)
         h, _ = chunk_fwd_h(k=k, v=v, g=None, g_gamma=gg, h0=S_in, output_final_state=False,
                            chunk_size=_CHUNK, states_in_fp32=True)
         torch.cuda.current_stream(q.device).wait_stream(side)

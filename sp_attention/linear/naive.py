@@ -28,6 +28,7 @@ __all__ = [
     "compute_dtype",
     "chunk_start_states",
     "output_from_states_ref",
+    "decayed_state_sum_ref",
 ]
 
 
@@ -245,3 +246,15 @@ def chunked_linear_attention(
     """
     o, S = chunked_core(q, k, v, slopes, scale, initial_state, chunk_size)
     return o.to(q.dtype), (S if output_final_state else None)
+
+
+def decayed_state_sum_ref(x: torch.Tensor, y: torch.Tensor, slopes: torch.Tensor, base: int,
+                          step: int) -> torch.Tensor:
+    """``Σ_t λ^(base + step·t) x_tᵀ y_t`` -> ``[B, H, K, V]`` in fp32/fp64: a leaf's zero-start
+    end state (x = k, y = v, base = C−1, step = −1) or its state-gradient contribution
+    (x = q, y = dO, base = 1, step = +1). Reference of
+    :func:`sp_attention.linear.kernels.decayed_state_sum`."""
+    dt = compute_dtype(x, y)
+    n = base + step * torch.arange(x.shape[1], device=x.device, dtype=dt)
+    w = torch.exp(-slopes.to(device=x.device, dtype=dt)[:, None] * n[None, :])   # [H, T]
+    return torch.einsum("bthk,bthv->bhkv", x.to(dt) * w.t()[None, :, :, None], y.to(dt))

@@ -21,7 +21,8 @@ from sp_attention.linear.local import (
     state_grad_local,
 )
 from sp_attention.linear.naive import (chunk_start_states, chunked_linear_attention,
-                                       output_from_states_ref, recurrent_linear_attention)
+                                       decayed_state_sum_ref, output_from_states_ref,
+                                       recurrent_linear_attention)
 from sp_attention.testing import assert_close
 
 F64 = torch.float64
@@ -303,6 +304,10 @@ def test_output_from_states_reference_matches_recurrence(kind, T):
     assert h.shape == (2, -(-T // 64), 3, 4, 5)
     assert_close(output_from_states_ref(q, k, v, h, S0, slopes, 0.3), o_ref, TOL)
     assert_close(chunk_start_states(k, v, slopes, 64, S0)[:, 0], S0, TOL, "first chunk = S_in")
+    # the one-pass state sums: end state from zero, and the state-gradient contribution
+    assert_close(decayed_state_sum_ref(k, v, slopes, T - 1, -1), leaf_state(k, v, slopes), TOL)
+    assert_close(0.3 * decayed_state_sum_ref(q, v, slopes, 1, 1),
+                 state_grad_local(q, v, slopes, 0.3), TOL)
 
 
 _INTERPRETER_CHECK = r"""
@@ -320,15 +325,26 @@ for T, B, H, K, V in ((64, 1, 1, 16, 16), (100, 2, 3, 32, 16), (200, 1, 3, 16, 4
     ref = chunked_core(q.double(), k.double(), v.double(), slopes.double(), 0.5, S.double())[0]
     worst = max(worst, ((o.double() - ref).norm() / ref.norm()).item())
     assert o.dtype == torch.float32 and o.shape == (B, T, H, V)
+from sp_attention.linear.kernels import decayed_state_sum
+from sp_attention.linear.naive import decayed_state_sum_ref
+for T, splits in ((64, None), (200, 3), (130, 1)):
+    x, y = torch.randn(2, T, 3, 32), torch.randn(2, T, 3, 16)
+    slopes = torch.tensor([0.0, 0.05, 60.0])
+    for base, step in ((T - 1, -1), (1, 1)):
+        got = decayed_state_sum(x, y, (-slopes / math.log(2)).float(), base, step, splits)
+        ref = decayed_state_sum_ref(x.double(), y.double(), slopes.double(), base, step)
+        assert got.dtype == torch.float32 and got.shape == (2, 3, 32, 16)
+        worst = max(worst, ((got.double() - ref).norm() / ref.norm()).item())
 print(worst)
 sys.exit(0 if worst < 1e-5 else 1)
 """
 
 
 def test_output_from_states_kernel_in_triton_interpreter():
-    """The Triton output kernel on CPU (``TRITON_INTERPRET=1``, fp32, partial last chunks, one
-    and three heads, K != V, slopes 0 / small / underflowing) vs the fp64 chunked form. Runs in
-    a subprocess: the interpreter is chosen when the kernel module is imported."""
+    """The Triton kernels on CPU (``TRITON_INTERPRET=1``, fp32, partial last chunks, one and
+    three heads, K != V, slopes 0 / small / underflowing, several sequence splits): the output
+    kernel vs the fp64 chunked form, the state-sum kernel vs its fp64 reference. Runs in a
+    subprocess: the interpreter is chosen when the kernel module is imported."""
     pytest.importorskip("triton", reason="triton is in the `test` extra; install it to run this")
     import os
     import subprocess
@@ -367,17 +383,31 @@ def test_output_from_states_kernel_gpu(dtype, T):
 
 
 @_apply(gpu)
-def test_fla_leaves_overlapped_match_torch_bf16():
-    """leaves_output / leaves_backward (fla, scan callback on the side stream) vs the torch
-    backend in fp32, with states entering and gradients arriving."""
-    q, k, v, S0, do, G = _inputs(B=2, T=300, H=4, K=64, V=64, dtype=torch.bfloat16, device="cuda")
+@pytest.mark.parametrize("T", [256, 300])
+def test_fla_leaves_overlapped_match_torch_bf16(T):
+    """leaves_output / leaves_backward (fla; the scan callback runs on the side stream) vs the
+    torch backend in fp32, with states entering and gradients arriving; the states handed to
+    the scans are the leaves' end states and state-gradient contributions (T = 256: the end
+    state comes from fla's recurrence; T = 300: from the one-pass kernel)."""
+    q, k, v, S0, do, G = _inputs(B=2, T=T, H=4, K=64, V=64, dtype=torch.bfloat16, device="cuda")
     slopes = torch.tensor([0.0, 0.01, 0.3, 50.0], device="cuda")
     S0, G, do = S0.float(), G.float(), do.bfloat16()
-    o, S = local.leaves_output(q, k, v, slopes, 0.125, lambda: S0 * 1.0, "fla")
     q32, k32, v32 = q.float(), k.float(), v.float()
+    seen = {}
+
+    def scan_f(b):
+        seen["b"] = b.clone()
+        return S0 * 1.0
+
+    def scan_b(d):
+        seen["d"] = d.clone()
+        return G * 1.0
+    o, S = local.leaves_output(q, k, v, slopes, 0.125, scan_f, "fla")
     assert_close(S, S0, 0.0)
+    assert_close(seen["b"], leaf_state(k32, v32, slopes), 3e-3, "end state")
     assert_close(o.float(), leaf_output(q32, k32, v32, slopes, 0.125, S0, "torch"), 3e-3)
-    grads = local.leaves_backward(q, k, v, slopes, 0.125, S0, do, lambda: G * 1.0, "fla")
+    grads = local.leaves_backward(q, k, v, slopes, 0.125, S0, do, scan_b, "fla")
+    assert_close(seen["d"], state_grad_local(q32, do.float(), slopes, 0.125), 3e-3, "d")
     refs = leaf_backward(q32, k32, v32, slopes, 0.125, S0, do.float(), G, "torch")
     for name, got, ref in zip(("dq", "dk", "dv"), grads, refs):
         assert got.dtype == torch.bfloat16
