@@ -6,6 +6,7 @@ global ranks with ``SPContext.global_rank`` at the point of communication.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -36,6 +37,7 @@ def zigzag_chunk_ids(rank: int, world_size: int) -> tuple[int, int]:
     return rank, 2 * world_size - 1 - rank
 
 
+@functools.lru_cache(maxsize=1024)
 def leaves_of_rank(rank: int, world_size: int, layout: str) -> tuple[int, ...]:
     """Global chunk indices held by ``rank``, in the order they are concatenated in its shard."""
     _check_rank(rank, world_size)

@@ -140,7 +140,7 @@ def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: tor
 
 
 @triton.jit(do_not_specialize=["T", "n_per_split"])
-def _decayed_state_sum_kernel(x, y, g_gamma, part, T, n_per_split, base, step,
+def _decayed_state_sum_kernel(x, y, g_gamma, part, scale, T, n_per_split, base, step,
                               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     i_kv = tl.program_id(0)
@@ -172,7 +172,7 @@ def _decayed_state_sum_kernel(x, y, g_gamma, part, T, n_per_split, base, step,
                       other=0.0)
         acc = tl.dot(b_x, b_y, acc)
     p = part + ((i_s * tl.num_programs(2) + i_bh) * K + o_k[:, None]) * V + o_v[None, :]
-    tl.store(p, acc, mask=m_k[:, None] & m_v[None, :])
+    tl.store(p, acc * scale, mask=m_k[:, None] & m_v[None, :])
 
 
 @functools.lru_cache(maxsize=None)
@@ -181,8 +181,8 @@ def _sm_count(index) -> int:
 
 
 def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor, base: int,
-                      step: int, splits: int | None = None) -> torch.Tensor:
-    """``Σ_t exp2(g_gamma·(base + step·t)) x_tᵀ y_t`` -> ``[B, H, K, V]`` fp32.
+                      step: int, splits: int | None = None, scale: float = 1.0) -> torch.Tensor:
+    """``scale · Σ_t exp2(g_gamma·(base + step·t)) x_tᵀ y_t`` -> ``[B, H, K, V]`` fp32.
 
     x ``[B, T, H, K]``, y ``[B, T, H, V]`` contiguous, one 16-bit dtype (the weighted x is
     rounded to it before the tensor-core product, as the chunk kernels round their operands);
@@ -208,6 +208,6 @@ def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor, b
     guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
     with guard:
         _decayed_state_sum_kernel[(tiles, splits, B * H)](
-            x, y, g_gamma, part, T, per, base, step, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
+            x, y, g_gamma, part, float(scale), T, per, base, step, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
             num_warps=4, num_stages=3)
     return part[0] if splits == 1 else part.sum(0)

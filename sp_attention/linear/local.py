@@ -266,8 +266,8 @@ def state_grad_local(q: torch.Tensor, do: torch.Tensor, slopes: torch.Tensor, sc
     c, dt = q.shape[1], torch.float32 if q.dtype != torch.float64 else q.dtype
     if _use_state_kernel(q, do):
         from sp_attention.linear.kernels import decayed_state_sum
-        return scale * decayed_state_sum(q.contiguous(), do.contiguous(),
-                                         _fla_g_gamma(slopes, q.device), 1, 1)
+        return decayed_state_sum(q.contiguous(), do.contiguous(), _fla_g_gamma(slopes, q.device),
+                                 1, 1, scale=scale)
     dec = slope_constant(slopes, ("state_grad", c, dt, q.device), lambda: decay_powers(
         slopes, c, 1, dtype=dt, device=q.device))                      # [H, C]: lam^(i+1)
     return scale * _weighted_outer_sum(q, dec, do)

@@ -12,12 +12,13 @@ from later leaves (backward). All cross-rank math is in fp32 (fp64 when the inpu
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from ..context import SPContext
-from ..layout import holder_of_leaf, scan_position
+from ..layout import holder_of_leaf, leaves_of_rank, scan_position
 
 
 @dataclass
@@ -45,21 +46,37 @@ class Element:
 
 
 class LeafMap:
-    """Where the leaves of the scan live, in scan order (positions), for one rank."""
+    """Where the leaves of the scan live, in scan order (positions), for one rank.
 
-    def __init__(self, ctx: SPContext, reverse: bool):
-        self.ctx, self.reverse = ctx, reverse
-        self.num = ctx.num_leaves
-        self.local_leaves = ctx.leaves                       # global leaf ids, shard order
+    Pure rank arithmetic, built once per (rank, world size, layout, direction) and cached:
+    the scans run on every layer call and the CP step is host-bound at short T_local.
+    """
+
+    def __new__(cls, ctx: SPContext, reverse: bool):
+        return _leaf_map(ctx.rank, ctx.world_size, ctx.layout, bool(reverse))
+
+    @classmethod
+    def _build(cls, rank: int, world_size: int, layout: str, reverse: bool) -> "LeafMap":
+        self = object.__new__(cls)
+        self.reverse = reverse
+        self.num = 2 * world_size if layout == "zigzag" else world_size
+        self.local_leaves = leaves_of_rank(rank, world_size, layout)   # global ids, shard order
         self.local_positions = [scan_position(l, self.num, reverse) for l in self.local_leaves]
+        self._holders = tuple(holder_of_leaf(scan_position(p, self.num, reverse), world_size,
+                                             layout) for p in range(self.num))
+        return self
 
     def holder(self, position: int) -> int:
         """Group rank holding scan position ``position``."""
-        leaf = scan_position(position, self.num, self.reverse)
-        return holder_of_leaf(leaf, self.ctx.world_size, self.ctx.layout)
+        return self._holders[position]
 
     def is_mine(self, position: int) -> bool:
         return position in self.local_positions
+
+
+@functools.lru_cache(maxsize=256)
+def _leaf_map(rank: int, world_size: int, layout: str, reverse: bool) -> LeafMap:
+    return LeafMap._build(rank, world_size, layout, reverse)
 
 
 def check_elements(A: list, b: list, ctx: SPContext) -> None:

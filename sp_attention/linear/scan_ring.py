@@ -8,17 +8,17 @@ import torch
 
 from ..comm import p2p_exchange
 from ..context import SPContext
-from .scan_common import Element, LeafMap, check_elements
+from .scan_common import LeafMap, check_elements
 
 
 def ring_scan(A: list, b: list, ctx: SPContext, reverse: bool = False) -> list:
     """Exclusive prefix (suffix if ``reverse``) ``b`` state for each of this rank's leaves."""
     check_elements(A, b, ctx)
     leaves = LeafMap(ctx, reverse)
-    mine = {pos: Element(a, s) for pos, a, s in zip(leaves.local_positions, A, b)}
+    mine = dict(zip(leaves.local_positions, zip(A, b)))
     incoming = {}
-    template = next(iter(mine.values()))
-    state = None   # running prefix b of the chain, held by whoever holds the current position
+    template = b[0]
+    state = None   # running prefix b held by whoever holds the current position; None = zero
     for pos in range(leaves.num):
         holder = leaves.holder(pos)
         if pos > 0:
@@ -27,15 +27,14 @@ def ring_scan(A: list, b: list, ctx: SPContext, reverse: bool = False) -> list:
                 if ctx.rank == src:
                     works = p2p_exchange([(state.contiguous(), holder)], [], ctx)
                 else:
-                    state = torch.empty_like(template.b)
+                    state = torch.empty_like(template)
                     works = p2p_exchange([], [(state, src)], ctx)
                 for w in works:
                     w.wait()
         if holder != ctx.rank:
             continue
-        if state is None:
-            state = torch.zeros_like(template.b)
-        incoming[pos] = state
-        e = mine[pos]
-        state = e.A[..., None, None] * state + e.b
+        incoming[pos] = state if state is not None else torch.zeros_like(template)
+        if pos + 1 < leaves.num:    # the last leaf's prefix is needed by nobody
+            a, bb = mine[pos]
+            state = bb if state is None else a[..., None, None] * state + bb
     return [incoming[pos] for pos in leaves.local_positions]

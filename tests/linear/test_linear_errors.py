@@ -66,3 +66,15 @@ def test_slope_values_checked_once_per_version_and_again_after_an_inplace_change
     import gc
     gc.collect()
     assert not any(ref() is None for ref, _, _ in _SLOPE_CONSTANTS.values())   # entries die too
+
+
+@pytest.mark.parametrize("world,layout,expect", [
+    (1, "contiguous", "ring"), (1, "zigzag", "ring"), (2, "contiguous", "ring"),
+    (2, "zigzag", "allgather"), (8, "zigzag", "allgather"), (9, "zigzag", "blelloch"),
+    (16, "contiguous", "allgather"), (17, "contiguous", "blelloch")])
+def test_auto_picks_the_schedule_for_the_leaf_count(world, layout, expect):
+    """`auto`: ring when there are at most 2 leaves (one hop), all-gather up to 16, else the tree."""
+    from sp_attention.linear.attention import resolve_impl
+    ctx = SPContext(object() if world > 1 else None, 0, world, (), layout)
+    assert resolve_impl("auto", ctx) == expect
+    assert resolve_impl("blelloch", ctx) == "blelloch"
