@@ -101,6 +101,36 @@ def _profile(step, out_dir: str, tag: str, rank: int) -> None:
           flush=True)
 
 
+def _graph_rows(a, base, qg, kg, vg, do, slopes, group, backend, timer, rank, world) -> None:
+    """fwd+bwd replayed from CUDA graphs (no host work per kernel): ours per layout and scan,
+    and fla's public call as the baseline. A capture that fails is recorded, not fatal."""
+    def graphed_ms(fn):
+        try:
+            g = torch.cuda.make_graphed_callables(
+                fn, tuple(t.detach().clone().requires_grad_(True) for t in (qg, kg, vg)))
+
+            def step():
+                g(qg, kg, vg).backward(do)
+            return timer(step), None
+        except Exception as e:  # noqa: BLE001 - recorded in the results
+            return None, f"{type(e).__name__}: {e}"[:300]
+    base_ms, err = None, None
+    if backend == "fla":
+        from fla.ops.simple_gla import chunk_simple_gla
+        base_ms, err = graphed_ms(lambda q, k, v: chunk_simple_gla(q, k, v, g_gamma=-slopes,
+                                                                    scale=1.0)[0])
+        emit(dict(base, impl="fla_chunk_simple_gla", world=1, cuda_graph=True,
+                  ms_fwd_bwd=base_ms, graph_error=err), a.out, rank)
+    for layout in a.layouts:
+        ctx = build_sp_context(group, layout=layout)
+        for impl in a.impls:
+            ms, err = graphed_ms(lambda q, k, v: lightning_attention(
+                q, k, v, slopes, ctx=ctx, impl=impl, backend=backend))
+            emit(dict(base, impl=impl, layout=layout, cuda_graph=True, ms_fwd_bwd=ms,
+                      ratio=(base_ms / ms) if (ms and base_ms) else None,
+                      baseline=f"{world} x graphed fla", graph_error=err), a.out, rank)
+
+
 def main() -> None:
     p = base_parser(__doc__.splitlines()[1])
     p.add_argument("--impls", nargs="+", default=list(SCANS))
@@ -109,6 +139,10 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--no-phases", action="store_true")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also time the fwd+bwd step captured as CUDA graphs "
+                        "(torch.cuda.make_graphed_callables), ours and fla's, to show how much "
+                        "of the step is host time; runs after the eager rows of each T_local")
     p.add_argument("--profile", metavar="DIR",
                    help="also profile one fwd+bwd step per layout and schedule at the first "
                         "T_local (Chrome traces per rank, text timeline on stderr)")
@@ -182,6 +216,8 @@ def main() -> None:
                 emit(rec, a.out, rank)
                 if a.profile and dev == "cuda" and T == t_locals[0]:
                     _profile(lambda: step(ctx, impl, True), a.profile, f"{layout}-{impl}-{T}", rank)
+        if a.cuda_graph and dev == "cuda":
+            _graph_rows(a, base, qg, kg, vg, do, slopes, group, backend, timer, rank, world)
         del q, k, v, do, qg, kg, vg
     if dist.is_initialized():
         dist.destroy_process_group()

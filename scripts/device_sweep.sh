@@ -25,7 +25,7 @@ for step in $steps; do
     tests_softmax|tests_linear)
       timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider -rA -s \
         "tests/${step#tests_}" 2>&1 | tee "$OUT/gpu_$step.log" | grep -v "^PASSED" | tail -40 ;;
-    linear)   # LINEAR_ARGS e.g. "--t-local 16384 32768"
+    linear)   # LINEAR_ARGS e.g. "--t-local 16384 32768 --cuda-graph"
       python3 benchmarks/linear_cp.py --out "$OUT/linear.jsonl" ${LINEAR_ARGS:-} > /dev/null
       [ "$NGPU" -ge 2 ] && torchrun --standalone --nproc-per-node 2 benchmarks/linear_cp.py \
         --out "$OUT/linear.jsonl" ${LINEAR_ARGS:-} > /dev/null
