@@ -78,6 +78,19 @@ def time_ms(fn: Callable[[], object], device: str, warmup: int, iters: int, repe
     return float(t.item())
 
 
+def host_ms(fn: Callable[[], object], iters: int = 10) -> float:
+    """Host time to enqueue one call (ms), GPU queue drained first and after: when it is above
+    the GPU time the step is host-bound."""
+    fn()
+    sync("cuda" if torch.cuda.is_available() else "cpu")
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    ms = (time.perf_counter() - t0) * 1e3 / iters
+    sync("cuda" if torch.cuda.is_available() else "cpu")
+    return ms
+
+
 def device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" else "cpu"
 

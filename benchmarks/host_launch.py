@@ -9,26 +9,15 @@ import argparse
 import math
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import host_ms  # noqa: E402
 from sp_attention import SPContext  # noqa: E402
 from sp_attention.linear import lightning_attention  # noqa: E402
 from sp_attention.linear.attention import _rows, _scan_rows  # noqa: E402
 from sp_attention.linear.local import leaves_backward, leaves_output, state_grad_local  # noqa: E402
-
-
-def host_us(fn, n: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t0) * 1e6 / n
-    torch.cuda.synchronize()
-    return us
 
 
 def main() -> None:
@@ -84,7 +73,7 @@ def main() -> None:
     }
     print(f"T_local {T}, B 1, H {H}, K = V {K}, bf16 ({torch.cuda.get_device_name(dev)})")
     for name, fn in rows.items():
-        print(f"{name:<46}{host_us(fn):9.0f} µs host")
+        print(f"{name:<46}{1e3 * host_ms(fn, 20):9.0f} µs host")
 
 
 if __name__ == "__main__":

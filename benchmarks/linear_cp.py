@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import base_parser, device_name, emit, init_dist, time_ms  # noqa: E402
+from benchmarks.common import base_parser, device_name, emit, host_ms, init_dist, time_ms  # noqa: E402
 from sp_attention import SPContext, build_sp_context  # noqa: E402
 from sp_attention.linear import lightning_attention  # noqa: E402
 from sp_attention.linear.attention import SCANS, _rows, _scan_rows  # noqa: E402
@@ -51,21 +51,6 @@ def _phases(q, k, v, slopes, do, ctx, impl, backend, timer) -> dict:
         "ms_local_bwd": timer(lambda: leaves_backward(qb, kb, vb, slopes, 1.0, S, dob,
                                                       lambda _: G, backend)),
     }
-
-
-def _host_ms(fn, iters: int = 10) -> float:
-    """Host time to enqueue one call (ms), queue drained first: above the GPU time = host-bound."""
-    import time
-    fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    ms = (time.perf_counter() - t0) * 1e3 / iters
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return ms
 
 
 def _profile(step, out_dir: str, tag: str, rank: int) -> None:
@@ -191,7 +176,7 @@ def main() -> None:
                     o.backward(do)
             f_f, f_fb = timer(lambda: fla_step(False)), timer(lambda: fla_step(True))
             emit(dict(base, impl="fla_chunk_simple_gla", world=1, ms_fwd=f_f, ms_fwd_bwd=f_fb,
-                      ms_host_fwd_bwd=_host_ms(lambda: fla_step(True)),
+                      ms_host_fwd_bwd=host_ms(lambda: fla_step(True)),
                       mtok_s=T / f_fb / 1e3, baseline="local_kernel", ratio=t1_fb / f_fb),
                  a.out, rank)
             base_name, tb_f, tb_fb = "fla_chunk_simple_gla", f_f, f_fb
@@ -199,7 +184,7 @@ def main() -> None:
             ctx = build_sp_context(group, layout=layout)
             for impl in a.impls:
                 tf, tfb = timer(lambda: step(ctx, impl, False)), timer(lambda: step(ctx, impl, True))
-                host = _host_ms(lambda: step(ctx, impl, True)) if dev == "cuda" else None
+                host = host_ms(lambda: step(ctx, impl, True)) if dev == "cuda" else None
                 rec = dict(base, impl=impl, layout=layout, ms_fwd=tf, ms_fwd_bwd=tfb,
                            ms_host_fwd_bwd=host,
                            mtok_s=world * T / tfb / 1e3, mtok_s_fwd=world * T / tf / 1e3,

@@ -208,11 +208,25 @@ def _weighted_outer_sum(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> to
         return torch.einsum("bchk,bchv->bhkv", x.to(dt) * w.t().to(dt)[None, :, :, None], y.to(dt))
 
 
-def _use_state_kernel(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """16-bit CUDA inputs take the one-pass Triton kernel (fp32 accumulation, the weighted x
-    rounded to the input dtype as the chunk kernels round their operands)."""
-    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and y.dtype == x.dtype
-            and _fla_import_error() is None)
+def _decayed_sum(x: torch.Tensor, y: torch.Tensor, slopes: torch.Tensor, base: int, step: int,
+                 scale: float = 1.0) -> torch.Tensor:
+    """``scale · Σ_t λ^(base + step·t) x_tᵀ y_t`` -> [B, H, K, V], fp32 (fp64 for fp64).
+
+    16-bit CUDA inputs take the one-pass Triton kernel (fp32 accumulation, the weighted x
+    rounded to the input dtype as the chunk kernels round their operands); everything else the
+    compute-dtype einsum with the weights cached per slopes version.
+    """
+    if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and y.dtype == x.dtype
+            and _fla_import_error() is None):
+        from sp_attention.linear.kernels import decayed_state_sum
+        return decayed_state_sum(x.contiguous(), y.contiguous(), _fla_g_gamma(slopes, x.device),
+                                 base, step, scale=scale)
+    c, dt = x.shape[1], compute_dtype(x, y)
+    w = slope_constant(slopes, ("state_weights", c, base, step, dt, x.device), lambda: torch.exp(
+        -slopes.to(device=x.device, dtype=dt)[:, None]
+        * (base + step * torch.arange(c, device=x.device, dtype=dt))[None, :]))   # [H, C]
+    out = _weighted_outer_sum(x, w, y)
+    return out if scale == 1.0 else scale * out
 
 
 def leaf_state(k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor) -> torch.Tensor:
@@ -221,14 +235,7 @@ def leaf_state(k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor) -> torch.
     One pass over k and v (no chunk recurrence): what the scan needs before the leaf's output
     can be formed. fp32 (fp64 for fp64 inputs).
     """
-    c, dt = k.shape[1], torch.float32 if k.dtype != torch.float64 else k.dtype
-    if _use_state_kernel(k, v):
-        from sp_attention.linear.kernels import decayed_state_sum
-        return decayed_state_sum(k.contiguous(), v.contiguous(), _fla_g_gamma(slopes, k.device),
-                                 c - 1, -1)
-    dec = slope_constant(slopes, ("state", c, dt, k.device), lambda: decay_powers(
-        slopes, c, 0, dtype=dt, device=k.device).flip(-1).contiguous())  # [H, C]: lam^(C-1-j)
-    return _weighted_outer_sum(k, dec, v)
+    return _decayed_sum(k, v, slopes, k.shape[1] - 1, -1)
 
 
 def leaf_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
@@ -263,14 +270,7 @@ def state_grad_local(q: torch.Tensor, do: torch.Tensor, slopes: torch.Tensor, sc
     fp32 (fp64 for fp64 inputs); one pass over q and do. The full dL/dS_in adds
     chunk_decay(slopes, C) * G.
     """
-    c, dt = q.shape[1], torch.float32 if q.dtype != torch.float64 else q.dtype
-    if _use_state_kernel(q, do):
-        from sp_attention.linear.kernels import decayed_state_sum
-        return decayed_state_sum(q.contiguous(), do.contiguous(), _fla_g_gamma(slopes, q.device),
-                                 1, 1, scale=scale)
-    dec = slope_constant(slopes, ("state_grad", c, dt, q.device), lambda: decay_powers(
-        slopes, c, 1, dtype=dt, device=q.device))                      # [H, C]: lam^(i+1)
-    return scale * _weighted_outer_sum(q, dec, do)
+    return _decayed_sum(q, do, slopes, 1, 1, scale)
 
 
 def _torch_leaf_backward(
@@ -334,7 +334,7 @@ _SIDE_STREAMS: dict = {}
 
 
 def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """One extra stream per device for the state GEMM and the scan (latency-bound, few SMs)."""
+    """One extra stream per device for the cross-rank scan (latency-bound, few SMs)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SIDE_STREAMS:
         _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
@@ -393,7 +393,8 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: tor
             h, _ = chunk_fwd_h(k=k, v=v, g=None, g_gamma=gg, h0=None, output_final_state=False,
                                chunk_size=_CHUNK)
         torch.cuda.current_stream(q.device).wait_stream(side)
-        return output_from_states(q, k, v, h, S_in.contiguous(), gg, scale, _CHUNK), S_in
+        S_in = S_in.contiguous()
+        return output_from_states(q, k, v, h, S_in, gg, scale, _CHUNK), S_in
 
 
 def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
@@ -415,14 +416,13 @@ def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: t
     from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv
 
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.to(v.dtype).contiguous()
-    S_in = S_in.to(torch.float32).contiguous()
     gg = _fla_g_gamma(slopes, q.device)
     with torch.cuda.device(q.device):
         G, side = _scan_on_side_stream(scan, state_grad_local(q, do, slopes, scale), q.device)
         h, _ = chunk_fwd_h(k=k, v=v, g=None, g_gamma=gg, h0=S_in, output_final_state=False,
                            chunk_size=_CHUNK, states_in_fp32=True)
         torch.cuda.current_stream(q.device).wait_stream(side)
-        dh, _ = chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=G.to(torch.float32).contiguous(),
+        dh, _ = chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=G.contiguous(),
                              scale=scale, g=None, g_gamma=gg, chunk_size=_CHUNK,
                              states_in_fp32=True)
         dq, dk, _, _ = chunk_bwd_dqkwg(q=q, k=k, v=v, do=do, h=h, dh=dh, g=None, g_gamma=gg,

@@ -22,7 +22,7 @@ import torch
 from ..comm import all_gather_flat
 from ..context import SPContext
 from ..layout import leaves_of_rank, scan_position
-from .scan_common import Element, LeafMap, check_elements
+from .scan_common import Element, check_elements, leaf_map
 
 _LOG_FLOOR = -1.0e4
 
@@ -55,7 +55,7 @@ def _fold_plan(rank: int, world: int, layout: str, reverse: bool, dtype: torch.d
 def allgather_scan(A: list, b: list, ctx: SPContext, reverse: bool = False) -> list:
     """Exclusive prefix (suffix if ``reverse``) ``b`` state for each of this rank's leaves."""
     check_elements(A, b, ctx)
-    leaves = LeafMap(ctx, reverse)
+    leaves = leaf_map(ctx, reverse)
     mine = [Element(a, s) for a, s in zip(A, b)]
     local = torch.stack([e.pack() for e in mine])                     # [n_local, numel]
     gathered = torch.empty((ctx.world_size,) + tuple(local.shape), dtype=local.dtype,

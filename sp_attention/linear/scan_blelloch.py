@@ -13,7 +13,7 @@ import torch
 from ..comm import p2p_exchange
 from ..context import SPContext
 from ..layout import tree_scan_schedule
-from .scan_common import Element, LeafMap, check_elements
+from .scan_common import Element, LeafMap, check_elements, leaf_map
 
 
 def _round(x: dict, pairs, leaves: LeafMap, ctx: SPContext, down: bool) -> None:
@@ -56,7 +56,7 @@ def _round(x: dict, pairs, leaves: LeafMap, ctx: SPContext, down: bool) -> None:
 def blelloch_scan(A: list, b: list, ctx: SPContext, reverse: bool = False) -> list:
     """Exclusive prefix (suffix if ``reverse``) ``b`` state for each of this rank's leaves."""
     check_elements(A, b, ctx)
-    leaves = LeafMap(ctx, reverse)
+    leaves = leaf_map(ctx, reverse)
     sched = tree_scan_schedule(leaves.num)
     x = {pos: Element(a, s) for pos, a, s in zip(leaves.local_positions, A, b)}
     for pairs in sched.up:

@@ -47,24 +47,14 @@ class Element:
 
 class LeafMap:
     """Where the leaves of the scan live, in scan order (positions), for one rank.
+    Get one with :func:`leaf_map` (cached)."""
 
-    Pure rank arithmetic, built once per (rank, world size, layout, direction) and cached:
-    the scans run on every layer call and the CP step is host-bound at short T_local.
-    """
-
-    def __new__(cls, ctx: SPContext, reverse: bool):
-        return _leaf_map(ctx.rank, ctx.world_size, ctx.layout, bool(reverse))
-
-    @classmethod
-    def _build(cls, rank: int, world_size: int, layout: str, reverse: bool) -> "LeafMap":
-        self = object.__new__(cls)
-        self.reverse = reverse
-        self.num = 2 * world_size if layout == "zigzag" else world_size
+    def __init__(self, rank: int, world_size: int, layout: str, num: int, reverse: bool):
+        self.reverse, self.num = reverse, num
         self.local_leaves = leaves_of_rank(rank, world_size, layout)   # global ids, shard order
-        self.local_positions = [scan_position(l, self.num, reverse) for l in self.local_leaves]
-        self._holders = tuple(holder_of_leaf(scan_position(p, self.num, reverse), world_size,
-                                             layout) for p in range(self.num))
-        return self
+        self.local_positions = [scan_position(l, num, reverse) for l in self.local_leaves]
+        self._holders = tuple(holder_of_leaf(scan_position(p, num, reverse), world_size, layout)
+                              for p in range(num))
 
     def holder(self, position: int) -> int:
         """Group rank holding scan position ``position``."""
@@ -74,9 +64,13 @@ class LeafMap:
         return position in self.local_positions
 
 
-@functools.lru_cache(maxsize=256)
-def _leaf_map(rank: int, world_size: int, layout: str, reverse: bool) -> LeafMap:
-    return LeafMap._build(rank, world_size, layout, reverse)
+def leaf_map(ctx: SPContext, reverse: bool) -> LeafMap:
+    """This rank's :class:`LeafMap`: pure rank arithmetic, built once per (rank, world size,
+    layout, direction) — the scans run on every layer call and the step is host-bound."""
+    return _leaf_map(ctx.rank, ctx.world_size, ctx.layout, ctx.num_leaves, bool(reverse))
+
+
+_leaf_map = functools.lru_cache(maxsize=256)(LeafMap)
 
 
 def check_elements(A: list, b: list, ctx: SPContext) -> None:

@@ -8,13 +8,13 @@ import torch
 
 from ..comm import p2p_exchange
 from ..context import SPContext
-from .scan_common import LeafMap, check_elements
+from .scan_common import check_elements, leaf_map
 
 
 def ring_scan(A: list, b: list, ctx: SPContext, reverse: bool = False) -> list:
     """Exclusive prefix (suffix if ``reverse``) ``b`` state for each of this rank's leaves."""
     check_elements(A, b, ctx)
-    leaves = LeafMap(ctx, reverse)
+    leaves = leaf_map(ctx, reverse)
     mine = dict(zip(leaves.local_positions, zip(A, b)))
     incoming = {}
     template = b[0]
