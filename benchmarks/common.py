@@ -24,6 +24,11 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", help="append the JSON lines to this file too")
     p.add_argument("--dtype", default=None, help="bfloat16 (cuda default) / float32 (cpu default)")
+    p.add_argument("--timing", nargs="+", choices=["eager", "queued"], default=["eager"],
+                   help="eager: the host enqueues while the GPU runs (a lone layer is host-bound "
+                        "when its launches outlast its kernels); queued: every timed call is "
+                        "enqueued before the GPU starts them (the GPU's own time, as inside a "
+                        "model whose host runs ahead). Rows carry the mode in 'timing'.")
     return p
 
 
@@ -48,8 +53,25 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_ms(fn: Callable[[], object], device: str, warmup: int, iters: int, repeats: int) -> float:
-    """Median over ``repeats`` of the mean time of ``iters`` calls (ms), after ``warmup``."""
+# Host-ahead timing: the GPU is held by a sleep kernel long enough for the host to enqueue every
+# timed iteration, so the timed region runs with a full launch queue, as a layer does inside a
+# model whose host runs ahead of the GPU (or under CUDA graphs). Cycles at ~2 GHz: 60 ms.
+_HOLD_CYCLES = 120_000_000
+_HOST_AHEAD_LOST: list = []
+
+
+def time_ms(fn: Callable[[], object], device: str, warmup: int, iters: int, repeats: int,
+            mode: str = "eager") -> float:
+    """Median over ``repeats`` of the mean time of ``iters`` calls (ms), after ``warmup``.
+
+    ``mode="eager"``: the host enqueues while the GPU runs (host time per call shows when it
+    exceeds the GPU time). ``mode="queued"``: every timed call is enqueued behind a sleep
+    kernel before the GPU reaches the first one, so the number is the GPU's own time for the
+    calls (CUDA only; a repeat whose enqueue outlasted the sleep is recorded in
+    :func:`host_ahead_lost`).
+    """
+    if mode not in ("eager", "queued"):
+        raise ValueError(f"unknown timing mode {mode!r}; use 'eager' or 'queued'")
     for _ in range(warmup):
         fn()
     sync(device)
@@ -58,10 +80,14 @@ def time_ms(fn: Callable[[], object], device: str, warmup: int, iters: int, repe
         barrier(device)
         if device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if mode == "queued":
+                torch.cuda._sleep(_HOLD_CYCLES)
             start.record()
             for _ in range(iters):
                 fn()
             end.record()
+            if mode == "queued" and start.query():   # the GPU reached the calls before the host
+                _HOST_AHEAD_LOST.append(1)            # finished enqueueing them: not host-ahead
             end.synchronize()
             ms = start.elapsed_time(end) / iters
         else:
@@ -76,6 +102,11 @@ def time_ms(fn: Callable[[], object], device: str, warmup: int, iters: int, repe
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
+
+
+def host_ahead_lost() -> int:
+    """How many queued-mode repeats so far lost the host-ahead property (0 = all valid)."""
+    return len(_HOST_AHEAD_LOST)
 
 
 def host_ms(fn: Callable[[], object], iters: int = 10) -> float:

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import base_parser, device_name, emit, host_ms, init_dist, time_ms  # noqa: E402
+from benchmarks.common import (base_parser, device_name, emit, host_ahead_lost, host_ms,  # noqa: E402
+                               init_dist, time_ms)
 from sp_attention import SPContext, build_sp_context  # noqa: E402
 from sp_attention.linear import lightning_attention  # noqa: E402
 from sp_attention.linear.attention import SCANS, _rows, _scan_rows  # noqa: E402
@@ -116,6 +117,76 @@ def _graph_rows(a, base, qg, kg, vg, do, slopes, group, backend, timer, rank, wo
                       baseline=f"{world} x graphed fla", graph_error=err), a.out, rank)
 
 
+class _Run:
+    """Rows of one T_local: the 1-GPU baselines, then every layout x schedule, in one mode."""
+
+    def __init__(self, a, rank, world, dev, group, backend, slopes, qg, kg, vg, do):
+        self.a, self.rank, self.world, self.dev, self.group = a, rank, world, dev, group
+        self.backend, self.slopes, self.qg, self.kg, self.vg, self.do = (
+            backend, slopes, qg, kg, vg, do)
+
+    def timer(self, mode):
+        a, dev = self.a, self.dev
+        return lambda fn: time_ms(fn, dev, a.warmup, a.iters, a.repeats, mode=mode)
+
+    def step(self, ctx, impl, backward):
+        o = lightning_attention(self.qg, self.kg, self.vg, self.slopes, ctx=ctx, impl=impl,
+                                backend=self.backend)
+        if backward:
+            o.backward(self.do)
+
+    def fla_step(self, backward):
+        from fla.ops.simple_gla import chunk_simple_gla
+        o, _ = chunk_simple_gla(self.qg, self.kg, self.vg, g_gamma=-self.slopes, scale=1.0)
+        if backward:
+            o.backward(self.do)
+
+    def rows(self, base: dict, mode: str, qkv, profile: bool) -> None:
+        a, rank, world, dev, step = self.a, self.rank, self.world, self.dev, self.step
+        timer, T = self.timer(mode), base["T_local"]
+        # Baseline: the single-GPU local op on this rank's T_local tokens, no communication.
+        single = SPContext(None, 0, 1, (0,), "contiguous")
+        t1_f = timer(lambda: step(single, "allgather", False))
+        t1_fb = timer(lambda: step(single, "allgather", True))
+        emit(dict(base, impl="local_kernel", world=1, ms_fwd=t1_f, ms_fwd_bwd=t1_fb,
+                  mtok_s=T / t1_fb / 1e3, baseline="self", ratio=1.0), a.out, rank)
+        base_name, tb_f, tb_fb = "local_kernel", t1_f, t1_fb
+        if self.backend == "fla":  # the library kernel itself: the baseline users would pick
+            f_f = timer(lambda: self.fla_step(False))
+            f_fb = timer(lambda: self.fla_step(True))
+            emit(dict(base, impl="fla_chunk_simple_gla", world=1, ms_fwd=f_f, ms_fwd_bwd=f_fb,
+                      ms_host_fwd_bwd=host_ms(lambda: self.fla_step(True)),
+                      mtok_s=T / f_fb / 1e3, baseline="local_kernel", ratio=t1_fb / f_fb),
+                 a.out, rank)
+            base_name, tb_f, tb_fb = "fla_chunk_simple_gla", f_f, f_fb
+        for layout in a.layouts:
+            ctx = build_sp_context(self.group, layout=layout)
+            for impl in a.impls:
+                tf = timer(lambda: step(ctx, impl, False))
+                tfb = timer(lambda: step(ctx, impl, True))
+                host = host_ms(lambda: step(ctx, impl, True)) if dev == "cuda" else None
+                rec = dict(base, impl=impl, layout=layout, ms_fwd=tf, ms_fwd_bwd=tfb,
+                           ms_host_fwd_bwd=host,
+                           mtok_s=world * T / tfb / 1e3, mtok_s_fwd=world * T / tf / 1e3,
+                           baseline=f"{world} x {base_name}", ratio=tb_fb / tfb,
+                           ratio_fwd=tb_f / tf, ratio_vs_local_op=t1_fb / tfb)
+                if not a.no_phases:
+                    q, k, v = qkv
+                    ph = _phases(q, k, v, self.slopes, self.do, ctx, impl, self.backend, timer)
+                    rec.update(ph)
+                    # upper bound: the scans' standalone times, as if nothing hid them
+                    rec["scan_share"] = (ph["ms_scan_fwd"] + ph["ms_scan_bwd"]) / tfb
+                # everything CP adds over the 1-GPU kernel on the same per-GPU tokens (state
+                # passes, scans, exposed communication, host work in eager mode): 1 - ratio
+                rec["overhead_share"] = max(0.0, (tfb - tb_fb) / tfb)
+                if mode == "queued":
+                    rec["host_ahead_lost"] = host_ahead_lost()
+                emit(rec, a.out, rank)
+                if profile and dev == "cuda" and mode == a.timing[0]:
+                    _profile(lambda: step(ctx, impl, True), a.profile, f"{layout}-{impl}-{T}",
+                             rank)
+
+
 def main() -> None:
     p = base_parser(__doc__.splitlines()[1])
     p.add_argument("--impls", nargs="+", default=list(SCANS))
@@ -143,67 +214,24 @@ def main() -> None:
     B, H, K = a.batch, a.heads, a.head_dim
     backend = resolve_backend(a.backend, torch.empty(1, 1, H, K, device=device, dtype=dtype))
 
-    def timer(fn):
-        return time_ms(fn, dev, a.warmup, a.iters, a.repeats)
-
     slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=device)
+    modes = a.timing if dev == "cuda" else ["eager"]
     for T in t_locals:
         g = torch.Generator(device=device).manual_seed(1234 + rank)
         q, k, v, do = (torch.randn(B, T, H, K, device=device, dtype=dtype, generator=g) * 0.1
                        for _ in range(4))
         qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
-
-        def step(ctx, impl, backward):
-            o = lightning_attention(qg, kg, vg, slopes, ctx=ctx, impl=impl, backend=backend)
-            if backward:
-                o.backward(do)
-
-        base = {"bench": "linear_cp", "world": world, "B": B, "T_local": T, "H": H, "K": K,
-                "V": K, "dtype": str(dtype).replace("torch.", ""), "device": device_name(dev),
-                "backend": backend}
-        # Baseline: the single-GPU local op on this rank's T_local tokens, no communication.
-        single = SPContext(None, 0, 1, (0,), "contiguous")
-        t1_f, t1_fb = timer(lambda: step(single, "allgather", False)), timer(lambda: step(single, "allgather", True))
-        emit(dict(base, impl="local_kernel", world=1, ms_fwd=t1_f, ms_fwd_bwd=t1_fb,
-                  mtok_s=T / t1_fb / 1e3, baseline="self", ratio=1.0), a.out, rank)
-        base_name, tb_f, tb_fb = "local_kernel", t1_f, t1_fb
-        if backend == "fla":  # the library kernel itself: the baseline users would pick
-            from fla.ops.simple_gla import chunk_simple_gla
-
-            def fla_step(backward):
-                o, _ = chunk_simple_gla(qg, kg, vg, g_gamma=-slopes, scale=1.0)
-                if backward:
-                    o.backward(do)
-            f_f, f_fb = timer(lambda: fla_step(False)), timer(lambda: fla_step(True))
-            emit(dict(base, impl="fla_chunk_simple_gla", world=1, ms_fwd=f_f, ms_fwd_bwd=f_fb,
-                      ms_host_fwd_bwd=host_ms(lambda: fla_step(True)),
-                      mtok_s=T / f_fb / 1e3, baseline="local_kernel", ratio=t1_fb / f_fb),
-                 a.out, rank)
-            base_name, tb_f, tb_fb = "fla_chunk_simple_gla", f_f, f_fb
-        for layout in a.layouts:
-            ctx = build_sp_context(group, layout=layout)
-            for impl in a.impls:
-                tf, tfb = timer(lambda: step(ctx, impl, False)), timer(lambda: step(ctx, impl, True))
-                host = host_ms(lambda: step(ctx, impl, True)) if dev == "cuda" else None
-                rec = dict(base, impl=impl, layout=layout, ms_fwd=tf, ms_fwd_bwd=tfb,
-                           ms_host_fwd_bwd=host,
-                           mtok_s=world * T / tfb / 1e3, mtok_s_fwd=world * T / tf / 1e3,
-                           baseline=f"{world} x {base_name}", ratio=tb_fb / tfb,
-                           ratio_fwd=tb_f / tf, ratio_vs_local_op=t1_fb / tfb)
-                if not a.no_phases:
-                    ph = _phases(q, k, v, slopes, do, ctx, impl, backend, timer)
-                    rec.update(ph)
-                    # upper bound: the scans' standalone times, as if nothing hid them
-                    rec["scan_share"] = (ph["ms_scan_fwd"] + ph["ms_scan_bwd"]) / tfb
-                # everything CP adds over the 1-GPU kernel on the same per-GPU tokens (state
-                # GEMMs, scans, exposed communication, host work): 1 - ratio
-                rec["overhead_share"] = max(0.0, (tfb - tb_fb) / tfb)
-                emit(rec, a.out, rank)
-                if a.profile and dev == "cuda" and T == t_locals[0]:
-                    _profile(lambda: step(ctx, impl, True), a.profile, f"{layout}-{impl}-{T}", rank)
+        run = _Run(a, rank, world, dev, group, backend, slopes, qg, kg, vg, do)
+        for mode in modes:
+            base = {"bench": "linear_cp", "world": world, "B": B, "T_local": T, "H": H, "K": K,
+                    "V": K, "dtype": str(dtype).replace("torch.", ""),
+                    "device": device_name(dev), "backend": backend, "timing": mode}
+            run.rows(base, mode, (q, k, v), profile=bool(a.profile) and T == t_locals[0])
         if a.cuda_graph and dev == "cuda":
-            _graph_rows(a, base, qg, kg, vg, do, slopes, group, backend, timer, rank, world)
-        del q, k, v, do, qg, kg, vg
+            base = dict(base, timing="cuda_graph")
+            _graph_rows(a, base, qg, kg, vg, do, slopes, group, backend, run.timer("eager"),
+                        rank, world)
+        del q, k, v, do, qg, kg, vg, run
     if dist.is_initialized():
         dist.destroy_process_group()
 

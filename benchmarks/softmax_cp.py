@@ -111,8 +111,10 @@ def main() -> None:
     ctx = build_sp_context(group, layout="zigzag")
     backend = get_backend(None, device, dtype, D)
 
+    mode = a.timing[0] if dev == "cuda" else "eager"   # softmax steps are GPU-bound: one mode
+
     def timer(fn):
-        return time_ms(fn, dev, a.warmup, a.iters, a.repeats)
+        return time_ms(fn, dev, a.warmup, a.iters, a.repeats, mode=mode)
 
     for T_local in t_locals:
         T = world * T_local
@@ -122,7 +124,8 @@ def main() -> None:
         do = torch.randn(B, T, H, D, device=device, dtype=dtype, generator=g)
         base = {"bench": "softmax_cp", "world": world, "B": B, "T_local": T_local, "H": H,
                 "Hkv": Hkv, "K": D, "V": D, "dtype": str(dtype).replace("torch.", ""),
-                "causal": causal, "device": device_name(dev), "backend": backend.name}
+                "causal": causal, "device": device_name(dev), "backend": backend.name,
+                "timing": mode}
         # single-GPU baselines (no communication): the global problem, and T_local alone
         ref = {}
         for name, Tq in (("single_global", T), ("single_t_local", T_local)):

@@ -2,15 +2,18 @@
 import json
 import sys
 
-COLS = ["bench", "impl", "layout", "stride", "world", "T_local", "ms_fwd", "ms_fwd_bwd", "mtok_s",
+COLS = ["bench", "impl", "timing", "nccl_env", "layout", "stride", "world", "T_local", "ms", "host_us",
+        "ms_fwd", "ms_fwd_bwd", "ms_host_fwd_bwd", "host_ahead_lost", "mtok_s",
         "tflops_per_gpu", "ratio", "ratio_fwd", "ratio_vs_t_local", "scan_share", "ms_state_fwd", "ms_local_fwd",
         "ms_scan_fwd", "ms_inter_fwd", "ms_state_grad_bwd", "ms_scan_bwd", "ms_local_bwd", "baseline",
-        "error"]
+        "graph_error", "error"]
 
 
 def fmt(v):
     if isinstance(v, float):
         return f"{v:.4g}"
+    if isinstance(v, dict):
+        return " ".join(f"{k}={x}" for k, x in sorted(v.items()))
     return "" if v is None else str(v)
 
 

@@ -14,8 +14,12 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
-# fla's Triton autotuning costs ~3 min on every fresh machine (its cache is too big to carry
-# back through the device tool): plan one call per fla sweep.
+# fla's Triton autotuning costs ~3 min on every fresh machine. Its results (small JSON files,
+# not the compiled kernels) travel: step `triton_cache` packs them into $OUT/autotune.tgz;
+# copy that to .tritoncache/ here and carry it, and the next machine starts from it.
+if [ -f .tritoncache/autotune.tgz ]; then
+  mkdir -p "$HOME/.triton/cache" && tar xzf .tritoncache/autotune.tgz -C "$HOME/.triton/cache"
+fi
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpus.txt"
 env | grep '^NCCL_' | tee "$OUT/nccl_env.txt"
@@ -35,6 +39,25 @@ for step in $steps; do
         --t-local 32768 --no-phases --profile /tmp/lprof --out "$OUT/linear_profiled.jsonl" \
         > /dev/null 2> "$OUT/linear_profile.log"
       tar czf "$OUT/linear_traces.tgz" -C /tmp lprof && grep -A3 "# timeline" "$OUT/linear_profile.log" ;;
+    linear_kernels)   # GPU ms (queued) and host µs of every kernel of the linear step, 1 GPU
+      python3 benchmarks/linear_kernels.py --t-local ${LK_T:-32768} --out "$OUT/linear_kernels.jsonl" \
+        > /dev/null && python3 benchmarks/summarize.py "$OUT/linear_kernels.jsonl" ;;
+    softmax_pieces)   # one rank's ring kernels without communication, 1 GPU
+      python3 benchmarks/softmax_pieces.py --t-local ${SP_T:-8192 32768} --timing queued \
+        --out "$OUT/softmax_pieces.jsonl" > /dev/null
+      python3 benchmarks/summarize.py "$OUT/softmax_pieces.jsonl" ;;
+    softmax_env)   # ring/ring at 8K under NCCL settings (SOFTMAX_ENVS: space-separated, "-" = none)
+      for e in ${SOFTMAX_ENVS:--}; do
+        [ "$NGPU" -ge 2 ] || break
+        env $( [ "$e" = "-" ] || echo "$e" ) torchrun --standalone --nproc-per-node 2 \
+          benchmarks/softmax_cp.py --t-local ${SE_T:-8192} --pairs ${SE_PAIRS:-ring/ring} \
+          --strides default --no-torch-cp --out "$OUT/softmax_env.jsonl" ${SE_ARGS:-} \
+          > "$OUT/softmax_env_$e.log" 2>&1 || tail -5 "$OUT/softmax_env_$e.log"
+      done
+      python3 benchmarks/summarize.py "$OUT/softmax_env.jsonl" ;;
+    triton_cache)   # pack Triton's autotuning results (not the kernels) for the next machine
+      (cd "$HOME/.triton/cache" && find . -name '*.autotune.json' | tar czf "$OUT/autotune.tgz" -T -)
+      ls -la "$OUT/autotune.tgz" ;;
     host_launch)   # host µs per call of each piece of the linear step (host-bound check)
       python3 benchmarks/host_launch.py | tee "$OUT/host_launch.txt" ;;
     softmax)

@@ -103,9 +103,11 @@ class _LightningAttention(torch.autograd.Function):
             # chunk states from S_in are recomputed; the last leaf gets G = 0 (exact).
             n = len(ctx.leaves)
             qb, kb, vb, dob = _rows(q, n), _rows(k, n), _rows(v, n), _rows(do, n)
+            # the sequence's first leaf sends its contribution to nobody: not computed
+            needed = tuple(leaf != 0 for leaf in ctx.leaves)
             grads = leaves_backward(
                 qb, kb, vb, slopes, scale, S, dob,
-                lambda d: _scan_rows(d, q, slopes, ctx, fctx.impl, True), backend)
+                lambda d: _scan_rows(d, q, slopes, ctx, fctx.impl, True), backend, needed)
             dq, dk, dv = (g.reshape(x.shape) for g, x in zip(grads, (q, k, v)))
         return dq, dk, dv, None, None, None, None, None
 

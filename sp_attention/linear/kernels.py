@@ -139,8 +139,8 @@ def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: tor
     return o
 
 
-@triton.jit(do_not_specialize=["T", "n_per_split"])
-def _decayed_state_sum_kernel(x, y, g_gamma, part, scale, T, n_per_split, base, step,
+@triton.jit(do_not_specialize=["T", "n_per_split", "sx", "sy"])
+def _decayed_state_sum_kernel(x, y, g_gamma, part, scale, T, n_per_split, base, step, sx, sy,
                               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     i_kv = tl.program_id(0)
@@ -151,8 +151,8 @@ def _decayed_state_sum_kernel(x, y, g_gamma, part, scale, T, n_per_split, base, 
     i_v = i_kv % NV
     i_b = i_bh // H
     i_h = i_bh % H
-    x += (i_b * T * H + i_h) * K
-    y += (i_b * T * H + i_h) * V
+    x += i_b * sx + i_h * K                             # rows may be strided (sx, sy)
+    y += i_b * sy + i_h * V
     gamma = tl.load(g_gamma + i_h).to(tl.float32)
     o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -180,34 +180,51 @@ def _sm_count(index) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# (BK, BV, num_warps, num_stages) of the state-sum kernel. A [128, 128] tile reads x and y
+# once per program (K = V = 128: one tile per head); [64, 64] tiles read each of them twice.
+STATE_SUM_TILES = {"128x128": (128, 128, 8, 2), "64x64": (64, 64, 4, 3), "128x64": (128, 64, 8, 2)}
+
+
+def _default_state_tiles(K: int, V: int) -> str:
+    return "128x128" if K <= 128 and V <= 128 else "64x64"
+
+
 def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor, base: int,
-                      step: int, splits: int | None = None, scale: float = 1.0) -> torch.Tensor:
+                      step: int, splits: int | None = None, scale: float = 1.0,
+                      tiles: str | None = None) -> torch.Tensor:
     """``scale · Σ_t exp2(g_gamma·(base + step·t)) x_tᵀ y_t`` -> ``[B, H, K, V]`` fp32.
 
-    x ``[B, T, H, K]``, y ``[B, T, H, V]`` contiguous, one 16-bit dtype (the weighted x is
+    x ``[B, T, H, K]``, y ``[B, T, H, V]``, one 16-bit dtype, each row ``x[b]`` contiguous (the
+    rows themselves may be strided, e.g. every other leaf of a batch of leaves) (the weighted x is
     rounded to it before the tensor-core product, as the chunk kernels round their operands);
     ``base + step·t >= 0`` for every t (weights ≤ 1). ``splits``: sequence pieces summed at the
-    end (default: enough programs for ~4 per SM).
+    end (default: about two programs per SM). ``tiles``: a key of :data:`STATE_SUM_TILES`
+    (default: one [128, 128] tile per head when K, V <= 128).
     """
     B, T, H, K = x.shape
     V = y.shape[-1]
-    if not (x.is_contiguous() and y.is_contiguous()) or y.shape[:3] != x.shape[:3]:
-        raise ValueError(f"decayed_state_sum: x {tuple(x.shape)} and y {tuple(y.shape)} must be "
-                         "contiguous with equal B, T, H")
+    if not (x[0].is_contiguous() and y[0].is_contiguous()) or y.shape[:3] != x.shape[:3]:
+        raise ValueError(f"decayed_state_sum: x {tuple(x.shape)} and y {tuple(y.shape)} must have "
+                         "contiguous rows and equal B, T, H")
     if min(base, base + step * (T - 1)) < 0:
         raise ValueError("decayed_state_sum: base + step·t must be >= 0 for every t")
-    BT, BK, BV = 64, 64, 64
+    tiles = _default_state_tiles(K, V) if tiles is None else tiles
+    if tiles not in STATE_SUM_TILES:
+        raise ValueError(f"decayed_state_sum: tiles {tiles!r} not in {sorted(STATE_SUM_TILES)}")
+    BK, BV, warps, stages = STATE_SUM_TILES[tiles]
+    BT = 64
     n_chunks = triton.cdiv(T, BT)
-    tiles = triton.cdiv(K, BK) * triton.cdiv(V, BV)
+    n_tiles = triton.cdiv(K, BK) * triton.cdiv(V, BV)
     if splits is None:
         sms = _sm_count(x.device.index) if x.is_cuda else 8
-        splits = max(1, min(n_chunks, triton.cdiv(4 * sms, tiles * B * H)))
+        splits = max(1, min(n_chunks, triton.cdiv(2 * sms, n_tiles * B * H)))
     per = triton.cdiv(n_chunks, splits)
     splits = triton.cdiv(n_chunks, per)
     part = torch.empty(splits, B, H, K, V, device=x.device, dtype=torch.float32)
     guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
     with guard:
-        _decayed_state_sum_kernel[(tiles, splits, B * H)](
-            x, y, g_gamma, part, float(scale), T, per, base, step, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-            num_warps=4, num_stages=3)
+        _decayed_state_sum_kernel[(n_tiles, splits, B * H)](
+            x, y, g_gamma, part, float(scale), T, per, base, step, x.stride(0), y.stride(0),
+            H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
+            num_warps=warps, num_stages=stages)
     return part[0] if splits == 1 else part.sum(0)

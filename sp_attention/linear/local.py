@@ -75,6 +75,25 @@ def _fla_import_error() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1)
+def _fla_ops() -> dict:
+    """fla's internal chunk kernels the CP step calls, without fla's backend-dispatch wrapper.
+
+    fla 0.6 wraps these in a run-time backend selector (``fla.backends.dispatch``, itself under
+    ``torch.compiler.disable``): per call it walks its backend registry before falling back to
+    the Triton implementation. The conventions above were checked against that Triton
+    implementation, so it is the one we call, directly (``inspect.unwrap``): no other backend
+    can be swapped in underneath us, and the layer's host time, which bounds a lone layer's
+    step, loses the selector's per-call cost.
+    """
+    import inspect
+
+    from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
+    from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv
+    return {f.__name__: inspect.unwrap(f) for f in (chunk_fwd_h, chunk_bwd_dh, chunk_bwd_dqkwg,
+                                                    chunk_bwd_dv)}
+
+
 def _fla_unusable_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     if not q.is_cuda:
         return f"inputs are on {q.device}, fla needs CUDA tensors"
@@ -219,8 +238,10 @@ def _decayed_sum(x: torch.Tensor, y: torch.Tensor, slopes: torch.Tensor, base: i
     if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and y.dtype == x.dtype
             and _fla_import_error() is None):
         from sp_attention.linear.kernels import decayed_state_sum
-        return decayed_state_sum(x.contiguous(), y.contiguous(), _fla_g_gamma(slopes, x.device),
-                                 base, step, scale=scale)
+        def rows(t):    # the kernel takes strided rows (every n-th leaf) as they are
+            return t if t[0].is_contiguous() else t.contiguous()
+        return decayed_state_sum(rows(x), rows(y), _fla_g_gamma(slopes, x.device), base, step,
+                                 scale=scale)
     c, dt = x.shape[1], compute_dtype(x, y)
     w = slope_constant(slopes, ("state_weights", c, base, step, dt, x.device), lambda: torch.exp(
         -slopes.to(device=x.device, dtype=dt)[:, None]
@@ -374,9 +395,8 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: tor
     if backend != "fla":
         S_in = scan(leaf_state(k, v, slopes))
         return leaf_output(q, k, v, slopes, scale, S_in, backend), S_in
-    from fla.ops.common.chunk_h import chunk_fwd_h
-
     from sp_attention.linear.kernels import output_from_states
+    chunk_fwd_h = _fla_ops()["chunk_fwd_h"]
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     gg = _fla_g_gamma(slopes, q.device)
@@ -397,12 +417,35 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: tor
         return output_from_states(q, k, v, h, S_in, gg, scale, _CHUNK), S_in
 
 
+def _state_grads(q: torch.Tensor, do: torch.Tensor, slopes: torch.Tensor, scale: float,
+                 needed: tuple | None) -> torch.Tensor:
+    """Per-row state-gradient contributions ``[N, H, K, V]`` (fp32) of ``N = B·n`` rows (batch
+    row-major, ``n = len(needed)`` leaves per batch row), computed only for the leaves in
+    ``needed`` (None: all). The others are read by nobody (the sequence's first leaf has no
+    earlier leaf to send its contribution to); they are zeros, which keeps every scan's
+    arithmetic finite."""
+    if needed is None or all(needed):
+        return state_grad_local(q, do, slopes, scale)
+    n = len(needed)
+    d = q.new_zeros((q.shape[0], q.shape[2], q.shape[3], do.shape[3]),
+                    dtype=compute_dtype(q, do))
+    dv = d.view(d.shape[0] // n, n, *d.shape[1:])
+    for j in (j for j, keep in enumerate(needed) if keep):
+        # leaf j of every batch row: a strided view of the rows, no copy
+        rows = (x.view(x.shape[0] // n, n, *x.shape[1:])[:, j] for x in (q, do))
+        dv[:, j] = state_grad_local(*rows, slopes, scale)
+    return d
+
+
 def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
                     scale: float, S_in: torch.Tensor, do: torch.Tensor, scan,
-                    backend: str | None = None
+                    backend: str | None = None, needed: tuple | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of N leaves entered with ``S_in``; ``scan(d)`` maps the leaves' state-gradient
     contributions ``d`` (fp32) to the gradients ``G`` arriving at their ends.
+
+    ``needed``: per leaf of a batch row (rows are batch-major, ``len(needed)`` leaves each),
+    whether anyone reads its contribution (None: all); the others are not computed.
 
     fla: ``d`` from the one-pass state kernel, then the scan on a side stream while the chunk
     states from ``S_in`` are recomputed (``chunk_fwd_h`` needs no ``G``); then fla's gradient
@@ -410,15 +453,17 @@ def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: t
     """
     backend = resolve_backend(backend, q, k, v)
     if backend != "fla":
-        G = scan(state_grad_local(q, do, slopes, scale))
+        G = scan(_state_grads(q, do, slopes, scale, needed))
         return leaf_backward(q, k, v, slopes, scale, S_in, do, G, backend)
-    from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
-    from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv
+    ops = _fla_ops()
+    chunk_fwd_h, chunk_bwd_dh = ops["chunk_fwd_h"], ops["chunk_bwd_dh"]
+    chunk_bwd_dqkwg, chunk_bwd_dv = ops["chunk_bwd_dqkwg"], ops["chunk_bwd_dv"]
 
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.to(v.dtype).contiguous()
     gg = _fla_g_gamma(slopes, q.device)
     with torch.cuda.device(q.device):
-        G, side = _scan_on_side_stream(scan, state_grad_local(q, do, slopes, scale), q.device)
+        G, side = _scan_on_side_stream(scan, _state_grads(q, do, slopes, scale, needed),
+                                       q.device)
         h, _ = chunk_fwd_h(k=k, v=v, g=None, g_gamma=gg, h0=S_in, output_final_state=False,
                            chunk_size=_CHUNK, states_in_fp32=True)
         torch.cuda.current_stream(q.device).wait_stream(side)

@@ -330,11 +330,19 @@ from sp_attention.linear.naive import decayed_state_sum_ref
 for T, splits in ((64, None), (200, 3), (130, 1)):
     x, y = torch.randn(2, T, 3, 32), torch.randn(2, T, 3, 16)
     slopes = torch.tensor([0.0, 0.05, 60.0])
-    for base, step in ((T - 1, -1), (1, 1)):
-        got = decayed_state_sum(x, y, (-slopes / math.log(2)).float(), base, step, splits, 0.3)
+    for (base, step), tiles in zip(((T - 1, -1), (1, 1)) * 2, ("128x128", "64x64", "128x64",
+                                                              None)):
+        got = decayed_state_sum(x, y, (-slopes / math.log(2)).float(), base, step, splits, 0.3,
+                                tiles)
         ref = 0.3 * decayed_state_sum_ref(x.double(), y.double(), slopes.double(), base, step)
         assert got.dtype == torch.float32 and got.shape == (2, 3, 32, 16)
         worst = max(worst, ((got.double() - ref).norm() / ref.norm()).item())
+# strided rows: every other leaf of a batch of leaves, read in place
+x, y = torch.randn(4, 96, 3, 32)[1::2], torch.randn(4, 96, 3, 16)[1::2]
+assert not x.is_contiguous() and x[0].is_contiguous()
+got = decayed_state_sum(x, y, (-slopes / math.log(2)).float(), 95, -1, 2)
+ref = decayed_state_sum_ref(x.double(), y.double(), slopes.double(), 95, -1)
+worst = max(worst, ((got.double() - ref).norm() / ref.norm()).item())
 print(worst)
 sys.exit(0 if worst < 1e-5 else 1)
 """
