@@ -30,7 +30,8 @@ for step in $steps; do
       timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider -rA -s \
         "tests/${step#tests_}" 2>&1 | tee "$OUT/gpu_$step.log" | grep -v "^PASSED" | tail -40 ;;
     linear)   # LINEAR_ARGS e.g. "--t-local 16384 32768 --cuda-graph"
-      python3 benchmarks/linear_cp.py --out "$OUT/linear.jsonl" ${LINEAR_ARGS:-} > /dev/null
+      [ "${LINEAR_P1:-1}" = 1 ] && python3 benchmarks/linear_cp.py --out "$OUT/linear.jsonl" \
+        ${LINEAR_ARGS:-} > /dev/null
       [ "$NGPU" -ge 2 ] && torchrun --standalone --nproc-per-node 2 benchmarks/linear_cp.py \
         --out "$OUT/linear.jsonl" ${LINEAR_ARGS:-} > /dev/null
       python3 benchmarks/summarize.py "$OUT/linear.jsonl" ;;
