@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import base_parser, device_name, emit, host_ms, time_ms  # noqa: E402
-from sp_attention.linear.kernels import STATE_SUM_TILES, decayed_state_sum, output_from_states  # noqa: E402
+from sp_attention.linear.kernels import _STATE_CONFIGS, decayed_state_sum, output_from_states  # noqa: E402
 
 
 def main() -> None:
@@ -75,9 +75,10 @@ def main() -> None:
                                                        g_gamma=gg, scale=1.0),
             "chunk_bwd_dv": lambda: chunk_bwd_dv(q=q, k=k, do=do, dh=dh, g_gamma=gg, scale=1.0),
         }
-        for tiles in STATE_SUM_TILES:
-            pieces[f"decayed_state_sum {tiles}"] = (
-                lambda tiles=tiles: decayed_state_sum(q, do, gg, 1, 1, tiles=tiles))
+        pieces["decayed_state_sum (autotuned)"] = lambda: decayed_state_sum(q, do, gg, 1, 1)
+        for i, c in enumerate(_STATE_CONFIGS):
+            pieces[f"decayed_state_sum cfg{i} {c.kwargs} w{c.num_warps} s{c.num_stages}"] = (
+                lambda i=i: decayed_state_sum(q, do, gg, 1, 1, config=i))
         for name, fn in pieces.items():
             fn()
             torch.cuda.synchronize()

@@ -22,7 +22,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import base_parser, device_name, emit, time_ms  # noqa: E402
 from sp_attention.sharding import shard_ranges  # noqa: E402
-from sp_attention.softmax.bwd_ring import last_step_groups  # noqa: E402
 from sp_attention.softmax.kernels import get_backend  # noqa: E402
 from sp_attention.softmax.merge import merge_blocks_  # noqa: E402
 from sp_attention.softmax.plan import ring_calls  # noqa: E402
@@ -123,7 +122,7 @@ def main() -> None:
                           ratio=1.0), a.out, 0)
             sh = [[_shard(t, r, P, a.layout) for t in (q, k, v, do)] for r in range(P)]
             kv = [(s[1], s[2]) for s in sh]
-            groups = last_step_groups(Hkv)
+            groups = 4      # the last step by KV-head group, as bwd_ring ran it before 2026-11-23
             for r in range(P):
                 ql, dol = sh[r][0], sh[r][3]
                 o, l_ = ring_forward_local(ql, kv, r, P, a.layout, be, True)

@@ -84,8 +84,11 @@ class _LightningAttention(torch.autograd.Function):
             # S_in to every chunk state. The sequence's first leaf gets S_in = 0 (exact).
             n = len(ctx.leaves)
             qb, kb, vb = _rows(q, n), _rows(k, n), _rows(v, n)
+            # a rank holding only the sequence's first leaf receives nothing (S_in = 0)
+            zero_in = all(leaf == 0 for leaf in ctx.leaves)
             o, S = leaves_output(qb, kb, vb, slopes, scale,
-                                 lambda b: _scan_rows(b, q, slopes, ctx, impl, False), backend)
+                                 lambda b: _scan_rows(b, q, slopes, ctx, impl, False), backend,
+                                 zero_in)
             out = o.reshape(*q.shape[:3], v.shape[-1])
         fctx.save_for_backward(q, k, v, slopes, S)
         fctx.sp, fctx.impl, fctx.scale, fctx.backend = ctx, impl, scale, backend
@@ -105,9 +108,12 @@ class _LightningAttention(torch.autograd.Function):
             qb, kb, vb, dob = _rows(q, n), _rows(k, n), _rows(v, n), _rows(do, n)
             # the sequence's first leaf sends its contribution to nobody: not computed
             needed = tuple(leaf != 0 for leaf in ctx.leaves)
+            # ... and one holding only its last leaf receives no gradient (G = 0)
+            zero_grad = all(leaf == ctx.num_leaves - 1 for leaf in ctx.leaves)
             grads = leaves_backward(
                 qb, kb, vb, slopes, scale, S, dob,
-                lambda d: _scan_rows(d, q, slopes, ctx, fctx.impl, True), backend, needed)
+                lambda d: _scan_rows(d, q, slopes, ctx, fctx.impl, True), backend, needed,
+                zero_grad)
             dq, dk, dv = (g.reshape(x.shape) for g, x in zip(grads, (q, k, v)))
         return dq, dk, dv, None, None, None, None, None
 

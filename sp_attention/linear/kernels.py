@@ -37,9 +37,12 @@ import torch
 import triton
 import triton.language as tl
 
+# (BK, BV, warps, stages). One [128, 128] tile per (chunk, head) when K = V = 128 reads q, k, v
+# once per program; it is also fla's best for its own output kernel on H100/H200.
 _CONFIGS = [
     triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=st)
-    for bk, bv, w, st in ((64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 8, 2), (32, 32, 2, 3))
+    for bk, bv, w, st in ((64, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 3),
+                          (128, 64, 8, 2), (64, 128, 8, 2), (32, 32, 2, 3))
 ]
 
 
@@ -142,7 +145,8 @@ def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: tor
 @triton.jit(do_not_specialize=["T", "n_per_split", "sx", "sy"])
 def _decayed_state_sum_kernel(x, y, g_gamma, part, scale, T, n_per_split, base, step, sx, sy,
                               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                              X_ROWS: tl.constexpr):
     i_kv = tl.program_id(0)
     i_s = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
@@ -162,12 +166,18 @@ def _decayed_state_sum_kernel(x, y, g_gamma, part, scale, T, n_per_split, base, 
     for c in range(i_s * n_per_split, (i_s + 1) * n_per_split):
         o_t = c * BT + tl.arange(0, BT)
         m_t = o_t < T
-        # [BK, BT]: x transposed by addressing; rows of the sequence weighted in fp32
-        b_x = tl.load(x + o_k[:, None] + o_t[None, :] * (H * K), mask=m_k[:, None] & m_t[None, :],
-                      other=0.0)
         # exponent >= 0 inside the leaf (w <= 1); rows past T are masked before exp2 (inf * 0)
         w = tl.exp2(gamma * tl.where(m_t, base + step * o_t, 0).to(tl.float32))
-        b_x = (b_x.to(tl.float32) * w[None, :]).to(b_x.dtype)
+        if X_ROWS:
+            # [BT, BK] as stored (K contiguous), weighted in fp32, fed transposed to the dot
+            b_x = tl.load(x + o_t[:, None] * (H * K) + o_k[None, :],
+                          mask=m_t[:, None] & m_k[None, :], other=0.0)
+            b_x = tl.trans((b_x.to(tl.float32) * w[:, None]).to(b_x.dtype))
+        else:
+            # [BK, BT]: x transposed by addressing
+            b_x = tl.load(x + o_k[:, None] + o_t[None, :] * (H * K),
+                          mask=m_k[:, None] & m_t[None, :], other=0.0)
+            b_x = (b_x.to(tl.float32) * w[None, :]).to(b_x.dtype)
         b_y = tl.load(y + o_t[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
                       other=0.0)
         acc = tl.dot(b_x, b_y, acc)
@@ -175,31 +185,35 @@ def _decayed_state_sum_kernel(x, y, g_gamma, part, scale, T, n_per_split, base, 
     tl.store(p, acc * scale, mask=m_k[:, None] & m_v[None, :])
 
 
+# Autotuned on the GPU (tile shape, how x is read, warps, stages); the grid's split count does
+# not depend on the config, so every config writes the same partial sums.
+_STATE_CONFIGS = [
+    triton.Config({"BK": bk, "BV": bv, "X_ROWS": xr}, num_warps=w, num_stages=st)
+    for bk, bv, xr, w, st in ((64, 64, 0, 4, 3), (128, 128, 0, 8, 2), (128, 128, 1, 8, 2),
+                              (128, 128, 1, 8, 3), (64, 64, 1, 4, 3), (64, 64, 1, 4, 4),
+                              (64, 128, 1, 4, 3), (128, 64, 1, 8, 3), (64, 64, 0, 4, 4))
+]
+_decayed_state_sum_tuned = triton.autotune(configs=_STATE_CONFIGS, key=["H", "K", "V"])(
+    _decayed_state_sum_kernel)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# (BK, BV, num_warps, num_stages) of the state-sum kernel. A [128, 128] tile reads x and y
-# once per program (K = V = 128: one tile per head); [64, 64] tiles read each of them twice.
-STATE_SUM_TILES = {"128x128": (128, 128, 8, 2), "64x64": (64, 64, 4, 3), "128x64": (128, 64, 8, 2)}
-
-
-def _default_state_tiles(K: int, V: int) -> str:
-    return "128x128" if K <= 128 and V <= 128 else "64x64"
-
-
 def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor, base: int,
                       step: int, splits: int | None = None, scale: float = 1.0,
-                      tiles: str | None = None) -> torch.Tensor:
+                      config: int | None = None) -> torch.Tensor:
     """``scale · Σ_t exp2(g_gamma·(base + step·t)) x_tᵀ y_t`` -> ``[B, H, K, V]`` fp32.
 
     x ``[B, T, H, K]``, y ``[B, T, H, V]``, one 16-bit dtype, each row ``x[b]`` contiguous (the
-    rows themselves may be strided, e.g. every other leaf of a batch of leaves) (the weighted x is
-    rounded to it before the tensor-core product, as the chunk kernels round their operands);
-    ``base + step·t >= 0`` for every t (weights ≤ 1). ``splits``: sequence pieces summed at the
-    end (default: about two programs per SM). ``tiles``: a key of :data:`STATE_SUM_TILES`
-    (default: one [128, 128] tile per head when K, V <= 128).
+    rows themselves may be strided, e.g. every other leaf of a batch of leaves); the weighted x
+    is rounded to the input dtype before the tensor-core product, as the chunk kernels round
+    their operands. ``base + step·t >= 0`` for every t (weights ≤ 1). ``splits``: sequence
+    pieces summed at the end in a fixed order (default: about two programs per SM per tile).
+    ``config``: index into the kernel's config list (default: autotuned on the GPU, the first
+    config in Triton's CPU interpreter).
     """
     B, T, H, K = x.shape
     V = y.shape[-1]
@@ -208,23 +222,25 @@ def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor, b
                          "contiguous rows and equal B, T, H")
     if min(base, base + step * (T - 1)) < 0:
         raise ValueError("decayed_state_sum: base + step·t must be >= 0 for every t")
-    tiles = _default_state_tiles(K, V) if tiles is None else tiles
-    if tiles not in STATE_SUM_TILES:
-        raise ValueError(f"decayed_state_sum: tiles {tiles!r} not in {sorted(STATE_SUM_TILES)}")
-    BK, BV, warps, stages = STATE_SUM_TILES[tiles]
     BT = 64
     n_chunks = triton.cdiv(T, BT)
-    n_tiles = triton.cdiv(K, BK) * triton.cdiv(V, BV)
     if splits is None:
         sms = _sm_count(x.device.index) if x.is_cuda else 8
-        splits = max(1, min(n_chunks, triton.cdiv(2 * sms, n_tiles * B * H)))
+        splits = max(1, min(n_chunks, triton.cdiv(2 * sms, B * H)))
     per = triton.cdiv(n_chunks, splits)
     splits = triton.cdiv(n_chunks, per)
     part = torch.empty(splits, B, H, K, V, device=x.device, dtype=torch.float32)
+
+    def grid(meta):
+        return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]), splits, B * H)
+    args = (x, y, g_gamma, part, float(scale), T, per, base, step, x.stride(0), y.stride(0))
     guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
     with guard:
-        _decayed_state_sum_kernel[(n_tiles, splits, B * H)](
-            x, y, g_gamma, part, float(scale), T, per, base, step, x.stride(0), y.stride(0),
-            H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-            num_warps=warps, num_stages=stages)
+        if config is not None or os.environ.get("TRITON_INTERPRET") == "1":
+            cfg = _STATE_CONFIGS[config or 0]
+            _decayed_state_sum_kernel[grid(cfg.kwargs)](
+                *args, H=H, K=K, V=V, BT=BT, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **cfg.kwargs)
+        else:
+            _decayed_state_sum_tuned[grid](*args, H=H, K=K, V=V, BT=BT)
     return part[0] if splits == 1 else part.sum(0)

@@ -89,9 +89,9 @@ def _fla_ops() -> dict:
     import inspect
 
     from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
-    from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv
-    return {f.__name__: inspect.unwrap(f) for f in (chunk_fwd_h, chunk_bwd_dh, chunk_bwd_dqkwg,
-                                                    chunk_bwd_dv)}
+    from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv, chunk_fwd_o
+    return {f.__name__: inspect.unwrap(f) for f in (chunk_fwd_h, chunk_fwd_o, chunk_bwd_dh,
+                                                    chunk_bwd_dqkwg, chunk_bwd_dv)}
 
 
 def _fla_unusable_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -380,7 +380,7 @@ def _scan_on_side_stream(scan, x: torch.Tensor, device: torch.device) -> tuple:
 
 
 def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
-                  scale: float, scan, backend: str | None = None
+                  scale: float, scan, backend: str | None = None, zero_in: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs of N leaves: ``(o [N, C, H, V], S_in [N, H, K, V])`` where ``scan(b)`` maps the
     leaves' zero-start end states ``b`` (fp32) to the states entering them.
@@ -389,17 +389,22 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: tor
     (when C is a multiple of the chunk; otherwise ``b`` comes from the one-pass state kernel
     first and the recurrence overlaps the scan), the scan runs on a side stream, and the
     output kernel (:func:`sp_attention.linear.kernels.output_from_states`) adds
-    ``λ^(n·BT) S_in`` to each chunk state. torch: ``b``, the scan, then the chunked form.
+    ``λ^(n·BT) S_in`` to each chunk state. ``zero_in``: no state enters any leaf (this rank
+    holds only the sequence's first leaf): the zero-start states are the states, fla's own
+    output kernel runs at once and the scan (this rank only sends) is joined afterwards.
+    torch: ``b``, the scan, then the chunked form.
     """
     backend = resolve_backend(backend, q, k, v)
     if backend != "fla":
         S_in = scan(leaf_state(k, v, slopes))
         return leaf_output(q, k, v, slopes, scale, S_in, backend), S_in
     from sp_attention.linear.kernels import output_from_states
-    chunk_fwd_h = _fla_ops()["chunk_fwd_h"]
+    ops = _fla_ops()
+    chunk_fwd_h = ops["chunk_fwd_h"]
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     gg = _fla_g_gamma(slopes, q.device)
+    main = torch.cuda.current_stream(q.device)
     with torch.cuda.device(q.device):
         # fla 0.6.0 turns the final state of a partial last chunk into NaN for fast heads
         # (see leaf_forward), so only whole chunks take the final state from the recurrence.
@@ -412,7 +417,12 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: tor
             S_in, side = _scan_on_side_stream(scan, leaf_state(k, v, slopes), q.device)
             h, _ = chunk_fwd_h(k=k, v=v, g=None, g_gamma=gg, h0=None, output_final_state=False,
                                chunk_size=_CHUNK)
-        torch.cuda.current_stream(q.device).wait_stream(side)
+        if zero_in:
+            o = ops["chunk_fwd_o"](q=q, k=k, v=v, h=h, g=None, g_gamma=gg, scale=float(scale),
+                                   chunk_size=_CHUNK)
+            main.wait_stream(side)          # the send finishes behind the output kernel
+            return o, S_in
+        main.wait_stream(side)
         S_in = S_in.contiguous()
         return output_from_states(q, k, v, h, S_in, gg, scale, _CHUNK), S_in
 
@@ -440,12 +450,16 @@ def _state_grads(q: torch.Tensor, do: torch.Tensor, slopes: torch.Tensor, scale:
 def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
                     scale: float, S_in: torch.Tensor, do: torch.Tensor, scan,
                     backend: str | None = None, needed: tuple | None = None,
+                    zero_grad: bool = False,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of N leaves entered with ``S_in``; ``scan(d)`` maps the leaves' state-gradient
     contributions ``d`` (fp32) to the gradients ``G`` arriving at their ends.
 
     ``needed``: per leaf of a batch row (rows are batch-major, ``len(needed)`` leaves each),
     whether anyone reads its contribution (None: all); the others are not computed.
+    ``zero_grad``: no gradient arrives at any leaf (this rank holds only the sequence's last
+    leaf), so fla's gradient recurrence runs at once and its ``dh0`` *is* ``d`` (no state-sum
+    pass); the scan (this rank only sends) is joined at the end.
 
     fla: ``d`` from the one-pass state kernel, then the scan on a side stream while the chunk
     states from ``S_in`` are recomputed (``chunk_fwd_h`` needs no ``G``); then fla's gradient
@@ -461,17 +475,27 @@ def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: t
 
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.to(v.dtype).contiguous()
     gg = _fla_g_gamma(slopes, q.device)
+    main = torch.cuda.current_stream(q.device)
     with torch.cuda.device(q.device):
-        G, side = _scan_on_side_stream(scan, _state_grads(q, do, slopes, scale, needed),
-                                       q.device)
+        if zero_grad:
+            # dht = 0: the recurrence's dL/dS_in (h0 only asks for it) is this leaf's
+            # contribution scale·Σ λ^(i+1) q_iᵀ do_i, exactly what the scan sends on.
+            dh, d = chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=S_in, dht=None, scale=scale, g=None,
+                                 g_gamma=gg, chunk_size=_CHUNK, states_in_fp32=True)
+            _, side = _scan_on_side_stream(scan, d, q.device)
+        else:
+            G, side = _scan_on_side_stream(scan, _state_grads(q, do, slopes, scale, needed),
+                                           q.device)
         h, _ = chunk_fwd_h(k=k, v=v, g=None, g_gamma=gg, h0=S_in, output_final_state=False,
                            chunk_size=_CHUNK, states_in_fp32=True)
-        torch.cuda.current_stream(q.device).wait_stream(side)
-        dh, _ = chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=G.contiguous(),
-                             scale=scale, g=None, g_gamma=gg, chunk_size=_CHUNK,
-                             states_in_fp32=True)
+        if not zero_grad:
+            main.wait_stream(side)
+            dh, _ = chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=G.contiguous(),
+                                 scale=scale, g=None, g_gamma=gg, chunk_size=_CHUNK,
+                                 states_in_fp32=True)
         dq, dk, _, _ = chunk_bwd_dqkwg(q=q, k=k, v=v, do=do, h=h, dh=dh, g=None, g_gamma=gg,
                                        scale=scale, chunk_size=_CHUNK)
         dv = chunk_bwd_dv(q=q, k=k, do=do, dh=dh, g=None, g_gamma=gg, scale=scale,
                           chunk_size=_CHUNK)
+        main.wait_stream(side)          # joined (a no-op unless zero_grad)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,25 +1,36 @@
-"""Ring backward: K/V travel as in the ring forward, and fp32 dK/dV accumulators travel with
-them (ring-flash-attention's scheme).
+"""Ring backward: K/V travel as in the ring forward; the dK/dV accumulator of each block travels
+with it from its first visitor to its owner.
 
-At step ``s`` a rank holds the K/V block of rank ``(rank − s) mod P`` and the dK/dV
-accumulator of that same block, which the previous rank filled at step ``s − 1``. It adds its
-own contribution and passes the accumulator on; after the last step one more hop brings every
-accumulator home (P hops of ``B·T_local·2·Hkv·D`` fp32; K/V take P − 1 hops). The K/V hop of
-the next step and the accumulator hop of this step overlap the kernel calls.
+At step ``s`` a rank holds the K/V block of rank ``src = (rank − s) mod P``. Step 0 is its own
+block: one square causal call, whose dK/dV **stay home**. From step 1 on, a rank's contribution
+to block ``src`` joins that block's accumulator: the first visitor (step 1) creates it, every
+later visitor receives it from the previous rank, adds its contribution and passes it on, and
+the last visitor (step P − 1, rank ``src − 1``) sends it home, where it is added to the owner's
+own contribution in fp32 arithmetic and rounded once. Every send goes to the next rank and
+every receive comes from the previous one (ring-flash-attention's pattern), with P − 1
+accumulator hops instead of P: the owner's contribution never travels.
 
-The last hop would be exposed: nothing is left to compute behind it. So the accumulators are
-kept grouped by KV-head group (``[G, 2, B, T, Hkv/G, D]``, each group contiguous), the last
-step runs its calls one head group at a time, and group ``g`` travels home while group
-``g + 1`` computes; only the last group's hop (1/G of the bytes) is exposed.
+Precision: an accumulator holding exactly one kernel output (the first visitor's, when its
+step is one kernel call) travels in the kernel's dtype, which is lossless: the kernel rounded
+it to that dtype and it is upcast wherever it is summed. An accumulator holding a sum travels
+in fp32 (fp64 for fp64 inputs). Which dtype each hop carries is pure rank arithmetic
+(:func:`hop_dtypes`), so both ends of a hop agree without a message. With P = 2 the only
+accumulator hop is a block's first: the owner receives the peer's contribution in the input
+dtype, a quarter of the bytes of the previous scheme (an fp32 accumulator out and back).
 
-Step 0 is the own block as one square causal call (:func:`.plan.ring_calls`), whose dq, dk, dv
-start the accumulators without a zero fill. dq stays local: with P = 2 every (row, head) gets
-exactly one more contribution, added in fp32 and rounded once into the input dtype; with
-P > 2 it accumulates in fp32. The kernel backward uses the forward's final ``out`` and global
-``lse`` for every block, which makes each block's gradient exact on its own.
+The last hop has nothing left to hide behind. Splitting the last step by KV-head group (so each
+group's accumulator goes home behind the next group's kernels) was measured on 2× H200
+(2026-11-23, `benchmarks/softmax_pieces.py`): the smaller calls cost 0.2–0.8 ms per step, more
+than the 16-bit hop they would hide, so the step runs whole.
+
+dq stays local: with P = 2 every (row, head) gets exactly one more contribution, added in fp32
+arithmetic and rounded once into the input dtype; with P > 2 it accumulates in fp32. The kernel
+backward uses the forward's final ``out`` and global ``lse`` for every block, which makes each
+block's gradient exact on its own.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -27,22 +38,51 @@ import torch
 from ..comm import RingComm, p2p_exchange
 from ..context import SPContext
 from .fwd_ring import pack_kv
-from .kernels import KernelBackend
+from .kernels import NATIVE_GQA, KernelBackend
 from .merge import acc_dtype
 from .plan import ring_calls
 
-__all__ = ["ring_backward", "last_step_groups"]
+__all__ = ["ring_backward", "hop_dtypes"]
 
-# At most this many head groups in the last step: 1/G of the final hop is exposed, while each
-# group's calls keep H/G query heads (8 of Llama-3-8B's 32): still enough tiles for the GPU.
-_LAST_STEP_GROUPS = 4
+
+@lru_cache(maxsize=None)
+def _single_output_hops(world: int, layout: str, causal: bool) -> tuple[tuple[bool, ...], ...]:
+    """``single[r][s - 1]``: whether the accumulator rank ``r`` sends after step ``s`` holds at
+    most one kernel output (created at step 1 from zero or one call, or passed on untouched)."""
+    single: dict = {}
+    for s in range(1, world):
+        for r in range(world):
+            n = len(ring_calls(r, (r - s) % world, world, layout, causal))
+            single[r, s] = n <= 1 if s == 1 else (single[(r - 1) % world, s - 1] and n == 0)
+    return tuple(tuple(single[r, s] for s in range(1, world)) for r in range(world))
+
+
+def hop_dtypes(rank: int, world: int, layout: str, causal: bool, kernel_dtype: torch.dtype,
+               acc: torch.dtype) -> tuple[list[torch.dtype], list[torch.dtype]]:
+    """``(sent, got)``: ``sent[s - 1]`` is the dtype of the accumulator this rank sends after
+    step ``s`` (1 … P−1), ``got[s - 1]`` the dtype of the one the previous rank sends after its
+    step ``s`` (received before this rank's step ``s + 1``, or, for ``s = P − 1``, this rank's
+    own block coming home). ``kernel_dtype`` for one kernel output, ``acc`` for a sum."""
+    single = _single_output_hops(world, layout, causal)
+    sent = [kernel_dtype if x else acc for x in single[rank]]
+    got = [kernel_dtype if x else acc for x in single[(rank - 1) % world]]
+    return sent, got
+
+
+def kernel_grad_dtype(backend: KernelBackend, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a backend's dK/dV for one non-causal call (every ring step after the
+    first): the input dtype for the CUDA kernels with native GQA (one kernel, no partial
+    sums inside the backend); fp32 (fp64) for the math backend."""
+    if backend.name != "math" and NATIVE_GQA.get(backend.name, False):
+        return dtype
+    return acc_dtype(dtype)
 
 
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, ctx: SPContext, backend: KernelBackend,
                   *, causal: bool, scale: Optional[float]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward by ring exchange of K/V and of fp32 dK/dV accumulators.
+    """Backward by ring exchange of K/V and of the blocks' dK/dV accumulators.
 
     Args:
         dout, q, out: ``[B, T_local, H, D]``; k, v: ``[B, T_local, Hkv, D]``;
@@ -56,88 +96,74 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     if world == 1:            # the own block alone: one call (plan.ring_calls), no ring
         dq, dk, dv = backend.backward(dout, q, k, v, out, lse, bool(causal), scale)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-    b, t, hkv, d = k.shape
-    groups = last_step_groups(hkv)
-    hg, hq = hkv // groups, q.shape[2] // groups
-    kv_ring, dkv_ring = RingComm(ctx), RingComm(ctx)
+    sent, got = hop_dtypes(rank, world, ctx.layout, bool(causal),
+                           kernel_grad_dtype(backend, q.dtype), acc)
+    kv_ring, acc_ring = RingComm(ctx), RingComm(ctx)
     kv_bufs = pack_kv(k, v, ctx)
-    block = (kv_bufs[0][0], kv_bufs[0][1])
-    # the accumulator of the block held now, and the one arriving; [G, 2, B, T, Hkv/G, D]
-    dkv_bufs = [torch.empty((groups, 2, b, t, hg, d), dtype=acc, device=k.device)
-                for _ in range(2)]
 
-    def heads(x: torch.Tensor) -> torch.Tensor:     # [2, B, T, G, Hkv/G, D] view
-        return x.permute(1, 2, 3, 0, 4, 5)
+    def new_acc(dtype: torch.dtype) -> torch.Tensor:     # [2, B, T, Hkv, D]: dK and dV
+        return torch.empty((2,) + tuple(k.shape), dtype=dtype, device=k.device)
 
-    def by_group(x: torch.Tensor) -> torch.Tensor:  # [B, T, Hkv, D] -> [B, T, G, Hkv/G, D]
-        return x.unflatten(2, (groups, hg))
-
-    dq = dkv = dkv_in = nxt = None
-    for step in range(world):
+    # Step 0: the own block, one square causal call; its dK/dV stay home.
+    nxt = kv_ring.send_recv(kv_bufs[0], kv_bufs[1])
+    kv_ring.commit()
+    dq, dk_home, dv_home = backend.backward(dout, q, k, v, out, lse, bool(causal), scale)
+    if world > 2:
+        dq = dq.to(acc)
+    kv_ring.wait()
+    block, carry, works = (nxt[0], nxt[1]), None, []
+    for step in range(1, world):
         src = (rank - step) % world
-        calls = ring_calls(rank, src, world, ctx.layout, bool(causal))
-        if step == world - 1:
-            break                                   # the last step runs by head group below
-        kv_ring.send_recv(kv_bufs[step % 2], kv_bufs[(step + 1) % 2])
-        nxt = kv_bufs[(step + 1) % 2]
-        kv_ring.commit()
-        parts = []
-        for c in calls:
+        last = step == world - 1
+        if not last:          # the next block travels while this one computes
+            nxt = kv_ring.send_recv(kv_bufs[step % 2], kv_bufs[(step + 1) % 2])
+            kv_ring.commit()
+        grads = []
+        for c in ring_calls(rank, src, world, ctx.layout, bool(causal)):
             rows = slice(c.q_start * ls, c.q_stop * ls)
             n_keys = c.keys * ls
             dq_c, dk_c, dv_c = backend.backward(
                 dout[:, rows], q[:, rows], block[0][:, :n_keys], block[1][:, :n_keys],
                 out[:, rows], lse[:, :, rows], c.causal, scale)
-            if step == 0:      # the own block: one call over every row and key
-                dq = dq_c.to(acc) if world > 2 else dq_c
-                dkv = dkv_bufs[0]
-                heads(dkv)[0].copy_(by_group(dk_c))
-                heads(dkv)[1].copy_(by_group(dv_c))
-            else:
-                dq[:, rows].add_(dq_c)
-                parts.append((n_keys, dk_c, dv_c))
-        if step > 0:
-            dkv_ring.wait()                         # the accumulator of the block we hold
-            dkv = dkv_in
-            for n_keys, dk_c, dv_c in parts:
-                heads(dkv)[0][:, :n_keys].add_(by_group(dk_c))
-                heads(dkv)[1][:, :n_keys].add_(by_group(dv_c))
-        kv_ring.wait()
-        block = (nxt[0], nxt[1])
-        dkv_in = dkv_ring.send_recv(dkv, dkv_bufs[(step + 1) % 2])
-        dkv_ring.commit()
-    # Last step: block of rank + 1, whose accumulator then goes home to it, one head group at
-    # a time behind the next group's kernels.
-    home = dkv_bufs[world % 2]
-    works = []
-    for g in range(groups):
-        hs, ks = slice(g * hq, (g + 1) * hq), slice(g * hg, (g + 1) * hg)
-        grads = []
-        for c in calls:
-            rows = slice(c.q_start * ls, c.q_stop * ls)
-            n_keys = c.keys * ls
-            grads.append((rows, n_keys) + tuple(backend.backward(
-                dout[:, rows, hs], q[:, rows, hs], block[0][:, :n_keys, ks],
-                block[1][:, :n_keys, ks], out[:, rows, hs], lse[:, hs, rows], c.causal,
-                scale)))
-        if g == 0:
-            dkv_ring.wait()                         # enqueued after group 0's kernels
-            dkv = dkv_in
-        for rows, n_keys, dq_c, dk_c, dv_c in grads:
-            dq[:, rows, hs].add_(dq_c)
-            dkv[g, 0, :, :n_keys].add_(dk_c)
-            dkv[g, 1, :, :n_keys].add_(dv_c)
-        works += p2p_exchange([(dkv[g], (rank + 1) % world)], [(home[g], (rank - 1) % world)],
-                              ctx)
+            dq[:, rows].add_(dq_c)
+            grads.append((n_keys, dk_c, dv_c))
+        if step >= 2:
+            acc_ring.wait()                         # enqueued behind this step's kernels
+        acc_buf = _join(carry, grads, sent[step - 1], acc, new_acc)
+        if last:              # the block's accumulator goes home; ours arrives
+            home = new_acc(got[-1])
+            works = p2p_exchange([(acc_buf, (rank + 1) % world)], [(home, (rank - 1) % world)],
+                                 ctx)
+        else:
+            carry = acc_ring.send_recv(acc_buf, new_acc(got[step - 1]))
+            acc_ring.commit()
+            kv_ring.wait()
+            block = (nxt[0], nxt[1])
     for w in works:
-        w.wait()                                    # our own block's sums are home
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    by_group(dk).copy_(heads(home)[0])
-    by_group(dv).copy_(heads(home)[1])
+        w.wait()
+    # the owner's contribution plus everyone else's: fp32 arithmetic, rounded once
+    dk = torch.add(dk_home, home[0]).to(k.dtype)
+    dv = torch.add(dv_home, home[1]).to(v.dtype)
     return dq.to(q.dtype), dk, dv
 
 
-def last_step_groups(kv_heads: int, most: int = _LAST_STEP_GROUPS) -> int:
-    """Number of KV-head groups the last ring step is split into: the largest divisor of
-    ``kv_heads`` up to ``most`` (only the last group's accumulator hop stays exposed)."""
-    return max(g for g in range(1, min(most, kv_heads) + 1) if kv_heads % g == 0)
+def _join(carry: Optional[torch.Tensor], grads: list, dtype: torch.dtype, acc: torch.dtype,
+          new_acc) -> torch.Tensor:
+    """The accumulator this step sends on, in ``dtype`` (from :func:`hop_dtypes`): the received
+    one passed on untouched when this rank adds nothing; a new one holding this step's single
+    kernel output as it is (zero past the keys it covers); else the ``acc``-dtype sum."""
+    if not grads:
+        return carry if carry is not None else new_acc(dtype).zero_()
+    if carry is None and len(grads) == 1 and dtype != acc:
+        n_keys, dk_c, dv_c = grads[0]
+        buf = new_acc(dtype)
+        buf[0, :, :n_keys].copy_(dk_c)
+        buf[1, :, :n_keys].copy_(dv_c)
+        if n_keys < buf.shape[2]:
+            buf[:, :, n_keys:].zero_()
+        return buf
+    buf = new_acc(acc).zero_() if carry is None else carry.to(acc)
+    for n_keys, dk_c, dv_c in grads:
+        buf[0, :, :n_keys].add_(dk_c)
+        buf[1, :, :n_keys].add_(dv_c)
+    return buf

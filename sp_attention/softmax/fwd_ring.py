@@ -10,7 +10,10 @@ Step 0 is the rank's own block: the local query and key pieces are both in ascen
 order, so the square causal mask over the local shard *is* the global mask, and one kernel call
 (:func:`.plan.ring_calls`) gives every row its first result, which becomes the accumulator,
 upcast once to fp32 (fp64 for fp64 inputs). Later blocks are merged by LSE with
-:func:`.merge.merge_blocks_`; the result is rounded to the input dtype once at the end.
+:func:`.merge.merge_blocks_` (one Triton pass on CUDA); the result is rounded to the input
+dtype once at the end. With P = 2 the single merge goes straight into step 0's output (fp32
+math, one rounding: the same numbers as an fp32 accumulator rounded at the end, two passes
+fewer).
 Traffic: P − 1 hops of ``B·T_local·2·Hkv·D`` input-dtype elements.
 """
 from __future__ import annotations
@@ -69,9 +72,11 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SPConte
             o, l = backend.forward(q[:, rows], block[0][:, :n_keys], block[1][:, :n_keys],
                                    c.causal, scale)
             if step == 0:      # the own block: one call over every row (plan.ring_calls)
-                # fp32 running result: merging into it is cheaper than into a 16-bit one
-                # (which the merge upcasts and copies back every time)
-                out, lse = o.to(acc), l.to(acc)
+                # With one merge to come (P = 2) it goes straight into the kernel's output: the
+                # merge computes in fp32 and rounds once, exactly as an fp32 accumulator
+                # rounded at the end would. Otherwise an fp32 running result.
+                out = o if world == 2 else o.to(acc)
+                lse = l.to(acc)
             else:
                 merge_blocks_(out[:, rows], lse[:, :, rows], o, l)
         if step + 1 < world:

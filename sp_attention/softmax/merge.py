@@ -21,10 +21,13 @@ Precision: the math is fp32, or fp64 when out or lse is fp64 (see :func:`acc_dty
 must be fp32/fp64; ``out`` may be any float dtype (e.g. a bf16 kernel output used directly as
 the accumulator) and is rounded to its own dtype once per merge.
 
-Cost: about ten elementwise passes over [B, Tq, H, D] (≈0.27 ms for an fp32 [1, 8192, 32,
-128] accumulator on an H200; a bf16 ``out`` adds an upcast and a copy back, ≈0.48 ms). A fused
-one-pass Triton kernel was tried (2026-11-22: 0.07–0.11 ms) but gave wrong results on the
-H200 for some shapes while passing Triton's CPU interpreter, so it is not shipped.
+Cost: the pure-torch form makes about ten elementwise passes over [B, Tq, H, D] (≈0.27 ms for
+an fp32 [1, 8192, 32, 128] accumulator on an H200; a bf16 ``out`` adds an upcast and a copy
+back, ≈0.48 ms; 6 % of a ring step at T_local 8K). On CUDA with fp32 / 16-bit tensors the merge
+runs as one Triton kernel (:mod:`.merge_kernel`: one read of each block, one write), same math
+in fp32; fp64 and CPU tensors take the torch form, which is also the reference the kernel is
+tested against (Triton's CPU interpreter, and on the GPU elementwise, incl. the bf16
+[1, 8192, 32, 128] case where an earlier fused kernel of 2026-11-22 went wrong).
 """
 from __future__ import annotations
 
@@ -75,6 +78,10 @@ def merge_blocks_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor,
     zeros) and ``out_b`` finite everywhere.
     """
     _check(out, lse, out_b, lse_b)
+    if _use_kernel(out, lse, out_b, lse_b):
+        from .merge_kernel import merge_blocks_triton
+        merge_blocks_triton(out, lse, out_b, lse_b.float())
+        return
     dt = torch.float64 if torch.float64 in (out.dtype, lse.dtype) else torch.float32
     acc_out = out if out.dtype == dt else out.to(dt)
     acc_lse = lse if lse.dtype == dt else lse.to(dt)
@@ -83,6 +90,31 @@ def merge_blocks_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor,
         out.copy_(acc_out)
     if acc_lse is not lse:
         lse.copy_(acc_lse)
+
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _use_kernel(out, lse, out_b, lse_b) -> bool:
+    """The one-pass Triton merge runs CUDA tensors of fp32/16-bit with fp32 LSEs and unit
+    stride in D (everything the schedules pass); anything else takes the torch form."""
+    return (out.is_cuda and out.dtype in _KERNEL_DTYPES and out_b.dtype in _KERNEL_DTYPES
+            and lse.dtype == torch.float32 and lse_b.dtype in _KERNEL_DTYPES
+            and out.stride(-1) == 1 and out_b.stride(-1) == 1 and _triton_available())
+
+
+def _triton_available() -> bool:
+    global _TRITON
+    if _TRITON is None:
+        try:
+            import triton  # noqa: F401
+            _TRITON = True
+        except Exception:  # not installed, or no usable driver
+            _TRITON = False
+    return _TRITON
+
+
+_TRITON = None
 
 
 def _merge_inplace(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor,

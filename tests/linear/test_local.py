@@ -325,15 +325,15 @@ for T, B, H, K, V in ((64, 1, 1, 16, 16), (100, 2, 3, 32, 16), (200, 1, 3, 16, 4
     ref = chunked_core(q.double(), k.double(), v.double(), slopes.double(), 0.5, S.double())[0]
     worst = max(worst, ((o.double() - ref).norm() / ref.norm()).item())
     assert o.dtype == torch.float32 and o.shape == (B, T, H, V)
-from sp_attention.linear.kernels import decayed_state_sum
+from sp_attention.linear.kernels import _STATE_CONFIGS, decayed_state_sum
 from sp_attention.linear.naive import decayed_state_sum_ref
 for T, splits in ((64, None), (200, 3), (130, 1)):
     x, y = torch.randn(2, T, 3, 32), torch.randn(2, T, 3, 16)
     slopes = torch.tensor([0.0, 0.05, 60.0])
-    for (base, step), tiles in zip(((T - 1, -1), (1, 1)) * 2, ("128x128", "64x64", "128x64",
-                                                              None)):
+    for cfg in range(len(_STATE_CONFIGS)):          # every config the autotuner may pick
+        base, step = ((T - 1, -1), (1, 1))[cfg % 2]
         got = decayed_state_sum(x, y, (-slopes / math.log(2)).float(), base, step, splits, 0.3,
-                                tiles)
+                                cfg)
         ref = 0.3 * decayed_state_sum_ref(x.double(), y.double(), slopes.double(), base, step)
         assert got.dtype == torch.float32 and got.shape == (2, 3, 32, 16)
         worst = max(worst, ((got.double() - ref).norm() / ref.norm()).item())
@@ -446,3 +446,36 @@ def test_fla_two_leaves_on_one_gpu_match_one_leaf():
                               (o1, *(t.grad for t in one))):
             assert torch.isfinite(a).all(), (impl, name)
             assert rel_rms(a, b) < 5e-3, (impl, name, rel_rms(a, b))
+
+
+@_apply(gpu)
+@pytest.mark.parametrize("T", [256, 300])
+def test_fla_first_and_last_leaf_paths_match_torch_bf16(T):
+    """The paths of a rank holding only the sequence's first leaf (``zero_in``: fla's own output
+    kernel, the scan joined afterwards) and only its last leaf (``zero_grad``: the gradient
+    recurrence runs first and its dh0 is the contribution handed to the scan) vs the torch
+    backend in fp32; the states handed to the scans are checked too."""
+    q, k, v, S0, do, _ = _inputs(B=2, T=T, H=4, K=64, V=64, dtype=torch.bfloat16, device="cuda")
+    slopes = torch.tensor([0.0, 0.01, 0.3, 50.0], device="cuda")
+    S0, do = S0.float(), do.bfloat16()
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    seen = {}
+
+    def scan_first(b):          # what any scan returns to the first leaf: zeros
+        seen["b"] = b.clone()
+        return torch.zeros_like(b)
+
+    def scan_last(d):           # ... and to the last leaf in reverse
+        seen["d"] = d.clone()
+        return torch.zeros_like(d)
+    o, S = local.leaves_output(q, k, v, slopes, 0.125, scan_first, "fla", zero_in=True)
+    assert_close(seen["b"], leaf_state(k32, v32, slopes), 3e-3, "end state")
+    assert float(S.abs().max()) == 0.0
+    assert_close(o.float(), leaf_output(q32, k32, v32, slopes, 0.125, None, "torch"), 3e-3)
+    grads = local.leaves_backward(q, k, v, slopes, 0.125, S0, do, scan_last, "fla",
+                                  zero_grad=True)
+    assert_close(seen["d"], state_grad_local(q32, do.float(), slopes, 0.125), 3e-3, "d")
+    refs = leaf_backward(q32, k32, v32, slopes, 0.125, S0, do.float(), None, "torch")
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, refs):
+        assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+        assert_close(got.float(), ref, 3e-3, name)

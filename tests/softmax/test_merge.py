@@ -126,7 +126,7 @@ def _compare_to_torch_path(kernel, dtype, d, layout, h, device, seed, b=2, t=6, 
     """Run ``kernel`` and the torch path on the same case; both must pass the checks and
     agree with each other to fp32 rounding (16-bit out: at most one ulp apart, rarely)."""
     ko, kl = _run_case(kernel, dtype, d, layout, h, device, seed, b, t, rtne)
-    to, tl = _run_case(merge_blocks_, dtype, d, layout, h, device, seed, b, t)
+    to, tl = _run_case(_torch_path_, dtype, d, layout, h, device, seed, b, t)
     assert torch.equal(torch.isneginf(kl), torch.isneginf(tl))
     fin = torch.isfinite(tl)
     assert (kl[fin] - tl[fin]).abs().max().item() <= 1e-5
@@ -220,3 +220,91 @@ def test_merge_errors_are_clear():
         merge_blocks_(out, torch.zeros(1, 2, 3), out.int(), torch.zeros(1, 2, 3))
     with pytest.raises(ValueError, match="one device"):
         merge_blocks_(out, torch.zeros(1, 2, 3), out.to("meta"), torch.zeros(1, 2, 3))
+
+
+# ------------------------------------------------------------------ Triton kernel
+
+def _torch_path_(out, lse, out_b, lse_b):
+    """merge_blocks_ forced onto its pure-torch form (the reference of the kernel)."""
+    from unittest import mock
+
+    from sp_attention.softmax import merge as merge_mod
+    with mock.patch.object(merge_mod, "_use_kernel", lambda *a: False):
+        merge_blocks_(out, lse, out_b, lse_b)
+
+
+def _triton_(out, lse, out_b, lse_b):
+    from sp_attention.softmax.merge_kernel import merge_blocks_triton
+    # the kernel reads D with unit stride (what every schedule passes); a block strided in D
+    # (one of the view cases) is made contiguous first, as merge_blocks_ would route it
+    merge_blocks_triton(out, lse, out_b if out_b.stride(-1) == 1 else out_b.contiguous(), lse_b)
+
+
+_KERNEL_CASES = [(dt, d, layout, h, t) for dt in (F32, BF16) for d, h, t in ((16, 5, 6),
+                 (24, 3, 37), (128, 2, 70)) for layout in ("contiguous", "rows", "heads")]
+
+
+if __import__("os").environ.get("TRITON_INTERPRET") == "1":
+    # Collected only in test_triton_merge_in_interpreter's subprocess: the interpreter must be
+    # chosen before triton compiles anything.
+    @pytest.mark.parametrize("dtype,d,layout,h,t", _KERNEL_CASES)
+    def test_triton_merge_interpreted(dtype, d, layout, h, t):
+        """The kernel in Triton's CPU interpreter vs the torch form: -inf rows, row / head
+        views of bigger buffers (nothing outside written), D not a power of two, Tq not a
+        multiple of the row block, 16-bit out rounded once (the interpreter truncates: one
+        ulp)."""
+        _compare_to_torch_path(_triton_, dtype, d, layout, h, "cpu", seed=d + t, t=t,
+                               rtne=False)
+
+
+def test_triton_merge_in_interpreter():
+    """Runs test_triton_merge_interpreted in a subprocess with TRITON_INTERPRET=1."""
+    pytest.importorskip("triton", reason="triton is in the `test` extra; install it to run this")
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.abspath(__file__), "-k", "triton_merge_interpreted"],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and f"{len(_KERNEL_CASES)} passed" in r.stdout, r.stdout[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+@pytest.mark.parametrize("dtype,d,layout,h,t", _KERNEL_CASES)
+def test_triton_merge_gpu_cases(dtype, d, layout, h, t):
+    """The kernel on the GPU vs the torch form on the same cases (round to nearest even)."""
+    _compare_to_torch_path(_triton_, dtype, d, layout, h, "cuda", seed=d + t, t=t)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("rows", [slice(None), slice(4096, None)])
+def test_triton_merge_gpu_ring_shapes(dtype, rows):
+    """The ring forward's own shapes ([1, 8192, 32, 128], every row or the second zigzag
+    chunk; fp32 accumulator or the bf16 kernel output merged in place) through merge_blocks_
+    (which takes the kernel on CUDA) vs the torch form, elementwise: the case that went wrong
+    for an earlier fused kernel on the H200."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    out = torch.randn(1, 8192, 32, 128, device="cuda", generator=g).to(dtype)
+    lse = torch.randn(1, 32, 8192, device="cuda", generator=g) * 3
+    blk = torch.randn(1, 8192, 32, 128, device="cuda", generator=g).to(BF16)[:, rows]
+    lse_b = torch.randn(1, 32, 8192, device="cuda", generator=g)[:, :, rows] * 3
+    lse_b = lse_b.contiguous()
+    got_o, got_l = out.clone(), lse.clone()
+    ref_o, ref_l = out.clone(), lse.clone()
+    merge_blocks_(got_o[:, rows], got_l[:, :, rows], blk, lse_b)
+    _torch_path_(ref_o[:, rows], ref_l[:, :, rows], blk, lse_b)
+    assert (got_l - ref_l).abs().max().item() <= 1e-5
+    diff = (got_o.double() - ref_o.double()).abs()
+    if dtype == BF16:
+        assert (diff <= torch.finfo(BF16).eps * ref_o.double().abs() + 1e-6).all()
+        assert (got_o != ref_o).double().mean().item() <= 1e-3
+    else:
+        assert diff.max().item() <= 1e-5
+    assert torch.equal(got_o[:, :4096] if rows.start else got_o[:, :0],
+                       out[:, :4096] if rows.start else out[:, :0])

@@ -5,6 +5,7 @@ when the call is causal; every (query, key) pair must be computed exactly once a
 schedule; the arrangement runs must rebuild the arrangement; zigzag must balance the ring.
 """
 import pytest
+import torch
 
 from sp_attention.softmax.bwd_allgather import backward_units
 from sp_attention.softmax.plan import Call, gather_plan, piece_ids, ring_calls, stride_widths
@@ -128,8 +129,26 @@ def test_stride_widths_and_units():
     assert split == 1 and [(u.p0, u.p1) for u in units] == [(0, 1)]
 
 
-@pytest.mark.parametrize("kv_heads,expected", [(1, 1), (2, 2), (3, 3), (5, 1), (6, 3), (8, 4),
-                                               (12, 4), (7, 1)])
-def test_last_step_groups_is_the_largest_divisor_up_to_four(kv_heads, expected):
-    from sp_attention.softmax.bwd_ring import last_step_groups
-    assert last_step_groups(kv_heads) == expected
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_backward_hop_dtypes(layout, causal):
+    """Pure rank arithmetic of the ring backward's accumulator hops, P = 2 … 16: both ends of
+    every hop agree on its dtype; a 16-bit hop carries at most one kernel output (simulated by
+    counting contributions along each block's path); P = 2 zigzag causal sends 16-bit."""
+    from sp_attention.softmax.bwd_ring import hop_dtypes
+    from sp_attention.softmax.plan import ring_calls
+    lo, hi = torch.bfloat16, torch.float32
+    for P in range(2, 17):
+        table = [hop_dtypes(r, P, layout, causal, lo, hi) for r in range(P)]
+        for r in range(P):
+            sent, got = table[r]
+            assert len(sent) == len(got) == P - 1
+            assert got == table[(r - 1) % P][0]       # what r receives is what r - 1 sends
+        for blk in range(P):                          # follow block blk's accumulator
+            outputs = 0
+            for s in range(1, P):
+                r = (blk + s) % P                     # its visitor at step s
+                outputs += len(ring_calls(r, blk, P, layout, causal))
+                if table[r][0][s - 1] == lo:
+                    assert outputs <= 1, (P, blk, s)
+    assert hop_dtypes(0, 2, "zigzag", True, lo, hi) == ([lo], [lo])
