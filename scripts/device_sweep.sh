@@ -63,7 +63,7 @@ for step in $steps; do
       python3 benchmarks/host_launch.py | tee "$OUT/host_launch.txt" ;;
     softmax)
       [ "$NGPU" -ge 2 ] && torchrun --standalone --nproc-per-node 2 benchmarks/softmax_cp.py \
-        --out "$OUT/softmax.jsonl" > "$OUT/softmax_stdout.log" 2>&1
+        --out "$OUT/softmax.jsonl" ${SOFTMAX_ARGS:-} > "$OUT/softmax_stdout.log" 2>&1
       python3 benchmarks/summarize.py "$OUT/softmax.jsonl" ;;
     profile)   # timeline of one fwd+bwd step per pair at T_local 8K, packed into one file
       [ "$NGPU" -ge 2 ] && torchrun --standalone --nproc-per-node 2 benchmarks/softmax_cp.py \
