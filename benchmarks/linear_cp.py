@@ -159,32 +159,45 @@ class _Run:
                       mtok_s=T / f_fb / 1e3, baseline="local_kernel", ratio=t1_fb / f_fb),
                  a.out, rank)
             base_name, tb_f, tb_fb = "fla_chunk_simple_gla", f_f, f_fb
-        for layout in a.layouts:
-            ctx = build_sp_context(self.group, layout=layout)
-            for impl in a.impls:
-                tf = timer(lambda: step(ctx, impl, False))
-                tfb = timer(lambda: step(ctx, impl, True))
-                host = host_ms(lambda: step(ctx, impl, True)) if dev == "cuda" else None
-                rec = dict(base, impl=impl, layout=layout, ms_fwd=tf, ms_fwd_bwd=tfb,
-                           ms_host_fwd_bwd=host,
-                           mtok_s=world * T / tfb / 1e3, mtok_s_fwd=world * T / tf / 1e3,
-                           baseline=f"{world} x {base_name}", ratio=tb_fb / tfb,
-                           ratio_fwd=tb_f / tf, ratio_vs_local_op=t1_fb / tfb)
-                if not a.no_phases:
-                    q, k, v = qkv
-                    ph = _phases(q, k, v, self.slopes, self.do, ctx, impl, self.backend, timer)
-                    rec.update(ph)
-                    # upper bound: the scans' standalone times, as if nothing hid them
-                    rec["scan_share"] = (ph["ms_scan_fwd"] + ph["ms_scan_bwd"]) / tfb
-                # everything CP adds over the 1-GPU kernel on the same per-GPU tokens (state
-                # passes, scans, exposed communication, host work in eager mode): 1 - ratio
-                rec["overhead_share"] = max(0.0, (tfb - tb_fb) / tfb)
-                if mode == "queued":
-                    rec["host_ahead_lost"] = host_ahead_lost()
-                emit(rec, a.out, rank)
-                if profile and dev == "cuda" and mode == a.timing[0]:
-                    _profile(lambda: step(ctx, impl, True), a.profile, f"{layout}-{impl}-{T}",
-                             rank)
+        import sp_attention.linear.attention as lin
+        runs = [(layout, impl, True) for layout in a.layouts for impl in a.impls]
+        if a.ab_static_zero:
+            runs += [("contiguous", impl, False) for impl in a.impls]
+        for layout, impl, shortcuts in runs:
+            lin._STATIC_ZERO_PATHS = shortcuts
+            try:
+                self.cp_row(base, mode, qkv, profile, layout, impl, shortcuts,
+                            (base_name, tb_f, tb_fb, t1_fb))
+            finally:
+                lin._STATIC_ZERO_PATHS = True
+
+    def cp_row(self, base, mode, qkv, profile, layout, impl, shortcuts, ref) -> None:
+        a, rank, world, dev, step = self.a, self.rank, self.world, self.dev, self.step
+        timer, T = self.timer(mode), base["T_local"]
+        base_name, tb_f, tb_fb, t1_fb = ref
+        ctx = build_sp_context(self.group, layout=layout)
+        tf = timer(lambda: step(ctx, impl, False))
+        tfb = timer(lambda: step(ctx, impl, True))
+        host = host_ms(lambda: step(ctx, impl, True)) if dev == "cuda" else None
+        rec = dict(base, impl=impl if shortcuts else f"{impl}-nozero", layout=layout,
+                   ms_fwd=tf, ms_fwd_bwd=tfb, ms_host_fwd_bwd=host,
+                   mtok_s=world * T / tfb / 1e3, mtok_s_fwd=world * T / tf / 1e3,
+                   baseline=f"{world} x {base_name}", ratio=tb_fb / tfb,
+                   ratio_fwd=tb_f / tf, ratio_vs_local_op=t1_fb / tfb)
+        if not a.no_phases:
+            q, k, v = qkv
+            ph = _phases(q, k, v, self.slopes, self.do, ctx, impl, self.backend, timer)
+            rec.update(ph)
+            # upper bound: the scans' standalone times, as if nothing hid them
+            rec["scan_share"] = (ph["ms_scan_fwd"] + ph["ms_scan_bwd"]) / tfb
+        # everything CP adds over the 1-GPU kernel on the same per-GPU tokens (state passes,
+        # scans, exposed communication, host work in eager mode): 1 - ratio
+        rec["overhead_share"] = max(0.0, (tfb - tb_fb) / tfb)
+        if mode == "queued":
+            rec["host_ahead_lost"] = host_ahead_lost()
+        emit(rec, a.out, rank)
+        if profile and dev == "cuda" and mode == a.timing[0]:
+            _profile(lambda: step(ctx, impl, True), a.profile, f"{layout}-{impl}-{T}", rank)
 
 
 def main() -> None:
@@ -195,6 +208,9 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--no-phases", action="store_true")
+    p.add_argument("--ab-static-zero", action="store_true",
+                   help="contiguous rows also with the first/last-leaf shortcuts off "
+                        "(impl suffix '-nozero'): an A/B of those paths in the same run")
     p.add_argument("--cuda-graph", action="store_true",
                    help="also time the fwd+bwd step captured as CUDA graphs "
                         "(torch.cuda.make_graphed_callables), ours and fla's, to show how much "

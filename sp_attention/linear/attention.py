@@ -25,6 +25,10 @@ from .scan_blelloch import blelloch_scan
 from .scan_ring import ring_scan
 
 SCANS = {"blelloch": blelloch_scan, "allgather": allgather_scan, "ring": ring_scan}
+# Ranks holding only the sequence's first leaf (no state enters) or only its last (no gradient
+# arrives) take the shorter local paths of leaves_output / leaves_backward. Private switch for
+# the A/B rows of benchmarks/linear_cp.py (--ab-static-zero); both settings are exact.
+_STATIC_ZERO_PATHS = True
 IMPLS = tuple(SCANS) + ("auto",)
 
 # `auto`: two leaves (contiguous P = 2, or zigzag on one rank) need one hop at most, and the ring
@@ -85,7 +89,7 @@ class _LightningAttention(torch.autograd.Function):
             n = len(ctx.leaves)
             qb, kb, vb = _rows(q, n), _rows(k, n), _rows(v, n)
             # a rank holding only the sequence's first leaf receives nothing (S_in = 0)
-            zero_in = all(leaf == 0 for leaf in ctx.leaves)
+            zero_in = _STATIC_ZERO_PATHS and all(leaf == 0 for leaf in ctx.leaves)
             o, S = leaves_output(qb, kb, vb, slopes, scale,
                                  lambda b: _scan_rows(b, q, slopes, ctx, impl, False), backend,
                                  zero_in)
@@ -109,7 +113,8 @@ class _LightningAttention(torch.autograd.Function):
             # the sequence's first leaf sends its contribution to nobody: not computed
             needed = tuple(leaf != 0 for leaf in ctx.leaves)
             # ... and one holding only its last leaf receives no gradient (G = 0)
-            zero_grad = all(leaf == ctx.num_leaves - 1 for leaf in ctx.leaves)
+            zero_grad = _STATIC_ZERO_PATHS and all(leaf == ctx.num_leaves - 1
+                                                   for leaf in ctx.leaves)
             grads = leaves_backward(
                 qb, kb, vb, slopes, scale, S, dob,
                 lambda d: _scan_rows(d, q, slopes, ctx, fctx.impl, True), backend, needed,
