@@ -106,13 +106,14 @@ _output_from_states_tuned = triton.autotune(configs=_CONFIGS, key=["H", "K", "V"
 
 def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor,
                        S_in: torch.Tensor, g_gamma: torch.Tensor, scale: float,
-                       chunk_size: int = 64) -> torch.Tensor:
+                       chunk_size: int = 64, config: int | None = None) -> torch.Tensor:
     """Launch the kernel: ``o [B, T, H, V]`` in ``v.dtype``.
 
     q, k ``[B, T, H, K]``, v ``[B, T, H, V]`` contiguous; ``h [B, N, H, K, V]`` the zero-start
     states entering each chunk (``N = ceil(T / chunk_size)``, fla's ``chunk_fwd_h`` layout, any
     float dtype); ``S_in [B, H, K, V]`` fp32, the state entering the leaf; ``g_gamma [H]`` fp32
-    log2 decay per token (``−slope / ln 2``).
+    log2 decay per token (``−slope / ln 2``). ``config``: index into the kernel's config list
+    (default: autotuned on the GPU, the first config in Triton's CPU interpreter).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -134,9 +135,11 @@ def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: tor
     guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
     args = (q, k, v, h, S_in, g_gamma, o, float(scale), T, N)
     with guard:
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            _output_from_states_kernel[grid](*args, H=H, K=K, V=V, BT=chunk_size,
-                                             **_CONFIGS[0].kwargs)
+        if config is not None or os.environ.get("TRITON_INTERPRET") == "1":
+            cfg = _CONFIGS[config or 0]         # a fixed config (tests; the CPU interpreter)
+            _output_from_states_kernel[grid(cfg.kwargs)](
+                *args, H=H, K=K, V=V, BT=chunk_size, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, **cfg.kwargs)
         else:
             _output_from_states_tuned[grid](*args, H=H, K=K, V=V, BT=chunk_size)
     return o

@@ -312,7 +312,7 @@ def test_output_from_states_reference_matches_recurrence(kind, T):
 
 _INTERPRETER_CHECK = r"""
 import math, sys, torch
-from sp_attention.linear.kernels import output_from_states
+from sp_attention.linear.kernels import _CONFIGS, output_from_states
 from sp_attention.linear.naive import chunk_start_states, chunked_core
 torch.manual_seed(0)
 worst = 0.0
@@ -321,10 +321,11 @@ for T, B, H, K, V in ((64, 1, 1, 16, 16), (100, 2, 3, 32, 16), (200, 1, 3, 16, 4
     slopes = torch.tensor([0.0, 0.05, 60.0][:H])
     S = torch.randn(B, H, K, V)
     h = chunk_start_states(k, v, slopes, 64).float().contiguous()
-    o = output_from_states(q, k, v, h, S, (-slopes / math.log(2)).float(), 0.5)
     ref = chunked_core(q.double(), k.double(), v.double(), slopes.double(), 0.5, S.double())[0]
-    worst = max(worst, ((o.double() - ref).norm() / ref.norm()).item())
-    assert o.dtype == torch.float32 and o.shape == (B, T, H, V)
+    for cfg in range(len(_CONFIGS)):               # every config the autotuner may pick
+        o = output_from_states(q, k, v, h, S, (-slopes / math.log(2)).float(), 0.5, 64, cfg)
+        worst = max(worst, ((o.double() - ref).norm() / ref.norm()).item())
+        assert o.dtype == torch.float32 and o.shape == (B, T, H, V)
 from sp_attention.linear.kernels import _STATE_CONFIGS, decayed_state_sum
 from sp_attention.linear.naive import decayed_state_sum_ref
 for T, splits in ((64, None), (200, 3), (130, 1)):
@@ -479,3 +480,43 @@ def test_fla_first_and_last_leaf_paths_match_torch_bf16(T):
     for name, got, ref in zip(("dq", "dk", "dv"), grads, refs):
         assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
         assert_close(got.float(), ref, 3e-3, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_our_kernels_every_config_gpu(dtype):
+    """Every config the autotuners may pick, forced one at a time on the GPU, vs the fp64
+    references: the state-sum kernel (x read transposed or as stored; contiguous and strided
+    rows; partial last chunk) and the output kernel (fp32: tf32 dots, held to 3e-3). The
+    interpreter cannot show a config that compiles wrong on the GPU; this does."""
+    import math
+
+    from sp_attention.linear.kernels import (_CONFIGS, _STATE_CONFIGS, decayed_state_sum,
+                                             output_from_states)
+    from sp_attention.linear.naive import chunk_start_states, decayed_state_sum_ref
+    tol = 3e-3
+    for B, T, H, K in ((2, 300, 4, 64), (1, 2048, 16, 128)):
+        q, k, v, S0, do, _ = _inputs(B=B, T=T, H=H, K=K, V=K, dtype=dtype, device="cuda")
+        slopes = torch.tensor([0.0, 0.01, 0.3, 50.0] * (H // 4), device="cuda")
+        gg = (-slopes / math.log(2)).float()
+        s64 = slopes.double().cpu()
+        if dtype != torch.float32:        # the state kernel takes 16-bit inputs only
+            wide = torch.cat([q, q], 0)[::2]           # strided rows, each row contiguous
+            for i in range(len(_STATE_CONFIGS)):
+                for x, y, base, step in ((k, v, T - 1, -1), (q, do.to(dtype), 1, 1),
+                                         (wide, do.to(dtype), 1, 1)):
+                    got = decayed_state_sum(x, y, gg, base, step, None, 0.5, i)
+                    ref = 0.5 * decayed_state_sum_ref(x.double().cpu(), y.double().cpu(), s64,
+                                                      base, step)
+                    assert_close(got.double().cpu(), ref, tol, f"state cfg {i} {T}")
+        h = chunk_start_states(k.float(), v.float(), slopes, 64).to(dtype).contiguous()
+        ref = leaf_output(q.float(), k.float(), v.float(), slopes, 0.25, S0.float(), "torch")
+        for i in range(len(_CONFIGS)):
+            try:
+                o = output_from_states(q, k, v, h, S0.float().contiguous(), gg, 0.25, 64, i)
+            except Exception as e:        # a config that cannot compile here (out of resources)
+                if "OutOfResources" in type(e).__name__ or "out of resource" in str(e):
+                    continue
+                raise
+            assert_close(o.float(), ref, tol, f"output cfg {i} {T} {dtype}")
