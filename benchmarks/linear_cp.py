@@ -160,18 +160,20 @@ class _Run:
                  a.out, rank)
             base_name, tb_f, tb_fb = "fla_chunk_simple_gla", f_f, f_fb
         import sp_attention.linear.attention as lin
-        runs = [(layout, impl, True) for layout in a.layouts for impl in a.impls]
+        default = lin._STATIC_ZERO_PATHS
+        runs = [(layout, impl, default) for layout in a.layouts for impl in a.impls]
         if a.ab_static_zero:
-            runs += [("contiguous", impl, False) for impl in a.impls]
+            runs += [("contiguous", impl, not default) for impl in a.impls]
         for layout, impl, shortcuts in runs:
             lin._STATIC_ZERO_PATHS = shortcuts
             try:
-                self.cp_row(base, mode, qkv, profile, layout, impl, shortcuts,
+                self.cp_row(base, mode, qkv, profile, layout, impl,
+                            "" if shortcuts == default else ("-zero" if shortcuts else "-nozero"),
                             (base_name, tb_f, tb_fb, t1_fb))
             finally:
-                lin._STATIC_ZERO_PATHS = True
+                lin._STATIC_ZERO_PATHS = default
 
-    def cp_row(self, base, mode, qkv, profile, layout, impl, shortcuts, ref) -> None:
+    def cp_row(self, base, mode, qkv, profile, layout, impl, suffix, ref) -> None:
         a, rank, world, dev, step = self.a, self.rank, self.world, self.dev, self.step
         timer, T = self.timer(mode), base["T_local"]
         base_name, tb_f, tb_fb, t1_fb = ref
@@ -179,7 +181,7 @@ class _Run:
         tf = timer(lambda: step(ctx, impl, False))
         tfb = timer(lambda: step(ctx, impl, True))
         host = host_ms(lambda: step(ctx, impl, True)) if dev == "cuda" else None
-        rec = dict(base, impl=impl if shortcuts else f"{impl}-nozero", layout=layout,
+        rec = dict(base, impl=impl + suffix, layout=layout,
                    ms_fwd=tf, ms_fwd_bwd=tfb, ms_host_fwd_bwd=host,
                    mtok_s=world * T / tfb / 1e3, mtok_s_fwd=world * T / tf / 1e3,
                    baseline=f"{world} x {base_name}", ratio=tb_fb / tfb,
@@ -209,8 +211,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--no-phases", action="store_true")
     p.add_argument("--ab-static-zero", action="store_true",
-                   help="contiguous rows also with the first/last-leaf shortcuts off "
-                        "(impl suffix '-nozero'): an A/B of those paths in the same run")
+                   help="contiguous rows also with the first/last-leaf shortcuts of "
+                        "sp_attention.linear.attention._STATIC_ZERO_PATHS flipped (impl suffix "
+                        "'-zero' when on, '-nozero' when off): an A/B in the same run")
     p.add_argument("--cuda-graph", action="store_true",
                    help="also time the fwd+bwd step captured as CUDA graphs "
                         "(torch.cuda.make_graphed_callables), ours and fla's, to show how much "

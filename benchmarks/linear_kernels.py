@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import base_parser, device_name, emit, host_ms, time_ms  # noqa: E402
-from sp_attention.linear.kernels import _STATE_CONFIGS, decayed_state_sum, output_from_states  # noqa: E402
+from sp_attention.linear.kernels import _STATE_CANDIDATES, decayed_state_sum, output_from_states  # noqa: E402
 
 
 def main() -> None:
@@ -76,7 +76,7 @@ def main() -> None:
             "chunk_bwd_dv": lambda: chunk_bwd_dv(q=q, k=k, do=do, dh=dh, g_gamma=gg, scale=1.0),
         }
         pieces["decayed_state_sum (autotuned)"] = lambda: decayed_state_sum(q, do, gg, 1, 1)
-        for i, c in enumerate(_STATE_CONFIGS):
+        for i, c in enumerate(_STATE_CANDIDATES):
             pieces[f"decayed_state_sum cfg{i} {c.kwargs} w{c.num_warps} s{c.num_stages}"] = (
                 lambda i=i: decayed_state_sum(q, do, gg, 1, 1, config=i))
         for name, fn in pieces.items():

@@ -26,9 +26,13 @@ from .scan_ring import ring_scan
 
 SCANS = {"blelloch": blelloch_scan, "allgather": allgather_scan, "ring": ring_scan}
 # Ranks holding only the sequence's first leaf (no state enters) or only its last (no gradient
-# arrives) take the shorter local paths of leaves_output / leaves_backward. Private switch for
-# the A/B rows of benchmarks/linear_cp.py (--ab-static-zero); both settings are exact.
-_STATIC_ZERO_PATHS = True
+# arrives) can take shorter local paths (leaves_output(zero_in=True), leaves_backward(
+# zero_grad=True)): measured on one H200 they cut those ranks' GPU work (rank 0 forward 0.53 ->
+# 0.45 ms, rank P-1 backward 1.61 -> 1.41 ms at 32K), but the only 2-GPU run with them on gave a
+# slower step (0.77 of 2 x fla vs 0.84 without, 2026-11-23) and their GPU tests have not run.
+# Off until an A/B on two GPUs (benchmarks/linear_cp.py --ab-static-zero) and the GPU tests
+# say otherwise; both settings are exact.
+_STATIC_ZERO_PATHS = False
 IMPLS = tuple(SCANS) + ("auto",)
 
 # `auto`: two leaves (contiguous P = 2, or zigzag on one rank) need one hop at most, and the ring

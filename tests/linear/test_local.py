@@ -326,12 +326,12 @@ for T, B, H, K, V in ((64, 1, 1, 16, 16), (100, 2, 3, 32, 16), (200, 1, 3, 16, 4
         o = output_from_states(q, k, v, h, S, (-slopes / math.log(2)).float(), 0.5, 64, cfg)
         worst = max(worst, ((o.double() - ref).norm() / ref.norm()).item())
         assert o.dtype == torch.float32 and o.shape == (B, T, H, V)
-from sp_attention.linear.kernels import _STATE_CONFIGS, decayed_state_sum
+from sp_attention.linear.kernels import _STATE_CANDIDATES, decayed_state_sum
 from sp_attention.linear.naive import decayed_state_sum_ref
 for T, splits in ((64, None), (200, 3), (130, 1)):
     x, y = torch.randn(2, T, 3, 32), torch.randn(2, T, 3, 16)
     slopes = torch.tensor([0.0, 0.05, 60.0])
-    for cfg in range(len(_STATE_CONFIGS)):          # every config the autotuner may pick
+    for cfg in range(len(_STATE_CANDIDATES)):       # every candidate config
         base, step = ((T - 1, -1), (1, 1))[cfg % 2]
         got = decayed_state_sum(x, y, (-slopes / math.log(2)).float(), base, step, splits, 0.3,
                                 cfg)
@@ -492,7 +492,7 @@ def test_our_kernels_every_config_gpu(dtype):
     interpreter cannot show a config that compiles wrong on the GPU; this does."""
     import math
 
-    from sp_attention.linear.kernels import (_CONFIGS, _STATE_CONFIGS, decayed_state_sum,
+    from sp_attention.linear.kernels import (_CONFIGS, _STATE_CANDIDATES, decayed_state_sum,
                                              output_from_states)
     from sp_attention.linear.naive import chunk_start_states, decayed_state_sum_ref
     tol = 3e-3
@@ -503,7 +503,7 @@ def test_our_kernels_every_config_gpu(dtype):
         s64 = slopes.double().cpu()
         if dtype != torch.float32:        # the state kernel takes 16-bit inputs only
             wide = torch.cat([q, q], 0)[::2]           # strided rows, each row contiguous
-            for i in range(len(_STATE_CONFIGS)):
+            for i in range(len(_STATE_CANDIDATES)):
                 for x, y, base, step in ((k, v, T - 1, -1), (q, do.to(dtype), 1, 1),
                                          (wide, do.to(dtype), 1, 1)):
                     got = decayed_state_sum(x, y, gg, base, step, None, 0.5, i)
