@@ -8,9 +8,10 @@ Here each rank's calls run on one GPU with K/V taken from the global tensors ins
 received, so the time is the schedule's ceiling with free communication. Next to it, the 1-GPU
 kernel on the global causal problem (the strong-scaling baseline of `softmax_cp.py`) and on
 T_local alone. Rows: per rank and variant — `kernels` (the calls alone), `schedule` (calls +
-merges / accumulations as the ring does them), `schedule_groups` (backward's last step by KV-head
-group, as `bwd_ring` runs it). `ratio` = per-GPU TFLOP/s of the variant ÷ the 1-GPU global
-kernel, i.e. what the CP step could reach if every transfer were hidden and cost no SM time.
+merges into an fp32 accumulator and fp32 dq/dK/dV accumulation), `schedule_groups` (the
+backward's last step split into 4 KV-head groups, as `bwd_ring` ran it until 2026-11-23).
+`ratio` = per-GPU TFLOP/s of the variant ÷ the 1-GPU global kernel, i.e. what the CP step
+could reach if every transfer were hidden and cost no SM time.
 """
 from __future__ import annotations
 
