@@ -439,11 +439,11 @@ def _state_grads(q: torch.Tensor, do: torch.Tensor, slopes: torch.Tensor, scale:
     n = len(needed)
     d = q.new_zeros((q.shape[0], q.shape[2], q.shape[3], do.shape[3]),
                     dtype=compute_dtype(q, do))
-    dv = d.view(d.shape[0] // n, n, *d.shape[1:])
+    per_leaf = d.view(d.shape[0] // n, n, *d.shape[1:])
     for j in (j for j, keep in enumerate(needed) if keep):
         # leaf j of every batch row: a strided view of the rows, no copy
         rows = (x.view(x.shape[0] // n, n, *x.shape[1:])[:, j] for x in (q, do))
-        dv[:, j] = state_grad_local(*rows, slopes, scale)
+        per_leaf[:, j] = state_grad_local(*rows, slopes, scale)
     return d
 
 
