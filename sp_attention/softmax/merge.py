@@ -31,6 +31,8 @@ tested against (Triton's CPU interpreter, and on the GPU elementwise, incl. the 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -103,18 +105,13 @@ def _use_kernel(out, lse, out_b, lse_b) -> bool:
             and out.stride(-1) == 1 and out_b.stride(-1) == 1 and _triton_available())
 
 
+@functools.lru_cache(maxsize=1)
 def _triton_available() -> bool:
-    global _TRITON
-    if _TRITON is None:
-        try:
-            import triton  # noqa: F401
-            _TRITON = True
-        except Exception:  # not installed, or no usable driver
-            _TRITON = False
-    return _TRITON
-
-
-_TRITON = None
+    try:
+        import triton  # noqa: F401
+    except Exception:  # not installed, or no usable driver
+        return False
+    return True
 
 
 def _merge_inplace(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor,
