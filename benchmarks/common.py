@@ -43,6 +43,31 @@ def init_dist(device: str) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+# Communication settings the CP benchmarks can run side by side (--comm-variants): "default"
+# (a plain dist.new_group; the library's own stream settings), "nccl-hp" (the group's NCCL
+# kernels on a high-priority stream), "side0" (linear only: the scan's side stream at normal
+# priority instead of the library's high priority).
+COMM_VARIANTS = ("default", "nccl-hp", "side0")
+
+
+def cp_groups(variants, world: int) -> dict:
+    """``{variant: CP group over all ranks}`` for ``variants`` plus ``"default"`` (None at world
+    size 1). Every rank creates the same groups in the same order, as ``new_group`` requires."""
+    from sp_attention import CPGroupOptions, new_cp_group
+    if world == 1:
+        return {v: None for v in ("default", *variants)}
+    ranks = list(range(world))
+    groups = {"default": dist.new_group(ranks)}
+    for v in variants:
+        if v == "nccl-hp":
+            groups[v] = new_cp_group(ranks, CPGroupOptions(high_priority_stream=True))
+        elif v in COMM_VARIANTS:
+            groups[v] = groups["default"]
+        else:
+            raise ValueError(f"unknown communication variant {v!r}; use one of {COMM_VARIANTS}")
+    return groups
+
+
 def barrier(device: str) -> None:
     if dist.is_initialized():
         dist.barrier(device_ids=[torch.cuda.current_device()] if device == "cuda" else None)

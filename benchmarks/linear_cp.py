@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import (base_parser, device_name, emit, host_ahead_lost, host_ms,  # noqa: E402
-                               init_dist, time_ms)
+from benchmarks.common import (COMM_VARIANTS, base_parser, cp_groups, device_name,  # noqa: E402
+                               emit, host_ahead_lost, host_ms, init_dist, time_ms)
 from sp_attention import SPContext, build_sp_context  # noqa: E402
 from sp_attention.linear import lightning_attention  # noqa: E402
 from sp_attention.linear.attention import SCANS, _rows, _scan_rows  # noqa: E402
@@ -120,8 +120,8 @@ def _graph_rows(a, base, qg, kg, vg, do, slopes, group, backend, timer, rank, wo
 class _Run:
     """Rows of one T_local: the 1-GPU baselines, then every layout x schedule, in one mode."""
 
-    def __init__(self, a, rank, world, dev, group, backend, slopes, qg, kg, vg, do):
-        self.a, self.rank, self.world, self.dev, self.group = a, rank, world, dev, group
+    def __init__(self, a, rank, world, dev, groups, backend, slopes, qg, kg, vg, do):
+        self.a, self.rank, self.world, self.dev, self.groups = a, rank, world, dev, groups
         self.backend, self.slopes, self.qg, self.kg, self.vg, self.do = (
             backend, slopes, qg, kg, vg, do)
 
@@ -160,28 +160,32 @@ class _Run:
                  a.out, rank)
             base_name, tb_f, tb_fb = "fla_chunk_simple_gla", f_f, f_fb
         import sp_attention.linear.attention as lin
-        default = lin._STATIC_ZERO_PATHS
-        runs = [(layout, impl, default) for layout in a.layouts for impl in a.impls]
+        import sp_attention.linear.local as loc
+        default, side_default = lin._STATIC_ZERO_PATHS, loc._SIDE_STREAM_PRIORITY
+        runs = [(layout, impl, default, variant) for variant in a.comm_variants
+                for layout in a.layouts for impl in a.impls]
         if a.ab_static_zero:
-            runs += [("contiguous", impl, not default) for impl in a.impls]
-        for layout, impl, shortcuts in runs:
+            runs += [("contiguous", impl, not default, "default") for impl in a.impls]
+        for layout, impl, shortcuts, variant in runs:
             lin._STATIC_ZERO_PATHS = shortcuts
+            loc._SIDE_STREAM_PRIORITY = 0 if variant == "side0" else side_default
+            suffix = "" if shortcuts == default else ("-zero" if shortcuts else "-nozero")
+            suffix += "" if variant == "default" else f"+{variant}"
             try:
-                self.cp_row(base, mode, qkv, profile, layout, impl,
-                            "" if shortcuts == default else ("-zero" if shortcuts else "-nozero"),
-                            (base_name, tb_f, tb_fb, t1_fb))
+                self.cp_row(base, mode, qkv, profile and variant == "default", layout, impl,
+                            suffix, (base_name, tb_f, tb_fb, t1_fb), variant)
             finally:
-                lin._STATIC_ZERO_PATHS = default
+                lin._STATIC_ZERO_PATHS, loc._SIDE_STREAM_PRIORITY = default, side_default
 
-    def cp_row(self, base, mode, qkv, profile, layout, impl, suffix, ref) -> None:
+    def cp_row(self, base, mode, qkv, profile, layout, impl, suffix, ref, variant) -> None:
         a, rank, world, dev, step = self.a, self.rank, self.world, self.dev, self.step
         timer, T = self.timer(mode), base["T_local"]
         base_name, tb_f, tb_fb, t1_fb = ref
-        ctx = build_sp_context(self.group, layout=layout)
+        ctx = build_sp_context(self.groups[variant], layout=layout)
         tf = timer(lambda: step(ctx, impl, False))
         tfb = timer(lambda: step(ctx, impl, True))
         host = host_ms(lambda: step(ctx, impl, True)) if dev == "cuda" else None
-        rec = dict(base, impl=impl + suffix, layout=layout,
+        rec = dict(base, impl=impl + suffix, layout=layout, comm=variant,
                    ms_fwd=tf, ms_fwd_bwd=tfb, ms_host_fwd_bwd=host,
                    mtok_s=world * T / tfb / 1e3, mtok_s_fwd=world * T / tf / 1e3,
                    baseline=f"{world} x {base_name}", ratio=tb_fb / tfb,
@@ -214,6 +218,12 @@ def main() -> None:
                    help="contiguous rows also with the first/last-leaf shortcuts of "
                         "sp_attention.linear.attention._STATIC_ZERO_PATHS flipped (impl suffix "
                         "'-zero' when on, '-nozero' when off): an A/B in the same run")
+    p.add_argument("--comm-variants", nargs="+", default=["default"], choices=COMM_VARIANTS,
+                   help="CP rows per communication setting, side by side: 'default' (a plain "
+                        "dist.new_group, the library's high-priority scan stream), 'nccl-hp' "
+                        "(the group's NCCL kernels on a high-priority stream: new_cp_group with "
+                        "CPGroupOptions(high_priority_stream=True)), 'side0' (default group, "
+                        "scan side stream at normal priority); impl suffix '+VARIANT'")
     p.add_argument("--cuda-graph", action="store_true",
                    help="also time the fwd+bwd step captured as CUDA graphs "
                         "(torch.cuda.make_graphed_callables), ours and fla's, to show how much "
@@ -229,7 +239,8 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu")
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if dev == "cuda" else torch.float32)
     t_locals = a.t_local or ([8192, 16384, 32768] if dev == "cuda" else [256])
-    group = dist.new_group(list(range(world))) if world > 1 else None
+    groups = cp_groups(a.comm_variants, world)
+    group = groups["default"]
     B, H, K = a.batch, a.heads, a.head_dim
     backend = resolve_backend(a.backend, torch.empty(1, 1, H, K, device=device, dtype=dtype))
 
@@ -240,7 +251,7 @@ def main() -> None:
         q, k, v, do = (torch.randn(B, T, H, K, device=device, dtype=dtype, generator=g) * 0.1
                        for _ in range(4))
         qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
-        run = _Run(a, rank, world, dev, group, backend, slopes, qg, kg, vg, do)
+        run = _Run(a, rank, world, dev, groups, backend, slopes, qg, kg, vg, do)
         for mode in modes:
             base = {"bench": "linear_cp", "world": world, "B": B, "T_local": T, "H": H, "K": K,
                     "V": K, "dtype": str(dtype).replace("torch.", ""),

@@ -7,7 +7,7 @@ Per piece: `ms` = GPU time per call with every call enqueued before the GPU star
 (`host_ms`), both on B 1, H 16, K = V 128, bf16. Pieces: fla's public `chunk_simple_gla`
 (fwd, fwd+bwd), fla's internal kernels that the CP step calls (`chunk_fwd_h`, `chunk_fwd_o`,
 `chunk_bwd_dh`, `chunk_bwd_dqkwg`, `chunk_bwd_dv`, with and without fla's backend dispatch
-wrapper), our `output_from_states` and `decayed_state_sum` per tile shape. The sum of the
+wrapper), our `output_from_states` and `decayed_state_sum` per tile shape and sequence split. The sum of the
 pieces a rank runs is the GPU floor of a CP step; `host_us` shows what makes a lone layer
 host-bound.
 """
@@ -29,6 +29,9 @@ def main() -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--state-splits", type=float, nargs="*", default=[1, 4, 8],
+                   help="also time every state-kernel config with the sequence split into "
+                        "about this many pieces per SM per head (besides the default split)")
     a = p.parse_args()
     from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
     from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv, chunk_fwd_o
@@ -76,9 +79,17 @@ def main() -> None:
             "chunk_bwd_dv": lambda: chunk_bwd_dv(q=q, k=k, do=do, dh=dh, g_gamma=gg, scale=1.0),
         }
         pieces["decayed_state_sum (autotuned)"] = lambda: decayed_state_sum(q, do, gg, 1, 1)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        n_chunks = -(-T // 64)
         for i, c in enumerate(_STATE_CANDIDATES):
-            pieces[f"decayed_state_sum cfg{i} {c.kwargs} w{c.num_warps} s{c.num_stages}"] = (
-                lambda i=i: decayed_state_sum(q, do, gg, 1, 1, config=i))
+            # the sequence split: the default (about 2 programs per SM per tile) and others
+            for per_sm in (None,) + tuple(a.state_splits):
+                splits = None if per_sm is None else max(1, min(n_chunks,
+                                                                math.ceil(per_sm * sms / H)))
+                name = f"decayed_state_sum cfg{i} {c.kwargs} w{c.num_warps} s{c.num_stages}"
+                pieces[name + ("" if splits is None else f" splits{splits}")] = (
+                    lambda i=i, splits=splits: decayed_state_sum(q, do, gg, 1, 1, splits,
+                                                                 config=i))
         for name, fn in pieces.items():
             fn()
             torch.cuda.synchronize()

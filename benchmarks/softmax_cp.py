@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import base_parser, device_name, emit, init_dist, time_ms  # noqa: E402
+from benchmarks.common import (COMM_VARIANTS, base_parser, cp_groups, device_name,  # noqa: E402
+                               emit, init_dist, time_ms)
 from sp_attention import build_sp_context, shard_sequence  # noqa: E402
 from sp_attention.softmax import context_parallel_attention  # noqa: E402
 from sp_attention.softmax.kernels import get_backend  # noqa: E402
@@ -96,6 +97,12 @@ def main() -> None:
     p.add_argument("--pairs", nargs="+", default=None,
                    help="fwd/bwd pairs to run, e.g. ring/ring ring/allgather (default: all)")
     p.add_argument("--no-torch-cp", action="store_true")
+    p.add_argument("--comm-variants", nargs="+", default=["default"],
+                   choices=[v for v in COMM_VARIANTS if v != "side0"],
+                   help="rows per communication setting, side by side: 'default' (a plain "
+                        "dist.new_group), 'nccl-hp' (the CP group's NCCL kernels on a "
+                        "high-priority stream: new_cp_group with CPGroupOptions("
+                        "high_priority_stream=True)); impl suffix '+VARIANT'")
     p.add_argument("--profile", metavar="DIR",
                    help="also write a torch-profiler Chrome trace of one fwd+bwd step per pair "
                         "(first T_local) to DIR and print its top kernels: the timeline that "
@@ -107,8 +114,8 @@ def main() -> None:
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if dev == "cuda" else torch.float32)
     t_locals = a.t_local or ([8192, 32768] if dev == "cuda" else [64])
     B, H, Hkv, D, causal = a.batch, a.heads, a.kv_heads, a.head_dim, not a.non_causal
-    group = dist.new_group(list(range(world))) if world > 1 else None
-    ctx = build_sp_context(group, layout="zigzag")
+    groups = cp_groups(a.comm_variants, world)
+    ctx = build_sp_context(groups["default"], layout="zigzag")
     backend = get_backend(None, device, dtype, D)
 
     mode = a.timing[0] if dev == "cuda" else "eager"   # softmax steps are GPU-bound: one mode
@@ -139,10 +146,12 @@ def main() -> None:
         ql, kl, vl = (t.requires_grad_(True) for t in (ql, kl, vl))
         fl_f, fl_fb = flops(B, H, T, D, causal, False) / world, flops(B, H, T, D, causal, True) / world
         pairs = [tuple(x.split("/")) for x in a.pairs] if a.pairs else PAIRS
-        runs = [(f, b, "default") for f, b in pairs]
+        runs = [(f, b, "default", c) for c in a.comm_variants for f, b in pairs]
         if ("ring", "allgather") in pairs:
-            runs += [("ring", "allgather", s) for s in a.strides if s != "default"]
-        for fwd, bwd, stride in runs:
+            runs += [("ring", "allgather", s, "default") for s in a.strides if s != "default"]
+        for fwd, bwd, stride, comm in runs:
+            cctx = build_sp_context(groups[comm], layout="zigzag")
+            name = f"{fwd}/{bwd}" + ("" if comm == "default" else f"+{comm}")
             kw = {}
             if stride != "default":
                 parts = [int(x) for x in stride.split(":")]
@@ -151,19 +160,21 @@ def main() -> None:
                     kw["bwd_head_first_stride"], kw["bwd_head_last_stride"] = parts[1], parts[2]
 
             def step(backward):
-                o = context_parallel_attention(ql, kl, vl, ctx=ctx, fwd=fwd, bwd=bwd,
+                o = context_parallel_attention(ql, kl, vl, ctx=cctx, fwd=fwd, bwd=bwd,
                                                causal=causal, **kw)
                 if backward:
                     o.backward(dol)
             try:
                 tf, tfb = timer(lambda: step(False)), timer(lambda: step(True))
             except (ValueError, RuntimeError) as e:  # e.g. a stride the head count cannot take
-                emit(dict(base, impl=f"{fwd}/{bwd}", stride=stride, error=str(e)[:300]), a.out, rank)
+                emit(dict(base, impl=name, stride=stride, comm=comm, error=str(e)[:300]),
+                     a.out, rank)
                 continue
             if a.profile and T_local == t_locals[0]:
-                _profile(lambda: step(True), a.profile, f"{fwd}-{bwd}-{stride}", rank)
+                _profile(lambda: step(True), a.profile,
+                         f"{fwd}-{bwd}-{stride}" + ("" if comm == "default" else f"-{comm}"), rank)
             tp_f, tp_fb = fl_f / tf / 1e9, fl_fb / tfb / 1e9
-            emit(dict(base, impl=f"{fwd}/{bwd}", stride=stride, ms_fwd=tf, ms_fwd_bwd=tfb,
+            emit(dict(base, impl=name, stride=stride, comm=comm, ms_fwd=tf, ms_fwd_bwd=tfb,
                       tflops_per_gpu=tp_fb, tflops_fwd=tp_f, baseline="single_global",
                       ratio=tp_fb / ref["single_global"][1], ratio_fwd=tp_f / ref["single_global"][0],
                       ratio_vs_t_local=tp_fb / ref["single_t_local"][1]), a.out, rank)

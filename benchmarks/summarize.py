@@ -6,6 +6,8 @@ COLS = ["bench", "impl", "timing", "nccl_env", "layout", "stride", "world", "T_l
         "ms_fwd", "ms_fwd_bwd", "ms_host_fwd_bwd", "host_ahead_lost", "mtok_s",
         "tflops_per_gpu", "ratio", "ratio_fwd", "ratio_vs_t_local", "scan_share", "ms_state_fwd", "ms_local_fwd",
         "ms_scan_fwd", "ms_inter_fwd", "ms_state_grad_bwd", "ms_scan_bwd", "ms_local_bwd", "baseline",
+        "workload", "transport", "mib", "order", "ms_compute_alone", "ms_hop_alone", "gb_s",
+        "received_ok", "ms_compute", "ms_hop_landed", "slowdown", "ms_step",
         "graph_error", "error"]
 
 

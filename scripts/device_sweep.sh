@@ -2,7 +2,7 @@
 # One device call: GPU tests, then the benchmarks, each step logged under $OUT (the device
 # tool's output folder; defaults to ./device-out elsewhere). Usage on a 2-GPU machine:
 #   bash scripts/device_sweep.sh [tests_softmax|softmax|linear|tests_linear|profile|
-#                                 linear_profile|host_launch ...]
+#                                 linear_profile|host_launch|overlap_probe ...]
 # (default: all but profile)
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
@@ -26,9 +26,17 @@ env | grep '^NCCL_' | tee "$OUT/nccl_env.txt"
 steps=${*:-tests_softmax softmax linear tests_linear}
 for step in $steps; do
   case $step in
-    tests_softmax|tests_linear)
-      timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider -rA -s \
-        "tests/${step#tests_}" 2>&1 | tee "$OUT/gpu_$step.log" | grep -v "^PASSED" | tail -40 ;;
+    tests_softmax|tests_linear)   # log written straight to $OUT: a killed run keeps it
+      timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider \
+        -rA -s $(python3 -c 'import pytest_timeout' 2>/dev/null && echo --timeout 300) \
+        "tests/${step#tests_}" > "$OUT/gpu_$step.log" 2>&1
+      echo "exit $?" >> "$OUT/gpu_$step.log"
+      grep -v "^PASSED" "$OUT/gpu_$step.log" | tail -40 ;;
+    overlap_probe)   # a hop beside attention / fla kernels per transport (NCCL, high-priority
+                     # NCCL, copy engine) and launch order; OP_ARGS e.g. "--mib 1 128"
+      [ "$NGPU" -ge 2 ] && torchrun --standalone --nproc-per-node 2 benchmarks/overlap_probe.py \
+        --out "$OUT/overlap_probe.jsonl" ${OP_ARGS:-} > "$OUT/overlap_probe.log" 2>&1
+      tail -5 "$OUT/overlap_probe.log"; python3 benchmarks/summarize.py "$OUT/overlap_probe.jsonl" ;;
     linear)   # LINEAR_ARGS e.g. "--t-local 16384 32768 --cuda-graph"
       [ "${LINEAR_P1:-1}" = 1 ] && python3 benchmarks/linear_cp.py --out "$OUT/linear.jsonl" \
         ${LINEAR_ARGS:-} > /dev/null

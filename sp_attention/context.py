@@ -7,7 +7,7 @@ globals: two models with different CP groups can live in one process.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch.distributed as dist
 
@@ -96,3 +96,80 @@ def build_sp_context(group: Optional[dist.ProcessGroup] = None, layout: str = "z
     ranks = tuple(dist.get_process_group_ranks(group))
     return SPContext(group if size > 1 else None, rank, size, ranks, layout)
 
+
+
+@dataclass(frozen=True)
+class CPGroupOptions:
+    """How the CP group's NCCL communicator runs. Other backends (gloo on CPU) ignore these:
+    they change when communication kernels get the GPU, never what they compute.
+
+    Attributes:
+        high_priority_stream: run the group's NCCL kernels on a high-priority CUDA stream, so
+            the GPU's block scheduler starts their CTAs ahead of the queued CTAs of compute
+            kernels running beside them (the ring hops and reduce-scatters that overlap
+            attention kernels, the linear scans that a peer waits on). Megatron-Core users get
+            the same for its CP group with ``initialize_model_parallel(...,
+            high_priority_stream_groups=["cp"])``.
+        max_ctas, min_ctas: bounds on the CTAs (thread blocks, hence SMs) NCCL uses per
+            collective (NCCL's ``ncclConfig_t``); None keeps NCCL's default.
+    """
+
+    high_priority_stream: bool = False
+    max_ctas: Optional[int] = None
+    min_ctas: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.high_priority_stream, bool):
+            raise TypeError("CPGroupOptions.high_priority_stream must be a bool, got "
+                            f"{self.high_priority_stream!r}")
+        for name in ("max_ctas", "min_ctas"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise ValueError(f"CPGroupOptions.{name} must be None or a positive int, "
+                                 f"got {value!r}")
+        if self.max_ctas is not None and self.min_ctas is not None \
+                and self.min_ctas > self.max_ctas:
+            raise ValueError(f"CPGroupOptions: min_ctas {self.min_ctas} > max_ctas "
+                             f"{self.max_ctas}")
+
+
+def nccl_group_options(options: CPGroupOptions, backend: str):
+    """``ProcessGroupNCCL.Options`` for ``options`` when ``backend`` (a default-group backend
+    string such as ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``) includes NCCL and this torch has
+    it; ``None`` otherwise, and for the default options (NCCL's own defaults apply)."""
+    if options == CPGroupOptions() or "nccl" not in str(backend).lower() \
+            or not hasattr(dist, "ProcessGroupNCCL"):
+        return None
+    opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=options.high_priority_stream)
+    if options.max_ctas is not None:
+        opts.config.max_ctas = options.max_ctas
+    if options.min_ctas is not None:
+        opts.config.min_ctas = options.min_ctas
+    return opts
+
+
+def new_cp_group(ranks: Sequence[int], options: Optional[CPGroupOptions] = None,
+                 ) -> dist.ProcessGroup:
+    """``dist.new_group(ranks)`` for a CP group, with ``options`` applied to its NCCL
+    communicator (see :class:`CPGroupOptions`; gloo ignores them).
+
+    As with ``dist.new_group``, every process of the default group must call this with the
+    same ``ranks`` in the same order (also processes outside the group); build the context
+    with :func:`build_sp_context` from the returned group on the members. Bad ``ranks`` or
+    options raise before any process-group call, so no rank is left waiting.
+    """
+    options = CPGroupOptions() if options is None else options
+    if not isinstance(options, CPGroupOptions):
+        raise TypeError(f"options must be a CPGroupOptions, got {type(options).__name__}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("new_cp_group needs torch.distributed initialised "
+                           "(dist.init_process_group) first")
+    world = dist.get_world_size()
+    ranks = list(ranks)
+    if not ranks or any(not isinstance(r, int) or isinstance(r, bool) for r in ranks):
+        raise ValueError(f"ranks must be a non-empty list of global ranks (ints), got {ranks!r}")
+    if len(set(ranks)) != len(ranks) or not all(0 <= r < world for r in ranks):
+        raise ValueError(f"ranks {ranks} must be distinct global ranks in [0, {world})")
+    pg_options = nccl_group_options(options, dist.get_backend())
+    return dist.new_group(ranks, pg_options=pg_options)

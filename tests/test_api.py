@@ -6,7 +6,7 @@ import sp_attention.linear
 
 def test_top_level_api():
     assert sorted(sp_attention.__all__) == sorted([
-        "__version__", "LAYOUTS", "SPContext", "build_sp_context",
+        "__version__", "LAYOUTS", "SPContext", "build_sp_context", "CPGroupOptions", "new_cp_group",
         "lightning_attention", "context_parallel_attention",
         "shard_sequence", "unshard_sequence", "shard_position_ids", "shift_labels",
         "pad_to_multiple", "pad_for_layout"])

@@ -7,7 +7,8 @@ import torch.distributed as dist
 from sp_attention.comm import (AsyncReduceScatter, RingComm, all_gather_along, all_gather_flat,
                                gather_along, p2p_exchange, pad_flat, reduce_scatter_along,
                                reduce_scatter_flat, scatter_reduce_along)
-from sp_attention.context import SPContext, build_sp_context
+from sp_attention.context import (CPGroupOptions, SPContext, build_sp_context, new_cp_group,
+                                  nccl_group_options)
 from sp_attention.testing import assert_close, megatron_groups, run_distributed, seeded
 
 
@@ -127,6 +128,19 @@ def _world_checks(rank, world):
         dpctx = build_sp_context(g["dp"])
         assert dpctx.global_ranks[1] - dpctx.global_ranks[0] == 4
         _check_all(dpctx, "dp-of-2x2x2")
+    if world >= 3:
+        # new_cp_group with NCCL options on gloo (ignored there): a working group of the even
+        # ranks (non-contiguous), called by every rank; bad ranks raise before any group call
+        with pytest.raises(ValueError, match="distinct global ranks"):
+            new_cp_group([0, world])
+        with pytest.raises(ValueError, match="distinct global ranks"):
+            new_cp_group([0, 0])
+        even = list(range(0, world, 2))
+        g = new_cp_group(even, CPGroupOptions(high_priority_stream=True, max_ctas=4))
+        if rank in even:
+            sub = build_sp_context(g)
+            assert sub.global_ranks == tuple(even) and sub.rank == even.index(rank)
+            _check_all(sub, f"new_cp_group-even-of-{world}")
     return True
 
 
@@ -139,6 +153,31 @@ def test_world_size_one_without_process_group():
     ctx = build_sp_context(None)
     assert ctx.world_size == 1 and ctx.group is None
     _check_all(ctx, "no-group")
+
+
+def test_cp_group_options():
+    assert nccl_group_options(CPGroupOptions(high_priority_stream=True), "gloo") is None
+    assert nccl_group_options(CPGroupOptions(), "nccl") is None      # NCCL's own defaults
+    with pytest.raises(ValueError, match="positive int"):
+        CPGroupOptions(max_ctas=0)
+    with pytest.raises(ValueError, match="min_ctas 8 > max_ctas 4"):
+        CPGroupOptions(max_ctas=4, min_ctas=8)
+    with pytest.raises(TypeError, match="bool"):
+        CPGroupOptions(high_priority_stream=1)
+    with pytest.raises(TypeError, match="CPGroupOptions"):
+        new_cp_group([0], {"high_priority_stream": True})
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            new_cp_group([0])
+
+
+@pytest.mark.skipif(not hasattr(dist, "ProcessGroupNCCL"), reason="this torch is built without "
+                    "NCCL (CPU wheel); the options object exists only in CUDA builds")
+def test_nccl_group_options_object():
+    opts = nccl_group_options(CPGroupOptions(high_priority_stream=True, max_ctas=8, min_ctas=2),
+                              "cpu:gloo,cuda:nccl")
+    assert opts.is_high_priority_stream and opts.config.max_ctas == 8
+    assert opts.config.min_ctas == 2
 
 
 def test_bad_input_raises_before_any_collective():

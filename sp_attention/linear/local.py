@@ -352,14 +352,21 @@ def leaf_backward(
 # (zeros where no state enters / no gradient arrives, which is exact).
 
 _SIDE_STREAMS: dict = {}
+# Priority of the scan's side stream (CUDA: lower is higher). High, so that the scan's few
+# small kernels, which a peer rank waits on, start ahead of the queued CTAs of the chunk
+# kernels running beside them on the main stream instead of after them. The scan's NCCL
+# kernels run on the CP group's own stream: see sp_attention.CPGroupOptions. A/B in
+# benchmarks/linear_cp.py --comm-variants (variant "side0" runs it at priority 0).
+_SIDE_STREAM_PRIORITY = -1
 
 
 def _side_stream(device: torch.device) -> "torch.cuda.Stream":
     """One extra stream per device for the cross-rank scan (latency-bound, few SMs)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SIDE_STREAMS:
-        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
-    return _SIDE_STREAMS[idx]
+    key = (idx, _SIDE_STREAM_PRIORITY)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=idx, priority=_SIDE_STREAM_PRIORITY)
+    return _SIDE_STREAMS[key]
 
 
 def _scan_on_side_stream(scan, x: torch.Tensor, device: torch.device) -> tuple:
