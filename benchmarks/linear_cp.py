@@ -162,20 +162,27 @@ class _Run:
         import sp_attention.linear.attention as lin
         import sp_attention.linear.local as loc
         default, side_default = lin._STATIC_ZERO_PATHS, loc._SIDE_STREAM_PRIORITY
-        runs = [(layout, impl, default, variant) for variant in a.comm_variants
+        conc = loc._CONCURRENT_RECURRENCES
+        runs = [(layout, impl, default, variant, conc) for variant in a.comm_variants
                 for layout in a.layouts for impl in a.impls]
         if a.ab_static_zero:
-            runs += [("contiguous", impl, not default, "default") for impl in a.impls]
-        for layout, impl, shortcuts, variant in runs:
+            runs += [("contiguous", impl, not default, "default", conc) for impl in a.impls]
+        if a.ab_concurrent:
+            runs += [(layout, impl, default, "default", not conc) for layout in a.layouts
+                     for impl in a.impls]
+        for layout, impl, shortcuts, variant, concurrent in runs:
             lin._STATIC_ZERO_PATHS = shortcuts
             loc._SIDE_STREAM_PRIORITY = 0 if variant == "side0" else side_default
+            loc._CONCURRENT_RECURRENCES = concurrent
             suffix = "" if shortcuts == default else ("-zero" if shortcuts else "-nozero")
+            suffix += "" if concurrent == conc else ("-concurrent" if concurrent else "-serial")
             suffix += "" if variant == "default" else f"+{variant}"
             try:
                 self.cp_row(base, mode, qkv, profile and variant == "default", layout, impl,
                             suffix, (base_name, tb_f, tb_fb, t1_fb), variant)
             finally:
                 lin._STATIC_ZERO_PATHS, loc._SIDE_STREAM_PRIORITY = default, side_default
+                loc._CONCURRENT_RECURRENCES = conc
 
     def cp_row(self, base, mode, qkv, profile, layout, impl, suffix, ref, variant) -> None:
         a, rank, world, dev, step = self.a, self.rank, self.world, self.dev, self.step
@@ -224,6 +231,11 @@ def main() -> None:
                         "(the group's NCCL kernels on a high-priority stream: new_cp_group with "
                         "CPGroupOptions(high_priority_stream=True)), 'side0' (default group, "
                         "scan side stream at normal priority); impl suffix '+VARIANT'")
+    p.add_argument("--ab-concurrent", action="store_true",
+                   help="also run the CP rows with sp_attention.linear.local."
+                        "_CONCURRENT_RECURRENCES flipped (the backward's two chunk recurrences "
+                        "on two streams, or one after the other; impl suffix '-serial' / "
+                        "'-concurrent')")
     p.add_argument("--cuda-graph", action="store_true",
                    help="also time the fwd+bwd step captured as CUDA graphs "
                         "(torch.cuda.make_graphed_callables), ours and fla's, to show how much "

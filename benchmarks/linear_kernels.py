@@ -22,7 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import base_parser, device_name, emit, host_ms, time_ms  # noqa: E402
-from sp_attention.linear.kernels import _STATE_CANDIDATES, decayed_state_sum, output_from_states  # noqa: E402
+from sp_attention.linear.kernels import (_OUTPUT_CANDIDATES, _STATE_CANDIDATES,  # noqa: E402
+                                         decayed_state_sum, output_from_states)
 
 
 def main() -> None:
@@ -78,6 +79,9 @@ def main() -> None:
                                                        g_gamma=gg, scale=1.0),
             "chunk_bwd_dv": lambda: chunk_bwd_dv(q=q, k=k, do=do, dh=dh, g_gamma=gg, scale=1.0),
         }
+        for i, c in enumerate(_OUTPUT_CANDIDATES):
+            pieces[f"output_from_states cfg{i} {c.kwargs} w{c.num_warps} s{c.num_stages}"] = (
+                lambda i=i: output_from_states(q, k, v, h, S, gg, 1.0, 64, i))
         pieces["decayed_state_sum (autotuned)"] = lambda: decayed_state_sum(q, do, gg, 1, 1)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         n_chunks = -(-T // 64)
@@ -91,8 +95,13 @@ def main() -> None:
                     lambda i=i, splits=splits: decayed_state_sum(q, do, gg, 1, 1, splits,
                                                                  config=i))
         for name, fn in pieces.items():
-            fn()
-            torch.cuda.synchronize()
+            try:
+                fn()
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - e.g. a candidate out of shared memory
+                emit({"bench": "linear_kernels", "impl": name, "T_local": T,
+                      "error": f"{type(e).__name__}: {e}"[:300]}, a.out, 0)
+                continue
             ms = time_ms(fn, "cuda", a.warmup, a.iters, a.repeats, mode="queued")
             emit({"bench": "linear_kernels", "impl": name, "T_local": T, "B": 1, "H": H, "K": K,
                   "V": K, "dtype": "bfloat16", "device": device_name("cuda"), "timing": "queued",

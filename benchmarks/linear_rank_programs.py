@@ -5,8 +5,9 @@
 The scan callbacks return prepared states instead of communicating, so each row is the GPU
 time of one rank's kernels alone (queued timing): rank 0 (the sequence's first leaf: nothing
 enters it) and rank 1 (its last leaf: no gradient arrives), forward and backward, with the
-first/last-leaf shortcuts of `leaves_output` / `leaves_backward` on and off, next to fla's own
-forward and backward on the same tokens. What it cannot show is the waiting between ranks;
+first/last-leaf shortcuts of `leaves_output` / `leaves_backward` on and off, the backward with
+its two chunk recurrences on two streams and one after the other, next to fla's own forward
+and backward on the same tokens. What it cannot show is the waiting between ranks;
 `linear_cp.py` on two GPUs measures that.
 """
 from __future__ import annotations
@@ -53,10 +54,19 @@ def main() -> None:
             "rank1 bwd, no shortcut": lambda: leaves_backward(q, k, v, slopes, 1.0, S, do,
                                                               lambda d: Z, "fla"),
         }
-        for name, fn in rows.items():
-            fn()
-            torch.cuda.synchronize()
-            ms = time_ms(fn, "cuda", a.warmup, a.iters, a.repeats, mode="queued")
+        import sp_attention.linear.local as loc
+        conc = loc._CONCURRENT_RECURRENCES
+        runs = [(name, fn, conc) for name, fn in rows.items()]
+        runs += [(name + (", serial" if conc else ", concurrent"), fn, not conc)
+                 for name, fn in rows.items() if "bwd" in name and "fla" not in name]
+        for name, fn, concurrent in runs:
+            loc._CONCURRENT_RECURRENCES = concurrent
+            try:
+                fn()
+                torch.cuda.synchronize()
+                ms = time_ms(fn, "cuda", a.warmup, a.iters, a.repeats, mode="queued")
+            finally:
+                loc._CONCURRENT_RECURRENCES = conc
             emit({"bench": "linear_rank_programs", "impl": name, "T_local": T, "H": H, "K": K,
                   "dtype": "bfloat16", "device": device_name("cuda"), "timing": "queued",
                   "ms": ms}, a.out, 0)

@@ -2,7 +2,8 @@
 # One device call: GPU tests, then the benchmarks, each step logged under $OUT (the device
 # tool's output folder; defaults to ./device-out elsewhere). Usage on a 2-GPU machine:
 #   bash scripts/device_sweep.sh [tests_softmax|softmax|linear|tests_linear|profile|
-#                                 linear_profile|host_launch|overlap_probe ...]
+#                                 linear_profile|host_launch|overlap_probe|linear_kernels|
+#                                 rank_programs|softmax_pieces|softmax_env|triton_cache ...]
 # (default: all but profile)
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
@@ -51,6 +52,10 @@ for step in $steps; do
     linear_kernels)   # GPU ms (queued) and host µs of every kernel of the linear step, 1 GPU
       python3 benchmarks/linear_kernels.py --t-local ${LK_T:-32768} --out "$OUT/linear_kernels.jsonl" \
         > /dev/null && python3 benchmarks/summarize.py "$OUT/linear_kernels.jsonl" ;;
+    rank_programs)   # each rank's linear step alone (serial vs concurrent recurrences), 1 GPU
+      python3 benchmarks/linear_rank_programs.py --t-local ${RP_T:-16384 32768} \
+        --out "$OUT/rank_programs.jsonl" > /dev/null
+      python3 benchmarks/summarize.py "$OUT/rank_programs.jsonl" ;;
     softmax_pieces)   # one rank's ring kernels without communication, 1 GPU
       python3 benchmarks/softmax_pieces.py --t-local ${SP_T:-8192 32768} --timing queued \
         --out "$OUT/softmax_pieces.jsonl" > /dev/null

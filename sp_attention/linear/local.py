@@ -369,6 +369,23 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
     return _SIDE_STREAMS[key]
 
 
+# fla's chunk recurrences (chunk_fwd_h, chunk_bwd_dh) run one program per (K tile, V tile,
+# batch row, head) through the whole sequence: 64 programs at B 1, H 16, K = V = 128, under half
+# of an H100/H200's SMs, for 0.23-0.28 ms at 32K. The backward's two recurrences do not depend
+# on each other (the chunk states from S_in, and the state gradients from G), so the first runs
+# on this stream while the second runs on the main stream: each takes the SMs the other leaves
+# idle. Normal priority; A/B with benchmarks/linear_cp.py --ab-concurrent.
+_RECURRENCE_STREAMS: dict = {}
+_CONCURRENT_RECURRENCES = True
+
+
+def _recurrence_stream(device: torch.device) -> "torch.cuda.Stream":
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _RECURRENCE_STREAMS:
+        _RECURRENCE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return _RECURRENCE_STREAMS[idx]
+
+
 def _scan_on_side_stream(scan, x: torch.Tensor, device: torch.device) -> tuple:
     """Start ``scan(x)`` (the cross-rank scan: latency-bound, a few small kernels and NCCL
     calls) on the side stream after the work queued so far, so that what the main stream
@@ -465,12 +482,15 @@ def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: t
     ``needed``: per leaf of a batch row (rows are batch-major, ``len(needed)`` leaves each),
     whether anyone reads its contribution (None: all); the others are not computed.
     ``zero_grad``: no gradient arrives at any leaf (this rank holds only the sequence's last
-    leaf), so fla's gradient recurrence runs at once and its ``dh0`` *is* ``d`` (no state-sum
-    pass); the scan (this rank only sends) is joined at the end.
+    leaf), so the gradient recurrence starts at once instead of waiting for the scan (which
+    here only sends ``d``); the scan is joined at the end.
 
-    fla: ``d`` from the one-pass state kernel, then the scan on a side stream while the chunk
-    states from ``S_in`` are recomputed (``chunk_fwd_h`` needs no ``G``); then fla's gradient
-    recurrence from ``G`` and its dq/dk/dv kernels (fla's own backward, split in two).
+    fla, three streams: the high-priority side stream forms ``d`` (the one-pass state kernel)
+    and runs the scan, since a peer waits on it; the recurrence stream recomputes the chunk
+    states from ``S_in`` (``chunk_fwd_h``, which needs no ``G``); the main stream runs fla's
+    gradient recurrence from ``G`` (``chunk_bwd_dh``) beside it, then dv and, once the chunk
+    states are in, dq and dk (fla's own backward, split up). ``_CONCURRENT_RECURRENCES =
+    False`` runs the chunk states on the main stream first (the A/B).
     """
     backend = resolve_backend(backend, q, k, v)
     if backend != "fla":
@@ -484,25 +504,28 @@ def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: t
     gg = _fla_g_gamma(slopes, q.device)
     main = torch.cuda.current_stream(q.device)
     with torch.cuda.device(q.device):
-        if zero_grad:
-            # dht = 0: the recurrence's dL/dS_in (h0 only asks for it) is this leaf's
-            # contribution scale·Σ λ^(i+1) q_iᵀ do_i, exactly what the scan sends on.
-            dh, d = chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=S_in, dht=None, scale=scale, g=None,
-                                 g_gamma=gg, chunk_size=_CHUNK, states_in_fp32=True)
-            _, side = _scan_on_side_stream(scan, d, q.device)
-        else:
-            G, side = _scan_on_side_stream(scan, _state_grads(q, do, slopes, scale, needed),
-                                           q.device)
-        h, _ = chunk_fwd_h(k=k, v=v, g=None, g_gamma=gg, h0=S_in, output_final_state=False,
-                           chunk_size=_CHUNK, states_in_fp32=True)
+        # d and the scan first, on the side stream: the peers' gradients wait on them.
+        # (Memory across the three streams is safe by ordering, as in _scan_on_side_stream:
+        # every fork waits on main first, and main waits on every stream before returning.)
+        G, side = _scan_on_side_stream(
+            lambda _: scan(_state_grads(q, do, slopes, scale, needed)), None, q.device)
+        concurrent = _CONCURRENT_RECURRENCES
+        rec = _recurrence_stream(q.device) if concurrent else main
+        if concurrent:
+            rec.wait_stream(main)
+        with torch.cuda.stream(rec):
+            h, _ = chunk_fwd_h(k=k, v=v, g=None, g_gamma=gg, h0=S_in, output_final_state=False,
+                               chunk_size=_CHUNK, states_in_fp32=True)
         if not zero_grad:
             main.wait_stream(side)
-            dh, _ = chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=G.contiguous(),
-                                 scale=scale, g=None, g_gamma=gg, chunk_size=_CHUNK,
-                                 states_in_fp32=True)
-        dq, dk, _, _ = chunk_bwd_dqkwg(q=q, k=k, v=v, do=do, h=h, dh=dh, g=None, g_gamma=gg,
-                                       scale=scale, chunk_size=_CHUNK)
+        dh, _ = chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None,
+                             dht=None if zero_grad else G.contiguous(), scale=scale, g=None,
+                             g_gamma=gg, chunk_size=_CHUNK, states_in_fp32=True)
         dv = chunk_bwd_dv(q=q, k=k, do=do, dh=dh, g=None, g_gamma=gg, scale=scale,
                           chunk_size=_CHUNK)
+        if concurrent:
+            main.wait_stream(rec)
+        dq, dk, _, _ = chunk_bwd_dqkwg(q=q, k=k, v=v, do=do, h=h, dh=dh, g=None, g_gamma=gg,
+                                       scale=scale, chunk_size=_CHUNK)
         main.wait_stream(side)          # joined (a no-op unless zero_grad)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

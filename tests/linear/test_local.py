@@ -312,7 +312,7 @@ def test_output_from_states_reference_matches_recurrence(kind, T):
 
 _INTERPRETER_CHECK = r"""
 import math, sys, torch
-from sp_attention.linear.kernels import _CONFIGS, output_from_states
+from sp_attention.linear.kernels import _OUTPUT_CANDIDATES, output_from_states
 from sp_attention.linear.naive import chunk_start_states, chunked_core
 torch.manual_seed(0)
 worst = 0.0
@@ -322,7 +322,7 @@ for T, B, H, K, V in ((64, 1, 1, 16, 16), (100, 2, 3, 32, 16), (200, 1, 3, 16, 4
     S = torch.randn(B, H, K, V)
     h = chunk_start_states(k, v, slopes, 64).float().contiguous()
     ref = chunked_core(q.double(), k.double(), v.double(), slopes.double(), 0.5, S.double())[0]
-    for cfg in range(len(_CONFIGS)):               # every config the autotuner may pick
+    for cfg in range(len(_OUTPUT_CANDIDATES)):     # every candidate config
         o = output_from_states(q, k, v, h, S, (-slopes / math.log(2)).float(), 0.5, 64, cfg)
         worst = max(worst, ((o.double() - ref).norm() / ref.norm()).item())
         assert o.dtype == torch.float32 and o.shape == (B, T, H, V)
@@ -392,12 +392,15 @@ def test_output_from_states_kernel_gpu(dtype, T):
 
 
 @_apply(gpu)
+@pytest.mark.parametrize("concurrent", [True, False])
 @pytest.mark.parametrize("T", [256, 300])
-def test_fla_leaves_overlapped_match_torch_bf16(T):
+def test_fla_leaves_overlapped_match_torch_bf16(T, concurrent, monkeypatch):
     """leaves_output / leaves_backward (fla; the scan callback runs on the side stream) vs the
     torch backend in fp32, with states entering and gradients arriving; the states handed to
     the scans are the leaves' end states and state-gradient contributions (T = 256: the end
-    state comes from fla's recurrence; T = 300: from the one-pass kernel)."""
+    state comes from fla's recurrence; T = 300: from the one-pass kernel). The backward runs
+    with its two chunk recurrences on two streams and on one (``concurrent``)."""
+    monkeypatch.setattr(local, "_CONCURRENT_RECURRENCES", concurrent)
     q, k, v, S0, do, G = _inputs(B=2, T=T, H=4, K=64, V=64, dtype=torch.bfloat16, device="cuda")
     slopes = torch.tensor([0.0, 0.01, 0.3, 50.0], device="cuda")
     S0, G, do = S0.float(), G.float(), do.bfloat16()
@@ -450,12 +453,14 @@ def test_fla_two_leaves_on_one_gpu_match_one_leaf():
 
 
 @_apply(gpu)
+@pytest.mark.parametrize("concurrent", [True, False])
 @pytest.mark.parametrize("T", [256, 300])
-def test_fla_first_and_last_leaf_paths_match_torch_bf16(T):
+def test_fla_first_and_last_leaf_paths_match_torch_bf16(T, concurrent, monkeypatch):
     """The paths of a rank holding only the sequence's first leaf (``zero_in``: fla's own output
     kernel, the scan joined afterwards) and only its last leaf (``zero_grad``: the gradient
-    recurrence runs first and its dh0 is the contribution handed to the scan) vs the torch
-    backend in fp32; the states handed to the scans are checked too."""
+    recurrence starts without waiting for the scan) vs the torch backend in fp32; the states
+    handed to the scans are checked too."""
+    monkeypatch.setattr(local, "_CONCURRENT_RECURRENCES", concurrent)
     q, k, v, S0, do, _ = _inputs(B=2, T=T, H=4, K=64, V=64, dtype=torch.bfloat16, device="cuda")
     slopes = torch.tensor([0.0, 0.01, 0.3, 50.0], device="cuda")
     S0, do = S0.float(), do.bfloat16()
@@ -492,10 +497,17 @@ def test_our_kernels_every_config_gpu(dtype):
     interpreter cannot show a config that compiles wrong on the GPU; this does."""
     import math
 
-    from sp_attention.linear.kernels import (_CONFIGS, _STATE_CANDIDATES, decayed_state_sum,
-                                             output_from_states)
+    from sp_attention.linear.kernels import (_OUTPUT_CANDIDATES, _STATE_CANDIDATES,
+                                             decayed_state_sum, output_from_states)
     from sp_attention.linear.naive import chunk_start_states, decayed_state_sum_ref
     tol = 3e-3
+    bad = []                  # every failing candidate is listed, not just the first
+
+    def check(got, ref, what):
+        try:
+            assert_close(got, ref, tol, what)
+        except AssertionError as e:
+            bad.append(str(e).splitlines()[0][:200])
     for B, T, H, K in ((2, 300, 4, 64), (1, 2048, 16, 128)):
         q, k, v, S0, do, _ = _inputs(B=B, T=T, H=H, K=K, V=K, dtype=dtype, device="cuda")
         slopes = torch.tensor([0.0, 0.01, 0.3, 50.0] * (H // 4), device="cuda")
@@ -509,14 +521,15 @@ def test_our_kernels_every_config_gpu(dtype):
                     got = decayed_state_sum(x, y, gg, base, step, None, 0.5, i)
                     ref = 0.5 * decayed_state_sum_ref(x.double().cpu(), y.double().cpu(), s64,
                                                       base, step)
-                    assert_close(got.double().cpu(), ref, tol, f"state cfg {i} {T}")
+                    check(got.double().cpu(), ref, f"state cfg {i} T {T} base {base}")
         h = chunk_start_states(k.float(), v.float(), slopes, 64).to(dtype).contiguous()
         ref = leaf_output(q.float(), k.float(), v.float(), slopes, 0.25, S0.float(), "torch")
-        for i in range(len(_CONFIGS)):
+        for i in range(len(_OUTPUT_CANDIDATES)):
             try:
                 o = output_from_states(q, k, v, h, S0.float().contiguous(), gg, 0.25, 64, i)
             except Exception as e:        # a config that cannot compile here (out of resources)
                 if "OutOfResources" in type(e).__name__ or "out of resource" in str(e):
                     continue
                 raise
-            assert_close(o.float(), ref, tol, f"output cfg {i} {T} {dtype}")
+            check(o.float(), ref, f"output cfg {i} T {T} {dtype}")
+    assert not bad, "candidate configs off the reference:\n" + "\n".join(bad)

@@ -1,0 +1,263 @@
+"""The fla path's orchestration on CPU, in fp64: ``leaves_output`` / ``leaves_backward`` with
+fla's kernels replaced by pure-torch stand-ins that have fla 0.6's signatures, and CUDA streams
+by recorders.
+
+The fla path only runs on a GPU, and GPU time is scarce; these tests prove on every CI run what
+does not need one: which tensors flow into which kernel call (a wrong argument, keyword or
+state gives a wrong fp64 result here), which stream each step runs on, and that every stream
+the step forks is joined before it returns. The kernels themselves (fla's and ours) are
+checked on the GPU by the tests marked ``gpu``/``multigpu``.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from sp_attention.linear import local
+from sp_attention.linear.naive import chunk_start_states, chunked_core, output_from_states_ref
+from sp_attention.testing import assert_close, run_distributed
+
+TOL = 1e-10
+_CURRENT: list = []       # the recorder stream that is "current"
+LOG: list = []            # (what, stream name[, other stream]) in call order
+
+
+class _Stream:
+    def __init__(self, name: str):
+        self.name = name
+
+    def wait_stream(self, other: "_Stream") -> None:
+        LOG.append(("wait", self.name, other.name))
+
+
+def _fake_cuda(monkeypatch_setattr) -> None:
+    """Replace the torch.cuda calls the fla path makes with recorders (CPU tensors stay)."""
+    main = _Stream("main")
+    _CURRENT[:] = [main]
+    made = {}
+
+    def new_stream(device=None, priority=0):
+        name = "side" if priority < 0 else "rec"
+        assert name not in made, f"a second {name} stream was made (streams are cached)"
+        made[name] = _Stream(name)
+        return made[name]
+
+    @contextlib.contextmanager
+    def use(stream):
+        _CURRENT.append(stream)
+        try:
+            yield
+        finally:
+            _CURRENT.pop()
+    for name, value in (("current_stream", lambda device=None: _CURRENT[-1]),
+                        ("Stream", new_stream), ("stream", use),
+                        ("device", lambda device=None: contextlib.nullcontext()),
+                        ("current_device", lambda: 0)):
+        monkeypatch_setattr(torch.cuda, name, value)
+
+
+def _fake_fla(slopes: torch.Tensor) -> dict:
+    """fla 0.6's internal kernels (the keyword signatures ``local`` calls) in pure torch, fp64.
+    ``dh`` is passed on opaquely as ("dh", dht): only the stand-ins read it. Each call logs the
+    stream it runs on."""
+    def log(name):
+        LOG.append((name, _CURRENT[-1].name))
+
+    def chunk_fwd_h(k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None,
+                    output_final_state=False, state_v_first=False, cu_seqlens=None,
+                    chunk_size=64, split_size=None, states_in_fp32=False):
+        log("chunk_fwd_h")
+        assert g is None and g_gamma is not None
+        h = chunk_start_states(k, v, slopes, chunk_size, h0)
+        ht = chunked_core(k, k, v, slopes, 1.0, h0, chunk_size)[1] if output_final_state else None
+        return h, ht
+
+    def chunk_fwd_o(q, k, v, h, g=None, g_gamma=None, scale=None, state_v_first=False,
+                    cu_seqlens=None, chunk_size=64, chunk_indices=None):
+        log("chunk_fwd_o")
+        zero = torch.zeros_like(h[:, 0])
+        return output_from_states_ref(q, k, v, h, zero, slopes, scale, chunk_size).to(v.dtype)
+
+    def chunk_bwd_dh(q, k, v, do, h0, dht, scale, g=None, g_gamma=None, gk=None, gv=None,
+                     state_v_first=False, cu_seqlens=None, chunk_size=64, split_size=None,
+                     states_in_fp32=False):
+        log("chunk_bwd_dh")
+        assert h0 is None, "the CP backward never asks fla for dh0"
+        return ("dh", dht, scale), None
+
+    def _grads(q, k, v, do, S_in, dh):
+        _, dht, scale = dh
+        return local._torch_leaf_backward(q, k, v, slopes, scale, S_in, do, dht)
+
+    def chunk_bwd_dv(q, k, do, dh, g=None, g_gamma=None, scale=None, state_v_first=False,
+                     cu_seqlens=None, chunk_size=64, chunk_indices=None):
+        log("chunk_bwd_dv")
+        assert scale == dh[2]
+        # dv depends on neither v nor the entering state
+        return _grads(q, k, torch.zeros_like(do), do, None, dh)[2]
+
+    def chunk_bwd_dqkwg(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, scale=None,
+                        state_v_first=False, cu_seqlens=None, chunk_size=64,
+                        chunk_indices=None):
+        log("chunk_bwd_dqkwg")
+        assert scale == dh[2]
+        dq, dk, _ = _grads(q, k, v, do, h[:, 0], dh)      # h[:, 0] is the entering state
+        return dq, dk, None, None
+
+    return {f.__name__: f for f in (chunk_fwd_h, chunk_fwd_o, chunk_bwd_dh, chunk_bwd_dqkwg,
+                                    chunk_bwd_dv)}
+
+
+def _install(setattr_, slopes: torch.Tensor) -> None:
+    """Route the fla backend through the stand-ins (``setattr_``: monkeypatch.setattr or a
+    plain setattr in a spawned worker)."""
+    import sp_attention.linear.attention as attention
+    import sp_attention.linear.kernels as kernels
+    _fake_cuda(setattr_)
+    LOG.clear()
+    setattr_(local, "_SIDE_STREAMS", {})
+    setattr_(local, "_RECURRENCE_STREAMS", {})
+    setattr_(local, "_fla_ops", lambda: _fake_fla(slopes))
+    setattr_(local, "resolve_backend", lambda backend, *a: backend or "fla")
+    setattr_(attention, "resolve_backend", lambda backend, *a: backend or "fla")
+
+    def output_from_states(q, k, v, h, S_in, g_gamma, scale, chunk_size=64, config=None):
+        LOG.append(("output_from_states", _CURRENT[-1].name))
+        return output_from_states_ref(q, k, v, h, S_in, slopes, scale, chunk_size).to(v.dtype)
+    setattr_(kernels, "output_from_states", output_from_states)
+
+
+def _data(N, T, H=3, K=4, V=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(N, T, H, K, generator=g, dtype=torch.float64) for _ in range(2))
+    v, do = (torch.randn(N, T, H, V, generator=g, dtype=torch.float64) for _ in range(2))
+    S, G = (torch.randn(N, H, K, V, generator=g, dtype=torch.float64) for _ in range(2))
+    return q, k, v, do, S, G
+
+
+SLOPES = torch.tensor([0.0, 0.05, 50.0], dtype=torch.float64)   # none, slow, λ^64 underflows
+
+
+def _scan_returning(result: torch.Tensor, seen: dict):
+    """A scan callback that records its input (``seen["x"]``) and stream, returns ``result``."""
+    def scan(x):
+        LOG.append(("scan", _CURRENT[-1].name))
+        seen["x"] = x
+        return result
+    return scan
+
+
+def _stream_of(what: str) -> list:
+    return [e[1] for e in LOG if e[0] == what]
+
+
+def _joined(streams=("side", "rec")) -> None:
+    """Every stream forked in the call was waited on by main after its last use."""
+    for s in streams:
+        used = [i for i, e in enumerate(LOG) if e[0] != "wait" and e[1] == s]
+        waits = [i for i, e in enumerate(LOG) if e == ("wait", "main", s)]
+        if used:
+            assert waits and waits[-1] > used[-1], f"main never joins {s}: {LOG}"
+
+
+@pytest.mark.parametrize("T", [128, 100])      # whole chunks (end state from the recurrence)
+@pytest.mark.parametrize("zero_in", [False, True])   # and a partial last one (state kernel)
+def test_leaves_output_fla_path(T, zero_in, monkeypatch):
+    _install(monkeypatch.setattr, SLOPES)
+    q, k, v, _, S, _ = _data(2, T)
+    S = torch.zeros_like(S) if zero_in else S
+    seen = {}
+    scan = _scan_returning(S, seen)
+    o, S_got = local.leaves_output(q, k, v, SLOPES, 0.3, scan, "fla", zero_in=zero_in)
+    assert_close(seen["x"], chunked_core(k, k, v, SLOPES, 1.0, None, 64)[1], TOL, "end state")
+    assert_close(o, chunked_core(q, k, v, SLOPES, 0.3, S, 64)[0], TOL, "o")
+    assert S_got is S or torch.equal(S_got, S)
+    assert _stream_of("scan") == ["side"] and _stream_of("chunk_fwd_h") == ["main"]
+    out = "chunk_fwd_o" if zero_in else "output_from_states"
+    assert _stream_of(out) == ["main"]
+    if not zero_in:      # the output waits for the scan; the shortcut joins it afterwards
+        assert LOG.index(("wait", "main", "side")) < LOG.index((out, "main"))
+    _joined()
+
+
+@pytest.mark.parametrize("concurrent", [True, False])
+@pytest.mark.parametrize("zero_grad", [False, True])
+@pytest.mark.parametrize("needed", [None, (False, True), (True, False)])
+def test_leaves_backward_fla_path(concurrent, zero_grad, needed, monkeypatch):
+    """Two leaves per batch row (zigzag-like rows), every combination of the stream layout,
+    the last-leaf shortcut and the skipped first-leaf contribution."""
+    _install(monkeypatch.setattr, SLOPES)
+    monkeypatch.setattr(local, "_CONCURRENT_RECURRENCES", concurrent)
+    B, n, C = 2, 2, 100
+    q, k, v, do, S, G = _data(B * n, C, seed=1)
+    G = torch.zeros_like(G) if zero_grad else G
+    seen = {}
+    scan = _scan_returning(G, seen)
+    dq, dk, dv = local.leaves_backward(q, k, v, SLOPES, 0.7, S, do, scan, "fla", needed,
+                                       zero_grad)
+    want_d = local.state_grad_local(q, do, SLOPES, 0.7)
+    keep = torch.tensor(needed or (True,) * n).repeat(B)   # rows are batch-major
+    assert_close(seen["x"][keep], want_d[keep], TOL, "d")
+    if not keep.all():                  # leaves nobody reads: zeros, not computed
+        assert float(seen["x"][~keep].abs().max()) == 0.0
+    refs = local._torch_leaf_backward(q, k, v, SLOPES, 0.7, S, do, G)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), refs):
+        assert_close(got, ref, TOL, name)
+    # streams: d and the scan on the high-priority side stream, the chunk states from S_in on
+    # the recurrence stream (or main), the gradient recurrence and dq/dk/dv on main
+    assert _stream_of("scan") == ["side"]
+    assert _stream_of("chunk_fwd_h") == ["rec" if concurrent else "main"]
+    for what in ("chunk_bwd_dh", "chunk_bwd_dv", "chunk_bwd_dqkwg"):
+        assert _stream_of(what) == ["main"], what
+    dh_at = LOG.index(("chunk_bwd_dh", "main"))
+    waits_side = [i for i, e in enumerate(LOG) if e == ("wait", "main", "side")]
+    # the gradient recurrence waits for G, unless none can arrive (then it starts at once)
+    assert (min(waits_side) < dh_at) == (not zero_grad)
+    if concurrent:
+        assert ("wait", "rec", "main") in LOG
+        assert LOG.index(("wait", "main", "rec")) < LOG.index(("chunk_bwd_dqkwg", "main"))
+        assert LOG.index(("wait", "main", "rec")) > dh_at    # dh ran beside the chunk states
+    _joined()
+
+
+def _cp_world(rank, world):
+    """A whole CP step through the fla path (stand-in kernels, recorder streams) at every rank,
+    every schedule and both layouts, vs the single-device recurrence in fp64."""
+    import torch.distributed as dist
+
+    from sp_attention import build_sp_context, shard_sequence
+    from sp_attention.linear import lightning_attention
+    from sp_attention.linear.naive import recurrent_linear_attention
+
+    def setattr_(obj, name, value):
+        setattr(obj, name, value)
+    _install(setattr_, SLOPES)
+    group = dist.new_group(list(range(world)))
+    g = torch.Generator().manual_seed(5)
+    T = 2 * world * 40                       # leaves of 40 tokens: partial chunks
+    q, k, v, w = (torch.randn(1, T, 3, 4, generator=g, dtype=torch.float64) for _ in range(4))
+    ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    o, _ = recurrent_linear_attention(*ins, SLOPES, scale=0.5)
+    (o * w).sum().backward()
+    expected = [o.detach()] + [t.grad for t in ins]
+    for layout in ("contiguous", "zigzag"):
+        ctx = build_sp_context(group, layout=layout)
+        want = [shard_sequence(t, ctx, 1) for t in expected]
+        for impl in ("blelloch", "allgather", "ring"):
+            for concurrent in (True, False):
+                local._CONCURRENT_RECURRENCES = concurrent
+                loc = [shard_sequence(t, ctx, 1).clone().requires_grad_(True) for t in (q, k, v)]
+                out = lightning_attention(*loc, SLOPES, ctx=ctx, impl=impl, scale=0.5,
+                                          backend="fla")
+                (out * shard_sequence(w, ctx, 1)).sum().backward()
+                for got, exp, what in zip((out, *(t.grad for t in loc)), want, ("o", "dq", "dk",
+                                                                                 "dv")):
+                    assert_close(got, exp, TOL, f"{layout} {impl} {concurrent} rank{rank} {what}")
+    return True
+
+
+@pytest.mark.parametrize("world", [3])
+def test_cp_step_through_fla_path(world):
+    assert all(run_distributed(_cp_world, world, timeout=300))
