@@ -410,8 +410,9 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: tor
     leaves' zero-start end states ``b`` (fp32) to the states entering them.
 
     fla: the chunk recurrence runs from zero (``chunk_fwd_h``), its final state is ``b``
-    (when C is a multiple of the chunk; otherwise ``b`` comes from the one-pass state kernel
-    first and the recurrence overlaps the scan), the scan runs on a side stream, and the
+    (when C is a multiple of the chunk; otherwise ``b`` comes from the one-pass state kernel,
+    run with the scan on the side stream beside the recurrence), the scan runs on a side
+    stream, and the
     output kernel (:func:`sp_attention.linear.kernels.output_from_states`) adds
     ``λ^(n·BT) S_in`` to each chunk state. ``zero_in``: no state enters any leaf (this rank
     holds only the sequence's first leaf): the zero-start states are the states, fla's own
@@ -437,8 +438,9 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: tor
             h, b = chunk_fwd_h(k=k, v=v, g=None, g_gamma=gg, h0=None, output_final_state=True,
                                chunk_size=_CHUNK)
             S_in, side = _scan_on_side_stream(scan, b, q.device)
-        else:
-            S_in, side = _scan_on_side_stream(scan, leaf_state(k, v, slopes), q.device)
+        else:   # b from the one-pass state kernel on the side stream, beside the recurrence
+            S_in, side = _scan_on_side_stream(lambda _: scan(leaf_state(k, v, slopes)), None,
+                                              q.device)
             h, _ = chunk_fwd_h(k=k, v=v, g=None, g_gamma=gg, h0=None, output_final_state=False,
                                chunk_size=_CHUNK)
         if zero_in:

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from sp_attention.linear import local
-from sp_attention.linear.naive import chunk_start_states, chunked_core, output_from_states_ref
+from sp_attention.linear.naive import (chunk_start_states, chunked_core, decayed_state_sum_ref,
+                                       output_from_states_ref)
 from sp_attention.testing import assert_close, run_distributed
 
 TOL = 1e-10
@@ -120,6 +121,11 @@ def _install(setattr_, slopes: torch.Tensor) -> None:
     setattr_(local, "_SIDE_STREAMS", {})
     setattr_(local, "_RECURRENCE_STREAMS", {})
     setattr_(local, "_fla_ops", lambda: _fake_fla(slopes))
+    for name in ("leaf_state", "state_grad_local"):     # the one-pass state kernel's callers
+        def logged(*a, _f=getattr(local, name), _name=name, **kw):
+            LOG.append((_name, _CURRENT[-1].name))
+            return _f(*a, **kw)
+        setattr_(local, name, logged)
     setattr_(local, "resolve_backend", lambda backend, *a: backend or "fla")
     setattr_(attention, "resolve_backend", lambda backend, *a: backend or "fla")
 
@@ -175,6 +181,8 @@ def test_leaves_output_fla_path(T, zero_in, monkeypatch):
     assert_close(o, chunked_core(q, k, v, SLOPES, 0.3, S, 64)[0], TOL, "o")
     assert S_got is S or torch.equal(S_got, S)
     assert _stream_of("scan") == ["side"] and _stream_of("chunk_fwd_h") == ["main"]
+    # b: the recurrence's final state for whole chunks, else the state kernel beside it
+    assert _stream_of("leaf_state") == ([] if T % 64 == 0 else ["side"])
     out = "chunk_fwd_o" if zero_in else "output_from_states"
     assert _stream_of(out) == ["main"]
     if not zero_in:      # the output waits for the scan; the shortcut joins it afterwards
@@ -197,7 +205,7 @@ def test_leaves_backward_fla_path(concurrent, zero_grad, needed, monkeypatch):
     scan = _scan_returning(G, seen)
     dq, dk, dv = local.leaves_backward(q, k, v, SLOPES, 0.7, S, do, scan, "fla", needed,
                                        zero_grad)
-    want_d = local.state_grad_local(q, do, SLOPES, 0.7)
+    want_d = 0.7 * decayed_state_sum_ref(q, do, SLOPES, 1, 1)
     keep = torch.tensor(needed or (True,) * n).repeat(B)   # rows are batch-major
     assert_close(seen["x"][keep], want_d[keep], TOL, "d")
     if not keep.all():                  # leaves nobody reads: zeros, not computed
@@ -208,6 +216,7 @@ def test_leaves_backward_fla_path(concurrent, zero_grad, needed, monkeypatch):
     # streams: d and the scan on the high-priority side stream, the chunk states from S_in on
     # the recurrence stream (or main), the gradient recurrence and dq/dk/dv on main
     assert _stream_of("scan") == ["side"]
+    assert set(_stream_of("state_grad_local")) == {"side"}     # d beside the recurrences
     assert _stream_of("chunk_fwd_h") == ["rec" if concurrent else "main"]
     for what in ("chunk_bwd_dh", "chunk_bwd_dv", "chunk_bwd_dqkwg"):
         assert _stream_of(what) == ["main"], what
