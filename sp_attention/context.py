@@ -7,6 +7,7 @@ globals: two models with different CP groups can live in one process.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch.distributed as dist
@@ -149,15 +150,16 @@ def nccl_group_options(options: CPGroupOptions, backend: str):
     return opts
 
 
-def new_cp_group(ranks: Sequence[int], options: Optional[CPGroupOptions] = None,
-                 ) -> dist.ProcessGroup:
+def new_cp_group(ranks: Sequence[int], options: Optional[CPGroupOptions] = None, *,
+                 timeout: Optional[timedelta] = None) -> dist.ProcessGroup:
     """``dist.new_group(ranks)`` for a CP group, with ``options`` applied to its NCCL
     communicator (see :class:`CPGroupOptions`; gloo ignores them).
 
     As with ``dist.new_group``, every process of the default group must call this with the
     same ``ranks`` in the same order (also processes outside the group); build the context
-    with :func:`build_sp_context` from the returned group on the members. Bad ``ranks`` or
-    options raise before any process-group call, so no rank is left waiting.
+    with :func:`build_sp_context` from the returned group on the members. ``timeout``: as for
+    ``dist.new_group`` (None: torch's default). Bad ``ranks`` or options raise before any
+    process-group call, so no rank is left waiting.
     """
     options = CPGroupOptions() if options is None else options
     if not isinstance(options, CPGroupOptions):
@@ -172,4 +174,10 @@ def new_cp_group(ranks: Sequence[int], options: Optional[CPGroupOptions] = None,
     if len(set(ranks)) != len(ranks) or not all(0 <= r < world for r in ranks):
         raise ValueError(f"ranks {ranks} must be distinct global ranks in [0, {world})")
     pg_options = nccl_group_options(options, dist.get_backend())
-    return dist.new_group(ranks, pg_options=pg_options)
+    if pg_options is not None:
+        # the options carry a timeout of their own: make it the group's (torch warns otherwise)
+        if timeout is None:
+            default = getattr(dist.distributed_c10d, "_get_default_timeout", None)
+            timeout = default(dist.Backend.NCCL) if default else dist.default_pg_timeout
+        pg_options._timeout = timeout
+    return dist.new_group(ranks, timeout=timeout, pg_options=pg_options)

@@ -1,5 +1,7 @@
 """Multi-process gloo tests of the communication layer at world sizes 1, 2, 3, 4 and 8, incl. a
 TP×CP×DP = 2×2×2 layout whose CP groups are not contiguous global ranks."""
+import datetime
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -136,7 +138,8 @@ def _world_checks(rank, world):
         with pytest.raises(ValueError, match="distinct global ranks"):
             new_cp_group([0, 0])
         even = list(range(0, world, 2))
-        g = new_cp_group(even, CPGroupOptions(high_priority_stream=True, max_ctas=4))
+        g = new_cp_group(even, CPGroupOptions(high_priority_stream=True, max_ctas=4),
+                         timeout=datetime.timedelta(minutes=5))
         if rank in even:
             sub = build_sp_context(g)
             assert sub.global_ranks == tuple(even) and sub.rank == even.index(rank)
