@@ -13,7 +13,8 @@ import zlib
 import pytest
 import torch
 
-from sp_attention import SPContext, build_sp_context, shard_sequence
+from sp_attention import (CPGroupOptions, SPContext, build_sp_context, new_cp_group,
+                          shard_sequence)
 from sp_attention.softmax import PRESETS, attention_reference, context_parallel_attention
 from sp_attention.softmax.attention import default_heads_k_stride
 from sp_attention.testing import assert_close, megatron_groups, rel_rms, run_distributed, seeded
@@ -267,6 +268,17 @@ def _multigpu_check(rank, world, shapes=GPU_SHAPES, device_type="cuda"):
                             report[f"{key} {n}"] = (e1[n], e2[n])
                             assert e2[n] <= 1.5 * e1[n] + 2e-4, (key, n, e1[n], e2[n])
                             assert e2[n] < 2e-2, (key, n, e2[n])
+    # a CP group with NCCL options (high-priority stream, CTA bound) gives the same numbers
+    hp = new_cp_group(list(range(world)), CPGroupOptions(high_priority_stream=True, max_ctas=8))
+    q, k, v, do = (t.to(torch.bfloat16) for t in _gpu_tensors(shapes[0], world * shapes[0][1],
+                                                                3, dev))
+    runs = []
+    for g in (group, hp):
+        ctx = build_sp_context(g, layout="zigzag")
+        runs.append(_grads_of(*(shard_sequence(t, ctx, 1).contiguous() for t in (q, k, v, do)),
+                              ctx=ctx, fwd="ring", bwd="ring", causal=True))
+    for a, b in zip(*runs):
+        assert rel_rms(a, b) < 1e-6, rel_rms(a, b)
     return report
 
 
@@ -277,6 +289,18 @@ def test_two_gpus_bf16_error_matches_single_gpu_bf16():
     res = run_distributed(_multigpu_check, 2, timeout=600, backend="nccl")
     for key, (e1, e2) in sorted(res[0].items()):
         print(f"{key:<90} P=1 {e1:.2e}  P=2 {e2:.2e}")
+
+
+def _multigpu_check_on_cpu(rank, world):
+    return _multigpu_check(rank, world, shapes=[(1, 32, 4, 2, 16, dict(heads_k_stride=1))],
+                           device_type="cpu")
+
+
+def test_multigpu_check_itself_on_gloo():
+    """The 2-GPU test's own code (bf16 vs the fp32 reference at P = 1 and 2, every pair and
+    layout, the group made by new_cp_group) on CPU/gloo with a tiny shape: a GPU run is
+    scarce and should not be what finds a mistake in the test."""
+    assert len(run_distributed(_multigpu_check_on_cpu, 2, timeout=300)[0]) > 0
 
 
 def _single_device_check(dev, shapes=GPU_SHAPES):
