@@ -78,7 +78,7 @@ class _Hop:
     transport, launched on ``stream`` after ``start`` (an event on the main stream)."""
 
     def __init__(self, transport, nbytes, groups, dev):
-        self.transport, self.dev = transport, dev
+        self.transport = transport
         group = groups["nccl-hp" if transport == "nccl-hp" else "default"]
         self.ctx = build_sp_context(group, layout="contiguous")
         P, r = self.ctx.world_size, self.ctx.rank

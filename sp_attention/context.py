@@ -98,7 +98,6 @@ def build_sp_context(group: Optional[dist.ProcessGroup] = None, layout: str = "z
     return SPContext(group if size > 1 else None, rank, size, ranks, layout)
 
 
-
 @dataclass(frozen=True)
 class CPGroupOptions:
     """How the CP group's NCCL communicator runs. Other backends (gloo on CPU) ignore these:

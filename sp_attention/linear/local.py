@@ -351,39 +351,38 @@ def leaf_backward(
 # of its shard, so [B, n·C, ...] is viewed as [B·n, C, ...]); S_in and G are [N, H, K, V]
 # (zeros where no state enters / no gradient arrives, which is exact).
 
-_SIDE_STREAMS: dict = {}
+# Extra streams per (device, role, priority), made once: "side" for the cross-rank scan
+# (latency-bound, few SMs), "recurrence" for the backward's chunk states (see below).
+_STREAMS: dict = {}
 # Priority of the scan's side stream (CUDA: lower is higher). High, so that the scan's few
 # small kernels, which a peer rank waits on, start ahead of the queued CTAs of the chunk
 # kernels running beside them on the main stream instead of after them. The scan's NCCL
 # kernels run on the CP group's own stream: see sp_attention.CPGroupOptions. A/B in
 # benchmarks/linear_cp.py --comm-variants (variant "side0" runs it at priority 0).
 _SIDE_STREAM_PRIORITY = -1
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """One extra stream per device for the cross-rank scan (latency-bound, few SMs)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (idx, _SIDE_STREAM_PRIORITY)
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=idx, priority=_SIDE_STREAM_PRIORITY)
-    return _SIDE_STREAMS[key]
-
-
 # fla's chunk recurrences (chunk_fwd_h, chunk_bwd_dh) run one program per (K tile, V tile,
 # batch row, head) through the whole sequence: 64 programs at B 1, H 16, K = V = 128, under half
 # of an H100/H200's SMs, for 0.23-0.28 ms at 32K. The backward's two recurrences do not depend
 # on each other (the chunk states from S_in, and the state gradients from G), so the first runs
-# on this stream while the second runs on the main stream: each takes the SMs the other leaves
-# idle. Normal priority; A/B with benchmarks/linear_cp.py --ab-concurrent.
-_RECURRENCE_STREAMS: dict = {}
+# on the recurrence stream while the second runs on the main stream: each takes the SMs the
+# other leaves idle. Normal priority; A/B with benchmarks/linear_cp.py --ab-concurrent.
 _CONCURRENT_RECURRENCES = True
 
 
-def _recurrence_stream(device: torch.device) -> "torch.cuda.Stream":
+def _stream(device: torch.device, role: str, priority: int = 0) -> "torch.cuda.Stream":
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _RECURRENCE_STREAMS:
-        _RECURRENCE_STREAMS[idx] = torch.cuda.Stream(device=idx)
-    return _RECURRENCE_STREAMS[idx]
+    key = (idx, role, priority)
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.cuda.Stream(device=idx, priority=priority)
+    return _STREAMS[key]
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    return _stream(device, "side", _SIDE_STREAM_PRIORITY)
+
+
+def _recurrence_stream(device: torch.device) -> "torch.cuda.Stream":
+    return _stream(device, "recurrence")
 
 
 def _scan_on_side_stream(scan, x: torch.Tensor, device: torch.device) -> tuple:

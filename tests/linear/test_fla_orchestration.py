@@ -118,8 +118,7 @@ def _install(setattr_, slopes: torch.Tensor) -> None:
     import sp_attention.linear.kernels as kernels
     _fake_cuda(setattr_)
     LOG.clear()
-    setattr_(local, "_SIDE_STREAMS", {})
-    setattr_(local, "_RECURRENCE_STREAMS", {})
+    setattr_(local, "_STREAMS", {})
     setattr_(local, "_fla_ops", lambda: _fake_fla(slopes))
     for name in ("leaf_state", "state_grad_local"):     # the one-pass state kernel's callers
         def logged(*a, _f=getattr(local, name), _name=name, **kw):
