@@ -18,7 +18,7 @@ for key in "float32 128" "bfloat16 64" "float32 64"; do
 done
 wait
 (cd /tmp/tc && find . -name '*.autotune.json' | sed 's#^\./[^/]*/##' | sort -u | wc -l)
-for d in /tmp/tc/main /tmp/tc/k*; do (cd "$d" && find . -name '*.autotune.json' | cpio -pdm /tmp/tc/seeded 2>/dev/null); done
+for d in /tmp/tc/main /tmp/tc/k*; do (cd "$d" && find . -name "*.autotune.json" | tar cf - -T -) | tar xf - -C /tmp/tc/seeded; done
 (cd /tmp/tc/seeded && tar czf "$OUT/autotune_seeds.tgz" .)
 TRITON_CACHE_DIR=/tmp/tc/seeded fc --label seeded-all
 TRITON_CACHE_DIR=/tmp/tc/seeded fc --label seeded-warm
