@@ -14,6 +14,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import base_parser, device_name, emit, init_dist, time_ms  # noqa: E402
 from sp_attention import build_sp_context  # noqa: E402
+from sp_attention.layout import ring_neighbors  # noqa: E402
 from sp_attention.comm import all_gather_flat, reduce_scatter_flat  # noqa: E402
 
 
@@ -29,7 +30,7 @@ def main() -> None:
         n = mib * 2 ** 20 // 2                                   # bf16 elements per rank
         x = torch.randn(n, device=dev).to(torch.bfloat16)
         out = torch.empty(world * n, device=dev, dtype=torch.bfloat16)
-        peer_next, peer_prev = (rank + 1) % world, (rank - 1) % world
+        peer_prev, peer_next = ring_neighbors(rank, world)   # WORLD group: group = global
         recv = torch.empty_like(x)
 
         def p2p():

@@ -43,7 +43,7 @@ ORDERS = ("comm_first", "compute_first")
 
 def _workloads(a, dev):
     """name -> fwd+bwd closure, on this rank's tensors."""
-    from sp_attention.softmax.kernels import get_backend
+    from sp_attention.softmax.backends import get_backend
     out = {}
     g = torch.Generator(device=dev).manual_seed(7)
     T, bf = a.attn_t, torch.bfloat16

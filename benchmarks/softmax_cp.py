@@ -22,7 +22,7 @@ from benchmarks.common import (COMM_VARIANTS, base_parser, cp_groups, device_nam
                                emit, init_dist, time_ms)
 from sp_attention import build_sp_context, shard_sequence  # noqa: E402
 from sp_attention.softmax import context_parallel_attention  # noqa: E402
-from sp_attention.softmax.kernels import get_backend  # noqa: E402
+from sp_attention.softmax.backends import get_backend  # noqa: E402
 
 PAIRS = [("ring", "allgather"), ("ring", "ring"), ("allgather", "allgather"), ("allgather", "ring")]
 

@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import base_parser, device_name, emit, time_ms  # noqa: E402
-from sp_attention.sharding import shard_ranges  # noqa: E402
-from sp_attention.softmax.kernels import get_backend  # noqa: E402
+from sp_attention.layout import ring_source, shard_ranges  # noqa: E402
+from sp_attention.softmax.backends import get_backend  # noqa: E402
 from sp_attention.softmax.merge import merge_blocks_  # noqa: E402
 from sp_attention.softmax.plan import ring_calls  # noqa: E402
 
@@ -40,8 +40,8 @@ def _shard(x, rank, world, layout):
 
 def _calls(rank, world, layout):
     """(step, src, call) of one rank's ring, in execution order."""
-    return [(s, (rank - s) % world, c) for s in range(world)
-            for c in ring_calls(rank, (rank - s) % world, world, layout, True)]
+    return [(s, ring_source(rank, world, s), c) for s in range(world)
+            for c in ring_calls(rank, ring_source(rank, world, s), world, layout, True)]
 
 
 def ring_forward_local(q, kv, rank, world, layout, be, merge: bool):

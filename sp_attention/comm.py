@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .context import SPContext
+from .layout import ring_neighbors
 
 __all__ = [
     "all_gather_flat", "reduce_scatter_flat", "all_gather_along", "reduce_scatter_along",
@@ -174,7 +175,7 @@ class RingComm:
         if ctx.world_size < 2:
             raise ValueError("RingComm needs a group of at least 2 ranks")
         self.ctx = ctx
-        self.prev, self.next = (ctx.rank - 1) % ctx.world_size, (ctx.rank + 1) % ctx.world_size
+        self.prev, self.next = ring_neighbors(ctx.rank, ctx.world_size)
         self._sends: list[torch.Tensor] = []
         self._recvs: list[torch.Tensor] = []
         self._works: Optional[list] = None

@@ -15,6 +15,8 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from .precision import acc_dtype
+
 __all__ = ["global_token_mean", "all_reduce_gradients"]
 
 
@@ -82,7 +84,7 @@ def all_reduce_gradients(parameters: Iterable[torch.nn.Parameter],
         return
     buckets: dict = {}
     for p in params:     # fp64 stays fp64, everything else travels in fp32
-        acc = torch.float64 if p.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(p)
         buckets.setdefault((str(p.device), acc), []).append(p)
     for (_, acc), ps in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))

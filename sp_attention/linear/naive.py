@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from ..precision import acc_dtype
+
 __all__ = [
     "recurrent_linear_attention",
     "chunked_linear_attention",
@@ -32,11 +34,9 @@ __all__ = [
 ]
 
 
-def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
-    """fp64 if any given tensor is fp64, else fp32 (states and decays are never bf16)."""
-    if any(t is not None and t.dtype == torch.float64 for t in tensors):
-        return torch.float64
-    return torch.float32
+# The library's one precision rule (sp_attention.precision), under the name this module's
+# docstrings use: fp64 if any given tensor is fp64, else fp32.
+compute_dtype = acc_dtype
 
 
 def decay_powers(

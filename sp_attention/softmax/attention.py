@@ -18,7 +18,7 @@ from .bwd_allgather import allgather_backward
 from .bwd_ring import ring_backward
 from .fwd_allgather import allgather_forward
 from .fwd_ring import ring_forward
-from .kernels import BACKEND_NAMES, KernelBackend, get_backend
+from .backends import BACKEND_NAMES, KernelBackend, get_backend
 
 __all__ = ["context_parallel_attention", "PRESETS", "DEFAULT_PRESET", "FWD_SCHEDULES",
            "BWD_SCHEDULES", "default_heads_k_stride"]

@@ -30,8 +30,8 @@ import torch
 from ..comm import AsyncReduceScatter
 from ..context import SPContext
 from .gather import KVGather, Unit, arrange_keys, max_unit_numel, scatter_key_grads
-from .kernels import KernelBackend
-from .merge import acc_dtype
+from .backends import KernelBackend
+from ..precision import acc_dtype
 from .plan import gather_plan, stride_widths
 
 __all__ = ["allgather_backward", "backward_units"]

@@ -37,10 +37,11 @@ import torch
 
 from ..comm import RingComm, p2p_exchange
 from ..context import SPContext
-from .fwd_ring import pack_kv
-from .kernels import NATIVE_GQA, KernelBackend
-from .merge import acc_dtype
+from ..layout import ring_neighbors, ring_source
+from .backends import KernelBackend
+from ..precision import acc_dtype
 from .plan import ring_calls
+from .ring_buffers import pack_kv
 
 __all__ = ["ring_backward", "hop_dtypes"]
 
@@ -52,8 +53,9 @@ def _single_output_hops(world: int, layout: str, causal: bool) -> tuple[tuple[bo
     single: dict = {}
     for s in range(1, world):
         for r in range(world):
-            n = len(ring_calls(r, (r - s) % world, world, layout, causal))
-            single[r, s] = n <= 1 if s == 1 else (single[(r - 1) % world, s - 1] and n == 0)
+            n = len(ring_calls(r, ring_source(r, world, s), world, layout, causal))
+            prev = ring_neighbors(r, world)[0]
+            single[r, s] = n <= 1 if s == 1 else (single[prev, s - 1] and n == 0)
     return tuple(tuple(single[r, s] for s in range(1, world)) for r in range(world))
 
 
@@ -65,7 +67,7 @@ def hop_dtypes(rank: int, world: int, layout: str, causal: bool, kernel_dtype: t
     own block coming home). ``kernel_dtype`` for one kernel output, ``acc`` for a sum."""
     single = _single_output_hops(world, layout, causal)
     sent = [kernel_dtype if x else acc for x in single[rank]]
-    got = [kernel_dtype if x else acc for x in single[(rank - 1) % world]]
+    got = [kernel_dtype if x else acc for x in single[ring_neighbors(rank, world)[0]]]
     return sent, got
 
 
@@ -73,7 +75,7 @@ def kernel_grad_dtype(backend: KernelBackend, dtype: torch.dtype) -> torch.dtype
     """The dtype of a backend's dK/dV for one non-causal call (every ring step after the
     first): the input dtype for the CUDA kernels with native GQA (one kernel, no partial
     sums inside the backend); fp32 (fp64) for the math backend."""
-    if backend.name != "math" and NATIVE_GQA.get(backend.name, False):
+    if backend.name != "math" and backend.native_gqa:
         return dtype
     return acc_dtype(dtype)
 
@@ -99,6 +101,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     sent, got = hop_dtypes(rank, world, ctx.layout, bool(causal),
                            kernel_grad_dtype(backend, q.dtype), acc)
     kv_ring, acc_ring = RingComm(ctx), RingComm(ctx)
+    prev_rank, next_rank = ring_neighbors(rank, world)
     kv_bufs = pack_kv(k, v, ctx)
 
     def new_acc(dtype: torch.dtype) -> torch.Tensor:     # [2, B, T, Hkv, D]: dK and dV
@@ -113,7 +116,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     kv_ring.wait()
     block, carry, works = (nxt[0], nxt[1]), None, []
     for step in range(1, world):
-        src = (rank - step) % world
+        src = ring_source(rank, world, step)
         last = step == world - 1
         if not last:          # the next block travels while this one computes
             nxt = kv_ring.send_recv(kv_bufs[step % 2], kv_bufs[(step + 1) % 2])
@@ -132,8 +135,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         acc_buf = _join(carry, grads, sent[step - 1], acc, new_acc)
         if last:              # the block's accumulator goes home; ours arrives
             home = new_acc(got[-1])
-            works = p2p_exchange([(acc_buf, (rank + 1) % world)], [(home, (rank - 1) % world)],
-                                 ctx)
+            works = p2p_exchange([(acc_buf, next_rank)], [(home, prev_rank)], ctx)
         else:
             carry = acc_ring.send_recv(acc_buf, new_acc(got[step - 1]))
             acc_ring.commit()

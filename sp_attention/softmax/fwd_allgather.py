@@ -19,8 +19,8 @@ import torch
 
 from ..context import SPContext
 from .gather import KVGather, Unit, arrange_keys, max_unit_numel
-from .kernels import KernelBackend
-from .merge import acc_dtype
+from .backends import KernelBackend
+from ..precision import acc_dtype
 from .plan import gather_plan
 
 __all__ = ["allgather_forward"]

@@ -24,21 +24,14 @@ import torch
 
 from ..comm import RingComm
 from ..context import SPContext
-from .kernels import KernelBackend
-from .merge import acc_dtype, merge_blocks_
+from ..layout import ring_source
+from .backends import KernelBackend
+from ..precision import acc_dtype
+from .merge import merge_blocks_
 from .plan import ring_calls
+from .ring_buffers import pack_kv
 
-__all__ = ["ring_forward", "pack_kv"]
-
-
-def pack_kv(k: torch.Tensor, v: torch.Tensor, ctx: SPContext) -> list[torch.Tensor]:
-    """``[2, B, T, Hkv, D]`` ring buffers (two when P > 1: the block in use and the one being
-    received), the first holding this rank's K and V: one message per hop."""
-    bufs = [torch.empty((2,) + tuple(k.shape), dtype=k.dtype, device=k.device)
-            for _ in range(2 if ctx.world_size > 1 else 1)]
-    bufs[0][0].copy_(k)
-    bufs[0][1].copy_(v)
-    return bufs
+__all__ = ["ring_forward"]
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SPContext,
@@ -65,7 +58,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SPConte
         if step + 1 < world:
             nxt = ring.send_recv(bufs[step % 2], bufs[(step + 1) % 2])
             ring.commit()                               # the hop overlaps this step's calls
-        src = (rank - step) % world
+        src = ring_source(rank, world, step)
         for c in ring_calls(rank, src, world, ctx.layout, bool(causal)):
             rows = slice(c.q_start * ls, c.q_stop * ls)
             n_keys = c.keys * ls

@@ -17,7 +17,7 @@ Layouts: out, out_b [B, Tq, H, D]; lse, lse_b [B, H, Tq] (note the transposed he
 order). Any strides: views of bigger buffers (``out[:, rows]``, ``lse[:, :, rows]``, head
 slices) are updated in place.
 
-Precision: the math is fp32, or fp64 when out or lse is fp64 (see :func:`acc_dtype`). ``lse``
+Precision: the math is fp32, or fp64 when out or lse is fp64 (:func:`sp_attention.precision.acc_dtype`). ``lse``
 must be fp32/fp64; ``out`` may be any float dtype (e.g. a bf16 kernel output used directly as
 the accumulator) and is rounded to its own dtype once per merge.
 
@@ -36,14 +36,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
-__all__ = ["acc_dtype", "merge_blocks", "merge_blocks_"]
+from ..precision import acc_dtype
+
+__all__ = ["merge_blocks", "merge_blocks_"]
 
 _LSE_DTYPES = (torch.float32, torch.float64)
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulator dtype for inputs of ``dtype``: fp64 stays fp64, everything else is fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _check(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor,
@@ -84,7 +81,7 @@ def merge_blocks_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor,
         from .merge_kernel import merge_blocks_triton
         merge_blocks_triton(out, lse, out_b, lse_b.float())
         return
-    dt = torch.float64 if torch.float64 in (out.dtype, lse.dtype) else torch.float32
+    dt = acc_dtype(out, lse)
     acc_out = out if out.dtype == dt else out.to(dt)
     acc_lse = lse if lse.dtype == dt else lse.to(dt)
     _merge_inplace(acc_out, acc_lse, out_b, lse_b.to(dt))

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from ..precision import acc_dtype
+
 __all__ = ["attention_reference", "bottom_right_causal_mask"]
 
 
@@ -38,7 +40,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     if heads % kv_heads != 0:
         raise ValueError(f"query heads {heads} not a multiple of kv heads {kv_heads}")
     group = heads // kv_heads
-    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cdt = acc_dtype(q)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     qh = q.to(cdt).transpose(1, 2)                                       # [B, H, Tq, D]
     kh = k.to(cdt).repeat_interleave(group, dim=2).transpose(1, 2)       # [B, H, Tk, D]

@@ -1,4 +1,5 @@
-"""Single-device softmax attention kernels that return ``(out, lse)``, and their backwards.
+"""Single-device softmax attention backends: kernels that return ``(out, lse)``, and their
+backwards, behind one interface (the Triton kernels of this package live in ``*_kernel.py``).
 
 The context-parallel schedules call these on a block of queries against a block of keys and
 merge blocks by LSE (:mod:`.merge`). Every backend has the same interface:
@@ -42,15 +43,18 @@ import functools
 import importlib.util
 import inspect
 from dataclasses import dataclass
-from typing import Callable, Optional
+from types import MappingProxyType
+from typing import Callable, Mapping, Optional
 
 import torch
 from torch import Tensor
 
-from .merge import acc_dtype, merge_blocks_
+from ..precision import acc_dtype
+from .merge import merge_blocks_
 
 __all__ = [
-    "BACKEND_NAMES", "KernelBackend", "get_backend", "list_backends",
+    "BACKEND_NAMES", "BACKENDS", "KernelBackend", "get_backend", "list_backends", "make_backend",
+    "raw_calls", "flash_attn_version",
     "math_forward", "math_backward",
     "bottom_right_causal_forward", "bottom_right_causal_backward",
     "NATIVE_BOTTOM_RIGHT", "NATIVE_GQA",
@@ -87,6 +91,12 @@ class KernelBackend:
     """``(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)``; dk/dv have Hkv heads."""
     why_not: WhyNotFn
     """``(device, dtype, head_dim) -> None`` if the backend can run that case, else why not."""
+    native_gqa: bool = True
+    """The kernel takes K/V with fewer heads than Q (else K/V are expanded after any
+    communication and dK/dV summed over each group in fp32)."""
+    native_bottom_right: bool = True
+    """A causal call with Tq < Tk is bottom-right aligned inside the kernel (else the exact
+    two-call split of :func:`bottom_right_causal_forward` runs)."""
 
     def supports(self, device, dtype: torch.dtype, head_dim: Optional[int] = None) -> bool:
         """True if this backend can run ``dtype`` tensors on ``device`` with ``head_dim``."""
@@ -349,7 +359,7 @@ def _why_not_flash(device: torch.device, dtype: torch.dtype,
 
 
 @functools.lru_cache(maxsize=None)
-def _flash_attn_version() -> Optional[tuple[int, ...]]:
+def flash_attn_version() -> Optional[tuple[int, ...]]:
     """Installed flash_attn version without importing it (import initialises CUDA)."""
     if importlib.util.find_spec("flash_attn") is None:
         return None
@@ -363,7 +373,7 @@ def _flash_attn_version() -> Optional[tuple[int, ...]]:
 
 def _why_not_flash_attn(device: torch.device, dtype: torch.dtype,
                         head_dim: Optional[int]) -> Optional[str]:
-    ver = _flash_attn_version()
+    ver = flash_attn_version()
     if ver is None:
         return "the flash_attn package is not installed"
     if ver < (2, 3):
@@ -452,9 +462,11 @@ def _fa_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     return dq, dk, dv
 
 
-def _make_backend(name: str, fwd_call: ForwardFn, bwd_call: BackwardFn,
-                  why_not: WhyNotFn) -> KernelBackend:
-    """Wrap raw kernel calls with checks, GQA expansion and the bottom-right causal split."""
+def make_backend(name: str, fwd_call: ForwardFn, bwd_call: BackwardFn, why_not: WhyNotFn, *,
+                 native_gqa: bool, native_bottom_right: bool) -> KernelBackend:
+    """Wrap raw kernel calls (``fwd_call(q, k, v, causal, scale)``, ``bwd_call(dout, q, k, v,
+    out, lse, causal, scale)``) with checks, GQA expansion (when not ``native_gqa``) and the
+    bottom-right causal split (when not ``native_bottom_right``)."""
 
     def check(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
         _check_shapes(q, k, v)
@@ -468,14 +480,14 @@ def _make_backend(name: str, fwd_call: ForwardFn, bwd_call: BackwardFn,
                              f"{', '.join(_capable(q.device, q.dtype, q.shape[-1]))}")
 
     def split(causal: bool, q: Tensor, k: Tensor) -> bool:
-        return causal and q.shape[1] != k.shape[1] and not NATIVE_BOTTOM_RIGHT.get(name, False)
+        return causal and q.shape[1] != k.shape[1] and not native_bottom_right
 
     def forward(q: Tensor, k: Tensor, v: Tensor, causal: bool,
                 scale: Optional[float] = None) -> tuple[Tensor, Tensor]:
         check(q, k, v, causal)
         scale = _default_scale(scale, q)
         q, k, v = (_lastdim_contiguous(t) for t in (q, k, v))
-        k, v, _ = _expand_kv(q, k, v, NATIVE_GQA.get(name, False))
+        k, v, _ = _expand_kv(q, k, v, native_gqa)
         if split(causal, q, k):
             return bottom_right_causal_forward(fwd_call, q, k, v, scale)
         return fwd_call(q, k, v, causal, scale)
@@ -492,22 +504,40 @@ def _make_backend(name: str, fwd_call: ForwardFn, bwd_call: BackwardFn,
         lse = lse.to(acc_dtype(q.dtype)).contiguous()
         if lse.data_ptr() % 16:   # a view at an odd offset; cuDNN faults on unaligned bases
             lse = lse.clone()
-        k, v, group = _expand_kv(q, k, v, NATIVE_GQA.get(name, False))
+        k, v, group = _expand_kv(q, k, v, native_gqa)
         if split(causal, q, k):
             dq, dk, dv = bottom_right_causal_backward(bwd_call, dout, q, k, v, out, lse, scale)
         else:
             dq, dk, dv = bwd_call(dout, q, k, v, out, lse, causal, scale)
         return dq, _reduce_group(dk, group), _reduce_group(dv, group)
 
-    return KernelBackend(name, forward, backward, why_not)
+    return KernelBackend(name, forward, backward, why_not, native_gqa, native_bottom_right)
+
+
+_RAW_CALLS: dict[str, tuple[ForwardFn, BackwardFn, WhyNotFn]] = {
+    "cudnn": (_cudnn_fwd, _cudnn_bwd, _why_not_cudnn),
+    "flash": (_flash_fwd, _flash_bwd, _why_not_flash),
+    "flash_attn": (_fa_fwd, _fa_bwd, _why_not_flash_attn),
+}
+
+
+def raw_calls(name: str) -> tuple[ForwardFn, BackwardFn, WhyNotFn]:
+    """``(fwd_call, bwd_call, why_not)`` of a CUDA backend before :func:`make_backend` wraps
+    them (one kernel call each, the kernel's own GQA and causal rules): for tests that pin
+    those rules and for wrapping them differently."""
+    if name not in _RAW_CALLS:
+        raise ValueError(f"no raw kernel calls for {name!r}; use one of {sorted(_RAW_CALLS)}")
+    return _RAW_CALLS[name]
 
 
 _BACKENDS: dict[str, KernelBackend] = {
     "math": KernelBackend("math", math_forward, math_backward, _why_not_math),
-    "cudnn": _make_backend("cudnn", _cudnn_fwd, _cudnn_bwd, _why_not_cudnn),
-    "flash": _make_backend("flash", _flash_fwd, _flash_bwd, _why_not_flash),
-    "flash_attn": _make_backend("flash_attn", _fa_fwd, _fa_bwd, _why_not_flash_attn),
+    **{name: make_backend(name, *calls, native_gqa=NATIVE_GQA[name],
+                          native_bottom_right=NATIVE_BOTTOM_RIGHT[name])
+       for name, calls in _RAW_CALLS.items()},
 }
+# Every backend by name, including those that cannot run here (``why_not`` says why).
+BACKENDS: Mapping[str, KernelBackend] = MappingProxyType(_BACKENDS)
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,10 +10,10 @@ import functools
 import pytest
 import torch
 
-from sp_attention.softmax import kernels
-from sp_attention.softmax.kernels import (
-    BACKEND_NAMES, bottom_right_causal_backward, bottom_right_causal_forward, get_backend,
-    list_backends, math_backward, math_forward)
+from sp_attention.softmax.backends import (
+    BACKEND_NAMES, BACKENDS, NATIVE_BOTTOM_RIGHT, bottom_right_causal_backward,
+    bottom_right_causal_forward, flash_attn_version, get_backend, list_backends, make_backend,
+    math_backward, math_forward, raw_calls)
 from sp_attention.softmax.merge import merge_blocks, merge_blocks_
 from sp_attention.softmax.naive import attention_reference
 from sp_attention.testing import assert_close, rel_rms, seeded
@@ -161,7 +161,7 @@ def test_top_left_kernel_split_gives_bottom_right(tq, tk, group):
         assert_close(g, r, 1e-10, f"d{name}")
 
 
-def test_kernel_wrapper_expands_gqa_and_splits_causal(monkeypatch):
+def test_kernel_wrapper_expands_gqa_and_splits_causal():
     """The wrapper used by cudnn/flash/flash_attn, run on CPU around top-left math calls that
     refuse GQA: checks the K/V expansion, the fp32 dK/dV group sum and the causal split."""
     def fwd(q, k, v, causal, scale):
@@ -172,9 +172,8 @@ def test_kernel_wrapper_expands_gqa_and_splits_causal(monkeypatch):
         assert k.shape[2] == q.shape[2], "kernel got unexpanded GQA heads"
         return math_backward(dout, q, k, v, out, lse, causal, scale, top_left=True)
 
-    monkeypatch.setitem(kernels.NATIVE_GQA, "fake", False)
-    monkeypatch.setitem(kernels.NATIVE_BOTTOM_RIGHT, "fake", False)
-    be = kernels._make_backend("fake", fwd, bwd, lambda device, dtype, head_dim: None)
+    be = make_backend("fake", fwd, bwd, lambda device, dtype, head_dim: None,
+                      native_gqa=False, native_bottom_right=False)
     for causal, tq, tk in [(True, 5, 12), (True, 6, 6), (False, 3, 8)]:
         q, k, v, dout = _qkv(2, tq, tk, 8, 2, 8, seed=tk)
         ref_out, ref_lse, ref_grads = _ref_grads(q, k, v, dout, causal, 0.35)
@@ -200,11 +199,11 @@ def test_selection_and_errors():
         get_backend("cudnn", "cpu", torch.bfloat16)
     with pytest.raises(ValueError, match=r"'flash' cannot run torch.float64"):
         get_backend("flash", "cuda", F64)
-    if kernels._flash_attn_version() is None:
+    if flash_attn_version() is None:
         with pytest.raises(ValueError, match="not installed"):
             get_backend("flash_attn", "cuda", torch.bfloat16)
     # A backend that cannot run the tensors it is given says so before launching anything.
-    be = kernels._BACKENDS["flash"]
+    be = BACKENDS["flash"]
     q, k, v, _ = _qkv(1, 4, 4, 2, 2, 8)
     with pytest.raises(ValueError, match="backends that can: math"):
         be.forward(q, k, v, False, None)
@@ -222,7 +221,7 @@ CUDA_NAMES = ["cudnn", "flash", "flash_attn"]
 def _need_backend(name, head_dim=128):
     if not torch.cuda.is_available():
         pytest.skip("CUDA is not available")
-    reason = kernels._BACKENDS[name].why_not(torch.device("cuda"), torch.bfloat16, head_dim)
+    reason = BACKENDS[name].why_not(torch.device("cuda"), torch.bfloat16, head_dim)
     if reason:
         pytest.skip(f"{name}: {reason}")
 
@@ -266,18 +265,12 @@ def test_gpu_backend_matches_fp32_math(name, causal, tq, tk):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", CUDA_NAMES)
-def test_gpu_fallback_paths_match(name, monkeypatch):
+def test_gpu_fallback_paths_match(name):
     """The expanded-GQA and two-call causal paths, so either flag can be flipped safely."""
     _need_backend(name)
-    monkeypatch.setitem(kernels.NATIVE_GQA, name, False)
-    monkeypatch.setitem(kernels.NATIVE_BOTTOM_RIGHT, name, False)
+    be = make_backend(name, *raw_calls(name), native_gqa=False, native_bottom_right=False)
     inputs, refs = _gpu_case(True, 256, 640, seed=1)
-    _check_backend(get_backend(name, "cuda", torch.bfloat16), inputs, refs, True)
-
-
-_RAW = {"cudnn": (kernels._cudnn_fwd, kernels._cudnn_bwd),
-        "flash": (kernels._flash_fwd, kernels._flash_bwd),
-        "flash_attn": (kernels._fa_fwd, kernels._fa_bwd)}
+    _check_backend(be, inputs, refs, True)
 
 
 @pytest.mark.gpu
@@ -287,7 +280,7 @@ def test_gpu_native_causal_alignment_matches_flag(name):
     (True: single call is bottom-right; False: it is top-left, so the backend splits)."""
     _need_backend(name)
     q, k, v, _ = _qkv(1, 128, 384, 8, 8, 128, seed=2, dtype=torch.bfloat16, device="cuda")
-    out, _ = _RAW[name][0](q, k, v, True, 128 ** -0.5)
+    out, _ = raw_calls(name)[0](q, k, v, True, 128 ** -0.5)
     errs = {}
     for top_left in (False, True):
         ref, _ = math_forward(q.float(), k.float(), v.float(), True, 128 ** -0.5,
@@ -295,7 +288,7 @@ def test_gpu_native_causal_alignment_matches_flag(name):
         errs["top_left" if top_left else "bottom_right"] = rel_rms(out, ref)
     found = min(errs, key=errs.get)
     assert errs[found] <= 1e-2, f"{name}: causal matches neither alignment: {errs}"
-    assert (found == "bottom_right") == kernels.NATIVE_BOTTOM_RIGHT[name], \
+    assert (found == "bottom_right") == NATIVE_BOTTOM_RIGHT[name], \
         f"{name}: native causal alignment is {found} ({errs}); update NATIVE_BOTTOM_RIGHT"
 
 
