@@ -1,0 +1,295 @@
+"""Context-parallel attention for HF transformers models through ``AttentionInterface``.
+
+``prepare_model_for_cp(model, cp_group)`` registers one attention function per call under a
+fresh name (``AttentionInterface.register``) and switches the model to it with the public
+``model.set_attn_implementation``. The function is a closure over the model's
+:class:`~sp_attention.SPContext` and :class:`CPSchedule`: no module globals, so two models with
+different CP groups (or schedules) live in one process, each under its own name.
+
+What HF hands a custom attention function (transformers 5.17 and 5.23, checked in the source):
+``(module, query [b, h, s, d], key/value [b, hkv, s, d], attention_mask, scaling=, dropout=,
+**kwargs)``, returning ``(out [b, s, h, d], None)``. For a name HF's mask registry does not
+know, ``create_causal_mask`` returns ``None``: a 2-D padding mask passed to the model is
+*dropped* before attention, so causality is ours and padding must be handled in the data
+(``prepare_cp_batch``) — a forward pre-hook refuses masks it cannot honour instead of letting
+HF drop them silently.
+
+The same function serves softmax layers (``sp_attention.context_parallel_attention``) and the
+linear-attention layers of :mod:`models.hf.linear_llama` (``sp_attention.lightning_attention``),
+which call ``ALL_ATTENTION_FUNCTIONS`` too and are told apart by their ``is_linear_attention``
+attribute.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from sp_attention import SPContext, build_sp_context, context_parallel_attention, lightning_attention
+from sp_attention.softmax import PRESETS
+
+__all__ = ["CPSchedule", "CPHandle", "prepare_model_for_cp", "make_cp_attention", "LINEAR_IMPLS"]
+
+LINEAR_IMPLS = ("auto", "blelloch", "allgather", "ring")
+# HF's names for packed-sequence (varlen) arguments; we cannot honour them.
+_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+                  "cu_seqlens_q", "cu_seqlens_k")
+
+
+@dataclass(frozen=True)
+class CPSchedule:
+    """How the CP attention of one model runs.
+
+    Attributes:
+        preset: softmax schedule pair, one of ``sp_attention.softmax.PRESETS`` (``"ring"``,
+            ``"ring_ag"``, ``"allgather"``, ``"ag_ring"``).
+        heads_k_stride, bwd_head_first_stride, bwd_head_last_stride: all-gather schedule knobs
+            passed to ``context_parallel_attention`` (None = its defaults).
+        backend: softmax kernel backend (None = fastest that runs: cuDNN on Hopper, math on CPU).
+        linear_impl: cross-rank scan of the linear-attention layers, one of
+            :data:`LINEAR_IMPLS`.
+    """
+
+    preset: str = "ring"
+    heads_k_stride: Optional[int] = None
+    bwd_head_first_stride: Optional[int] = None
+    bwd_head_last_stride: Optional[int] = None
+    backend: Optional[str] = None
+    linear_impl: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"CPSchedule.preset={self.preset!r} is unknown; use one of "
+                             f"{tuple(PRESETS)}")
+        if self.linear_impl not in LINEAR_IMPLS:
+            raise ValueError(f"CPSchedule.linear_impl={self.linear_impl!r} is unknown; use one "
+                             f"of {LINEAR_IMPLS}")
+
+    def softmax_kwargs(self) -> dict:
+        return {"preset": self.preset, "heads_k_stride": self.heads_k_stride,
+                "bwd_head_first_stride": self.bwd_head_first_stride,
+                "bwd_head_last_stride": self.bwd_head_last_stride, "backend": self.backend}
+
+
+def _check_attention_call(ctx: SPContext, query, key, attention_mask, dropout, kwargs) -> None:
+    """Refuse what the CP attention cannot compute. Every check depends only on shapes and call
+    structure, which all ranks share, so every rank raises alike before any collective."""
+    if attention_mask is not None:
+        raise ValueError(
+            f"context-parallel attention got an attention mask of shape "
+            f"{tuple(attention_mask.shape)}; it computes causal attention only. Pass "
+            "attention_mask=None and give right-padding masks to models.hf.prepare_cp_batch, "
+            "which removes padded tokens from the loss")
+    packed = [k for k in _PACKED_KWARGS if kwargs.get(k) is not None]
+    if packed:
+        raise ValueError(f"packed (varlen) sequences are not supported by context-parallel "
+                         f"attention (got {packed}); pad each sequence to its own row instead")
+    if dropout:
+        raise ValueError(f"attention dropout {dropout} is not supported by context-parallel "
+                         "attention; set config.attention_dropout = 0.0")
+    if ctx.world_size > 1 and query.shape[2] != key.shape[2]:
+        raise ValueError(f"query length {query.shape[2]} != key length {key.shape[2]}: a KV "
+                         "cache (generation) is not supported with a CP group of more than one "
+                         "rank; generate with an unprepared model or CP = 1")
+
+
+def _decode_attention(query, key, value, scaling: float) -> torch.Tensor:
+    """CP = 1 with a KV cache (queries are the last ``s_q`` of ``s_k`` tokens): plain causal
+    attention aligned bottom-right. ``[b, h, s, d]`` in, ``[b, s, h, d]`` out."""
+    sq, sk = query.shape[2], key.shape[2]
+    group = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(group, dim=1)
+    value = value.repeat_interleave(group, dim=1)
+    rows = torch.arange(sq, device=query.device)[:, None] + (sk - sq)
+    mask = torch.arange(sk, device=query.device)[None, :] <= rows
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2)
+
+
+def make_cp_attention(ctx: SPContext, schedule: CPSchedule) -> Callable:
+    """The attention function to register: a closure over ``ctx`` and ``schedule``."""
+    if not isinstance(ctx, SPContext):
+        raise TypeError(f"ctx must be an SPContext, got {type(ctx).__name__}")
+    if not isinstance(schedule, CPSchedule):
+        raise TypeError(f"schedule must be a CPSchedule, got {type(schedule).__name__}")
+    softmax_kwargs = schedule.softmax_kwargs()
+    # One rank holds the whole sequence in either layout; contiguous takes any length (odd
+    # prompts in generate()), zigzag would demand an even one.
+    run_ctx = replace(ctx, layout="contiguous") if ctx.world_size == 1 else ctx
+
+    def sp_cp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                        **kwargs):
+        # query [b, h, s, d], key/value [b, hkv, s_k, d] (HF's layout)
+        _check_attention_call(ctx, query, key, attention_mask, dropout, kwargs)
+        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+        if query.shape[2] != key.shape[2]:          # CP = 1 decoding from a cache
+            return _decode_attention(query, key, value, scale), None
+        q = query.transpose(1, 2)                   # [B, T_local, H, D]
+        if getattr(module, "is_linear_attention", False):
+            group = query.shape[1] // key.shape[1]
+            # lightning_attention wants as many K/V heads as query heads
+            k = key.repeat_interleave(group, dim=1).transpose(1, 2)
+            v = value.repeat_interleave(group, dim=1).transpose(1, 2)
+            out = lightning_attention(q, k, v, module.decay_slopes(), ctx=run_ctx,
+                                      impl=schedule.linear_impl, scale=scale)
+        else:
+            out = context_parallel_attention(q, key.transpose(1, 2), value.transpose(1, 2),
+                                             ctx=run_ctx, causal=True, softmax_scale=scale,
+                                             **softmax_kwargs)
+        return out, None                            # [B, T_local, H, D]
+
+    sp_cp_attention.sp_context = ctx                # lets our linear layers recognise it
+    sp_cp_attention.sp_schedule = schedule
+    return sp_cp_attention
+
+
+@dataclass
+class CPHandle:
+    """What :func:`prepare_model_for_cp` did to a model; :meth:`remove` undoes it."""
+
+    name: str
+    ctx: SPContext
+    schedule: CPSchedule
+    previous_implementation: Optional[str]
+    model: Any = field(repr=False)
+    hook: Any = field(repr=False)
+
+    def remove(self) -> None:
+        """Remove the input checks and switch the model back to its previous attention. The
+        registered name stays in ``AttentionInterface`` (transformers has no public
+        unregister), so it cannot be reused in this process."""
+        self.hook.remove()
+        self.model.set_attn_implementation(self.previous_implementation or "sdpa")
+
+
+def _resolve_ctx(cp: Union[SPContext, dist.ProcessGroup, None], layout: Optional[str]) -> SPContext:
+    if isinstance(cp, SPContext):
+        if layout is not None and layout != cp.layout:
+            raise ValueError(f"layout={layout!r} contradicts the SPContext's layout "
+                             f"{cp.layout!r}; pass one of them")
+        return cp
+    return build_sp_context(cp, layout=layout or "zigzag")
+
+
+def _check_model(model) -> None:
+    if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
+        raise TypeError(f"expected a transformers PreTrainedModel, got {type(model).__name__}")
+    config = model.config
+    if float(getattr(config, "attention_dropout", 0.0) or 0.0) != 0.0:
+        raise ValueError(f"config.attention_dropout={config.attention_dropout} is not supported "
+                         "with context-parallel attention; set it to 0.0")
+    if getattr(config, "sliding_window", None) is not None:
+        raise ValueError("sliding-window attention is not supported with context-parallel "
+                         "attention; set config.sliding_window = None")
+
+
+def prepare_model_for_cp(model, cp: Union[SPContext, dist.ProcessGroup, None], *,
+                         schedule: Optional[CPSchedule] = None, name: Optional[str] = None,
+                         layout: Optional[str] = None) -> CPHandle:
+    """Make ``model`` run its attention split over the CP group ``cp``.
+
+    Args:
+        model: an HF ``PreTrainedModel`` whose attention goes through ``AttentionInterface``
+            (Llama, and :class:`models.hf.LinearLlamaForCausalLM` linear / hybrid variants).
+        cp: the CP process group (never WORLD by default), an :class:`~sp_attention.SPContext`,
+            or None for a single process (CP = 1: same code path, no communication).
+        schedule: :class:`CPSchedule` (default: preset ``"ring"``, linear scan ``"auto"``).
+        name: the ``attn_implementation`` name to register; default
+            ``"sp_cp_<id of the model>"``. A name already registered raises.
+        layout: sequence layout when ``cp`` is a group (default ``"zigzag"``); must match how the
+            batch is sharded (:func:`models.hf.prepare_cp_batch` uses the same context).
+
+    Returns:
+        a :class:`CPHandle` (``.ctx`` is the SPContext to shard batches with).
+
+    Every call of the prepared model must then take CP-local inputs with *global*
+    ``position_ids`` and no ``attention_mask`` or ``labels`` (see :func:`prepare_cp_batch` and
+    :func:`causal_lm_loss`); a forward pre-hook checks this on every rank before any
+    collective. Under CP > 1 the hook also turns ``use_cache`` off (no KV cache under CP).
+    """
+    _check_model(model)
+    ctx = _resolve_ctx(cp, layout)
+    schedule = CPSchedule() if schedule is None else schedule
+    if not isinstance(schedule, CPSchedule):
+        raise TypeError(f"schedule must be a CPSchedule, got {type(schedule).__name__}")
+    name = f"sp_cp_{id(model):x}" if name is None else name
+    if not isinstance(name, str) or not name or "/" in name:
+        raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
+    if name == "eager" or name in ALL_ATTENTION_FUNCTIONS.valid_keys():
+        raise ValueError(f"attention implementation {name!r} is already registered (a second "
+                         "prepare_model_for_cp on this model, or a name in use); pass another "
+                         "name=")
+    previous = model.config._attn_implementation
+    AttentionInterface.register(name, make_cp_attention(ctx, schedule))
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
+        raise RuntimeError(f"{type(model).__name__} did not switch to attention {name!r}: it does "
+                           "not dispatch through AttentionInterface")
+    hook = model.register_forward_pre_hook(_input_checker(model, ctx), with_kwargs=True)
+    return CPHandle(name, ctx, schedule, previous, model, hook)
+
+
+def _input_checker(model, ctx: SPContext) -> Callable:
+    signature = inspect.signature(model.forward)
+
+    def check(module, args, kwargs):
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        extra = bound.pop("kwargs", {}) or {}
+        bound.update(extra)
+        _check_forward_inputs(ctx, bound)
+        if ctx.world_size > 1:
+            kwargs["use_cache"] = False
+        return args, kwargs
+
+    return check
+
+
+def _check_forward_inputs(ctx: SPContext, inputs: dict) -> None:
+    """Forward-level checks (shapes and call structure only, so all ranks agree), plus at
+    CP = 1 the values of a 2-D padding mask (no collective to desynchronise there)."""
+    mask = inputs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() != 2:
+        raise ValueError(f"attention_mask of shape {tuple(mask.shape)} cannot be honoured by "
+                         "causal context-parallel attention; only None (CP > 1) or a 2-D "
+                         "right-padding mask (CP = 1) is supported")
+    packed = [k for k in _PACKED_KWARGS if inputs.get(k) is not None]
+    if packed:
+        raise ValueError(f"packed (varlen) sequences are not supported (got {packed}); pad each "
+                         "sequence to its own row")
+    if ctx.world_size == 1:
+        if isinstance(mask, torch.Tensor) and not _is_right_padding(mask):
+            raise ValueError("attention_mask has padding before real tokens (left padding or "
+                             "holes); causal CP attention only honours right padding — "
+                             "right-pad the batch")
+        return
+    if mask is not None:
+        raise ValueError("under context parallelism pass attention_mask=None: give the padding "
+                         "mask to models.hf.prepare_cp_batch, which masks padded tokens out of "
+                         "the loss (causal attention never lets a real token see a right pad)")
+    if inputs.get("labels") is not None:
+        raise ValueError("do not pass labels to a CP model (HF shifts them inside the shard); "
+                         "use prepare_cp_batch(...).labels with models.hf.causal_lm_loss")
+    if inputs.get("past_key_values") is not None or inputs.get("use_cache"):
+        raise ValueError("a KV cache is not supported with a CP group of more than one rank; "
+                         "pass use_cache=False and no past_key_values")
+    if inputs.get("position_ids") is None:
+        raise ValueError("under context parallelism pass the global position_ids of this rank's "
+                         "tokens (prepare_cp_batch(...).position_ids); HF's default "
+                         "arange(T_local) would give RoPE the wrong positions")
+    tokens = inputs.get("input_ids")
+    tokens = inputs.get("inputs_embeds") if tokens is None else tokens
+    if tokens is not None and inputs["position_ids"].shape[-1] != tokens.shape[1]:
+        raise ValueError(f"position_ids {tuple(inputs['position_ids'].shape)} do not match the "
+                         f"local sequence length {tokens.shape[1]}")
+
+
+def _is_right_padding(mask: torch.Tensor) -> bool:
+    """Every row is ones followed by zeros (or all ones)."""
+    m = mask.to(torch.int64)
+    return bool(((m[:, 1:] - m[:, :-1]) <= 0).all()) if m.shape[1] > 1 else True

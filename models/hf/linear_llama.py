@@ -1,0 +1,173 @@
+"""HF-style Llama with linear attention (per-head decay) in some or all layers.
+
+``LinearLlamaConfig`` is a ``LlamaConfig`` with two more fields: ``layer_kinds`` (one of
+``"linear"`` / ``"softmax"`` per layer; all ``"linear"`` is the linear variant, a mix is the
+hybrid) and ``decay_schedule`` (``sp_attention.linear.slopes.decay_slopes``). A linear layer
+keeps Llama's q/k/v/o projections, GQA and RoPE on q and k (train.py's trials: linear attention
+with decay learned long-range copying only with RoPE), replaces softmax by
+``sp_attention.lightning_attention`` with scale ``head_dim ** -0.5``, and normalises each
+head's output (RMSNorm over the head dim) before ``o_proj``, because the un-normalised sum
+grows with the number of tokens a head remembers.
+
+Slopes are fixed by the config (not parameters, not saved), so ``save_pretrained`` /
+``from_pretrained`` round-trip through the config alone. Every layer dispatches through
+``ALL_ATTENTION_FUNCTIONS``: after ``models.hf.prepare_model_for_cp`` linear and softmax
+layers both reach the CP attention; without it, linear layers run single-device
+``lightning_attention`` and softmax layers HF's SDPA.
+
+The field is named ``layer_kinds``, not HF's ``layer_types``: transformers builds cache
+layers and masks from ``layer_types`` (``"linear_attention"`` means mamba-style states there).
+Generation with a cache stores each linear layer's K/V and recomputes the layer (O(T²) over a
+generation; fine for tests, not a fast decoder). Padding masks are ignored by linear layers:
+right padding is harmless (causal), left padding is refused by the CP adapter.
+"""
+from __future__ import annotations
+
+import torch
+from huggingface_hub.dataclasses import strict
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (LlamaForCausalLM, LlamaModel,
+                                                      LlamaPreTrainedModel, LlamaRMSNorm,
+                                                      apply_rotary_pos_emb)
+
+from sp_attention import lightning_attention
+from sp_attention.linear.slopes import SLOPE_SCHEDULES, decay_slopes
+
+__all__ = ["LinearLlamaConfig", "LinearLlamaAttention", "LinearLlamaForCausalLM",
+           "hybrid_layer_kinds", "register_auto_classes", "LAYER_KINDS"]
+
+LAYER_KINDS = ("linear", "softmax")
+
+
+def hybrid_layer_kinds(num_layers: int, softmax_every: int) -> list[str]:
+    """``softmax_every - 1`` linear layers then one softmax layer, repeated (e.g. every 4th
+    layer softmax, as in MiniMax-01 / Lightning-style hybrids); ``softmax_every = 1`` is all
+    softmax."""
+    if softmax_every < 1 or num_layers < 1:
+        raise ValueError(f"need num_layers >= 1 and softmax_every >= 1, got {num_layers}, "
+                         f"{softmax_every}")
+    return ["softmax" if (i + 1) % softmax_every == 0 else "linear" for i in range(num_layers)]
+
+
+@strict
+class LinearLlamaConfig(LlamaConfig):
+    """``LlamaConfig`` plus ``layer_kinds`` (None: every layer linear) and ``decay_schedule``
+    (``"long_range"`` or ``"lightning"``, see ``sp_attention.linear.slopes``)."""
+
+    model_type = "sp_linear_llama"
+
+    layer_kinds: list[str] | None = None
+    decay_schedule: str = "long_range"
+
+    def __post_init__(self, **kwargs):
+        if self.layer_kinds is None:
+            self.layer_kinds = ["linear"] * self.num_hidden_layers
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        """Part of ``@strict`` validation: the Llama checks plus ours, each naming the fix."""
+        super().validate_architecture()
+        if len(self.layer_kinds) != self.num_hidden_layers:
+            raise ValueError(f"layer_kinds has {len(self.layer_kinds)} entries for "
+                             f"num_hidden_layers={self.num_hidden_layers}; give one per layer")
+        bad = sorted(set(self.layer_kinds) - set(LAYER_KINDS))
+        if bad:
+            raise ValueError(f"layer_kinds entries {bad} are unknown; use {LAYER_KINDS}")
+        if self.decay_schedule not in SLOPE_SCHEDULES:
+            raise ValueError(f"decay_schedule={self.decay_schedule!r} is unknown; use one of "
+                             f"{SLOPE_SCHEDULES}")
+
+
+def local_linear_attention(module, query, key, value, attention_mask, scaling=None,
+                           dropout=0.0, **kwargs):
+    """Single-device linear attention in HF's attention-function form (``[b, h, s, d]`` in,
+    ``[b, s, h, d]`` out); used when the model is not prepared for CP."""
+    group = query.shape[1] // key.shape[1]
+    q = query.transpose(1, 2)
+    k = key.repeat_interleave(group, dim=1).transpose(1, 2)
+    v = value.repeat_interleave(group, dim=1).transpose(1, 2)
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    return lightning_attention(q, k, v, module.decay_slopes(), ctx=None, scale=scale), None
+
+
+class LinearLlamaAttention(nn.Module):
+    """Llama attention with softmax replaced by causal linear attention with per-head decay."""
+
+    is_linear_attention = True
+
+    def __init__(self, config: LinearLlamaConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim ** -0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim,
+                                bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim,
+                                bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.o_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def decay_slopes(self) -> torch.Tensor:
+        """``[H]`` fp32 slopes of this layer (computed, not stored: from_pretrained builds
+        modules on the meta device, where a stored tensor would be lost)."""
+        return decay_slopes(self.num_heads, self.config.decay_schedule,
+                            layer_number=self.layer_idx + 1,
+                            num_layers=self.config.num_hidden_layers)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                past_key_values=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [b, h, s, d]
+        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        new = query.shape[2]
+        if key.shape[2] > new:      # decoding: recompute over the cache; row t needs only q_t
+            query = nn.functional.pad(query, (0, 0, key.shape[2] - new, 0))
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                          local_linear_attention)
+        if getattr(attention, "sp_context", None) is None:   # sdpa/eager/...: not ours
+            attention = local_linear_attention
+        out, _ = attention(self, query, key, value, None, scaling=self.scaling, dropout=0.0,
+                           **kwargs)
+        out = self.o_norm(out[:, -new:])                     # [b, s, h, d]
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
+
+
+class LinearLlamaForCausalLM(LlamaForCausalLM):
+    """``LlamaForCausalLM`` whose ``layer_kinds == "linear"`` layers use
+    :class:`LinearLlamaAttention`."""
+
+    config_class = LinearLlamaConfig
+    config: LinearLlamaConfig
+
+    def __init__(self, config: LinearLlamaConfig):
+        if not isinstance(config, LinearLlamaConfig):
+            raise TypeError(f"LinearLlamaForCausalLM needs a LinearLlamaConfig, got "
+                            f"{type(config).__name__}")
+        LlamaPreTrainedModel.__init__(self, config)      # LlamaForCausalLM's body, one swap
+        self.model = LlamaModel(config)
+        for i, kind in enumerate(config.layer_kinds):
+            if kind == "linear":
+                self.model.layers[i].self_attn = LinearLlamaAttention(config, i)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+
+def register_auto_classes() -> None:
+    """Make ``AutoConfig`` / ``AutoModelForCausalLM`` load saved linear/hybrid models
+    (idempotent)."""
+    AutoConfig.register(LinearLlamaConfig.model_type, LinearLlamaConfig, exist_ok=True)
+    AutoModelForCausalLM.register(LinearLlamaConfig, LinearLlamaForCausalLM, exist_ok=True)
