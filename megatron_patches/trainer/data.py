@@ -1,0 +1,135 @@
+"""train.py's data: a generated copy task (the default) and text/jsonl files.
+
+Every dataset returns, for a training step, the **global batch's rows of one DP rank** as
+``(tokens, labels, loss_mask)``, each ``[rows, T]``, with the labels already shifted (a sample
+holds ``T + 1`` tokens: inputs are its first ``T``, labels its last ``T``). Sampling depends only
+on ``(seed, step, row)``, so a run resumed at step k sees the batches an uninterrupted run would
+have seen, and the global batch is the same for every DP size. CP sharding happens afterwards
+(``sp_attention.shard_sequence``), on the global sequence.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Optional
+
+import torch
+
+__all__ = ["CopyTask", "TokenFile", "build_dataset", "pad_vocab", "dp_rows"]
+
+
+def pad_vocab(n: int, tp: int, multiple: int = 128) -> int:
+    """Round the vocabulary up to a multiple of ``multiple × TP`` (Megatron's
+    ``--make-vocab-size-divisible-by``): the embedding and output layer split it over TP."""
+    m = multiple * tp
+    return int(math.ceil(n / m) * m)
+
+
+def dp_rows(global_batch: int, dp_rank: int, dp_size: int) -> slice:
+    """This DP rank's rows of the global batch (contiguous blocks, rank-major)."""
+    per = global_batch // dp_size
+    return slice(dp_rank * per, (dp_rank + 1) * per)
+
+
+class CopyTask:
+    """Random tokens, a separator, the same tokens again; loss only on the copy.
+
+    A sample is ``x_1 … x_n, SEP, x_1 … x_n`` with ``n = T/2`` (``T + 1`` tokens). Predicting
+    ``x_i`` of the copy needs the token ``T/2`` positions back: with the zigzag split over CP
+    ranks every such pair lies on two different ranks, so the loss can only fall below chance
+    (``ln copy_vocab``) if attention works across ranks. A model restricted to its own shard
+    (``--local-attention-only``) stays at chance.
+    """
+
+    def __init__(self, seq_length: int, copy_vocab: int, seed: int, tp: int = 1):
+        if seq_length % 2:
+            raise ValueError(f"the copy task needs an even --seq-length, got {seq_length}")
+        self.seq_length, self.copy_vocab, self.seed = seq_length, copy_vocab, seed
+        self.sep = copy_vocab
+        self.vocab_size = pad_vocab(copy_vocab + 1, tp)
+        self.chance_loss = math.log(copy_vocab)
+        self.description = (f"copy task ({seq_length // 2} random tokens of {copy_vocab}, "
+                            f"separator, copy; chance loss {self.chance_loss:.3f})")
+
+    def batch(self, step: int, global_batch: int, dp_rank: int = 0, dp_size: int = 1):
+        n = self.seq_length // 2
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        x = torch.randint(0, self.copy_vocab, (global_batch, n), generator=g)
+        sep = torch.full((global_batch, 1), self.sep, dtype=x.dtype)
+        sample = torch.cat([x, sep, x], 1)[dp_rows(global_batch, dp_rank, dp_size)]
+        mask = torch.zeros(sample.shape[0], self.seq_length, dtype=torch.float32)
+        mask[:, n:] = 1.0          # labels n … 2n−1 are the copied tokens
+        return sample[:, :-1].contiguous(), sample[:, 1:].contiguous(), mask
+
+
+def _read_documents(path: str) -> list[str]:
+    if path.endswith(".jsonl"):
+        docs = []
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if line.strip():
+                    obj = json.loads(line)
+                    if not isinstance(obj, dict) or "text" not in obj:
+                        raise ValueError(f"{path}:{i + 1}: each jsonl line needs a \"text\" field")
+                    docs.append(str(obj["text"]))
+        return docs
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return [f.read()]
+
+
+class TokenFile:
+    """A text (``.txt``: one document) or ``.jsonl`` (one ``{"text": …}`` per line) file,
+    tokenized (UTF-8 bytes + an end-of-document token by default, or an HF tokenizer), packed
+    into one stream and cut into ``T + 1``-token samples. Each epoch visits the samples in a
+    seeded random order; every rank tokenizes the whole file (meant for small and medium
+    corpora; use Megatron's indexed datasets for large ones)."""
+
+    def __init__(self, path: str, seq_length: int, seed: int, tp: int = 1,
+                 tokenizer_model: Optional[str] = None):
+        self.seq_length, self.seed = seq_length, seed
+        docs = _read_documents(path)
+        if tokenizer_model:
+            try:
+                from transformers import AutoTokenizer
+            except ImportError as e:
+                raise ValueError("--tokenizer-model needs transformers: pip install -e '.[hf]'"
+                                 ) from e
+            tok = AutoTokenizer.from_pretrained(tokenizer_model)
+            eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+            ids = [t for d in docs for t in tok.encode(d, add_special_tokens=False) + [eos]]
+            n_vocab = len(tok)
+        else:
+            ids = [t for d in docs for t in list(d.encode("utf-8")) + [256]]
+            n_vocab = 257
+        self.vocab_size = pad_vocab(n_vocab, tp)
+        self.tokens = torch.tensor(ids, dtype=torch.int64)
+        self.num_samples = (len(ids) - 1) // seq_length
+        if self.num_samples < 1:
+            raise ValueError(f"{path} has {len(ids)} tokens, fewer than --seq-length + 1 = "
+                             f"{seq_length + 1}; use a shorter --seq-length or more text")
+        self.chance_loss = math.log(n_vocab)
+        self.description = (f"{os.path.basename(path)} ({len(ids):,} tokens, "
+                            f"{self.num_samples:,} samples of {seq_length})")
+
+    def _sample_index(self, i: int) -> int:
+        epoch, j = divmod(i, self.num_samples)
+        if getattr(self, "_epoch", None) != epoch:   # one permutation per epoch, cached
+            self._epoch, self._perm = epoch, torch.randperm(
+                self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
+        return int(self._perm[j])
+
+    def batch(self, step: int, global_batch: int, dp_rank: int = 0, dp_size: int = 1):
+        rows = range(global_batch)[dp_rows(global_batch, dp_rank, dp_size)]
+        T = self.seq_length
+        starts = [self._sample_index(step * global_batch + r) * T for r in rows]
+        sample = torch.stack([self.tokens[s:s + T + 1] for s in starts])
+        mask = torch.ones(sample.shape[0], T, dtype=torch.float32)
+        return sample[:, :-1].contiguous(), sample[:, 1:].contiguous(), mask
+
+
+def build_dataset(args, tp: int):
+    """The dataset ``args`` asks for (``args.data_path`` None = the copy task)."""
+    if args.data_path is None:
+        return CopyTask(args.seq_length, args.copy_vocab, args.seed, tp)
+    return TokenFile(args.data_path, args.seq_length, args.seed, tp, args.tokenizer_model)

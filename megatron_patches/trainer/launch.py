@@ -1,0 +1,126 @@
+"""Process launch: torchrun, plain ``srun`` (one task per GPU) or a single process; the
+process group (gloo on CPU, NCCL on GPUs); clean stops on SIGTERM/SIGINT.
+
+``map_slurm_env`` and ``first_host`` are pure functions of an environment dict, tested with
+fake SLURM variables (tests/train/test_launch.py).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import signal
+import socket
+import subprocess
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["map_slurm_env", "first_host", "init_distributed", "StopSignals"]
+
+
+def first_host(nodelist: str) -> str:
+    """First host name of a SLURM node list (``"gpu[003-005,9],cpu1"`` → ``"gpu003"``).
+    Uses ``scontrol show hostnames`` when available; this parser covers the common forms."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.split()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    m = re.match(r"^([^\[,]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot parse SLURM node list {nodelist!r}; set MASTER_ADDR")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def map_slurm_env(env: Mapping[str, str]) -> dict:
+    """torch.distributed variables derived from SLURM's, for ``srun python train.py`` (one task
+    per GPU). Returns only the variables to *add*: anything already set (torchrun sets RANK,
+    WORLD_SIZE, …) wins, and outside SLURM this returns ``{}``."""
+    if "RANK" in env or "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+        return {}
+    out = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"],
+           "LOCAL_RANK": env.get("SLURM_LOCALID", "0")}
+    if "SLURM_NTASKS_PER_NODE" in env:
+        out["LOCAL_WORLD_SIZE"] = env["SLURM_NTASKS_PER_NODE"].split("(")[0]
+    if "MASTER_ADDR" not in env:
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if not nodes:
+            raise ValueError("SLURM_PROCID is set but no SLURM_JOB_NODELIST; set MASTER_ADDR")
+        out["MASTER_ADDR"] = first_host(nodes)
+    if "MASTER_PORT" not in env:   # one port per job so jobs sharing a node do not collide
+        out["MASTER_PORT"] = str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_minutes: int = 10) -> tuple[int, int, torch.device]:
+    """Initialise the default process group (unless a caller already did) and return
+    ``(rank, world_size, device)``: NCCL and ``cuda:LOCAL_RANK`` when GPUs exist, else gloo
+    and CPU. A plain ``python train.py`` runs as a world of one."""
+    os.environ.update(map_slurm_env(os.environ))
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if os.environ["WORLD_SIZE"] == "1":
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        kw = {}
+        if backend == "nccl":
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            kw["device_id"] = torch.device("cuda", local)
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes),
+                                **kw)
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+class StopSignals:
+    """SIGTERM/SIGINT set a flag instead of killing the process; the training loop agrees on it
+    across ranks (one all-reduce it already does), saves a checkpoint and exits cleanly. A
+    second SIGINT (Ctrl-C twice) interrupts at once."""
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+        self._old = {}
+        for s in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[s] = signal.signal(s, self._handle)
+            except ValueError:      # not the main thread (e.g. inside a test harness)
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def test_hook(self, step: int) -> None:
+        """Tests: ``SP_TRAIN_TEST_SIGTERM_AT=k`` makes every rank send itself SIGTERM after
+        step k (a real signal through the real handler, at a known step)."""
+        if os.environ.get("SP_TRAIN_TEST_SIGTERM_AT") == str(step):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)

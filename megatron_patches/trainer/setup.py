@@ -1,0 +1,109 @@
+"""Megatron-Core pieces train.py puts together: process groups, the TransformerConfig of a
+Llama-style model, and the model itself (``megatron_patches.model.build_gpt_model``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .args import Layout, TrainArgs
+
+__all__ = ["Groups", "init_groups", "transformer_config", "build_model", "count_params"]
+
+
+@dataclass
+class Groups:
+    """This rank's groups (Megatron's ``parallel_state``, order tp-cp-ep-dp-pp) and ranks."""
+    tp: Optional[dist.ProcessGroup]
+    cp: Optional[dist.ProcessGroup]
+    dp_cp: Optional[dist.ProcessGroup]     # gradients and the loss are reduced over DP × CP
+    tp_rank: int
+    cp_rank: int
+    dp_rank: int
+    model_pgs: Any = None                  # ProcessGroupCollection for the model (baseline)
+
+
+def init_groups(layout: Layout, *, local_attention_only: bool = False) -> Groups:
+    """``initialize_model_parallel(TP, CP)`` on every rank (collective). With
+    ``local_attention_only`` (the baseline that breaks CP on purpose) the model gets a CP group
+    of one rank each, so attention never looks at another rank's tokens; the data is still
+    split over the real CP group and gradients still reduced over DP × CP."""
+    from megatron.core import parallel_state as ps
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
+                                 context_parallel_size=layout.cp)
+    g = Groups(tp=ps.get_tensor_model_parallel_group(), cp=ps.get_context_parallel_group(),
+               dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
+               tp_rank=ps.get_tensor_model_parallel_rank(),
+               cp_rank=ps.get_context_parallel_rank(),
+               dp_rank=ps.get_data_parallel_rank())
+    if local_attention_only:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        me = dist.get_rank()
+        solo = None
+        for r in range(dist.get_world_size()):       # new_group is collective: all ranks, all
+            grp = dist.new_group([r])
+            solo = grp if r == me else solo
+        pgs = ProcessGroupCollection.use_mpu_process_groups()
+        pgs.cp = solo
+        g.model_pgs = pgs
+    return g
+
+
+def transformer_config(args: TrainArgs, layout: Layout, *, bf16: bool, on_gpu: bool):
+    """A Llama-style config: RMSNorm, SwiGLU, no biases, no dropout, GQA. CPU: fp32 and CPU
+    initialisation (the full weight is drawn then split, so every TP size starts from the same
+    model); GPU: bf16 parameters initialised on the device."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.hidden_size
+        // args.num_attention_heads,
+        tensor_model_parallel_size=layout.tp, context_parallel_size=layout.cp,
+        sequence_parallel=False, normalization="RMSNorm", layernorm_epsilon=1e-5,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
+        bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
+        use_cpu_initialization=not on_gpu, perform_initialization=True,
+        bias_activation_fusion=on_gpu, masked_softmax_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        cross_entropy_loss_fusion=False)
+
+
+def build_model(args: TrainArgs, layout: Layout, groups: Groups, vocab_size: int, *,
+                bf16: bool, device: torch.device) -> torch.nn.Module:
+    """The model for ``args.model_kind`` on ``device`` (same seed on every rank: TP ranks draw
+    the same full weights and keep their slices; CP/DP replicas are identical)."""
+    from megatron_patches.model import build_gpt_model
+    on_gpu = device.type == "cuda"
+    torch.manual_seed(args.seed)
+    if on_gpu:
+        from megatron.core import tensor_parallel
+        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    config = transformer_config(args, layout, bf16=bf16, on_gpu=on_gpu)
+    kw = {}
+    if args.model_kind == "softmax":
+        from megatron_patches.core_attention import SoftmaxOptions
+        preset = "ring" if args.context_parallel_impl == "auto" else args.context_parallel_impl
+        kw["softmax_options"] = SoftmaxOptions(preset=preset)
+    else:
+        kw["cp_impl"] = args.context_parallel_impl
+    if groups.model_pgs is not None:
+        kw["pg_collection"] = groups.model_pgs
+    model = build_gpt_model(config, kind=args.model_kind, vocab_size=vocab_size,
+                            max_sequence_length=args.seq_length,
+                            hybrid_pattern=args.hybrid_pattern,
+                            slope_schedule=args.slope_schedule, **kw)
+    return model.to(device)
+
+
+def count_params(model: torch.nn.Module, tp: int) -> int:
+    """Parameters of the whole model (TP-split ones counted over all TP ranks)."""
+    return sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+               for p in model.parameters())

@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""Train a GPT — softmax Llama, linear attention with decay, or a hybrid of the two — with
+data × context × tensor parallelism (DP × CP × TP) on Megatron-Core models.
+
+    torchrun --nproc-per-node 4 train.py                  # CPU: TP1·CP2·DP2, generated copy task
+    torchrun --nproc-per-node 4 train.py --local-attention-only   # baseline: no cross-rank attention
+    torchrun --nproc-per-node 8 train.py --preset 1b --context-parallel-size 2 --data-path c.jsonl
+    sbatch scripts/slurm/train.sbatch --preset 8b ...     # many nodes
+
+One step: every DP rank takes its rows of the global batch (the labels are shifted on the whole
+sequence), keeps its CP rank's zigzag shard of each sequence, runs forward and backward over its
+micro-batches, sums the gradients over DP × CP and steps AdamW. The default data is a copy task
+that only a model whose attention crosses CP ranks can learn, so the run itself shows that
+context parallelism is correct. gloo on CPU, NCCL + bf16 on GPUs; nothing is patched globally.
+Reusable pieces live in ``megatron_patches/trainer/`` (see its README).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_patches.trainer import checkpoint as ckpt
+from megatron_patches.trainer.args import TrainArgs, parse_args
+from megatron_patches.trainer.data import build_dataset
+from megatron_patches.trainer.launch import StopSignals, init_distributed
+from megatron_patches.trainer.optim import MasterAdamW, lr_at
+from megatron_patches.trainer.progress import (Progress, flops_per_token, peak_flops,
+                                               plot_losses, read_log)
+from megatron_patches.trainer.setup import build_model, count_params, init_groups
+from sp_attention import build_sp_context, shard_position_ids, shard_sequence
+from sp_attention.reduce import all_reduce_gradients, global_token_mean
+
+
+def rank0_print(*a) -> None:
+    if dist.get_rank() == 0:
+        print(*a, flush=True)
+
+
+def checked_resume_point(args: TrainArgs, layout) -> Optional[str]:
+    """The checkpoint to resume from (None: start fresh), refused now — on every rank, before
+    any collective — if it cannot be loaded into this run."""
+    path = ckpt.find_latest(args.load)
+    if path is not None:
+        ckpt.check_compatible(ckpt.read_meta(path), path, tp=layout.tp, cp=layout.cp,
+                              dp=layout.dp, model=args.model_signature())
+    return path
+
+
+def local_micro_batches(data, step: int, args: TrainArgs, layout, groups, cp_ctx, device):
+    """This rank's micro-batches of ``step``: rows of its DP rank, tokens of its CP shard."""
+    tokens, labels, mask = data.batch(step, args.global_batch_size, groups.dp_rank, layout.dp)
+    position_ids = shard_position_ids(args.seq_length, cp_ctx).unsqueeze(0)
+    out = []
+    for i in range(layout.num_micro_batches):
+        rows = slice(i * layout.micro_batch_size, (i + 1) * layout.micro_batch_size)
+        tok, lab, msk = (shard_sequence(x[rows], cp_ctx, dim=1).to(device)
+                         for x in (tokens, labels, mask))
+        pos = position_ids.expand(tok.shape[0], -1).to(device)
+        out.append((tok, pos, lab, msk))
+    return out
+
+
+def train_step(model, optimizer, micro_batches, groups, layout, lr: float, clip: float):
+    """Forward/backward over the micro-batches, gradient sum over DP × CP, optimizer step.
+    Returns (this rank's share of the global mean loss, gradient norm)."""
+    share = torch.zeros((), dtype=torch.float64)
+    for tok, pos, lab, msk in micro_batches:
+        token_loss = model(tok, pos, attention_mask=None, labels=lab)       # [b, s/cp]
+        # each micro-batch holds the same number of loss tokens, so the global mean over the
+        # step is the average of the micro-batch means
+        loss = global_token_mean(token_loss.float(), msk, groups.dp_cp) / len(micro_batches)
+        loss.backward()
+        share += loss.detach().double().cpu()
+    all_reduce_gradients(model.parameters(), groups.dp_cp)
+    return share, optimizer.step(lr, clip)
+
+
+def agree(share: torch.Tensor, stop: bool, tp: int) -> tuple[float, bool]:
+    """One all-reduce over all ranks: the global mean loss (each DP×CP share is held by all TP
+    ranks) and whether any rank was asked to stop."""
+    v = torch.stack([share / tp, torch.tensor(float(stop), dtype=torch.float64)])
+    if dist.get_backend() == "nccl":
+        v = v.cuda()
+    dist.all_reduce(v)
+    return float(v[0]), bool(v[1] > 0)
+
+
+def save(args, step, model, optimizer, groups, layout) -> None:
+    meta = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "model": args.model_signature(),
+            "args": {k: v for k, v in vars(args).items()}}
+    path = ckpt.save_checkpoint(args.save, step, model, optimizer, tp_rank=groups.tp_rank,
+                                meta=meta, group=None)
+    rank0_print(f"saved checkpoint {path}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> list:
+    """Run training; returns rank 0's per-step records (other ranks: [])."""
+    args = parse_args(argv)                       # bad flags fail here, on every rank
+    rank, world, device = init_distributed(args.distributed_timeout_minutes)
+    layout = args.layout(world)                   # world-size checks, still before collectives
+    resume_from = checked_resume_point(args, layout)
+    bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
+    data = build_dataset(args, layout.tp)
+
+    groups = init_groups(layout, local_attention_only=args.local_attention_only)
+    cp_ctx = build_sp_context(groups.cp, layout="zigzag")
+    model = build_model(args, layout, groups, data.vocab_size, bf16=bf16, device=device)
+    optimizer = MasterAdamW(list(model.named_parameters()), lr=args.lr,
+                            betas=(args.adam_beta1, args.adam_beta2),
+                            weight_decay=args.weight_decay, tp_group=groups.tp,
+                            tp_rank=groups.tp_rank)
+    start = 0
+    if resume_from is not None:
+        start = ckpt.load_checkpoint(resume_from, model, optimizer, tp_rank=groups.tp_rank,
+                                     group=None)
+
+    n_params = count_params(model, layout.tp)
+    attn = ("local shard only (baseline, no cross-rank attention)" if args.local_attention_only
+            else f"{args.context_parallel_impl} across CP (zigzag)")
+    rank0_print(
+        f"train.py | {args.model_kind} {args.num_layers}L d{args.hidden_size} "
+        f"{args.num_attention_heads}h ({n_params / 1e6:.2f}M params) | {layout.summary()} | "
+        f"attention {attn} | {dist.get_backend()} on {device.type}, "
+        f"{'bf16' if bf16 else 'fp32'} | {data.description} | steps {start + 1}..{args.train_iters}"
+        f" × {args.global_batch_size} seqs × {args.seq_length} tokens"
+        + (f" | resumed from {resume_from}" if resume_from else ""))
+
+    fpt = flops_per_token(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                          ffn_hidden_size=args.ffn_hidden_size,
+                          num_attention_heads=args.num_attention_heads,
+                          num_query_groups=args.num_query_groups, vocab_size=data.vocab_size,
+                          seq_length=args.seq_length, layer_kinds=args.layer_kinds())
+    if rank == 0 and start == 0 and os.path.exists(args.log_json):
+        os.remove(args.log_json)                  # a fresh run starts a fresh log
+    progress = Progress(enabled=rank == 0, total=args.train_iters, start=start,
+                        tokens_per_step=args.global_batch_size * args.seq_length,
+                        flops_per_token=fpt, peak=peak_flops(device, args.peak_tflops),
+                        device=device, log_interval=args.log_interval,
+                        log_json=args.log_json, tensorboard_dir=args.tensorboard_dir,
+                        bar=not args.no_progress_bar)
+    signals = StopSignals()
+    step, stopped = start, False
+    model.train()
+    try:
+        while step < args.train_iters and not stopped:
+            lr = lr_at(step, args.lr, args.min_lr, args.lr_warmup_iters, args.train_iters)
+            batches = local_micro_batches(data, step, args, layout, groups, cp_ctx, device)
+            share, gnorm = train_step(model, optimizer, batches, groups, layout, lr,
+                                      args.clip_grad)
+            step += 1
+            signals.test_hook(step)
+            loss, stopped = agree(share, signals.requested, layout.tp)
+            progress.step(step, loss, gnorm, lr)
+            periodic = args.save_interval and step % args.save_interval == 0
+            if args.save and (periodic or stopped or step == args.train_iters):
+                save(args, step, model, optimizer, groups, layout)
+    finally:
+        progress.close()
+        signals.restore()
+    if stopped:
+        rank0_print(f"stopped by a signal after step {step}"
+                    + (f"; resume with --load {args.save}" if args.save else ""))
+    elif rank == 0 and os.path.exists(args.log_json):
+        chance = getattr(data, "chance_loss", None) if args.data_path is None else None
+        label = "local attention only" if args.local_attention_only else "CP attention"
+        png = plot_losses({label: read_log(args.log_json)}, args.loss_png, chance=chance,
+                          title=f"{args.model_kind}, {layout.summary().split(' (')[0]}")
+        if png:
+            print(f"loss curve: {png}", flush=True)
+    return progress.history
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ValueError as e:              # bad input: the fix is in the message, on every rank
+        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
