@@ -1,0 +1,278 @@
+"""Megatron-Core core-attention modules that split the sequence over Megatron's CP group.
+
+Both honour Megatron's core-attention contract (the slot ``SelfAttention.submodules.
+core_attention`` of GPT and hybrid layer specs), megatron-core 0.16 and 0.19 alike:
+
+- constructor kwargs ``config, layer_number, attn_mask_type, attention_type, cp_comm_type,
+  softmax_scale, pg_collection`` (+ ``attention_dropout`` on 0.16; anything else is accepted
+  and ignored only where it cannot change the result), plus our options from the spec's
+  ``params``;
+- ``forward(query [sq, b, np, hn], key/value [sk, b, ng, hn], attention_mask,
+  attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> [sq, b, np·hn]``,
+  where ``sq`` is this CP rank's zigzag shard (Megatron's ``get_batch_on_this_cp_rank``).
+
+Groups come from ``pg_collection`` (``.cp``, ``.tp``) or Megatron's ``parallel_state`` getters,
+never our own. Options the modules cannot honour (packed sequences, attention bias, dropout > 0,
+a dense attention mask, non-causal masks, sliding windows, softmax variants) raise ``ValueError``
+naming the option to change, at construction where possible, else on the first forward — on
+every rank alike, before any collective.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+from sp_attention import build_sp_context, context_parallel_attention, lightning_attention
+from sp_attention.linear.slopes import SLOPE_SCHEDULES, decay_slopes
+
+__all__ = ["SoftmaxOptions", "SoftmaxCoreAttention", "LinearCoreAttention", "LINEAR_IMPLS",
+           "SOFTMAX_PRESETS", "resolve_groups"]
+
+LINEAR_IMPLS = ("blelloch", "allgather", "ring", "auto")
+SOFTMAX_PRESETS = ("ring", "ring_ag", "allgather", "ag_ring")
+
+
+@dataclass(frozen=True)
+class SoftmaxOptions:
+    """How softmax layers split attention over CP (see ``sp_attention.context_parallel_attention``).
+
+    Attributes:
+        preset: forward/backward schedule pair: ``"ring"`` (ring fwd + ring bwd, default),
+            ``"ring_ag"`` (ring fwd + head-strided all-gather / fp32 reduce-scatter bwd),
+            ``"allgather"``, ``"ag_ring"``.
+        heads_k_stride: KV heads per all-gather step (all-gather schedules); must divide the
+            local KV heads (``num_query_groups / TP``). None: the library's default.
+        bwd_head_first_stride, bwd_head_last_stride: split the all-gather backward's first /
+            last stride (``0 < value < heads_k_stride``); only with an all-gather backward.
+    """
+
+    preset: str = "ring"
+    heads_k_stride: Optional[int] = None
+    bwd_head_first_stride: Optional[int] = None
+    bwd_head_last_stride: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.preset not in SOFTMAX_PRESETS:
+            raise ValueError(f"SoftmaxOptions.preset={self.preset!r}: use one of "
+                             f"{SOFTMAX_PRESETS} (--softmax-cp-preset)")
+        for f in ("heads_k_stride", "bwd_head_first_stride", "bwd_head_last_stride"):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"SoftmaxOptions.{f}={v!r} must be a positive int or None")
+        split = self.bwd_head_first_stride is not None or self.bwd_head_last_stride is not None
+        if split and self.preset not in ("ring_ag", "allgather"):
+            raise ValueError(f"bwd_head_first/last_stride only apply to an all-gather backward; "
+                             f"preset {self.preset!r} has a ring backward: use preset 'ring_ag' or "
+                             "'allgather', or drop the stride split")
+        if self.heads_k_stride is not None and self.preset == "ring":
+            raise ValueError("heads_k_stride only applies to all-gather schedules; preset 'ring' "
+                             "would ignore it: use preset 'ring_ag'/'allgather'/'ag_ring' or drop "
+                             "heads_k_stride")
+
+    def kwargs(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def resolve_groups(pg_collection) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
+    """``(tp, cp)`` groups from Megatron's ``pg_collection`` or its ``parallel_state`` getters."""
+    if pg_collection is not None and hasattr(pg_collection, "cp") and hasattr(pg_collection, "tp"):
+        return pg_collection.tp, pg_collection.cp
+    from megatron.core import parallel_state as ps
+    return (ps.get_tensor_model_parallel_group(check_initialized=False),
+            ps.get_context_parallel_group(check_initialized=False))
+
+
+def _size_rank(group) -> tuple[int, int]:
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_config(config, attn_mask_type, attention_type, attention_dropout) -> None:
+    """Refuse every option whose effect we would otherwise silently drop."""
+    dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+    if dropout:
+        raise ValueError(f"attention_dropout={dropout}: the CP attention kernels have no dropout; "
+                         "set attention_dropout=0.0 (Megatron-LM: --attention-dropout 0)")
+    if attention_type != "self":
+        raise ValueError(f"attention_type={attention_type!r}: only self-attention is supported")
+    if attn_mask_type != AttnMaskType.causal:
+        raise ValueError(f"attn_mask_type={attn_mask_type}: only causal attention is supported "
+                         "(the spec's self_attention params must say AttnMaskType.causal)")
+    if getattr(config, "window_size", None) is not None:
+        raise ValueError("window_size (sliding-window attention) is not supported by the CP "
+                         "attention; set window_size=None")
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        raise ValueError(f"softmax_type={config.softmax_type!r} is not supported; use 'vanilla'")
+    if getattr(config, "multi_latent_attention", False):
+        raise ValueError("multi_latent_attention is not supported by the CP attention modules")
+
+
+def _check_call(attention_mask, attn_mask_type, attention_bias, packed_seq_params) -> None:
+    if packed_seq_params is not None:
+        raise ValueError("packed sequences (packed_seq_params / THD format) are not supported by "
+                         "the CP attention; train on padded [s, b] batches (Megatron-LM: drop "
+                         "--reset-attention-mask / packed datasets)")
+    if attention_bias is not None:
+        raise ValueError("attention_bias is not supported by the CP attention; drop the bias "
+                         "(e.g. ALiBi) or use position_embedding_type='rope'")
+    if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
+        raise ValueError(f"attn_mask_type={attn_mask_type}: only causal attention is supported")
+    if attention_mask is not None:
+        raise ValueError("a dense attention_mask cannot be honoured: the CP attention applies the "
+                         "causal mask on the global sequence itself. Pass attention_mask=None "
+                         "(Megatron-LM: --no-create-attention-mask-in-dataloader)")
+
+
+def _to_bshd(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(0, 1)    # [s, b, h, d] -> [b, s, h, d] (a view; kernels take strides)
+
+
+class _CPCoreAttention(MegatronModule):
+    """Shared constructor: groups, SP context, head counts, checks."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None, **kwargs):
+        super().__init__(config=config)
+        _check_config(config, attn_mask_type, attention_type, attention_dropout)
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        tp_group, cp_group = resolve_groups(pg_collection)
+        self.tp_group = tp_group
+        self.tp_size, self.tp_rank = _size_rank(tp_group)
+        cp_size, _ = _size_rank(cp_group)
+        heads, groups = config.num_attention_heads, config.num_query_groups or \
+            config.num_attention_heads
+        if heads % self.tp_size or groups % self.tp_size:
+            raise ValueError(f"num_attention_heads ({heads}) and num_query_groups ({groups}) must "
+                             f"be divisible by tensor_model_parallel_size ({self.tp_size})")
+        self.heads_per_rank = heads // self.tp_size
+        self.head_dim = config.kv_channels
+        self.softmax_scale = self.head_dim ** -0.5 if softmax_scale is None else softmax_scale
+        # Built once: rank arithmetic only, no collective.
+        self.sp_ctx = build_sp_context(cp_group, layout="zigzag")
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        # [b, s, np, hn] -> [s, b, np*hn]
+        b, s = out.shape[:2]
+        return out.transpose(0, 1).reshape(s, b, -1)
+
+
+class SoftmaxCoreAttention(_CPCoreAttention):
+    """Causal GQA softmax attention over Megatron's CP group (ring / head-strided all-gather).
+
+    Spec params: ``softmax_options`` (:class:`SoftmaxOptions` or a dict of its fields).
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None, softmax_options=None,
+                 **kwargs):
+        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout,
+                         softmax_scale, cp_comm_type, pg_collection)
+        if softmax_options is None:
+            softmax_options = SoftmaxOptions()
+        elif isinstance(softmax_options, dict):
+            softmax_options = SoftmaxOptions(**softmax_options)
+        stride = softmax_options.heads_k_stride
+        local_groups = (config.num_query_groups or config.num_attention_heads) // self.tp_size
+        if stride is not None and local_groups % stride:
+            raise ValueError(f"heads_k_stride={stride} must divide the {local_groups} KV heads per "
+                             "TP rank (num_query_groups / tensor_model_parallel_size)")
+        self.softmax_options = softmax_options
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **kwargs):
+        _check_call(attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+        out = context_parallel_attention(
+            _to_bshd(query), _to_bshd(key), _to_bshd(value), ctx=self.sp_ctx, causal=True,
+            softmax_scale=self.softmax_scale, **self.softmax_options.kwargs())
+        return self._output(out)
+
+
+class LinearCoreAttention(_CPCoreAttention):
+    """Lightning-style linear attention with per-head decay over Megatron's CP group.
+
+    ``o_t = scale · Σ_{j≤t} λ_h^{t−j} (q_t·k_j) v_j`` per head (``scale`` = Megatron's
+    softmax scale, ``hn^-0.5`` by default; q and k arrive with RoPE applied), then a per-head
+    RMS normalisation with a learnt ``[np·hn]`` weight (RetNet / GLA / TransNormer-style output
+    norm: linear attention's output scale grows with the sequence). The norm is per head so a
+    TP rank normalises only its own heads; its weight is TP-sharded like the heads.
+
+    Spec params: ``cp_impl`` (scan: blelloch / allgather / ring / auto), ``slope_schedule``
+    (``sp_attention.linear.slopes``). GQA: K/V are expanded to the query heads with Megatron's
+    mapping (query head i uses group ``i // (np / ng)``).
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None, cp_impl: str = "auto",
+                 slope_schedule: str = "long_range", **kwargs):
+        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout,
+                         softmax_scale, cp_comm_type, pg_collection)
+        if cp_impl not in LINEAR_IMPLS:
+            raise ValueError(f"cp_impl={cp_impl!r}: linear layers scan with one of {LINEAR_IMPLS} "
+                             "(--context-parallel-impl)")
+        if slope_schedule not in SLOPE_SCHEDULES:
+            raise ValueError(f"slope_schedule={slope_schedule!r}: use one of {SLOPE_SCHEDULES}")
+        self.cp_impl, self.slope_schedule = cp_impl, slope_schedule
+        first = self.tp_rank * self.heads_per_rank
+        # This TP rank's heads' slopes, fp32. A plain attribute, not a buffer: Megatron's
+        # Float16Module casts buffers to bf16, which would round the decay rates.
+        self._slopes = decay_slopes(config.num_attention_heads, slope_schedule,
+                                    layer_number=self.layer_number,
+                                    num_layers=max(config.num_layers, self.layer_number)
+                                    )[first:first + self.heads_per_rank].contiguous()
+        self._slopes_on: dict = {}
+        self.eps = config.layernorm_epsilon
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.out_norm_weight = torch.nn.Parameter(torch.ones(
+            self.heads_per_rank * self.head_dim, dtype=config.params_dtype, device=device))
+        # TP-sharded along dim 0 (per head), so Megatron's optimizer, grad clipping and
+        # checkpoints treat it like the heads' other weights.
+        from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+        set_tensor_model_parallel_attributes(self.out_norm_weight, True, 0, 1)
+
+    @property
+    def slopes(self) -> torch.Tensor:
+        """``[np]`` fp32 decay rates of this TP rank's heads."""
+        return self._slopes
+
+    def _slopes_for(self, device) -> torch.Tensor:
+        key = str(device)
+        if key not in self._slopes_on:
+            self._slopes_on[key] = self._slopes.to(device)
+        return self._slopes_on[key]
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **kwargs):
+        _check_call(attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+        q, k, v = _to_bshd(query), _to_bshd(key), _to_bshd(value)
+        group = q.shape[2] // k.shape[2]
+        if group > 1:       # Megatron's GQA mapping: query head i uses KV group i // group
+            k = k.repeat_interleave(group, dim=2)
+            v = v.repeat_interleave(group, dim=2)
+        o = lightning_attention(q, k, v, self._slopes_for(q.device), ctx=self.sp_ctx,
+                                impl=self.cp_impl, scale=float(self.softmax_scale))
+        # per-head RMS norm in fp32
+        of = o.float()
+        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = self.out_norm_weight.float().view(self.heads_per_rank, self.head_dim)
+        return self._output((of * w).to(q.dtype))
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The output-norm weight is sharded over TP along dim 0 (distributed checkpoints)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+        state_dict = self.state_dict(prefix="", keep_vars=True)
+        dp_cp = metadata.get("dp_cp_group") if metadata else None
+        return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"out_norm_weight": 0},
+                                                   sharded_offsets, tp_group=self.tp_group,
+                                                   dp_cp_group=dp_cp)

@@ -1,0 +1,181 @@
+"""Build Megatron-Core GPT models (softmax, linear-attention, hybrid) that split sequences over CP.
+
+Contract of :func:`build_gpt_model` (megatron-core 0.16.1 on CPU/gloo in fp32 with
+``use_cpu_initialization=True``; 0.19.x on GPU in bf16):
+
+- Groups: Megatron's own (``parallel_state.initialize_model_parallel(tp, pp=1, cp=cp)`` before
+  building, or an explicit ``pg_collection`` with ``.tp``/``.cp``/``.pp``/...). The plugin never
+  creates groups.
+- Inputs: ``model(input_ids, position_ids, attention_mask=None, labels=labels)`` with
+  ``input_ids [b, s/cp]`` this CP rank's **zigzag** shard (Megatron's
+  ``get_batch_on_this_cp_rank``, = ``sp_attention.shard_sequence(x, ctx)`` with a zigzag
+  context), ``position_ids [b, s/cp]`` the **global** positions of those tokens
+  (``sp_attention.shard_position_ids``), ``labels [b, s/cp]`` shifted on the global sequence
+  *before* sharding (``sp_attention.shift_labels``). ``attention_mask`` must be None: every
+  attention is causal on the global sequence.
+- Output: per-token loss ``[b, s/cp]`` (fp32) as Megatron returns it with labels, or logits
+  ``[b, s/cp, vocab/tp]`` without.
+- Loss and gradients: the global token-mean loss is ``sp_attention.reduce.global_token_mean``
+  over Megatron's DP×CP group (:func:`grad_reduce_group`); after ``backward`` sum the gradients
+  over that group with ``sp_attention.reduce.all_reduce_gradients`` (no TP reduction is needed
+  without sequence parallelism). Megatron's own DDP/optimizer does the same on GPUs.
+- Parallelism invariance: with ``use_cpu_initialization=True`` Megatron draws every weight's
+  full master tensor from the torch RNG and keeps the TP slice, so equal seeds give the same
+  model at every TP×CP×DP (checked by :func:`tp_shard_state_dict` tests). To start any layout
+  from a 1×1×1 state dict explicitly, load ``tp_shard_state_dict(full_sd, model, tp_rank,
+  tp_size)`` (it honours ``partition_stride``, e.g. SwiGLU's interleaved fc1).
+- RoPE: our :class:`~megatron_patches.rotary.ZigzagRotaryEmbedding` replaces Megatron's (CUDA
+  only, slices positions itself): it uses the ``position_ids`` the model is called with.
+- Linear layers' decay slopes are the TP rank's heads' slice of the global schedule; K/V of GQA
+  configs are expanded with Megatron's head-to-group mapping.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .core_attention import LINEAR_IMPLS, SoftmaxOptions
+from .rotary import install_zigzag_rope
+from .specs import block_spec, expand_pattern
+
+__all__ = ["build_gpt_model", "KINDS", "POSITION_EMBEDDINGS", "tp_shard_state_dict",
+           "grad_reduce_group", "cp_context", "layer_pattern"]
+
+KINDS = ("softmax", "linear", "hybrid")
+POSITION_EMBEDDINGS = ("rope", "learned_absolute")
+
+
+def layer_pattern(kind: str, num_layers: int, hybrid_pattern: str = "LLLS") -> str:
+    """The expanded per-layer pattern (``L``/``S`` per layer) of a model ``kind``."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}: use one of {KINDS}")
+    pattern = {"softmax": "S", "linear": "L"}.get(kind, hybrid_pattern)
+    return expand_pattern(pattern, num_layers)
+
+
+def _check(config: TransformerConfig, kind, cp_impl, position_embedding_type, pg_collection):
+    if not isinstance(config, TransformerConfig):
+        raise TypeError(f"config must be a megatron.core TransformerConfig, got "
+                        f"{type(config).__name__}")
+    if cp_impl not in LINEAR_IMPLS:
+        raise ValueError(f"cp_impl={cp_impl!r}: use one of {LINEAR_IMPLS}")
+    if position_embedding_type not in POSITION_EMBEDDINGS:
+        raise ValueError(f"position_embedding_type={position_embedding_type!r}: use one of "
+                         f"{POSITION_EMBEDDINGS}")
+    if config.pipeline_model_parallel_size != 1:
+        raise ValueError("pipeline parallelism is not supported by build_gpt_model; set "
+                         "pipeline_model_parallel_size=1")
+    if not config.use_cpu_initialization and not torch.cuda.is_available():
+        raise ValueError("no CUDA device: set use_cpu_initialization=True in the "
+                         "TransformerConfig to build on CPU")
+    tp = config.tensor_model_parallel_size
+    groups = config.num_query_groups or config.num_attention_heads
+    if config.num_attention_heads % tp or groups % tp:
+        raise ValueError(f"num_attention_heads ({config.num_attention_heads}) and "
+                         f"num_query_groups ({groups}) must be divisible by "
+                         f"tensor_model_parallel_size ({tp})")
+
+
+def build_gpt_model(config: TransformerConfig, *, kind: str, vocab_size: int,
+                    max_sequence_length: int, cp_impl: str = "auto",
+                    softmax_options: Optional[SoftmaxOptions] = None,
+                    hybrid_pattern: str = "LLLS", slope_schedule: str = "long_range",
+                    position_embedding_type: str = "rope", pg_collection=None,
+                    rotary_base: float = 10000, **gpt_kwargs) -> GPTModel:
+    """A Megatron ``GPTModel`` whose attention layers run over Megatron's CP group.
+
+    Args:
+        config: Megatron ``TransformerConfig`` (``attention_dropout=0``; TP and CP sizes as
+            initialised in ``parallel_state``; ``pipeline_model_parallel_size=1``).
+        kind: ``"softmax"`` (Llama-style), ``"linear"`` (linear attention with decay) or
+            ``"hybrid"`` (``hybrid_pattern``).
+        vocab_size, max_sequence_length: as for ``GPTModel``.
+        cp_impl: the linear layers' cross-rank scan: blelloch / allgather / ring / auto.
+        softmax_options: :class:`SoftmaxOptions` (preset and head strides) for softmax layers.
+        hybrid_pattern: ``L`` (linear) / ``S`` (softmax) per layer, repeated to ``num_layers``
+            (must divide it); ``"LLLS"``: three linear layers to one softmax layer.
+        slope_schedule: linear layers' decay schedule (``sp_attention.linear.slopes``).
+        position_embedding_type: ``"rope"`` (our zigzag-aware RoPE) or ``"learned_absolute"``.
+        pg_collection: Megatron ``ProcessGroupCollection``; None uses ``parallel_state``'s.
+        rotary_base, **gpt_kwargs: passed on (``share_embeddings_and_output_weights``, ...).
+
+    See the module docstring for the input/output and gradient contract.
+    """
+    _check(config, kind, cp_impl, position_embedding_type, pg_collection)
+    pattern = layer_pattern(kind, config.num_layers, hybrid_pattern)
+    spec = block_spec(pattern, config.num_layers, cp_impl=cp_impl,
+                      softmax_options=softmax_options, slope_schedule=slope_schedule)
+    if pg_collection is not None:
+        gpt_kwargs["pg_collection"] = pg_collection
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
+                     max_sequence_length=max_sequence_length,
+                     position_embedding_type=position_embedding_type, rotary_base=rotary_base,
+                     **gpt_kwargs)
+    if position_embedding_type == "rope":
+        install_zigzag_rope(model, config, model.pg_collection.cp, rotary_base=rotary_base,
+                            rotary_percent=gpt_kwargs.get("rotary_percent", 1.0),
+                            seq_len_interpolation_factor=gpt_kwargs.get(
+                                "seq_len_interpolation_factor"))
+    model.sp_layer_pattern = pattern
+    return model
+
+
+def cp_context(pg_collection=None):
+    """The zigzag ``SPContext`` of Megatron's CP group: shard batches with it
+    (``shard_sequence(x, ctx)``, ``shard_position_ids(seq_len, ctx)``)."""
+    from sp_attention import build_sp_context
+    from .core_attention import resolve_groups
+    _, cp = resolve_groups(pg_collection)
+    return build_sp_context(cp, layout="zigzag")
+
+
+def grad_reduce_group(pg_collection=None):
+    """Megatron's DP×CP group: sum gradients over it (``all_reduce_gradients``)."""
+    if pg_collection is not None and getattr(pg_collection, "dp_cp", None) is not None:
+        return pg_collection.dp_cp
+    from megatron.core import parallel_state
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
+def _tp_slice(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) -> torch.Tensor:
+    """Megatron's split of a master weight: ``size·stride`` equal pieces along ``dim``, rank r
+    keeps pieces ``r, r+size, …`` (stride 2 = SwiGLU fc1's [gate; up] interleave)."""
+    n = full.shape[dim]
+    if n % (size * stride):
+        raise ValueError(f"dim {dim} of size {n} does not split into {size} x {stride} pieces")
+    pieces = torch.split(full, n // (size * stride), dim=dim)
+    return torch.cat(pieces[rank::size], dim=dim)
+
+
+def tp_shard_state_dict(full_state_dict: dict, model: torch.nn.Module, tp_rank: int,
+                        tp_size: int) -> dict:
+    """This TP rank's state dict for ``model`` cut from a 1×1×1 model's ``state_dict()``.
+
+    Tensor-parallel parameters are cut by their Megatron attributes (``partition_dim``,
+    ``partition_stride``); everything else is copied. Keys missing from ``full_state_dict``
+    raise (``_extra_state`` entries are skipped). Load with ``model.load_state_dict(...,
+    strict=False)`` to leave extra states alone.
+    """
+    out = {}
+    params = dict(model.named_parameters())
+    for name, local in model.state_dict(keep_vars=True).items():
+        if name.endswith("_extra_state"):
+            continue
+        if name not in full_state_dict:
+            raise KeyError(f"{name} missing from the full state dict (build the reference "
+                           "model with the same config and kind)")
+        full = full_state_dict[name]
+        p = params.get(name)
+        if p is not None and getattr(p, "tensor_model_parallel", False) and tp_size > 1:
+            val = _tp_slice(full, p.partition_dim, getattr(p, "partition_stride", 1), tp_rank,
+                            tp_size)
+        else:
+            val = full
+        if tuple(val.shape) != tuple(local.shape):
+            raise ValueError(f"{name}: cut shape {tuple(val.shape)} != local {tuple(local.shape)}")
+        out[name] = val.detach().clone()
+    return out

@@ -1,0 +1,105 @@
+"""RoPE for Megatron models whose sequence is split zigzag over CP, on any device.
+
+Megatron's ``RotaryEmbedding`` moves its frequencies to CUDA unconditionally and cuts the
+rank's zigzag slice itself (with a CUDA index tensor). :class:`ZigzagRotaryEmbedding` takes its
+slot (``model.rotary_pos_emb``) with the same call signature, and
+
+- uses the *global* ``position_ids`` the model was called with (captured by a forward
+  pre-hook on the model: GPTModel does not pass them to its rotary module), so any position
+  scheme the caller uses (zigzag shards, reset positions) is honoured exactly;
+- without position ids, uses the rank's zigzag positions from the CP group
+  (``sp_attention.shard_position_ids``), which is what Megatron's own slicing gives;
+- runs on whatever device the model lives on (a zero-size buffer tracks it).
+
+Output: ``[s_local, 1, 1, d]`` (or ``[s_local, b, 1, d]`` for per-sample position ids), the
+frequencies Megatron's ``apply_rotary_pos_emb`` expects (non-interleaved ``cat(f, f)``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from sp_attention import build_sp_context, shard_position_ids
+
+__all__ = ["ZigzagRotaryEmbedding", "install_zigzag_rope"]
+
+
+class ZigzagRotaryEmbedding(torch.nn.Module):
+    """Drop-in for ``model.rotary_pos_emb`` (see the module docstring)."""
+
+    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: float = 10000,
+                 cp_group=None, rotary_interleaved: bool = False,
+                 seq_len_interpolation_factor: Optional[float] = None):
+        super().__init__()
+        if rotary_interleaved:
+            raise ValueError("rotary_interleaved=True is not supported by ZigzagRotaryEmbedding; "
+                             "use the default (non-interleaved) RoPE")
+        dim = int(kv_channels * rotary_percent) if rotary_percent < 1.0 else kv_channels
+        self.inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.interpolation = seq_len_interpolation_factor
+        self.sp_ctx = build_sp_context(cp_group, layout="zigzag")
+        # tracks the model's device through .cuda()/.to(); a float tensor of size 0 is harmless
+        # under Float16Module's casts
+        self.register_buffer("_anchor", torch.zeros(0), persistent=False)
+        self.position_ids: Optional[torch.Tensor] = None   # set per call by the model's hook
+
+    def get_rotary_seq_len(self, inference_context, transformer, transformer_input,
+                           transformer_config, packed_seq_params=None, **kwargs) -> int:
+        """Global sequence length (Megatron's own rule: local length × CP [× TP with SP])."""
+        if packed_seq_params is not None:
+            raise ValueError("packed sequences are not supported with CP attention; drop "
+                             "packed_seq_params")
+        if inference_context is not None:
+            raise ValueError("inference contexts are not supported by ZigzagRotaryEmbedding")
+        x = transformer.input_tensor if transformer is not None and \
+            transformer.input_tensor is not None else transformer_input
+        n = x.size(0)
+        if transformer_config.sequence_parallel:
+            n *= transformer_config.tensor_model_parallel_size
+        return n * transformer_config.context_parallel_size
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
+                cp_group=None) -> torch.Tensor:
+        if packed_seq:
+            raise ValueError("packed sequences are not supported with CP attention")
+        device = self._anchor.device
+        inv = self.inv_freq.to(device)
+        pos = self.position_ids
+        if pos is None:
+            pos = shard_position_ids(max_seq_len, self.sp_ctx, device=device)[:, None]  # [s, 1]
+        else:
+            if pos.dim() != 2 or pos.shape[1] * self.sp_ctx.world_size != max_seq_len:
+                raise ValueError(f"position_ids {tuple(pos.shape)} must be [b, s_local] with "
+                                 f"s_local x CP = {max_seq_len}: pass this rank's (zigzag) "
+                                 "global positions, sharded like input_ids")
+            pos = pos.to(device).t()                                             # [s, b]
+        pos = pos.to(torch.float32) + offset
+        if self.interpolation is not None:
+            pos = pos / self.interpolation
+        freqs = pos[..., None] * inv                                             # [s, b, d/2]
+        return torch.cat((freqs, freqs), dim=-1)[:, :, None, :]                 # [s, b, 1, d]
+
+
+def _capture_positions(rope: ZigzagRotaryEmbedding):
+    def hook(module, args, kwargs):
+        pos = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+        rope.position_ids = pos
+    return hook
+
+
+def install_zigzag_rope(model: torch.nn.Module, config, cp_group, *, rotary_percent: float = 1.0,
+                        rotary_base: float = 10000,
+                        seq_len_interpolation_factor: Optional[float] = None) -> None:
+    """Put a :class:`ZigzagRotaryEmbedding` in ``model.rotary_pos_emb`` (GPTModel or
+    HybridModel) and make the model hand it the position ids of each call."""
+    if not hasattr(model, "rotary_pos_emb"):
+        raise ValueError(f"{type(model).__name__} has no rotary_pos_emb slot; build it with "
+                         "position_embedding_type='rope'")
+    rope = ZigzagRotaryEmbedding(config.kv_channels, rotary_percent, rotary_base, cp_group,
+                                 getattr(config, "rotary_interleaved", False),
+                                 seq_len_interpolation_factor)
+    anchor = next(model.parameters())
+    rope.to(anchor.device)
+    model.rotary_pos_emb = rope
+    model.register_forward_pre_hook(_capture_positions(rope), with_kwargs=True)

@@ -1,0 +1,179 @@
+"""Layer specs: put our core attention into any Megatron ``ModuleSpec`` tree.
+
+- :func:`patch_core_attention` replaces every ``core_attention`` slot in a spec tree (GPT layer
+  specs, block specs with per-layer lists, HybridModel stack specs, MTP blocks) and returns a
+  patched copy; the input is never modified.
+- :func:`layer_spec` / :func:`block_spec` build the local (no TransformerEngine) GPT layer spec
+  with a softmax or linear core attention, and a per-layer list for a hybrid pattern
+  (``"LLLS"``: three linear layers to one softmax layer), which ``GPTModel`` takes on 0.16 and
+  0.19 alike.
+- Prebuilt specs for Megatron-LM's ``--spec megatron_patches.specs <name>``:
+  ``softmax_layer_spec``, ``linear_layer_spec``, ``hybrid_layer_spec`` — layer specs whose core
+  attention reads ``--context-parallel-impl`` and our other arguments from Megatron-LM's parsed
+  args when the model is built (one layer spec serves every layer; the hybrid one picks each
+  layer's kind from ``--sp-layer-pattern`` and its layer number).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Callable, Optional
+
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from .core_attention import LinearCoreAttention, SoftmaxCoreAttention, SoftmaxOptions
+
+__all__ = ["patch_core_attention", "find_core_attention_slots", "layer_kind", "expand_pattern",
+           "core_attention_spec", "layer_spec", "block_spec", "ArgsCoreAttention",
+           "softmax_layer_spec", "linear_layer_spec", "hybrid_layer_spec", "LAYER_KINDS"]
+
+LAYER_KINDS = {"L": "linear", "S": "softmax"}
+
+
+def _walk(node: Any, path: str, visit: Callable[[str, Any], Optional[Any]], seen: set) -> Any:
+    """Copy of ``node`` with every ``core_attention`` field replaced by ``visit(path, old)``
+    (when it returns non-None). Recurses through ModuleSpecs, submodule dataclasses, lists,
+    tuples and dicts."""
+    if id(node) in seen:     # specs are trees in practice; guard against shared cycles anyway
+        return node
+    if isinstance(node, ModuleSpec):
+        seen = seen | {id(node)}
+        new = copy.copy(node)
+        new.params = dict(node.params)
+        new.submodules = _walk(node.submodules, path + ".submodules", visit, seen)
+        return new
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        seen = seen | {id(node)}
+        changes = {}
+        for f in dataclasses.fields(node):
+            val = getattr(node, f.name)
+            sub = f"{path}.{f.name}"
+            if f.name == "core_attention":
+                rep = visit(sub, val)
+                changes[f.name] = val if rep is None else rep
+            else:
+                changes[f.name] = _walk(val, sub, visit, seen)
+        new = copy.copy(node)
+        for k, v in changes.items():
+            object.__setattr__(new, k, v)
+        return new
+    if isinstance(node, (list, tuple)):
+        out = [_walk(x, f"{path}[{i}]", visit, seen) for i, x in enumerate(node)]
+        return type(node)(out) if isinstance(node, list) else tuple(out)
+    if isinstance(node, dict):
+        return {k: _walk(v, f"{path}[{k!r}]", visit, seen) for k, v in node.items()}
+    return node
+
+
+def find_core_attention_slots(spec: Any) -> list[str]:
+    """Paths of every core-attention slot in a spec tree (for tests and diagnostics)."""
+    found: list[str] = []
+    _walk(spec, "spec", lambda p, v: found.append(p), set())
+    return found
+
+
+def patch_core_attention(spec: Any, core_attention: Any, *, require: bool = True) -> Any:
+    """A copy of ``spec`` with every core-attention slot set to ``core_attention``.
+
+    ``core_attention``: a ModuleSpec / class, or a callable ``(path, old) -> new`` to choose per
+    slot. ``require``: raise if the tree has no such slot (a spec we do not understand would
+    otherwise silently keep Megatron's attention, which refuses CP without TE).
+    """
+    slots: list[str] = []
+
+    def visit(path, old):
+        slots.append(path)
+        return core_attention(path, old) if callable(core_attention) and not isinstance(
+            core_attention, (type, ModuleSpec)) else core_attention
+
+    out = _walk(spec, "spec", visit, set())
+    if require and not slots:
+        raise ValueError(f"no core_attention slot found in {type(spec).__name__}; pass a GPT or "
+                         "hybrid layer/block spec (SelfAttention submodules)")
+    return out
+
+
+def expand_pattern(pattern: str, num_layers: int) -> str:
+    """``pattern`` repeated to ``num_layers`` symbols (``L`` linear, ``S`` softmax); a pattern
+    longer than ``num_layers`` must equal it in length."""
+    if not pattern or set(pattern) - set(LAYER_KINDS):
+        raise ValueError(f"layer pattern {pattern!r} must be a non-empty string of "
+                         f"{sorted(LAYER_KINDS)} (L linear, S softmax), e.g. 'LLLS'")
+    if len(pattern) > num_layers or num_layers % len(pattern):
+        raise ValueError(f"layer pattern {pattern!r} (length {len(pattern)}) must divide "
+                         f"num_layers={num_layers} (it is repeated); give num_layers a multiple "
+                         f"of {len(pattern)} or a pattern of length {num_layers}")
+    return pattern * (num_layers // len(pattern))
+
+
+def layer_kind(pattern: str, layer_number: int, num_layers: int) -> str:
+    """``"linear"`` or ``"softmax"`` for 1-based global ``layer_number``."""
+    return LAYER_KINDS[expand_pattern(pattern, num_layers)[layer_number - 1]]
+
+
+def core_attention_spec(kind: str, *, cp_impl: str = "auto", softmax_options=None,
+                        slope_schedule: str = "long_range") -> ModuleSpec:
+    """The core-attention ModuleSpec for one layer kind."""
+    if kind == "softmax":
+        opts = softmax_options if softmax_options is not None else SoftmaxOptions()
+        return ModuleSpec(module=SoftmaxCoreAttention, params={"softmax_options": opts})
+    if kind == "linear":
+        return ModuleSpec(module=LinearCoreAttention,
+                          params={"cp_impl": cp_impl, "slope_schedule": slope_schedule})
+    raise ValueError(f"unknown layer kind {kind!r}; use 'softmax' or 'linear'")
+
+
+def _local_gpt_layer_spec() -> ModuleSpec:
+    """Megatron's local (no TE) GPT layer spec. ``normalization="RMSNorm"`` makes its norms
+    ``WrappedTorchNorm``, which follows ``config.normalization`` (LayerNorm or RMSNorm) when
+    built, instead of apex's LayerNorm-only fused norm."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def layer_spec(kind: str, *, base: Optional[ModuleSpec] = None, **options) -> ModuleSpec:
+    """Megatron's local GPT layer spec (or ``base``) with a ``kind`` core attention."""
+    base = _local_gpt_layer_spec() if base is None else base
+    return patch_core_attention(base, core_attention_spec(kind, **options))
+
+
+def block_spec(pattern: str, num_layers: int, *, base: Optional[ModuleSpec] = None, **options):
+    """``TransformerBlockSubmodules`` with one layer spec per layer of the expanded pattern
+    (all layers: pipeline parallelism is not supported)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    specs = {k: layer_spec(LAYER_KINDS[k], base=base, **options) for k in set(pattern)}
+    layers = [specs[c] for c in expand_pattern(pattern, num_layers)]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=WrappedTorchNorm)
+
+
+class ArgsCoreAttention:
+    """Core attention configured from Megatron-LM's parsed arguments (``--context-parallel-impl``,
+    ``--sp-layer-pattern``, the softmax schedule options; see :mod:`megatron_patches.args`).
+
+    Constructing it returns a :class:`SoftmaxCoreAttention` or :class:`LinearCoreAttention`
+    for the layer: what ``--spec megatron_patches.specs <name>`` puts in every layer.
+    ``kind``: ``"softmax"``, ``"linear"`` or ``"pattern"`` (the layer's symbol in the pattern).
+    """
+
+    def __new__(cls, *args, kind: str = "pattern", **kwargs):
+        from .args import options_from_megatron_args
+        opts = options_from_megatron_args()
+        config = kwargs.get("config", args[0] if args else None)
+        layer_number = kwargs.get("layer_number", args[1] if len(args) > 1 else 1)
+        if kind == "pattern":
+            kind = layer_kind(opts["layer_pattern"], layer_number, config.num_layers)
+        if kind == "softmax":
+            return SoftmaxCoreAttention(*args, softmax_options=opts["softmax_options"], **kwargs)
+        return LinearCoreAttention(*args, cp_impl=opts["cp_impl"],
+                                   slope_schedule=opts["slope_schedule"], **kwargs)
+
+
+def _prebuilt(kind: str) -> ModuleSpec:
+    return patch_core_attention(_local_gpt_layer_spec(),
+                                ModuleSpec(module=ArgsCoreAttention, params={"kind": kind}))
+
+
+softmax_layer_spec = _prebuilt("softmax")
+linear_layer_spec = _prebuilt("linear")
+hybrid_layer_spec = _prebuilt("pattern")
