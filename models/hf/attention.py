@@ -200,8 +200,9 @@ def prepare_model_for_cp(model, cp: Union[SPContext, dist.ProcessGroup, None], *
         cp: the CP process group (never WORLD by default), an :class:`~sp_attention.SPContext`,
             or None for a single process (CP = 1: same code path, no communication).
         schedule: :class:`CPSchedule` (default: preset ``"ring"``, linear scan ``"auto"``).
-        name: the ``attn_implementation`` name to register; default
-            ``"sp_cp_<id of the model>"``. A name already registered raises.
+        name: the ``attn_implementation`` name to register; default a fresh
+            ``"sp_cp_<id of the model>_<n>"``. A name already registered raises, and so does
+            preparing a model that is already prepared.
         layout: sequence layout when ``cp`` is a group (default ``"zigzag"``); must match how the
             batch is sharded (:func:`models.hf.prepare_cp_batch` uses the same context).
 
@@ -218,14 +219,19 @@ def prepare_model_for_cp(model, cp: Union[SPContext, dist.ProcessGroup, None], *
     schedule = CPSchedule() if schedule is None else schedule
     if not isinstance(schedule, CPSchedule):
         raise TypeError(f"schedule must be a CPSchedule, got {type(schedule).__name__}")
-    name = f"sp_cp_{id(model):x}" if name is None else name
+    previous = model.config._attn_implementation
+    if _registered_cp_attention(previous) is not None:
+        raise ValueError(f"this model is already prepared for CP (attention {previous!r}); call "
+                         "the earlier handle's remove() first")
+    registered = set(ALL_ATTENTION_FUNCTIONS.valid_keys()) | {"eager"}
+    if name is None:    # registrations live for the process: skip names taken before
+        name = next(n for n in (f"sp_cp_{id(model):x}_{i}" for i in range(len(registered) + 1))
+                    if n not in registered)
     if not isinstance(name, str) or not name or "/" in name:
         raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
-    if name == "eager" or name in ALL_ATTENTION_FUNCTIONS.valid_keys():
-        raise ValueError(f"attention implementation {name!r} is already registered (a second "
-                         "prepare_model_for_cp on this model, or a name in use); pass another "
-                         "name=")
-    previous = model.config._attn_implementation
+    if name in registered:
+        raise ValueError(f"attention implementation {name!r} is already registered; pass an "
+                         "unused name= (or leave it None for a fresh one)")
     AttentionInterface.register(name, make_cp_attention(ctx, schedule))
     model.set_attn_implementation(name)
     if model.config._attn_implementation != name:
@@ -233,6 +239,14 @@ def prepare_model_for_cp(model, cp: Union[SPContext, dist.ProcessGroup, None], *
                            "not dispatch through AttentionInterface")
     hook = model.register_forward_pre_hook(_input_checker(model, ctx), with_kwargs=True)
     return CPHandle(name, ctx, schedule, previous, model, hook)
+
+
+def _registered_cp_attention(name: Optional[str]) -> Optional[Callable]:
+    """The registered function behind ``name`` if it is one of ours, else None."""
+    if not name or name not in ALL_ATTENTION_FUNCTIONS.valid_keys():
+        return None
+    fn = ALL_ATTENTION_FUNCTIONS[name]
+    return fn if getattr(fn, "sp_context", None) is not None else None
 
 
 def _input_checker(model, ctx: SPContext) -> Callable:

@@ -1,0 +1,195 @@
+"""HF transformers integration on CPU/gloo: a tiny random GQA+RoPE LlamaForCausalLM (fp32)
+prepared for CP equals the unpatched SDPA model (loss 1e-6, every gradient 1e-5 relative, at
+every rank) for every softmax preset at CP 1-4, with a padding mask and with lengths that need
+layout padding; the linear and hybrid variants at CP 1-3 equal CP 1; two models with
+different CP groups in one process; bad input raises on every rank before any collective.
+One spawn per world size, every check inside it."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from models.hf import (CPSchedule, LinearLlamaConfig, LinearLlamaForCausalLM,  # noqa: E402
+                       causal_lm_loss, global_loss_value, hybrid_layer_kinds,
+                       prepare_cp_batch, prepare_model_for_cp)
+from sp_attention.reduce import all_reduce_gradients  # noqa: E402
+from sp_attention.softmax import PRESETS  # noqa: E402
+from sp_attention.testing import rel_rms, run_distributed  # noqa: E402
+
+LOSS_RTOL, GRAD_RTOL = 1e-6, 1e-5
+VOCAB, BATCH = 64, 2
+LINEAR_IMPLS = ("auto", "blelloch", "allgather", "ring")
+
+
+def _tiny(cls_config=LlamaConfig, **extra):
+    # GQA (4 query heads on 2 KV heads), RoPE, 2 layers, fp32
+    return cls_config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=128, rms_norm_eps=1e-6, **extra)
+
+
+def _models():
+    torch.manual_seed(0)
+    return {"llama": LlamaForCausalLM(_tiny()).float(),
+            "linear": LinearLlamaForCausalLM(_tiny(LinearLlamaConfig)).float(),
+            "hybrid": LinearLlamaForCausalLM(_tiny(
+                LinearLlamaConfig, layer_kinds=hybrid_layer_kinds(2, 2))).float()}
+
+
+def _cases():
+    """(input_ids, attention_mask) global batches: plain (T = 24 splits for P <= 4), a length
+    needing layout padding, and right padding inside a batch."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH, 24), generator=g)
+    mask = torch.ones(BATCH, 24, dtype=torch.long)
+    mask[1, 17:] = 0
+    return {"plain": (ids, None), "needs_pad": (ids[:, :21], None), "pad_mask": (ids, mask)}
+
+
+def _reference(model, ids, mask):
+    """Unpatched model: HF's own loss (mean over non-ignored shifted labels) and gradients."""
+    model = copy.deepcopy(model)
+    labels = ids.clone() if mask is None else ids.masked_fill(mask == 0, -100)
+    loss = model(ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _cp_step(model, handle, ids, mask, group):
+    batch = prepare_cp_batch(ids, handle.ctx, attention_mask=mask)
+    logits = model(**batch.model_inputs()).logits
+    share = causal_lm_loss(logits, batch.labels, group)
+    share.backward()
+    all_reduce_gradients(model.parameters(), group)
+    return global_loss_value(share, group), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _compare(tag, got, ref):
+    loss, grads = got
+    ref_loss, ref_grads = ref
+    err = abs(loss - ref_loss) / abs(ref_loss)
+    assert err <= LOSS_RTOL, f"{tag}: loss {loss} vs {ref_loss} (rel {err:.2e})"
+    for name, g in ref_grads.items():
+        e = rel_rms(grads[name], g)
+        assert e <= GRAD_RTOL, f"{tag}: grad {name} rel RMS {e:.2e}"
+
+
+def _check(model, ref, ids, mask, group, schedule, tag):
+    m = copy.deepcopy(model)
+    handle = prepare_model_for_cp(m, group, schedule=schedule)
+    _compare(tag, _cp_step(m, handle, ids, mask, group), ref)
+
+
+def check_equivalence(rank, world, max_linear_world=3):
+    """Every softmax preset on Llama; linear scans and presets on linear/hybrid (P <= 3)."""
+    group = dist.new_group(list(range(world))) if world > 1 else None
+    models = _models()
+    for case, (ids, mask) in _cases().items():
+        ref = _reference(models["llama"], ids, mask)
+        for preset in PRESETS:
+            _check(models["llama"], ref, ids, mask, group, CPSchedule(preset=preset),
+                   f"P={world} llama {preset} {case}")
+        if world > max_linear_world:
+            continue
+        ref = _reference(models["linear"], ids, mask)
+        for impl in (LINEAR_IMPLS if case == "plain" else ("auto",)):
+            _check(models["linear"], ref, ids, mask, group, CPSchedule(linear_impl=impl),
+                   f"P={world} linear {impl} {case}")
+        ref = _reference(models["hybrid"], ids, mask)
+        for preset in (PRESETS if case == "plain" else ("ring",)):
+            _check(models["hybrid"], ref, ids, mask, group,
+                   CPSchedule(preset=preset, linear_impl="blelloch"),
+                   f"P={world} hybrid {preset} {case}")
+    return True
+
+
+def check_two_groups(rank, world):
+    """Two models in one process: one on the whole group, one on a pair, used interleaved."""
+    everyone = dist.new_group(list(range(world)))
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    pair = pairs[rank // 2]
+    models = _models()
+    ids, mask = _cases()["pad_mask"]
+    a, b = copy.deepcopy(models["llama"]), copy.deepcopy(models["hybrid"])
+    ha = prepare_model_for_cp(a, everyone, schedule=CPSchedule(preset="ring_ag"))
+    hb = prepare_model_for_cp(b, pair, schedule=CPSchedule(preset="allgather"))
+    assert ha.name != hb.name and ha.ctx.world_size == world and hb.ctx.world_size == 2
+    batch_a = prepare_cp_batch(ids, ha.ctx, attention_mask=mask)
+    batch_b = prepare_cp_batch(ids, hb.ctx, attention_mask=mask)
+    share_a = causal_lm_loss(a(**batch_a.model_inputs()).logits, batch_a.labels, everyone)
+    share_b = causal_lm_loss(b(**batch_b.model_inputs()).logits, batch_b.labels, pair)
+    share_b.backward()
+    share_a.backward()
+    all_reduce_gradients(a.parameters(), everyone)
+    all_reduce_gradients(b.parameters(), pair)
+    got_a = (global_loss_value(share_a, everyone), {n: p.grad for n, p in a.named_parameters()})
+    got_b = (global_loss_value(share_b, pair), {n: p.grad for n, p in b.named_parameters()})
+    _compare("two groups: llama P=4", got_a, _reference(models["llama"], ids, mask))
+    _compare("two groups: hybrid P=2", got_b, _reference(models["hybrid"], ids, mask))
+    return True
+
+
+def check_bad_input(rank, world):
+    """Each misuse raises on every rank, before any collective: afterwards a normal step still
+    runs (a rank stuck in a collective would hang it; the harness times out)."""
+    group = dist.new_group(list(range(world)))
+    model = _models()["llama"]
+    handle = prepare_model_for_cp(model, group, name="sp_test_bad_input")
+    ctx = handle.ctx
+    ids, mask = _cases()["pad_mask"]
+    left = mask.flip(1)
+    packed = torch.cat([torch.arange(12), torch.arange(12)]).expand(BATCH, -1)
+    with pytest.raises(ValueError, match="right padding"):
+        prepare_cp_batch(ids, ctx, attention_mask=left)
+    with pytest.raises(ValueError, match="packed"):
+        prepare_cp_batch(ids, ctx, position_ids=packed)
+    with pytest.raises(ValueError, match="2-D"):
+        prepare_cp_batch(ids, ctx, attention_mask=mask[:, None, None, :])
+    batch = prepare_cp_batch(ids, ctx, attention_mask=mask)
+    inputs = batch.model_inputs()
+    local_mask = torch.ones_like(batch.input_ids)
+    misuse = {
+        "attention_mask=None": dict(inputs, attention_mask=local_mask),
+        "cannot be honoured": dict(inputs, attention_mask=local_mask[:, None, None, :].bool()),
+        "global position_ids": {"input_ids": batch.input_ids},
+        "labels": dict(inputs, labels=batch.labels),
+        "packed": dict(inputs, cu_seq_lens_q=torch.tensor([0, 12, 24])),
+        "KV cache": dict(inputs, use_cache=True),
+    }
+    for message, kwargs in misuse.items():
+        with pytest.raises(ValueError, match=message):
+            model(**kwargs)
+    with pytest.raises(ValueError, match="already registered"):
+        prepare_model_for_cp(_models()["hybrid"], group, name="sp_test_bad_input")
+    with pytest.raises(ValueError, match="already prepared"):
+        prepare_model_for_cp(model, group)
+    with pytest.raises(ValueError, match="preset"):
+        CPSchedule(preset="nope")
+    share = causal_lm_loss(model(**inputs).logits, batch.labels, group)
+    share.backward()
+    return global_loss_value(share, group)
+
+
+def check_world(rank, world):
+    check_equivalence(rank, world)
+    if world == 4:
+        check_two_groups(rank, world)
+    if world == 2:
+        check_bad_input(rank, world)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_cp_equals_unsharded(world):
+    assert run_distributed(check_world, world, timeout=300) == [True] * world
+
+
+def test_cp1_equals_unsharded():
+    check_equivalence(0, 1)
