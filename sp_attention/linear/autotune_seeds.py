@@ -1,0 +1,85 @@
+"""Shipped autotune results for fla's kernels, so a fresh GPU machine's first step takes seconds.
+
+fla-core autotunes every Triton kernel of the chunk recurrence over dozens of configs the first
+time it sees a (dtype, head dim) key, and caches the winner in Triton's on-disk cache
+(``TRITON_CACHE_DIR``, default ``~/.triton/cache``). On a machine with an empty cache that costs
+minutes: measured on one H200 (2026-11-23, ``benchmarks/first_call.py``), 237 s before the first
+bf16 K = V = 128 fwd+bwd finished; with the results below in the cache, 11 s (44 s for all eight
+dtype × head-dim × layout cases).
+
+``tuned/sm90_triton<T>_fla<F>.tgz`` holds those ``*.autotune.json`` files, measured on Hopper
+(sm_90: H100/H200) for bf16 and fp32 with K = V ∈ {64, 128} (fla's keys do not depend on the
+sequence length or head count). Triton names each cache entry by a hash of its own version, the
+GPU target, the kernel source and the tuning key, so an entry can only ever be read by the
+exact Triton + fla + GPU it was made on; we still unpack only when those match. Existing files
+are never overwritten (a cache the user already tuned wins). Set
+``SP_ATTENTION_AUTOTUNE_SEEDS=0`` to skip it.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import tarfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+__all__ = ["install_autotune_seeds"]
+
+_TUNED = Path(__file__).with_name("tuned")
+
+
+def _seed_file() -> Optional[Path]:
+    """The shipped archive for this GPU, Triton and fla, or None."""
+    if os.environ.get("SP_ATTENTION_AUTOTUNE_SEEDS", "1") == "0" or not torch.cuda.is_available():
+        return None
+    try:
+        import fla
+        import triton
+    except ImportError:
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    path = _TUNED / f"sm{major}{minor}_triton{triton.__version__}_fla{fla.__version__}.tgz"
+    return path if path.is_file() else None
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("TRITON_CACHE_DIR")
+    if env:
+        return Path(env)
+    try:
+        import triton
+        return Path(triton.knobs.cache.dir)
+    except (ImportError, AttributeError):
+        return Path.home() / ".triton" / "cache"
+
+
+@functools.lru_cache(maxsize=None)
+def install_autotune_seeds() -> int:
+    """Unpack the shipped autotune results into Triton's cache (once per process); returns the
+    number of files written (0 when nothing matches this machine or all were present)."""
+    path = _seed_file()
+    if path is None:
+        return 0
+    root = _cache_dir()
+    written = 0
+    try:
+        with tarfile.open(path) as tar:
+            for member in tar.getmembers():
+                name = Path(member.name)
+                # plain files two levels down (<hash>/<kernel>.autotune.json), nothing else
+                if not member.isfile() or name.is_absolute() or ".." in name.parts \
+                        or not name.name.endswith(".autotune.json"):
+                    continue
+                dest = root / name
+                if dest.exists():
+                    continue
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                tmp = dest.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_bytes(tar.extractfile(member).read())
+                os.replace(tmp, dest)        # atomic: another rank may write the same file
+                written += 1
+    except OSError:      # a read-only or full cache only costs the autotuning it would save
+        return written
+    return written
