@@ -13,7 +13,7 @@ def test_shipped_archive_holds_only_autotune_results():
     with tarfile.open(SHIPPED[0]) as tar:
         files = [m for m in tar.getmembers() if m.isfile()]
     assert len(files) >= 20
-    assert all(m.name.endswith(".autotune.json") and len(Path(m.name).parts) == 3 for m in files)
+    assert all(m.name.endswith(".autotune.json") and len(Path(m.name).parts) == 2 for m in files)
 
 
 def test_install_writes_missing_files_only(tmp_path, monkeypatch):
