@@ -16,8 +16,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import host_ms  # noqa: E402
 from sp_attention import SPContext  # noqa: E402
 from sp_attention.linear import lightning_attention  # noqa: E402
-from sp_attention.linear.attention import _rows, _scan_rows  # noqa: E402
-from sp_attention.linear.local import leaves_backward, leaves_output, state_grad_local  # noqa: E402
+from sp_attention.linear.attention import leaf_rows, scan_rows  # noqa: E402
+from sp_attention.linear.leaf import state_grad_local  # noqa: E402
+from sp_attention.linear.leaves import leaves_backward, leaves_output  # noqa: E402
 
 
 def main() -> None:
@@ -35,7 +36,7 @@ def main() -> None:
     slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=dev)
     gg = (-slopes / math.log(2)).float()
     zz = SPContext(None, 0, 1, (0,), "zigzag")
-    qb, kb, vb, dob = (_rows(t, 2) for t in (q, k, v, do))
+    qb, kb, vb, dob = (leaf_rows(t, 2) for t in (q, k, v, do))
     h, b = chunk_fwd_h(k=k, v=v, g_gamma=gg, h0=None, output_final_state=True)
     S = torch.zeros(1, H, K, K, device=dev)
     S2 = torch.zeros(2, H, K, K, device=dev)
@@ -63,8 +64,8 @@ def main() -> None:
         "our decayed_state_sum": lambda: decayed_state_sum(q, do, gg, 1, 1),
         "state_grad_local": lambda: state_grad_local(q, do, slopes, 1.0),
         "stream switch (2 waits)": switch,
-        "scan ring, world 1 zigzag": lambda: _scan_rows(S2, q, slopes, zz, "ring", False),
-        "scan allgather, world 1 zigzag": lambda: _scan_rows(S2, q, slopes, zz, "allgather", False),
+        "scan ring, world 1 zigzag": lambda: scan_rows(S2, q, slopes, zz, "ring", False),
+        "scan allgather, world 1 zigzag": lambda: scan_rows(S2, q, slopes, zz, "allgather", False),
         "leaves_output (2 leaves)": lambda: leaves_output(qb, kb, vb, slopes, 1.0, lambda _: S2),
         "leaves_backward (2 leaves)": lambda: leaves_backward(qb, kb, vb, slopes, 1.0, S2, dob,
                                                               lambda _: S2),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -25,32 +26,34 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (COMM_VARIANTS, base_parser, cp_groups, device_name,  # noqa: E402
                                emit, host_ahead_lost, host_ms, init_dist, time_ms)
-from sp_attention import SPContext, build_sp_context  # noqa: E402
+from sp_attention import LinearTuning, SPContext, build_sp_context  # noqa: E402
 from sp_attention.linear import lightning_attention  # noqa: E402
-from sp_attention.linear.attention import SCANS, _rows, _scan_rows  # noqa: E402
-from sp_attention.linear.local import (leaf_state, leaves_backward, leaves_output,  # noqa: E402
-                                       resolve_backend, state_grad_local)
+from sp_attention.linear.attention import SCANS, leaf_rows, scan_rows  # noqa: E402
+from sp_attention.linear.fla_ops import resolve_backend  # noqa: E402
+from sp_attention.linear.leaf import leaf_state, state_grad_local  # noqa: E402
+from sp_attention.linear.leaves import leaves_backward, leaves_output  # noqa: E402
 
 
-def _phases(q, k, v, slopes, do, ctx, impl, backend, timer) -> dict:
+def _phases(q, k, v, slopes, do, ctx, impl, backend, timer, tuning) -> dict:
     """Time the pieces of one CP step alone (ms), in the order the autograd Function runs them
     (on GPU the forward takes the end states from the chunk recurrence, not ``leaf_state``, and
     the backward's scan runs on a side stream under the recomputed recurrence, so the step
     costs less than the sum; ``ms_local_bwd`` includes the state-gradient pass)."""
     n = len(ctx.leaves)
-    qb, kb, vb, dob = (_rows(t, n) for t in (q, k, v, do))
+    qb, kb, vb, dob = (leaf_rows(t, n) for t in (q, k, v, do))
     b = leaf_state(kb, vb, slopes)
-    S = _scan_rows(b, q, slopes, ctx, impl, False)
+    S = scan_rows(b, q, slopes, ctx, impl, False)
     d = state_grad_local(qb, dob, slopes, 1.0)
-    G = _scan_rows(d, q, slopes, ctx, impl, True)
+    G = scan_rows(d, q, slopes, ctx, impl, True)
     return {
         "ms_state_fwd": timer(lambda: leaf_state(kb, vb, slopes)),
-        "ms_scan_fwd": timer(lambda: _scan_rows(b, q, slopes, ctx, impl, False)),
-        "ms_local_fwd": timer(lambda: leaves_output(qb, kb, vb, slopes, 1.0, lambda _: S, backend)),
+        "ms_scan_fwd": timer(lambda: scan_rows(b, q, slopes, ctx, impl, False)),
+        "ms_local_fwd": timer(lambda: leaves_output(qb, kb, vb, slopes, 1.0, lambda _: S, backend,
+                                                    tuning=tuning)),
         "ms_state_grad_bwd": timer(lambda: state_grad_local(qb, dob, slopes, 1.0)),
-        "ms_scan_bwd": timer(lambda: _scan_rows(d, q, slopes, ctx, impl, True)),
+        "ms_scan_bwd": timer(lambda: scan_rows(d, q, slopes, ctx, impl, True)),
         "ms_local_bwd": timer(lambda: leaves_backward(qb, kb, vb, slopes, 1.0, S, dob,
-                                                      lambda _: G, backend)),
+                                                      lambda _: G, backend, tuning=tuning)),
     }
 
 
@@ -117,6 +120,16 @@ def _graph_rows(a, base, qg, kg, vg, do, slopes, group, backend, timer, rank, wo
                       baseline=f"{world} x graphed fla", graph_error=err), a.out, rank)
 
 
+def _suffix(tuning: LinearTuning, default: LinearTuning, variant: str) -> str:
+    """impl suffix naming what differs from the default tuning (the A/B rows)."""
+    suffix = ""
+    if tuning.static_zero_paths != default.static_zero_paths:
+        suffix += "-zero" if tuning.static_zero_paths else "-nozero"
+    if tuning.concurrent_recurrences != default.concurrent_recurrences:
+        suffix += "-concurrent" if tuning.concurrent_recurrences else "-serial"
+    return suffix + ("" if variant == "default" else f"+{variant}")
+
+
 class _Run:
     """Rows of one T_local: the 1-GPU baselines, then every layout x schedule, in one mode."""
 
@@ -129,9 +142,9 @@ class _Run:
         a, dev = self.a, self.dev
         return lambda fn: time_ms(fn, dev, a.warmup, a.iters, a.repeats, mode=mode)
 
-    def step(self, ctx, impl, backward):
+    def step(self, ctx, impl, backward, tuning=None):
         o = lightning_attention(self.qg, self.kg, self.vg, self.slopes, ctx=ctx, impl=impl,
-                                backend=self.backend)
+                                backend=self.backend, tuning=tuning)
         if backward:
             o.backward(self.do)
 
@@ -159,39 +172,31 @@ class _Run:
                       mtok_s=T / f_fb / 1e3, baseline="local_kernel", ratio=t1_fb / f_fb),
                  a.out, rank)
             base_name, tb_f, tb_fb = "fla_chunk_simple_gla", f_f, f_fb
-        import sp_attention.linear.attention as lin
-        import sp_attention.linear.local as loc
-        default, side_default = lin._STATIC_ZERO_PATHS, loc._SIDE_STREAM_PRIORITY
-        conc = loc._CONCURRENT_RECURRENCES
-        runs = [(layout, impl, default, variant, conc) for variant in a.comm_variants
+        default = LinearTuning()
+        runs = [(layout, impl, default, variant) for variant in a.comm_variants
                 for layout in a.layouts for impl in a.impls]
         if a.ab_static_zero:
-            runs += [("contiguous", impl, not default, "default", conc) for impl in a.impls]
+            flip = replace(default, static_zero_paths=not default.static_zero_paths)
+            runs += [("contiguous", impl, flip, "default") for impl in a.impls]
         if a.ab_concurrent:
-            runs += [(layout, impl, default, "default", not conc) for layout in a.layouts
-                     for impl in a.impls]
-        for layout, impl, shortcuts, variant, concurrent in runs:
-            lin._STATIC_ZERO_PATHS = shortcuts
-            loc._SIDE_STREAM_PRIORITY = 0 if variant == "side0" else side_default
-            loc._CONCURRENT_RECURRENCES = concurrent
-            suffix = "" if shortcuts == default else ("-zero" if shortcuts else "-nozero")
-            suffix += "" if concurrent == conc else ("-concurrent" if concurrent else "-serial")
-            suffix += "" if variant == "default" else f"+{variant}"
-            try:
-                self.cp_row(base, mode, qkv, profile and variant == "default", layout, impl,
-                            suffix, (base_name, tb_f, tb_fb, t1_fb), variant)
-            finally:
-                lin._STATIC_ZERO_PATHS, loc._SIDE_STREAM_PRIORITY = default, side_default
-                loc._CONCURRENT_RECURRENCES = conc
+            flip = replace(default, concurrent_recurrences=not default.concurrent_recurrences)
+            runs += [(layout, impl, flip, "default") for layout in a.layouts for impl in a.impls]
+        for layout, impl, tuning, variant in runs:
+            if variant == "side0":      # the scan's side stream at normal priority
+                tuning = replace(tuning, side_stream_priority=0)
+            self.cp_row(base, mode, qkv, profile and variant == "default", layout, impl,
+                        _suffix(tuning, default, variant), (base_name, tb_f, tb_fb, t1_fb),
+                        variant, tuning)
 
-    def cp_row(self, base, mode, qkv, profile, layout, impl, suffix, ref, variant) -> None:
+    def cp_row(self, base, mode, qkv, profile, layout, impl, suffix, ref, variant,
+               tuning) -> None:
         a, rank, world, dev, step = self.a, self.rank, self.world, self.dev, self.step
         timer, T = self.timer(mode), base["T_local"]
         base_name, tb_f, tb_fb, t1_fb = ref
         ctx = build_sp_context(self.groups[variant], layout=layout)
-        tf = timer(lambda: step(ctx, impl, False))
-        tfb = timer(lambda: step(ctx, impl, True))
-        host = host_ms(lambda: step(ctx, impl, True)) if dev == "cuda" else None
+        tf = timer(lambda: step(ctx, impl, False, tuning))
+        tfb = timer(lambda: step(ctx, impl, True, tuning))
+        host = host_ms(lambda: step(ctx, impl, True, tuning)) if dev == "cuda" else None
         rec = dict(base, impl=impl + suffix, layout=layout, comm=variant,
                    ms_fwd=tf, ms_fwd_bwd=tfb, ms_host_fwd_bwd=host,
                    mtok_s=world * T / tfb / 1e3, mtok_s_fwd=world * T / tf / 1e3,
@@ -199,7 +204,7 @@ class _Run:
                    ratio_fwd=tb_f / tf, ratio_vs_local_op=t1_fb / tfb)
         if not a.no_phases:
             q, k, v = qkv
-            ph = _phases(q, k, v, self.slopes, self.do, ctx, impl, self.backend, timer)
+            ph = _phases(q, k, v, self.slopes, self.do, ctx, impl, self.backend, timer, tuning)
             rec.update(ph)
             # upper bound: the scans' standalone times, as if nothing hid them
             rec["scan_share"] = (ph["ms_scan_fwd"] + ph["ms_scan_bwd"]) / tfb
@@ -210,7 +215,8 @@ class _Run:
             rec["host_ahead_lost"] = host_ahead_lost()
         emit(rec, a.out, rank)
         if profile and dev == "cuda" and mode == a.timing[0]:
-            _profile(lambda: step(ctx, impl, True), a.profile, f"{layout}-{impl}-{T}", rank)
+            _profile(lambda: step(ctx, impl, True, tuning), a.profile, f"{layout}-{impl}-{T}",
+                     rank)
 
 
 def main() -> None:
@@ -222,8 +228,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--no-phases", action="store_true")
     p.add_argument("--ab-static-zero", action="store_true",
-                   help="contiguous rows also with the first/last-leaf shortcuts of "
-                        "sp_attention.linear.attention._STATIC_ZERO_PATHS flipped (impl suffix "
+                   help="contiguous rows also with the first/last-leaf shortcuts "
+                        "(LinearTuning.static_zero_paths) flipped (impl suffix "
                         "'-zero' when on, '-nozero' when off): an A/B in the same run")
     p.add_argument("--comm-variants", nargs="+", default=["default"], choices=COMM_VARIANTS,
                    help="CP rows per communication setting, side by side: 'default' (a plain "
@@ -232,8 +238,8 @@ def main() -> None:
                         "CPGroupOptions(high_priority_stream=True)), 'side0' (default group, "
                         "scan side stream at normal priority); impl suffix '+VARIANT'")
     p.add_argument("--ab-concurrent", action="store_true",
-                   help="also run the CP rows with sp_attention.linear.local."
-                        "_CONCURRENT_RECURRENCES flipped (the backward's two chunk recurrences "
+                   help="also run the CP rows with LinearTuning.concurrent_recurrences "
+                        "flipped (the backward's two chunk recurrences "
                         "on two streams, or one after the other; impl suffix '-serial' / "
                         "'-concurrent')")
     p.add_argument("--cuda-graph", action="store_true",

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import base_parser, device_name, emit, host_ms, time_ms  # noqa: E402
-from sp_attention.linear.kernels import (_OUTPUT_CANDIDATES, _STATE_CANDIDATES,  # noqa: E402
+from sp_attention.linear.kernels import (OUTPUT_CANDIDATES, STATE_CANDIDATES,  # noqa: E402
                                          decayed_state_sum, output_from_states)
 
 
@@ -79,13 +79,13 @@ def main() -> None:
                                                        g_gamma=gg, scale=1.0),
             "chunk_bwd_dv": lambda: chunk_bwd_dv(q=q, k=k, do=do, dh=dh, g_gamma=gg, scale=1.0),
         }
-        for i, c in enumerate(_OUTPUT_CANDIDATES):
+        for i, c in enumerate(OUTPUT_CANDIDATES):
             pieces[f"output_from_states cfg{i} {c.kwargs} w{c.num_warps} s{c.num_stages}"] = (
                 lambda i=i: output_from_states(q, k, v, h, S, gg, 1.0, 64, i))
         pieces["decayed_state_sum (autotuned)"] = lambda: decayed_state_sum(q, do, gg, 1, 1)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         n_chunks = -(-T // 64)
-        for i, c in enumerate(_STATE_CANDIDATES):
+        for i, c in enumerate(STATE_CANDIDATES):
             # the sequence split: the default (about 2 programs per SM per tile) and others
             for per_sm in (None,) + tuple(a.state_splits):
                 splits = None if per_sm is None else max(1, min(n_chunks,

@@ -19,7 +19,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import base_parser, device_name, emit, time_ms  # noqa: E402
-from sp_attention.linear.local import leaves_backward, leaves_output  # noqa: E402
+from sp_attention import LinearTuning  # noqa: E402
+from sp_attention.linear.leaves import leaves_backward, leaves_output  # noqa: E402
 
 
 def main() -> None:
@@ -39,34 +40,33 @@ def main() -> None:
         def fla_fb():
             o, _ = chunk_simple_gla(qg, kg, vg, g_gamma=-slopes, scale=1.0)
             o.backward(do)
-        rows = {
-            "fla fwd": lambda: chunk_simple_gla(q, k, v, g_gamma=-slopes, scale=1.0),
-            "fla fwd+bwd": fla_fb,
-            "rank0 fwd, shortcut": lambda: leaves_output(q, k, v, slopes, 1.0,
-                                                         lambda b: Z, "fla", zero_in=True),
-            "rank0 fwd, no shortcut": lambda: leaves_output(q, k, v, slopes, 1.0,
-                                                            lambda b: Z, "fla"),
-            "rank1 fwd": lambda: leaves_output(q, k, v, slopes, 1.0, lambda b: S, "fla"),
-            "rank0 bwd": lambda: leaves_backward(q, k, v, slopes, 1.0, Z, do, lambda d: S,
-                                                 "fla", needed=(False,)),
-            "rank1 bwd, shortcut": lambda: leaves_backward(q, k, v, slopes, 1.0, S, do,
-                                                           lambda d: Z, "fla", zero_grad=True),
-            "rank1 bwd, no shortcut": lambda: leaves_backward(q, k, v, slopes, 1.0, S, do,
-                                                              lambda d: Z, "fla"),
-        }
-        import sp_attention.linear.local as loc
-        conc = loc._CONCURRENT_RECURRENCES
-        runs = [(name, fn, conc) for name, fn in rows.items()]
-        runs += [(name + (", serial" if conc else ", concurrent"), fn, not conc)
-                 for name, fn in rows.items() if "bwd" in name and "fla" not in name]
-        for name, fn, concurrent in runs:
-            loc._CONCURRENT_RECURRENCES = concurrent
-            try:
-                fn()
-                torch.cuda.synchronize()
-                ms = time_ms(fn, "cuda", a.warmup, a.iters, a.repeats, mode="queued")
-            finally:
-                loc._CONCURRENT_RECURRENCES = conc
+        default = LinearTuning()
+        flip = LinearTuning(concurrent_recurrences=not default.concurrent_recurrences)
+
+        def rows(tuning):
+            return {
+                "rank0 fwd, shortcut": lambda: leaves_output(
+                    q, k, v, slopes, 1.0, lambda b: Z, "fla", zero_in=True, tuning=tuning),
+                "rank0 fwd, no shortcut": lambda: leaves_output(
+                    q, k, v, slopes, 1.0, lambda b: Z, "fla", tuning=tuning),
+                "rank1 fwd": lambda: leaves_output(q, k, v, slopes, 1.0, lambda b: S, "fla",
+                                                   tuning=tuning),
+                "rank0 bwd": lambda: leaves_backward(q, k, v, slopes, 1.0, Z, do, lambda d: S,
+                                                     "fla", needed=(False,), tuning=tuning),
+                "rank1 bwd, shortcut": lambda: leaves_backward(
+                    q, k, v, slopes, 1.0, S, do, lambda d: Z, "fla", zero_grad=True,
+                    tuning=tuning),
+                "rank1 bwd, no shortcut": lambda: leaves_backward(
+                    q, k, v, slopes, 1.0, S, do, lambda d: Z, "fla", tuning=tuning),
+            }
+        runs = [("fla fwd", lambda: chunk_simple_gla(q, k, v, g_gamma=-slopes, scale=1.0)),
+                ("fla fwd+bwd", fla_fb)] + list(rows(default).items())
+        tag = ", serial" if default.concurrent_recurrences else ", concurrent"
+        runs += [(name + tag, fn) for name, fn in rows(flip).items() if "bwd" in name]
+        for name, fn in runs:
+            fn()
+            torch.cuda.synchronize()
+            ms = time_ms(fn, "cuda", a.warmup, a.iters, a.repeats, mode="queued")
             emit({"bench": "linear_rank_programs", "impl": name, "T_local": T, "H": H, "K": K,
                   "dtype": "bfloat16", "device": device_name("cuda"), "timing": "queued",
                   "ms": ms}, a.out, 0)

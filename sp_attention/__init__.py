@@ -9,6 +9,7 @@ from .linear import lightning_attention
 from .sharding import (pad_for_layout, pad_to_multiple, shard_position_ids, shard_sequence,
                        shift_labels, unshard_sequence)
 from .softmax import context_parallel_attention
+from .tuning import LinearTuning, SoftmaxTuning
 
 __version__ = "0.1.0"
 
@@ -16,5 +17,5 @@ __all__ = [
     "__version__", "LAYOUTS", "SPContext", "build_sp_context", "CPGroupOptions", "new_cp_group",
     "lightning_attention", "context_parallel_attention",
     "shard_sequence", "unshard_sequence", "shard_position_ids", "shift_labels",
-    "pad_to_multiple", "pad_for_layout",
+    "pad_to_multiple", "pad_for_layout", "LinearTuning", "SoftmaxTuning",
 ]

@@ -75,7 +75,8 @@ def build_sp_context(group: Optional[dist.ProcessGroup] = None, layout: str = "z
     """Build an :class:`SPContext` from a process group.
 
     ``group=None`` with torch.distributed uninitialised (or a group of one) gives a world-size-1
-    context that runs everything locally. ``group=None`` with an initialised default group is
+    context that runs everything locally. On a process outside the group (where
+    ``dist.new_group`` returned ``GroupMember.NON_GROUP_MEMBER``) it raises ``ValueError``. ``group=None`` with an initialised default group is
     refused: the plugin never defaults to WORLD, pass the CP group explicitly.
     """
     if layout not in LAYOUTS:
@@ -87,6 +88,14 @@ def build_sp_context(group: Optional[dist.ProcessGroup] = None, layout: str = "z
                 "ambiguous; pass the context-parallel group explicitly (e.g. "
                 "parallel_state.get_context_parallel_group()).")
         return SPContext(None, 0, 1, (0,), layout)
+    if isinstance(group, int) and not isinstance(group, bool) \
+            and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank() if dist.is_initialized() else '?'}) is "
+            "not a member of the group: dist.new_group (and new_cp_group) return "
+            "GroupMember.NON_GROUP_MEMBER on processes outside `ranks`. Build the context and "
+            "call the ops only on the group's members (e.g. `if rank in ranks:`), each with "
+            "the group it belongs to")
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
     rank = dist.get_rank(group)

@@ -9,6 +9,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+# The one padding helper every error message about sequence lengths names.
+PAD_HELPER = "sp_attention.pad_for_layout"
+
 
 def _check_world(world_size: int) -> None:
     if not isinstance(world_size, int) or world_size < 1:
@@ -63,8 +66,8 @@ def chunk_size(seq_len: int, world_size: int, layout: str) -> int:
     if seq_len <= 0 or seq_len % n:
         raise ValueError(
             f"sequence length {seq_len} cannot be split into {n} equal chunks for layout "
-            f"{layout!r} with world size {world_size}; pad it to a multiple of {n} "
-            f"(sp_attention.sharding.pad_to_multiple)")
+            f"{layout!r} with world size {world_size}; pad it to a multiple of {n} with "
+            f"{PAD_HELPER}")
     return seq_len // n
 
 

@@ -13,136 +13,116 @@ Only ``S_in`` per leaf is saved for backward; everything else is recomputed by t
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
+from ..call_check import agree_across_ranks
 from ..context import SPContext
-from .local import BACKENDS, chunk_decay, leaf_backward, leaf_output, leaves_backward, \
-    leaves_output, resolve_backend, slope_constant
+from ..tuning import LinearTuning
+from ..validation import check_local_length, check_tensors, resolve_ctx, sdpa_hint
+from .fla_ops import BACKENDS, FlaKernels, resolve_kernels
+from .leaf import leaf_backward, leaf_output
+from .leaves import leaves_backward, leaves_output
 from .scan_allgather import allgather_scan
 from .scan_blelloch import blelloch_scan
 from .scan_ring import ring_scan
+from .slope_constants import check_slope_values, leaf_transition
+
+__all__ = ["lightning_attention", "IMPLS", "SCANS", "resolve_impl", "leaf_rows", "scan_rows"]
 
 SCANS = {"blelloch": blelloch_scan, "allgather": allgather_scan, "ring": ring_scan}
-# Ranks holding only the sequence's first leaf (no state enters) or only its last (no gradient
-# arrives) can take shorter local paths (leaves_output(zero_in=True), leaves_backward(
-# zero_grad=True)): measured on one H200 they cut those ranks' GPU work (rank 0 forward 0.53 ->
-# 0.45 ms, rank P-1 backward 1.61 -> 1.41 ms at 32K), but the only 2-GPU run with them on gave a
-# slower step (0.77 of 2 x fla vs 0.84 without, 2026-11-23) and their GPU tests have not run.
-# Off until an A/B on two GPUs (benchmarks/linear_cp.py --ab-static-zero) and the GPU tests
-# say otherwise; both settings are exact.
-_STATIC_ZERO_PATHS = False
 IMPLS = tuple(SCANS) + ("auto",)
-
-# `auto`: two leaves (contiguous P = 2, or zigzag on one rank) need one hop at most, and the ring
-# does it with no fold (measured on 2x H200 at 32K: 0.74 vs 0.69 for the all-gather). Beyond
-# that one all-gather (a single latency) beats 2⌈log2 L⌉ dependent rounds while the gathered
-# states stay small; past this many leaves the tree's O(log L) rounds and O(1) bytes per round win.
-_AUTO_ALLGATHER_MAX_LEAVES = 16
+_DEFAULT = LinearTuning()
 
 
-def resolve_impl(impl: str, ctx: SPContext) -> str:
+def resolve_impl(impl: str, ctx: SPContext, tuning: LinearTuning = _DEFAULT) -> str:
+    """The scan schedule ``impl`` names; ``"auto"``: two leaves (contiguous P = 2, or zigzag on
+    one rank) need one hop at most, and the ring does it with no fold (measured on 2x H200 at
+    32K: 0.74 vs 0.69 for the all-gather); beyond that one all-gather (a single latency) beats
+    2⌈log2 L⌉ dependent rounds while the gathered states stay small, up to
+    ``tuning.auto_allgather_max_leaves``; past that the tree's O(log L) rounds win."""
     if impl not in IMPLS:
         raise ValueError(f"unknown linear-attention scan impl {impl!r}; use one of {IMPLS}")
     if impl == "auto":
         if ctx.num_leaves <= 2:
             return "ring"
-        return "allgather" if ctx.num_leaves <= _AUTO_ALLGATHER_MAX_LEAVES else "blelloch"
+        return "allgather" if ctx.num_leaves <= tuning.auto_allgather_max_leaves else "blelloch"
     return impl
 
 
-def _leaf_elements(q: torch.Tensor, slopes: torch.Tensor, n_leaves: int, b: list) -> list:
-    """``A = λ^C`` per leaf as ``[B, H]`` in the scan dtype (every leaf has C = T_local / n)."""
-    c, B, dt = q.shape[1] // n_leaves, q.shape[0], b[0].dtype
-    A = slope_constant(slopes, ("leaf_A", c, B, dt, q.device), lambda: chunk_decay(
-        slopes, c, dtype=dt, device=q.device).reshape(1, -1).expand(B, -1).contiguous())
-    return [A] * n_leaves
-
-
-def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
+def leaf_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     """``[B, n·C, ...]`` -> ``[B·n, C, ...]``: one row per leaf (a view for contiguous x)."""
     return x.reshape(x.shape[0] * n, x.shape[1] // n, *x.shape[2:])
 
 
-def _scan_rows(x: torch.Tensor, q: torch.Tensor, slopes: torch.Tensor, ctx: SPContext,
-               impl: str, reverse: bool) -> torch.Tensor:
+def scan_rows(x: torch.Tensor, q: torch.Tensor, slopes: torch.Tensor, ctx: SPContext,
+              impl: str, reverse: bool) -> torch.Tensor:
     """Scan the per-leaf states ``x [B·n, H, K, V]`` (this rank's leaves as rows) across the
-    group: the state entering each leaf (``reverse``: the gradient arriving at its end), in
-    the same row layout, fp32 (fp64 for fp64 inputs)."""
+    group with schedule ``impl``: the state entering each leaf (``reverse``: the gradient
+    arriving at its end), in the same row layout, fp32 (fp64 for fp64 inputs)."""
     n = len(ctx.leaves)
+    A = leaf_transition(slopes, q.shape[1] // n, q.shape[0], x.dtype, q.device)   # [B, H]
     if n == 1:                  # contiguous: the rows are the leaf, no split or stack
-        return SCANS[impl](_leaf_elements(q, slopes, 1, [x]), [x], ctx, reverse=reverse)[0]
+        return SCANS[impl]([A], [x], ctx, reverse=reverse)[0]
     parts = list(x.view(q.shape[0], n, *x.shape[1:]).unbind(1))
-    out = SCANS[impl](_leaf_elements(q, slopes, n, parts), parts, ctx, reverse=reverse)
+    out = SCANS[impl]([A] * n, parts, ctx, reverse=reverse)
     return torch.stack(out, 1).view(x.shape)
 
 
 class _LightningAttention(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, slopes, ctx: SPContext, impl: str, scale: float,
-                backend: Optional[str]):
-        if ctx.num_leaves == 1:     # the whole sequence is one leaf: nothing enters it
+                local: Union[str, FlaKernels], tuning: LinearTuning):
+        if ctx.num_leaves == 1 and isinstance(local, str):
+            # the whole sequence is one leaf: nothing enters it; one kernel call
             S = torch.zeros(())
-            out = leaf_output(q, k, v, slopes, scale, None, backend)
+            out = leaf_output(q, k, v, slopes, scale, None, local)
         else:
             # A rank's leaves are the rows of one batch. Each leaf's zero-start end state is
             # scanned across ranks into the state S_in entering it (on GPU a side stream; the
             # end states come from the zero-start chunk recurrence), and the output kernel adds
             # S_in to every chunk state. The sequence's first leaf gets S_in = 0 (exact).
             n = len(ctx.leaves)
-            qb, kb, vb = _rows(q, n), _rows(k, n), _rows(v, n)
+            qb, kb, vb = leaf_rows(q, n), leaf_rows(k, n), leaf_rows(v, n)
             # a rank holding only the sequence's first leaf receives nothing (S_in = 0)
-            zero_in = _STATIC_ZERO_PATHS and all(leaf == 0 for leaf in ctx.leaves)
+            zero_in = tuning.static_zero_paths and all(leaf == 0 for leaf in ctx.leaves)
             o, S = leaves_output(qb, kb, vb, slopes, scale,
-                                 lambda b: _scan_rows(b, q, slopes, ctx, impl, False), backend,
-                                 zero_in)
+                                 lambda b: scan_rows(b, q, slopes, ctx, impl, False), local,
+                                 zero_in, tuning=tuning)
             out = o.reshape(*q.shape[:3], v.shape[-1])
         fctx.save_for_backward(q, k, v, slopes, S)
-        fctx.sp, fctx.impl, fctx.scale, fctx.backend = ctx, impl, scale, backend
+        fctx.sp, fctx.impl, fctx.scale, fctx.local, fctx.tuning = ctx, impl, scale, local, tuning
         return out.to(q.dtype)
 
     @staticmethod
     def backward(fctx, do):
         q, k, v, slopes, S = fctx.saved_tensors
-        ctx, scale, backend = fctx.sp, fctx.scale, fctx.backend
-        if ctx.num_leaves == 1:     # one leaf: no state enters, no gradient arrives
-            dq, dk, dv = leaf_backward(q, k, v, slopes, scale, None, do, None, backend)
+        ctx, scale, local, tuning = fctx.sp, fctx.scale, fctx.local, fctx.tuning
+        if ctx.num_leaves == 1 and isinstance(local, str):
+            # one leaf: no state enters, no gradient arrives
+            dq, dk, dv = leaf_backward(q, k, v, slopes, scale, None, do, None, local)
         else:
             # Mirror image: each leaf's state-gradient contribution (one pass over q, dO) is
             # suffix-scanned into the gradient G arriving at its end (side stream) while the
             # chunk states from S_in are recomputed; the last leaf gets G = 0 (exact).
             n = len(ctx.leaves)
-            qb, kb, vb, dob = _rows(q, n), _rows(k, n), _rows(v, n), _rows(do, n)
+            qb, kb, vb, dob = (leaf_rows(t, n) for t in (q, k, v, do))
             # the sequence's first leaf sends its contribution to nobody: not computed
             needed = tuple(leaf != 0 for leaf in ctx.leaves)
             # ... and one holding only its last leaf receives no gradient (G = 0)
-            zero_grad = _STATIC_ZERO_PATHS and all(leaf == ctx.num_leaves - 1
-                                                   for leaf in ctx.leaves)
+            zero_grad = tuning.static_zero_paths and all(leaf == ctx.num_leaves - 1
+                                                         for leaf in ctx.leaves)
             grads = leaves_backward(
                 qb, kb, vb, slopes, scale, S, dob,
-                lambda d: _scan_rows(d, q, slopes, ctx, fctx.impl, True), backend, needed,
-                zero_grad)
+                lambda d: scan_rows(d, q, slopes, ctx, fctx.impl, True), local, needed,
+                zero_grad, tuning=tuning)
             dq, dk, dv = (g.reshape(x.shape) for g, x in zip(grads, (q, k, v)))
-        return dq, dk, dv, None, None, None, None, None
-
-
-def _check_slope_values(slopes: torch.Tensor) -> None:
-    """Slopes must be finite and >= 0. Reading values on the host syncs a CUDA device, which
-    would stall the launch queue on every call; slopes are fixed buffers, so each tensor is
-    checked once per version (an in-place change bumps ``_version`` and is checked again)."""
-    def check() -> bool:
-        if not torch.isfinite(slopes).all() or (slopes < 0).any():
-            raise ValueError("slopes must be finite and >= 0 (decay exp(-slope) in (0, 1]); "
-                             f"got min {slopes.min().item()}")
-        return True
-    slope_constant(slopes, ("values_checked",), check)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _check_inputs(q, k, v, slopes, ctx: SPContext, scale) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v), ("slopes", slopes)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensors(q=q, k=k, v=v, slopes=slopes)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be [B, T, H, K/V]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -157,24 +137,36 @@ def _check_inputs(q, k, v, slopes, ctx: SPContext, scale) -> None:
         raise ValueError("q, k, v are on different devices")
     H = q.shape[2]
     if slopes.dim() != 1 or slopes.shape[0] != H:
+        hint = sdpa_hint(q, slopes.shape[0] if slopes.dim() == 1 else None)
         raise ValueError(f"slopes must be [H] = [{H}] (one decay rate per head), got "
-                         f"{tuple(slopes.shape)}")
+                         f"{tuple(slopes.shape)}.{hint}")
     if slopes.requires_grad:
         raise ValueError("slopes are fixed decay rates here (no gradient is computed for them); "
                          "pass slopes.detach() or a buffer")
-    _check_slope_values(slopes)
-    if not isinstance(scale, (int, float)) or not scale > 0:
+    check_slope_values(slopes)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale must be a positive float, got {scale!r}")
-    n = len(ctx.leaves)
-    if q.shape[1] == 0 or q.shape[1] % n:
-        raise ValueError(f"the local sequence length {q.shape[1]} must be a positive multiple of "
-                         f"{n} for layout {ctx.layout!r} (each rank holds {n} equal chunks); "
-                         "pad the global sequence with sp_attention.pad_for_layout")
+    check_local_length(q, ctx)
+
+
+def _shape(x) -> object:
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _signature(q, k, v, slopes, impl, scale, backend, tuning, ctx: SPContext) -> tuple:
+    """What every rank must pass alike (checked across ranks once per new signature)."""
+    tensors = tuple((n, _shape(x), getattr(x, "dtype", None)) for n, x in
+                    (("q", q), ("k", k), ("v", v), ("slopes", slopes)))
+    dev = q.device.type if isinstance(q, torch.Tensor) else None
+    kind = backend if backend is None or isinstance(backend, str) else type(backend).__name__
+    return (("tensors", tensors), ("device", dev), ("layout", ctx.layout), ("impl", impl),
+            ("scale", scale), ("backend", kind), ("tuning", tuning))
 
 
 def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
                         *, ctx: Optional[SPContext] = None, impl: str = "auto",
-                        scale: float = 1.0, backend: Optional[str] = None) -> torch.Tensor:
+                        scale: float = 1.0, backend: Union[None, str, FlaKernels] = None,
+                        tuning: Optional[LinearTuning] = None) -> torch.Tensor:
     """Causal linear attention with per-head decay over a context-parallel group.
 
     For each head with slope ``s ≥ 0`` (decay ``λ = exp(−s)``), over the *global* sequence::
@@ -185,32 +177,55 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope
     Args:
         q, k: ``[B, T_local, H, K]`` this rank's shard of the sequence (see
             :func:`sp_attention.shard_sequence`; zigzag holds chunks ``r`` and ``2P−1−r``).
+            Not SDPA's ``[B, H, T, K]``: transpose(1, 2) such tensors first.
         v: ``[B, T_local, H, V]``.
-        slopes: ``[H]`` fixed, non-negative decay rates (0 = no decay). Not differentiated.
+        slopes: ``[H]`` fixed, non-negative decay rates (0 = no decay), any float dtype and
+            device (moved to ``q``'s device; decays are formed in fp32, fp64 for fp64
+            inputs). Not differentiated. Under TP, the slopes of this rank's heads.
         ctx: the CP :class:`~sp_attention.SPContext` (its layout must match how the sequence
             was sharded). ``None`` or world size 1: plain single-device attention.
         impl: cross-rank state scan: ``"blelloch"`` (tree, 2⌈log2 L⌉ rounds of one fp32
             state), ``"allgather"`` (one all-gather, local fold), ``"ring"`` (P−1 sequential
             hops, baseline), ``"auto"`` (ring for 2 leaves, allgather up to 16, else blelloch).
-        scale: multiplies ``q`` (default 1.0; pass ``K ** -0.5`` for softmax-like scaling).
+        scale: multiplies ``q`` (default 1.0, unlike softmax attention's ``D ** -0.5``; pass
+            ``K ** -0.5`` for softmax-like scaling).
         backend: local kernel, ``"fla"`` (fla-core Triton, CUDA) or ``"torch"`` (chunked pure
-            torch, any device, fp64 capable); ``None`` picks fla when it can run.
+            torch, any device, fp64 capable); ``None`` picks fla when it can run; a
+            :class:`~sp_attention.linear.fla_ops.FlaKernels` runs the fla path with those
+            kernels (tests use pure-torch stand-ins).
+        tuning: :class:`~sp_attention.LinearTuning` (None: the defaults); never changes the
+            numbers.
 
     Returns:
         ``[B, T_local, H, V]`` in ``q.dtype``. Cross-rank states and the inter term are fp32
         (fp64 for fp64 inputs); the local kernel runs in the input dtype.
 
-    Raises ``ValueError``/``TypeError`` before any communication for mismatched shapes or
-    dtypes, slopes of the wrong shape or sign, an unknown impl or backend, or a local length
-    the layout cannot split. Every rank must call with the same shapes and impl.
+    Raises ``ValueError``/``TypeError`` on every rank, before the op communicates, for
+    mismatched shapes or dtypes, slopes of the wrong shape or sign, an unknown impl or
+    backend, a local length the layout cannot split, or ranks whose calls differ (shapes,
+    dtypes, options: checked by one small all-gather the first time each call signature is
+    seen, see :mod:`sp_attention.call_check`).
     """
-    ctx = ctx if ctx is not None else SPContext(None, 0, 1, (0,), "contiguous")
-    if not isinstance(ctx, SPContext):
-        raise TypeError(f"ctx must be an SPContext, got {type(ctx).__name__}")
-    _check_inputs(q, k, v, slopes, ctx, scale)
-    impl = resolve_impl(impl, ctx)
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"unknown local backend {backend!r}; use one of {BACKENDS} or None")
-    backend = resolve_backend(backend, q, k, v)
+    ctx = resolve_ctx(ctx)
+    tuning = _DEFAULT if tuning is None else tuning
+    error, local = None, None
+    try:
+        if not isinstance(tuning, LinearTuning):
+            raise TypeError(f"tuning must be a LinearTuning or None, got {type(tuning).__name__}")
+        _check_inputs(q, k, v, slopes, ctx, scale)
+        resolved = resolve_impl(impl, ctx, tuning)
+        if isinstance(backend, FlaKernels):
+            local = backend
+        elif backend is not None and backend not in BACKENDS:
+            raise ValueError(f"unknown local backend {backend!r}; use one of {BACKENDS}, None "
+                             "or a FlaKernels")
+        else:
+            local = "torch" if resolve_kernels(backend, q, k, v) is None else "fla"
+    except (TypeError, ValueError) as e:
+        error = e
+    check_all = isinstance(tuning, LinearTuning) and tuning.check_every_call
+    agree_across_ranks(ctx, "lightning_attention",
+                       _signature(q, k, v, slopes, impl, scale, backend, tuning, ctx), error,
+                       check_all)
     slopes = slopes.to(device=q.device)
-    return _LightningAttention.apply(q, k, v, slopes, ctx, impl, float(scale), backend)
+    return _LightningAttention.apply(q, k, v, slopes, ctx, resolved, float(scale), local, tuning)

@@ -21,10 +21,10 @@ torch would first write the weighted x), split over the sequence for parallelism
 split partial sums are added in a fixed order (deterministic).
 
 Layers: these kernels → :func:`output_from_states` (launcher) → the leaf routines of
-:mod:`sp_attention.linear.local` → :func:`sp_attention.linear.lightning_attention`.
+:mod:`sp_attention.linear.leaves` → :func:`sp_attention.linear.lightning_attention`.
 References: :func:`sp_attention.linear.naive.output_from_states_ref` and
 :func:`sp_attention.linear.naive.decayed_state_sum_ref`. Decays are ``exp2`` of
-``g_gamma = −slope / ln 2`` times integer positions (fla's convention, see ``local.py``).
+``g_gamma = −slope / ln 2`` times integer positions (fla's convention, see ``fla_ops.py``).
 Needs triton (the ``gpu`` extra); runs under ``TRITON_INTERPRET=1`` on CPU for tests.
 """
 from __future__ import annotations
@@ -44,18 +44,19 @@ import triton.language as tl
 # faster for bf16 too but failed the fp32 GPU test once (cause not recorded; Triton's CPU
 # interpreter finds them exact), so they stay candidates until test_our_kernels_every_config_gpu
 # (which forces every candidate, both dtypes) passes on the device. Pass ``config=`` to force one.
-_OUTPUT_CANDIDATES = [
+OUTPUT_CANDIDATES = [
     triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=st)
     for bk, bv, w, st in ((64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 8, 2), (32, 32, 2, 3),
                           (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 4))
 ]
-_CONFIGS = _OUTPUT_CANDIDATES[:4]
+_CONFIGS = OUTPUT_CANDIDATES[:4]
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
 def _output_from_states_kernel(q, k, v, h, s_in, g_gamma, o, scale, T, NT,
                                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                               PRECISION: tl.constexpr):
     i_v = tl.program_id(0)
     i_t = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
@@ -89,8 +90,8 @@ def _output_from_states_kernel(q, k, v, h, s_in, g_gamma, o, scale, T, NT,
         m_s = m_k[:, None] & m_v[None, :]
         b_s = tl.load(h + p_s, mask=m_s, other=0.0).to(tl.float32) \
             + carry * tl.load(s_in + p_s, mask=m_s, other=0.0)
-        b_o = tl.dot(b_q, b_s.to(b_q.dtype), b_o)
-        b_A = tl.dot(b_q, b_k, b_A)
+        b_o = tl.dot(b_q, b_s.to(b_q.dtype), b_o, input_precision=PRECISION)
+        b_A = tl.dot(b_q, b_k, b_A, input_precision=PRECISION)
 
     b_g = gamma * (tl.arange(0, BT) + 1).to(tl.float32)        # log2 λ^(i+1), local i
     b_o = b_o * tl.exp2(b_g)[:, None]
@@ -100,13 +101,14 @@ def _output_from_states_kernel(q, k, v, h, s_in, g_gamma, o, scale, T, NT,
     p_v = o_t[:, None] * (H * V) + o_v[None, :]
     m_ov = m_t[:, None] & m_v[None, :]
     b_v = tl.load(v + p_v, mask=m_ov, other=0.0)
-    b_o = (b_o + tl.dot(b_A.to(b_v.dtype), b_v)) * scale
+    b_o = (b_o + tl.dot(b_A.to(b_v.dtype), b_v, input_precision=PRECISION)) * scale
     tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_ov)
 
 
 # Autotuned on the GPU; Triton's CPU interpreter has no benchmarker, so there the first config
 # is used as it is.
-_output_from_states_tuned = triton.autotune(configs=_CONFIGS, key=["H", "K", "V", "BT"])(
+_output_from_states_tuned = triton.autotune(configs=_CONFIGS,
+                                           key=["H", "K", "V", "BT", "PRECISION"])(
     _output_from_states_kernel)
 
 
@@ -119,7 +121,7 @@ def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: tor
     states entering each chunk (``N = ceil(T / chunk_size)``, fla's ``chunk_fwd_h`` layout, any
     float dtype); ``S_in [B, H, K, V]`` fp32, the state entering the leaf; ``g_gamma [H]`` fp32
     log2 decay per token (``−slope / ln 2``). ``config``: index into
-    :data:`_OUTPUT_CANDIDATES` (default: autotuned over the validated :data:`_CONFIGS` on the
+    :data:`OUTPUT_CANDIDATES` (default: autotuned over the validated :data:`_CONFIGS` on the
     GPU, their first in Triton's CPU interpreter).
     """
     B, T, H, K = q.shape
@@ -141,14 +143,17 @@ def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: tor
         return (triton.cdiv(V, meta["BV"]), N, B * H)
     guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
     args = (q, k, v, h, S_in, g_gamma, o, float(scale), T, N)
+    # fp32 inputs get IEEE fp32 dots (fp32-accurate results); Triton's default for fp32 is
+    # TF32 (10-bit mantissa: ~1.5e-3 relative RMS on an H200). 16-bit inputs are unaffected.
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
     with guard:
         if config is not None or os.environ.get("TRITON_INTERPRET") == "1":
-            cfg = _OUTPUT_CANDIDATES[config or 0]   # a fixed config (tests; the interpreter)
+            cfg = OUTPUT_CANDIDATES[config or 0]   # a fixed config (tests; the interpreter)
             _output_from_states_kernel[grid(cfg.kwargs)](
-                *args, H=H, K=K, V=V, BT=chunk_size, num_warps=cfg.num_warps,
+                *args, H=H, K=K, V=V, BT=chunk_size, PRECISION=prec, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, **cfg.kwargs)
         else:
-            _output_from_states_tuned[grid](*args, H=H, K=K, V=V, BT=chunk_size)
+            _output_from_states_tuned[grid](*args, H=H, K=K, V=V, BT=chunk_size, PRECISION=prec)
     return o
 
 
@@ -201,13 +206,13 @@ def _decayed_state_sum_kernel(x, y, g_gamma, part, scale, T, n_per_split, base, 
 # 0.195 ms, the transposed read 0.235 ms, [128, 128] tiles 0.24-0.25 ms. Only the config the GPU
 # tests validated (the transposed read, [64, 64]) is offered to the autotuner until
 # test_our_kernels_every_config_gpu has passed on the device for the others.
-_STATE_CANDIDATES = [
+STATE_CANDIDATES = [
     triton.Config({"BK": bk, "BV": bv, "X_ROWS": xr}, num_warps=w, num_stages=st)
     for bk, bv, xr, w, st in ((64, 64, 0, 4, 3), (128, 128, 0, 8, 2), (128, 128, 1, 8, 2),
                               (128, 128, 1, 8, 3), (64, 64, 1, 4, 3), (64, 64, 1, 4, 4),
                               (64, 128, 1, 4, 3), (128, 64, 1, 8, 3), (64, 64, 0, 4, 4))
 ]
-_STATE_CONFIGS = _STATE_CANDIDATES[:1]
+_STATE_CONFIGS = STATE_CANDIDATES[:1]
 _decayed_state_sum_tuned = triton.autotune(configs=_STATE_CONFIGS, key=["H", "K", "V"])(
     _decayed_state_sum_kernel)
 
@@ -227,7 +232,7 @@ def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor, b
     is rounded to the input dtype before the tensor-core product, as the chunk kernels round
     their operands. ``base + step·t >= 0`` for every t (weights ≤ 1). ``splits``: sequence
     pieces summed at the end in a fixed order (default: about two programs per SM per tile).
-    ``config``: index into :data:`_STATE_CANDIDATES` (default: autotuned over the validated
+    ``config``: index into :data:`STATE_CANDIDATES` (default: autotuned over the validated
     :data:`_STATE_CONFIGS` on the GPU, their first in Triton's CPU interpreter).
     """
     B, T, H, K = x.shape
@@ -252,7 +257,7 @@ def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor, b
     guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
     with guard:
         if config is not None or os.environ.get("TRITON_INTERPRET") == "1":
-            cfg = _STATE_CANDIDATES[config or 0]
+            cfg = STATE_CANDIDATES[config or 0]
             _decayed_state_sum_kernel[grid(cfg.kwargs)](
                 *args, H=H, K=K, V=V, BT=BT, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 **cfg.kwargs)

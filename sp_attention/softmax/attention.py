@@ -13,7 +13,10 @@ from typing import Optional, Union
 
 import torch
 
+from ..call_check import agree_across_ranks
 from ..context import SPContext
+from ..tuning import SoftmaxTuning
+from ..validation import check_local_length, check_tensors, resolve_ctx
 from .bwd_allgather import allgather_backward
 from .bwd_ring import ring_backward
 from .fwd_allgather import allgather_forward
@@ -40,14 +43,12 @@ PRESETS: dict[str, tuple[str, str]] = {
 # 0.910). Revisit when the all-gather backward's per-stride overhead is fixed.
 DEFAULT_PRESET = "ring"
 
-# Smallest useful kernel call: query heads per call × query tiles should fill the GPU (8 heads
-# × 32 tiles of 128 rows at a 4K-token chunk = 256 CTAs, about two waves on 132 SMs).
-_MIN_QUERY_HEADS_PER_CALL = 8
+_DEFAULT = SoftmaxTuning()
 
 
-def default_heads_k_stride(kv_heads: int, group: int) -> int:
-    """Smallest divisor ``s`` of the local KV heads with ``s · group >= 8`` query heads per call
-    (all local KV heads if none).
+def default_heads_k_stride(kv_heads: int, group: int, tuning: SoftmaxTuning = _DEFAULT) -> int:
+    """Smallest divisor ``s`` of the local KV heads with ``s · group >=
+    tuning.min_query_heads_per_call`` (8) query heads per call (all local KV heads if none).
 
     Why: only the first gather and the last reduce-scatter of the all-gather schedules are
     exposed, and they move ``s / Hkv`` of the traffic, so ``s`` should be small; but each
@@ -55,7 +56,7 @@ def default_heads_k_stride(kv_heads: int, group: int) -> int:
     (8 local KV heads, group 4) gets ``s = 2`` (4 strides); group 8 gets ``s = 1``.
     """
     for s in range(1, kv_heads + 1):
-        if kv_heads % s == 0 and s * group >= _MIN_QUERY_HEADS_PER_CALL:
+        if kv_heads % s == 0 and s * group >= tuning.min_query_heads_per_call:
             return s
     return kv_heads
 
@@ -106,9 +107,7 @@ class _ContextParallelAttention(torch.autograd.Function):
 
 
 def _check_tensors(q, k, v, ctx: SPContext) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensors(q=q, k=k, v=v)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q must be [B, T_local, H, D] and k, v [B, T_local, Hkv, D]; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -116,8 +115,15 @@ def _check_tensors(q, k, v, ctx: SPContext) -> None:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape "
                          "(this op uses one head dim for keys and values)")
     if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1]:
+        hint = ""
+        if q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2] and k.shape[1] \
+                and q.shape[1] % k.shape[1] == 0:
+            hint = (" They look like [B, H, T, D] (the SDPA / HF layout: dim 1 holds the "
+                    f"{q.shape[1]} query and {k.shape[1]} KV heads); this op takes "
+                    "[B, T_local, H, D]: pass q, k, v .transpose(1, 2) and transpose the "
+                    "output back.")
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch and "
-                         "local sequence length (dims 0 and 1)")
+                         f"local sequence length (dims 0 and 1).{hint}")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"q head dim {q.shape[3]} != k head dim {k.shape[3]}")
     if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
@@ -131,11 +137,7 @@ def _check_tensors(q, k, v, ctx: SPContext) -> None:
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, "
                          f"{v.device})")
-    n = len(ctx.leaves)
-    if q.shape[1] == 0 or q.shape[1] % n:
-        raise ValueError(f"the local sequence length {q.shape[1]} must be a positive multiple of "
-                         f"{n} for layout {ctx.layout!r} (each rank holds {n} equal chunks); "
-                         "pad the global sequence with sp_attention.pad_for_layout")
+    check_local_length(q, ctx)
 
 
 def _is_int(x) -> bool:
@@ -205,6 +207,7 @@ def context_parallel_attention(
         bwd_head_last_stride: Optional[int] = None, causal: bool = True,
         softmax_scale: Optional[float] = None, backend: Optional[str] = None,
         preset: Optional[str] = None, return_lse: bool = False,
+        tuning: Optional[SoftmaxTuning] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Softmax attention (causal, GQA) over a sequence split across a context-parallel group.
 
@@ -213,7 +216,7 @@ def context_parallel_attention(
     token of the global sequence.
 
     Args:
-        q: ``[B, T_local, H, D]``, this rank's shard of the queries (``sp_attention.
+        q: ``[B, T_local, H, D]`` (not SDPA's ``[B, H, T, D]``), this rank's shard of the queries (``sp_attention.
             shard_sequence``: zigzag holds chunks ``r`` and ``2P−1−r`` of ``2P``, contiguous the
             ``r``-th of ``P``; the layout is ``ctx.layout``).
         k, v: ``[B, T_local, Hkv, D]`` with ``H % Hkv == 0`` (query head h uses KV head
@@ -232,13 +235,17 @@ def context_parallel_attention(
             with one stride ``f + l <= stride``). With one local KV head the all-gather
             backward pipelines over sequence pieces instead, and these must be None.
         causal: causal mask on the global sequence (default True).
-        softmax_scale: defaults to ``D ** -0.5``.
+        softmax_scale: multiplies the scores ``q·k``; defaults to ``D ** -0.5`` (the name and
+            default of flash-attn and Megatron; :func:`~sp_attention.lightning_attention`'s
+            ``scale`` multiplies ``q`` and defaults to 1.0, the linear-attention convention).
         backend: kernel backend name (``"cudnn"``, ``"flash"``, ``"flash_attn"``, ``"math"``)
             or None for the fastest that can run the inputs (cuDNN on Hopper, math on CPU).
         preset: a name from :data:`PRESETS` setting ``fwd`` and ``bwd`` together; passing a
             different ``fwd``/``bwd`` as well raises.
         return_lse: also return the global log-sum-exp ``[B, H, T_local]`` (not
             differentiable).
+        tuning: :class:`~sp_attention.SoftmaxTuning` (None: the defaults); never changes the
+            numbers.
 
     Returns:
         ``out [B, T_local, H, D]`` in ``q.dtype`` (and ``lse`` if ``return_lse``: fp32, fp64 for
@@ -247,20 +254,51 @@ def context_parallel_attention(
         Gradients come back in the dtypes of q, k, v.
 
     Raises:
-        TypeError / ValueError before any communication, with the fix in the message: non-tensor
+        TypeError / ValueError before the op communicates, with the fix in the message: non-tensor
         inputs; shapes that disagree (rank, B, T_local, D, ``H % Hkv``) or dtypes/devices that
         differ; a local length the layout cannot split; an unknown fwd / bwd / preset /
         backend, or a preset contradicting fwd/bwd; a stride that does not divide the local KV
         heads or first/last splits out of range; a backend that cannot run the inputs (the
-        message lists those that can). Every rank must call with the same shapes and options.
+        message lists those that can). Raised on every rank: a rank whose own check fails
+        tells the others, and ranks whose calls differ (shapes, dtypes, options) all raise;
+        both through one small all-gather the first time each call signature is seen
+        (:mod:`sp_attention.call_check`).
     """
-    ctx = ctx if ctx is not None else SPContext(None, 0, 1, (0,), "contiguous")
-    if not isinstance(ctx, SPContext):
-        raise TypeError(f"ctx must be an SPContext or None, got {type(ctx).__name__}")
+    ctx = resolve_ctx(ctx)
+    tuning = _DEFAULT if tuning is None else tuning
+    options = dict(fwd=fwd, bwd=bwd, preset=preset, heads_k_stride=heads_k_stride,
+                   bwd_head_first_stride=bwd_head_first_stride,
+                   bwd_head_last_stride=bwd_head_last_stride, causal=causal,
+                   softmax_scale=softmax_scale, backend=backend, return_lse=return_lse)
+    cfg, error = None, None
+    try:
+        cfg = _config(q, k, v, ctx, tuning, **options)
+    except (TypeError, ValueError) as e:
+        error = e
+    signature = (("tensors", tuple((n, _shape(x), getattr(x, "dtype", None))
+                                   for n, x in (("q", q), ("k", k), ("v", v)))),
+                 ("device", q.device.type if isinstance(q, torch.Tensor) else None),
+                 ("layout", ctx.layout), ("tuning", tuning)) + tuple(options.items())
+    agree_across_ranks(ctx, "context_parallel_attention", signature, error,
+                       isinstance(tuning, SoftmaxTuning) and tuning.check_every_call)
+    return _ContextParallelAttention.apply(q, k, v, cfg)
+
+
+def _shape(x) -> object:
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _config(q, k, v, ctx: SPContext, tuning, *, fwd, bwd, preset, heads_k_stride,
+            bwd_head_first_stride, bwd_head_last_stride, causal, softmax_scale, backend,
+            return_lse) -> _Config:
+    """Every local check of the public function (the docstring's Raises), then its config."""
+    if not isinstance(tuning, SoftmaxTuning):
+        raise TypeError(f"tuning must be a SoftmaxTuning or None, got {type(tuning).__name__}")
     _check_tensors(q, k, v, ctx)
     fwd, bwd = _resolve_schedules(fwd, bwd, preset)
     kv_heads, group = k.shape[2], q.shape[2] // k.shape[2]
-    stride = default_heads_k_stride(kv_heads, group) if heads_k_stride is None else heads_k_stride
+    stride = (default_heads_k_stride(kv_heads, group, tuning) if heads_k_stride is None
+              else heads_k_stride)
     _check_strides(kv_heads, stride, bwd_head_first_stride, bwd_head_last_stride, bwd)
     _check_scale(softmax_scale)
     if not isinstance(causal, bool) or not isinstance(return_lse, bool):
@@ -270,6 +308,5 @@ def context_parallel_attention(
                          "None (automatic)")
     kernel = get_backend(backend, q.device, q.dtype, q.shape[3])   # raises if it cannot run
     scale = q.shape[3] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    cfg = _Config(ctx, fwd, bwd, causal, scale, kernel, stride, bwd_head_first_stride,
-                  bwd_head_last_stride, return_lse)
-    return _ContextParallelAttention.apply(q, k, v, cfg)
+    return _Config(ctx, fwd, bwd, causal, scale, kernel, stride, bwd_head_first_stride,
+                   bwd_head_last_stride, return_lse)

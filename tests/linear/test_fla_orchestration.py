@@ -1,6 +1,6 @@
 """The fla path's orchestration on CPU, in fp64: ``leaves_output`` / ``leaves_backward`` with
-fla's kernels replaced by pure-torch stand-ins that have fla 0.6's signatures, and CUDA streams
-by recorders.
+a :class:`FlaKernels` set of pure-torch stand-ins that have fla 0.6's signatures (passed as the
+backend, nothing in the library is patched), and ``torch.cuda``'s stream calls by recorders.
 
 The fla path only runs on a GPU, and GPU time is scarce; these tests prove on every CI run what
 does not need one: which tensors flow into which kernel call (a wrong argument, keyword or
@@ -15,7 +15,10 @@ import contextlib
 import pytest
 import torch
 
-from sp_attention.linear import local
+from sp_attention import LinearTuning
+from sp_attention.linear.fla_ops import FlaKernels
+from sp_attention.linear.leaf import decayed_sum, torch_leaf_backward
+from sp_attention.linear.leaves import leaves_backward, leaves_output
 from sp_attention.linear.naive import (chunk_start_states, chunked_core, decayed_state_sum_ref,
                                        output_from_states_ref)
 from sp_attention.testing import assert_close, run_distributed
@@ -59,10 +62,10 @@ def _fake_cuda(monkeypatch_setattr) -> None:
         monkeypatch_setattr(torch.cuda, name, value)
 
 
-def _fake_fla(slopes: torch.Tensor) -> dict:
-    """fla 0.6's internal kernels (the keyword signatures ``local`` calls) in pure torch, fp64.
-    ``dh`` is passed on opaquely as ("dh", dht): only the stand-ins read it. Each call logs the
-    stream it runs on."""
+def _fake_fla(slopes: torch.Tensor) -> FlaKernels:
+    """fla 0.6's internal kernels (the keyword signatures the fla path calls) in pure torch,
+    fp64, plus our output and state-sum kernels. ``dh`` is passed on opaquely as ("dh", dht):
+    only the stand-ins read it. Each call logs the stream it runs on."""
     def log(name):
         LOG.append((name, _CURRENT[-1].name))
 
@@ -90,7 +93,7 @@ def _fake_fla(slopes: torch.Tensor) -> dict:
 
     def _grads(q, k, v, do, S_in, dh):
         _, dht, scale = dh
-        return local._torch_leaf_backward(q, k, v, slopes, scale, S_in, do, dht)
+        return torch_leaf_backward(q, k, v, slopes, scale, S_in, do, dht)
 
     def chunk_bwd_dv(q, k, do, dh, g=None, g_gamma=None, scale=None, state_v_first=False,
                      cu_seqlens=None, chunk_size=64, chunk_indices=None):
@@ -107,31 +110,26 @@ def _fake_fla(slopes: torch.Tensor) -> dict:
         dq, dk, _ = _grads(q, k, v, do, h[:, 0], dh)      # h[:, 0] is the entering state
         return dq, dk, None, None
 
-    return {f.__name__: f for f in (chunk_fwd_h, chunk_fwd_o, chunk_bwd_dh, chunk_bwd_dqkwg,
-                                    chunk_bwd_dv)}
+    def output_from_states(q, k, v, h, S_in, g_gamma, scale, chunk_size=64, config=None):
+        log("output_from_states")
+        return output_from_states_ref(q, k, v, h, S_in, slopes, scale, chunk_size).to(v.dtype)
+
+    def state_sum(x, y, slopes_, base, step, scale=1.0):
+        # the one-pass state kernel: a leaf's end state (base C-1, step -1) or its
+        # state-gradient contribution (base 1, step 1)
+        log("leaf_state" if step < 0 else "state_grad_local")
+        return decayed_sum(x, y, slopes_, base, step, scale)
+
+    return FlaKernels(chunk_fwd_h, chunk_fwd_o, chunk_bwd_dh, chunk_bwd_dqkwg, chunk_bwd_dv,
+                      output_from_states, state_sum)
 
 
-def _install(setattr_, slopes: torch.Tensor) -> None:
-    """Route the fla backend through the stand-ins (``setattr_``: monkeypatch.setattr or a
-    plain setattr in a spawned worker)."""
-    import sp_attention.linear.attention as attention
-    import sp_attention.linear.kernels as kernels
+def _install(setattr_, slopes: torch.Tensor) -> FlaKernels:
+    """Recorder streams in ``torch.cuda`` (``setattr_``: monkeypatch.setattr or a plain setattr
+    in a spawned worker) and the stand-in kernel set to pass as the backend."""
     _fake_cuda(setattr_)
     LOG.clear()
-    setattr_(local, "_STREAMS", {})
-    setattr_(local, "_fla_ops", lambda: _fake_fla(slopes))
-    for name in ("leaf_state", "state_grad_local"):     # the one-pass state kernel's callers
-        def logged(*a, _f=getattr(local, name), _name=name, **kw):
-            LOG.append((_name, _CURRENT[-1].name))
-            return _f(*a, **kw)
-        setattr_(local, name, logged)
-    setattr_(local, "resolve_backend", lambda backend, *a: backend or "fla")
-    setattr_(attention, "resolve_backend", lambda backend, *a: backend or "fla")
-
-    def output_from_states(q, k, v, h, S_in, g_gamma, scale, chunk_size=64, config=None):
-        LOG.append(("output_from_states", _CURRENT[-1].name))
-        return output_from_states_ref(q, k, v, h, S_in, slopes, scale, chunk_size).to(v.dtype)
-    setattr_(kernels, "output_from_states", output_from_states)
+    return _fake_fla(slopes)
 
 
 def _data(N, T, H=3, K=4, V=5, seed=0):
@@ -170,12 +168,12 @@ def _joined(streams=("side", "rec")) -> None:
 @pytest.mark.parametrize("T", [128, 100])      # whole chunks (end state from the recurrence)
 @pytest.mark.parametrize("zero_in", [False, True])   # and a partial last one (state kernel)
 def test_leaves_output_fla_path(T, zero_in, monkeypatch):
-    _install(monkeypatch.setattr, SLOPES)
+    fake = _install(monkeypatch.setattr, SLOPES)
     q, k, v, _, S, _ = _data(2, T)
     S = torch.zeros_like(S) if zero_in else S
     seen = {}
     scan = _scan_returning(S, seen)
-    o, S_got = local.leaves_output(q, k, v, SLOPES, 0.3, scan, "fla", zero_in=zero_in)
+    o, S_got = leaves_output(q, k, v, SLOPES, 0.3, scan, fake, zero_in=zero_in)
     assert_close(seen["x"], chunked_core(k, k, v, SLOPES, 1.0, None, 64)[1], TOL, "end state")
     assert_close(o, chunked_core(q, k, v, SLOPES, 0.3, S, 64)[0], TOL, "o")
     assert S_got is S or torch.equal(S_got, S)
@@ -195,21 +193,20 @@ def test_leaves_output_fla_path(T, zero_in, monkeypatch):
 def test_leaves_backward_fla_path(concurrent, zero_grad, needed, monkeypatch):
     """Two leaves per batch row (zigzag-like rows), every combination of the stream layout,
     the last-leaf shortcut and the skipped first-leaf contribution."""
-    _install(monkeypatch.setattr, SLOPES)
-    monkeypatch.setattr(local, "_CONCURRENT_RECURRENCES", concurrent)
+    fake = _install(monkeypatch.setattr, SLOPES)
     B, n, C = 2, 2, 100
     q, k, v, do, S, G = _data(B * n, C, seed=1)
     G = torch.zeros_like(G) if zero_grad else G
     seen = {}
     scan = _scan_returning(G, seen)
-    dq, dk, dv = local.leaves_backward(q, k, v, SLOPES, 0.7, S, do, scan, "fla", needed,
-                                       zero_grad)
+    dq, dk, dv = leaves_backward(q, k, v, SLOPES, 0.7, S, do, scan, fake, needed, zero_grad,
+                                 tuning=LinearTuning(concurrent_recurrences=concurrent))
     want_d = 0.7 * decayed_state_sum_ref(q, do, SLOPES, 1, 1)
     keep = torch.tensor(needed or (True,) * n).repeat(B)   # rows are batch-major
     assert_close(seen["x"][keep], want_d[keep], TOL, "d")
     if not keep.all():                  # leaves nobody reads: zeros, not computed
         assert float(seen["x"][~keep].abs().max()) == 0.0
-    refs = local._torch_leaf_backward(q, k, v, SLOPES, 0.7, S, do, G)
+    refs = torch_leaf_backward(q, k, v, SLOPES, 0.7, S, do, G)
     for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), refs):
         assert_close(got, ref, TOL, name)
     # streams: d and the scan on the high-priority side stream, the chunk states from S_in on
@@ -241,7 +238,7 @@ def _cp_world(rank, world):
 
     def setattr_(obj, name, value):
         setattr(obj, name, value)
-    _install(setattr_, SLOPES)
+    fake = _install(setattr_, SLOPES)
     group = dist.new_group(list(range(world)))
     g = torch.Generator().manual_seed(5)
     T = 2 * world * 40                       # leaves of 40 tokens: partial chunks
@@ -255,10 +252,10 @@ def _cp_world(rank, world):
         want = [shard_sequence(t, ctx, 1) for t in expected]
         for impl in ("blelloch", "allgather", "ring"):
             for concurrent in (True, False):
-                local._CONCURRENT_RECURRENCES = concurrent
+                tuning = LinearTuning(concurrent_recurrences=concurrent)
                 loc = [shard_sequence(t, ctx, 1).clone().requires_grad_(True) for t in (q, k, v)]
                 out = lightning_attention(*loc, SLOPES, ctx=ctx, impl=impl, scale=0.5,
-                                          backend="fla")
+                                          backend=fake, tuning=tuning)
                 (out * shard_sequence(w, ctx, 1)).sum().backward()
                 for got, exp, what in zip((out, *(t.grad for t in loc)), want, ("o", "dq", "dk",
                                                                                  "dv")):

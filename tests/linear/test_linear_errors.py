@@ -8,7 +8,7 @@ import torch
 
 from sp_attention import SPContext
 from sp_attention.linear import lightning_attention
-from sp_attention.linear.local import _SLOPE_CONSTANTS
+from sp_attention.linear.slope_constants import cached_constants, num_cached_slopes
 
 FAKE = SPContext(object(), 0, 2, (0, 1), "zigzag")
 
@@ -55,17 +55,19 @@ def test_slope_values_checked_once_per_version_and_again_after_an_inplace_change
     q, k, v = _qkv()
     slopes = torch.tensor([0.1, 0.2], dtype=torch.float64)
     single = SPContext(None, 0, 1, (0,), "contiguous")
+    before = num_cached_slopes()
     lightning_attention(q, k, v, slopes, ctx=single, backend="torch")
-    ref, version, constants = _SLOPE_CONSTANTS[id(slopes)]
-    assert ref() is slopes and version == slopes._version and ("values_checked",) in constants
+    assert "check_slope_values" in cached_constants(slopes)
+    assert num_cached_slopes() == before + 1
     assert not hasattr(slopes, "_sp_constants")        # nothing stored on the tensor itself
     slopes.mul_(-1.0)
+    assert cached_constants(slopes) == ()              # a new version: checked again
     with pytest.raises(ValueError, match=">= 0"):
         lightning_attention(q, k, v, slopes, ctx=FAKE, backend="torch")
     del slopes
     import gc
     gc.collect()
-    assert not any(ref() is None for ref, _, _ in _SLOPE_CONSTANTS.values())   # entries die too
+    assert num_cached_slopes() == before               # entries die with their tensors
 
 
 @pytest.mark.parametrize("world,layout,expect", [

@@ -9,17 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sp_attention.linear import local
-from sp_attention.linear.local import (
-    chunk_decay,
-    inter_output,
-    leaf_backward,
-    leaf_forward,
-    leaf_output,
-    leaf_state,
-    resolve_backend,
-    state_grad_local,
-)
+from sp_attention import LinearTuning
+from sp_attention.linear.fla_ops import fla_import_error, resolve_backend
+from sp_attention.linear.leaf import (inter_output, leaf_backward, leaf_forward, leaf_output,
+                                      leaf_state, state_grad_local)
+from sp_attention.linear.leaves import leaves_backward, leaves_output
+from sp_attention.linear.naive import chunk_decay
 from sp_attention.linear.naive import (chunk_start_states, chunked_linear_attention,
                                        decayed_state_sum_ref, output_from_states_ref,
                                        recurrent_linear_attention)
@@ -192,7 +187,7 @@ def test_backend_resolution():
 
 
 def _fla_ready() -> bool:
-    return torch.cuda.is_available() and local._fla_import_error() is None
+    return torch.cuda.is_available() and fla_import_error() is None
 
 
 gpu = [
@@ -312,7 +307,7 @@ def test_output_from_states_reference_matches_recurrence(kind, T):
 
 _INTERPRETER_CHECK = r"""
 import math, sys, torch
-from sp_attention.linear.kernels import _OUTPUT_CANDIDATES, output_from_states
+from sp_attention.linear.kernels import OUTPUT_CANDIDATES, output_from_states
 from sp_attention.linear.naive import chunk_start_states, chunked_core
 torch.manual_seed(0)
 worst = 0.0
@@ -322,16 +317,16 @@ for T, B, H, K, V in ((64, 1, 1, 16, 16), (100, 2, 3, 32, 16), (200, 1, 3, 16, 4
     S = torch.randn(B, H, K, V)
     h = chunk_start_states(k, v, slopes, 64).float().contiguous()
     ref = chunked_core(q.double(), k.double(), v.double(), slopes.double(), 0.5, S.double())[0]
-    for cfg in range(len(_OUTPUT_CANDIDATES)):     # every candidate config
+    for cfg in range(len(OUTPUT_CANDIDATES)):     # every candidate config
         o = output_from_states(q, k, v, h, S, (-slopes / math.log(2)).float(), 0.5, 64, cfg)
         worst = max(worst, ((o.double() - ref).norm() / ref.norm()).item())
         assert o.dtype == torch.float32 and o.shape == (B, T, H, V)
-from sp_attention.linear.kernels import _STATE_CANDIDATES, decayed_state_sum
+from sp_attention.linear.kernels import STATE_CANDIDATES, decayed_state_sum
 from sp_attention.linear.naive import decayed_state_sum_ref
 for T, splits in ((64, None), (200, 3), (130, 1)):
     x, y = torch.randn(2, T, 3, 32), torch.randn(2, T, 3, 16)
     slopes = torch.tensor([0.0, 0.05, 60.0])
-    for cfg in range(len(_STATE_CANDIDATES)):       # every candidate config
+    for cfg in range(len(STATE_CANDIDATES)):       # every candidate config
         base, step = ((T - 1, -1), (1, 1))[cfg % 2]
         got = decayed_state_sum(x, y, (-slopes / math.log(2)).float(), base, step, splits, 0.3,
                                 cfg)
@@ -394,13 +389,13 @@ def test_output_from_states_kernel_gpu(dtype, T):
 @_apply(gpu)
 @pytest.mark.parametrize("concurrent", [True, False])
 @pytest.mark.parametrize("T", [256, 300])
-def test_fla_leaves_overlapped_match_torch_bf16(T, concurrent, monkeypatch):
+def test_fla_leaves_overlapped_match_torch_bf16(T, concurrent):
     """leaves_output / leaves_backward (fla; the scan callback runs on the side stream) vs the
     torch backend in fp32, with states entering and gradients arriving; the states handed to
     the scans are the leaves' end states and state-gradient contributions (T = 256: the end
     state comes from fla's recurrence; T = 300: from the one-pass kernel). The backward runs
     with its two chunk recurrences on two streams and on one (``concurrent``)."""
-    monkeypatch.setattr(local, "_CONCURRENT_RECURRENCES", concurrent)
+    tuning = LinearTuning(concurrent_recurrences=concurrent)
     q, k, v, S0, do, G = _inputs(B=2, T=T, H=4, K=64, V=64, dtype=torch.bfloat16, device="cuda")
     slopes = torch.tensor([0.0, 0.01, 0.3, 50.0], device="cuda")
     S0, G, do = S0.float(), G.float(), do.bfloat16()
@@ -414,11 +409,11 @@ def test_fla_leaves_overlapped_match_torch_bf16(T, concurrent, monkeypatch):
     def scan_b(d):
         seen["d"] = d.clone()
         return G * 1.0
-    o, S = local.leaves_output(q, k, v, slopes, 0.125, scan_f, "fla")
+    o, S = leaves_output(q, k, v, slopes, 0.125, scan_f, "fla", tuning=tuning)
     assert_close(S, S0, 0.0)
     assert_close(seen["b"], leaf_state(k32, v32, slopes), 3e-3, "end state")
     assert_close(o.float(), leaf_output(q32, k32, v32, slopes, 0.125, S0, "torch"), 3e-3)
-    grads = local.leaves_backward(q, k, v, slopes, 0.125, S0, do, scan_b, "fla")
+    grads = leaves_backward(q, k, v, slopes, 0.125, S0, do, scan_b, "fla", tuning=tuning)
     assert_close(seen["d"], state_grad_local(q32, do.float(), slopes, 0.125), 3e-3, "d")
     refs = leaf_backward(q32, k32, v32, slopes, 0.125, S0, do.float(), G, "torch")
     for name, got, ref in zip(("dq", "dk", "dv"), grads, refs):
@@ -455,12 +450,12 @@ def test_fla_two_leaves_on_one_gpu_match_one_leaf():
 @_apply(gpu)
 @pytest.mark.parametrize("concurrent", [True, False])
 @pytest.mark.parametrize("T", [256, 300])
-def test_fla_first_and_last_leaf_paths_match_torch_bf16(T, concurrent, monkeypatch):
+def test_fla_first_and_last_leaf_paths_match_torch_bf16(T, concurrent):
     """The paths of a rank holding only the sequence's first leaf (``zero_in``: fla's own output
     kernel, the scan joined afterwards) and only its last leaf (``zero_grad``: the gradient
     recurrence starts without waiting for the scan) vs the torch backend in fp32; the states
     handed to the scans are checked too."""
-    monkeypatch.setattr(local, "_CONCURRENT_RECURRENCES", concurrent)
+    tuning = LinearTuning(concurrent_recurrences=concurrent)
     q, k, v, S0, do, _ = _inputs(B=2, T=T, H=4, K=64, V=64, dtype=torch.bfloat16, device="cuda")
     slopes = torch.tensor([0.0, 0.01, 0.3, 50.0], device="cuda")
     S0, do = S0.float(), do.bfloat16()
@@ -474,12 +469,13 @@ def test_fla_first_and_last_leaf_paths_match_torch_bf16(T, concurrent, monkeypat
     def scan_last(d):           # ... and to the last leaf in reverse
         seen["d"] = d.clone()
         return torch.zeros_like(d)
-    o, S = local.leaves_output(q, k, v, slopes, 0.125, scan_first, "fla", zero_in=True)
+    o, S = leaves_output(q, k, v, slopes, 0.125, scan_first, "fla", zero_in=True,
+                         tuning=tuning)
     assert_close(seen["b"], leaf_state(k32, v32, slopes), 3e-3, "end state")
     assert float(S.abs().max()) == 0.0
     assert_close(o.float(), leaf_output(q32, k32, v32, slopes, 0.125, None, "torch"), 3e-3)
-    grads = local.leaves_backward(q, k, v, slopes, 0.125, S0, do, scan_last, "fla",
-                                  zero_grad=True)
+    grads = leaves_backward(q, k, v, slopes, 0.125, S0, do, scan_last, "fla",
+                            zero_grad=True, tuning=tuning)
     assert_close(seen["d"], state_grad_local(q32, do.float(), slopes, 0.125), 3e-3, "d")
     refs = leaf_backward(q32, k32, v32, slopes, 0.125, S0, do.float(), None, "torch")
     for name, got, ref in zip(("dq", "dk", "dv"), grads, refs):
@@ -497,7 +493,7 @@ def test_our_kernels_every_config_gpu(dtype):
     interpreter cannot show a config that compiles wrong on the GPU; this does."""
     import math
 
-    from sp_attention.linear.kernels import (_OUTPUT_CANDIDATES, _STATE_CANDIDATES,
+    from sp_attention.linear.kernels import (OUTPUT_CANDIDATES, STATE_CANDIDATES,
                                              decayed_state_sum, output_from_states)
     from sp_attention.linear.naive import chunk_start_states, decayed_state_sum_ref
     tol = 3e-3
@@ -515,7 +511,7 @@ def test_our_kernels_every_config_gpu(dtype):
         s64 = slopes.double().cpu()
         if dtype != torch.float32:        # the state kernel takes 16-bit inputs only
             wide = torch.cat([q, q], 0)[::2]           # strided rows, each row contiguous
-            for i in range(len(_STATE_CANDIDATES)):
+            for i in range(len(STATE_CANDIDATES)):
                 for x, y, base, step in ((k, v, T - 1, -1), (q, do.to(dtype), 1, 1),
                                          (wide, do.to(dtype), 1, 1)):
                     got = decayed_state_sum(x, y, gg, base, step, None, 0.5, i)
@@ -524,7 +520,7 @@ def test_our_kernels_every_config_gpu(dtype):
                     check(got.double().cpu(), ref, f"state cfg {i} T {T} base {base}")
         h = chunk_start_states(k.float(), v.float(), slopes, 64).to(dtype).contiguous()
         ref = leaf_output(q.float(), k.float(), v.float(), slopes, 0.25, S0.float(), "torch")
-        for i in range(len(_OUTPUT_CANDIDATES)):
+        for i in range(len(OUTPUT_CANDIDATES)):
             try:
                 o = output_from_states(q, k, v, h, S0.float().contiguous(), gg, 0.25, 64, i)
             except Exception as e:        # a config that cannot compile here (out of resources)

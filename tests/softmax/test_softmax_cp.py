@@ -331,5 +331,6 @@ def test_gpu_world_one_matches_fp32_math():
 def test_public_api_is_pinned():
     import sp_attention.softmax as sm
     assert sorted(sm.__all__) == sorted(["context_parallel_attention", "PRESETS",
-                                         "DEFAULT_PRESET", "attention_reference"])
+                                         "DEFAULT_PRESET", "SoftmaxTuning",
+                                         "attention_reference"])
     assert sm.DEFAULT_PRESET == "ring"

@@ -1,0 +1,121 @@
+"""Every rank of a CP group must make the same call: one small all-gather per new call signature.
+
+The ops move fixed-shape buffers between ranks, so ranks that call with different local
+lengths, head counts, dtypes or options would hang, abort, or silently mix data. Each rank
+cannot see the others' arguments without communicating; this check pays for that once per
+*new* call signature (shapes, dtypes, device type, options, tuning) and per context:
+
+* The first call with a signature all-gathers one ``[P, 512]`` byte buffer per rank (a
+  status byte, an 8-byte digest of the signature, and its text or the local error message).
+  If any rank's local input check failed, every rank raises (the failing rank its own error,
+  the others a ``ValueError`` quoting it); if the digests differ, every rank raises a
+  ``ValueError`` listing what each rank passed. Otherwise the signature is remembered.
+* Later calls with a remembered signature do no communication: a dictionary lookup.
+
+Limit: the cache is per rank. Ranks that make the same sequence of calls have the same cache,
+so they agree on when to check. A rank that repeats an already-checked signature while another
+rank passes a new one skips the exchange the other enters; that cannot be caught without a
+collective on every call. ``LinearTuning(check_every_call=True)`` /
+``SoftmaxTuning(check_every_call=True)`` pay that collective on every call (debugging).
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .comm import all_gather_flat
+from .context import SPContext
+
+__all__ = ["agree_across_ranks", "clear_checked_calls"]
+
+_WIDTH = 512            # bytes per rank: status, digest, text length, text
+_HEAD = 1 + 8 + 2
+_MAX_CACHED = 1024      # remembered (context, signature) pairs, least recently used dropped
+_CHECKED: "OrderedDict[tuple, None]" = OrderedDict()
+
+
+def clear_checked_calls() -> None:
+    """Forget every checked signature (the next call of each checks again; call it on every
+    rank alike)."""
+    _CHECKED.clear()
+
+
+def _describe(signature: tuple) -> str:
+    return ", ".join(f"{name}={value}" for name, value in signature)
+
+
+def _encode(status: int, digest: bytes, text: str) -> torch.Tensor:
+    raw = text.encode("utf-8")[:_WIDTH - _HEAD]
+    buf = bytes([status]) + digest + len(raw).to_bytes(2, "little") + raw
+    return torch.frombuffer(bytearray(buf.ljust(_WIDTH, b"\0")), dtype=torch.uint8)
+
+
+def _decode(row: bytes) -> tuple[int, bytes, str]:
+    n = int.from_bytes(row[9:11], "little")
+    return row[0], row[1:9], row[_HEAD:_HEAD + n].decode("utf-8", errors="replace")
+
+
+def _device(ctx: SPContext) -> torch.device:
+    backend = str(dist.get_backend(ctx.group)).lower()
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _exchange(ctx: SPContext, status: int, digest: bytes, text: str) -> list:
+    dev = _device(ctx)
+    mine = _encode(status, digest, text).to(dev)
+    out = torch.empty(ctx.world_size * _WIDTH, dtype=torch.uint8, device=dev)
+    all_gather_flat(out, mine, ctx)
+    flat = bytes(out.cpu().numpy())
+    return [_decode(flat[r * _WIDTH:(r + 1) * _WIDTH]) for r in range(ctx.world_size)]
+
+
+def agree_across_ranks(ctx: SPContext, op: str, signature: tuple,
+                       local_error: Optional[BaseException], always: bool = False) -> None:
+    """Raise on every rank unless every rank passed its local checks with the same signature.
+
+    ``signature``: hashable ``((name, value), ...)`` of everything every rank must pass alike.
+    ``local_error``: this rank's input-check failure (None if its input is good); it is raised
+    here, after the other ranks were told. Without a group (world size 1), or with a
+    remembered signature (and not ``always``), nothing is communicated.
+    """
+    if ctx.world_size == 1:
+        if local_error is not None:
+            raise local_error
+        return
+    key = (ctx, op, signature)
+    if local_error is None and not always and key in _CHECKED:
+        _CHECKED.move_to_end(key)
+        return
+    text = _describe(signature) if local_error is None else f"{type(local_error).__name__}: " \
+        f"{local_error}"
+    digest = hashlib.blake2b(_describe(signature).encode(), digest_size=8).digest()
+    try:
+        rows = _exchange(ctx, int(local_error is not None), digest, text)
+    except Exception:
+        if local_error is not None:     # the real cause wins over a failing exchange
+            raise local_error from None
+        raise
+    if local_error is not None:
+        raise local_error
+    failed = [(r, t) for r, (status, _, t) in enumerate(rows) if status]
+    if failed:
+        who = "; ".join(f"rank {r}: {t}" for r, t in failed)
+        raise ValueError(f"{op}: rank(s) {[r for r, _ in failed]} of the CP group rejected "
+                         f"their input, so every rank stops here. {who}")
+    if len({d for _, d, _ in rows}) > 1:
+        groups: dict = {}
+        for r, (_, d, t) in enumerate(rows):
+            groups.setdefault((d, t), []).append(r)
+        lines = "; ".join(f"rank(s) {rs}: {t}" for (_, t), rs in groups.items())
+        raise ValueError(f"{op}: the ranks of the CP group called with different shapes or "
+                         "options; every rank must make the same call (the schedules move "
+                         f"fixed-shape buffers between ranks). {lines}")
+    _CHECKED[key] = None
+    while len(_CHECKED) > _MAX_CACHED:
+        _CHECKED.popitem(last=False)

@@ -1,0 +1,202 @@
+"""Single-device ops on one leaf of linear attention with decay (the "local op" the scan uses).
+
+A leaf is a contiguous piece of C tokens. With S_in the state just before the leaf (local
+position -1) and lam = exp(-s) per head, unrolling S_i = lam S_{i-1} + k_i^T v_i gives
+
+    S_i = lam^(i+1) S_in + sum_{j<=i} lam^(i-j) k_j^T v_j         (local i = 0 .. C-1)
+    o_i = scale q_i S_i = o_zero_i + scale lam^(i+1) q_i S_in       -> inter_output
+    S_end = S_{C-1} = lam^C S_in + b,   b = sum_j lam^(C-1-j) k_j^T v_j   -> leaf_forward
+
+Backward with do = dL/do and G = dL/dS_end (from later leaves):
+
+    dL/dS_in = scale sum_i lam^(i+1) q_i^T do_i  +  lam^C G        -> state_grad_local, chunk_decay
+    dq_i = intra + scale lam^(i+1) do_i S_in^T
+    dk_j, dv_j = intra + lam^(C-1-j) (v_j G^T, k_j G)              -> leaf_backward
+
+All decays are exp(-s * n) in fp32 (fp64 for fp64 inputs); nothing divides by lam^C.
+
+Backends: "torch" (chunked pure torch, any device/dtype, backward by autograd on a recomputed
+forward that lives only inside the call) and "fla" (fla-core's Triton chunk_simple_gla
+kernels, CUDA, fp16/bf16/fp32; conventions in :mod:`.fla_ops`). None picks fla when it can run.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from ..precision import acc_dtype
+from .fla_ops import CHUNK, fla_import_error, resolve_backend
+from .naive import chunked_core, decay_powers
+from .slope_constants import decay_weights, fla_g_gamma
+
+__all__ = ["leaf_forward", "inter_output", "leaf_state", "leaf_output", "state_grad_local",
+           "leaf_backward", "torch_leaf_backward", "decayed_sum", "no_autocast"]
+
+
+def no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """States and decays must stay fp32 even when the caller runs under autocast."""
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+def _state_or_none(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if x is None else x.to(torch.float32).contiguous()
+
+
+def leaf_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
+                 scale: float, backend: Optional[str] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-start output and end state of one leaf.
+
+    q, k [B, C, H, K], v [B, C, H, V], slopes [H]. Returns
+      o_zero [B, C, H, V]: scale q_i sum_{j<=i} lam^(i-j) k_j^T v_j; fp32/fp64 for "torch",
+                           v.dtype for "fla" (the kernel writes the input dtype);
+      b [B, H, K, V]: sum_j lam^(C-1-j) k_j^T v_j; fp32 (fp64 for fp64 inputs).
+    """
+    backend = resolve_backend(backend, q, k, v)
+    if backend == "fla":
+        from fla.ops.simple_gla.chunk import chunk_simple_gla_fwd
+
+        # fla 0.6.0 bug (seen on H200): in a partial last chunk, chunk_fwd_h scales the
+        # zero-padded rows of v by exp2(g_last - g) > 1, which overflows to inf once
+        # s * pad > ~88, and 0 * inf makes the final state NaN (o is unaffected). Leading
+        # zero tokens are exact instead: the zero start state stays zero and zero k, v add
+        # nothing, so pad at the front to a multiple of the chunk and drop those rows of o.
+        pad = (-q.shape[1]) % CHUNK
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, pad, 0)) if pad else x for x in (q, k, v))
+        with torch.cuda.device(q.device):
+            o, b = chunk_simple_gla_fwd(
+                q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=None,
+                g_gamma=fla_g_gamma(slopes, q.device), scale=float(scale),
+                initial_state=None, output_final_state=True, chunk_size=CHUNK,
+            )
+        return o[:, pad:], b
+    with no_autocast(q.device):
+        return chunked_core(q, k, v, slopes, scale, None, CHUNK)
+
+
+def inter_output(q: torch.Tensor, slopes: torch.Tensor, scale: float, S_in: torch.Tensor) -> torch.Tensor:
+    """Contribution of the incoming state: scale * lam^(i+1) q_i @ S_in -> [B, C, H, V] fp32/fp64.
+
+    Local position i = 0 sees S_in decayed once (S_0 = lam S_in + k_0^T v_0), hence i + 1.
+    """
+    dt = acc_dtype(q, S_in)
+    with no_autocast(q.device):
+        dec = decay_powers(slopes, q.shape[1], 1, dtype=dt, device=q.device)  # [H, C]
+        qd = q.to(dt) * dec.t()[None, :, :, None]  # [B, C, H, K]
+        return scale * torch.einsum("bchk,bhkv->bchv", qd, S_in.to(dt))
+
+
+def decayed_sum(x: torch.Tensor, y: torch.Tensor, slopes: torch.Tensor, base: int, step: int,
+                scale: float = 1.0) -> torch.Tensor:
+    """``scale · Σ_t λ^(base + step·t) x_tᵀ y_t`` -> [B, H, K, V], fp32 (fp64 for fp64).
+
+    16-bit CUDA inputs take the one-pass Triton kernel (fp32 accumulation, the weighted x
+    rounded to the input dtype as the chunk kernels round their operands); everything else the
+    compute-dtype einsum with the weights cached per slopes version.
+    """
+    if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and y.dtype == x.dtype
+            and fla_import_error() is None):
+        from .kernels import decayed_state_sum
+
+        def rows(t):    # the kernel takes strided rows (every n-th leaf) as they are
+            return t if t[0].is_contiguous() else t.contiguous()
+        return decayed_state_sum(rows(x), rows(y), fla_g_gamma(slopes, x.device), base, step,
+                                 scale=scale)
+    dt = acc_dtype(x, y)
+    w = decay_weights(slopes, x.shape[1], base, step, dt, x.device)        # [H, C]
+    with no_autocast(x.device):
+        out = torch.einsum("bchk,bchv->bhkv", x.to(dt) * w.t()[None, :, :, None], y.to(dt))
+    return out if scale == 1.0 else scale * out
+
+
+def leaf_state(k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor) -> torch.Tensor:
+    """End state of a leaf from a zero start, b = sum_j lam^(C-1-j) k_j^T v_j -> [B, H, K, V].
+
+    One pass over k and v (no chunk recurrence): what the scan needs before the leaf's output
+    can be formed. fp32 (fp64 for fp64 inputs).
+    """
+    return decayed_sum(k, v, slopes, k.shape[1] - 1, -1)
+
+
+def state_grad_local(q: torch.Tensor, do: torch.Tensor, slopes: torch.Tensor, scale: float) -> torch.Tensor:
+    """dL/dS_in through this leaf's outputs only: scale sum_i lam^(i+1) q_i^T do_i -> [B, H, K, V].
+
+    fp32 (fp64 for fp64 inputs); one pass over q and do. The full dL/dS_in adds
+    chunk_decay(slopes, C) * G.
+    """
+    return decayed_sum(q, do, slopes, 1, 1, scale)
+
+
+def leaf_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
+                scale: float, S_in: Optional[torch.Tensor], backend: Optional[str] = None
+                ) -> torch.Tensor:
+    """Complete output of a leaf entered with state ``S_in`` (None = zero): one kernel call
+    whose chunk states start from ``S_in``, so the inter term needs no extra pass.
+
+    q, k [B, C, H, K], v [B, C, H, V] -> o [B, C, H, V] in the input dtype for "fla",
+    fp32/fp64 for "torch".
+    """
+    backend = resolve_backend(backend, q, k, v)
+    if backend == "fla":
+        from fla.ops.simple_gla.chunk import chunk_simple_gla_fwd
+
+        # No final state is requested, so fla's partial-last-chunk final-state bug (see
+        # leaf_forward) cannot reach the output; no padding needed here.
+        with torch.cuda.device(q.device):
+            o, _ = chunk_simple_gla_fwd(
+                q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=None,
+                g_gamma=fla_g_gamma(slopes, q.device), scale=float(scale),
+                initial_state=_state_or_none(S_in), output_final_state=False, chunk_size=CHUNK,
+            )
+        return o
+    with no_autocast(q.device):
+        s_in = None if S_in is None else S_in.to(acc_dtype(q, k, v, S_in))
+        return chunked_core(q, k, v, slopes, scale, s_in, CHUNK)[0]
+
+
+def torch_leaf_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, scale: float,
+    S_in: Optional[torch.Tensor], do: torch.Tensor, G: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`leaf_backward` of the "torch" backend: recompute the chunked forward from S_in
+    under autograd and pull (do, G) back through it. The graph (and its per-chunk states) is
+    freed when this call returns."""
+    dt = acc_dtype(q, k, v, S_in)
+    with torch.enable_grad(), no_autocast(q.device):
+        qd, kd, vd = (x.detach().to(dt).requires_grad_(True) for x in (q, k, v))
+        s_in = None if S_in is None else S_in.detach().to(dt)
+        o, S_end = chunked_core(qd, kd, vd, slopes.detach(), scale, s_in, CHUNK)
+        outs, grads = [o], [do.to(dt)]
+        if G is not None:
+            outs.append(S_end)
+            grads.append(G.to(dt))
+        dq, dk, dv = torch.autograd.grad(outs, (qd, kd, vd), grads)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def leaf_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, scale: float,
+    S_in: Optional[torch.Tensor], do: torch.Tensor, G: Optional[torch.Tensor],
+    backend: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Complete dq, dk, dv of one leaf (in q/k/v dtypes).
+
+    S_in [B, H, K, V]: state entering the leaf (None = zero). do [B, C, H, V]: dL/do of the
+    leaf's full output (o_zero + inter). G [B, H, K, V]: dL/dS_end from later leaves (None =
+    zero). Includes the intra terms, the S_in term of dq and the G terms of dk and dv.
+    """
+    backend = resolve_backend(backend, q, k, v)
+    if backend == "fla":
+        from fla.ops.simple_gla.chunk import chunk_simple_gla_bwd
+
+        with torch.cuda.device(q.device):
+            dq, dk, dv, _dg, _dh0 = chunk_simple_gla_bwd(
+                q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=None,
+                g_gamma=fla_g_gamma(slopes, q.device), initial_state=_state_or_none(S_in),
+                do=do.to(v.dtype).contiguous(), dht=_state_or_none(G), scale=float(scale),
+                chunk_size=CHUNK,
+            )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return torch_leaf_backward(q, k, v, slopes, scale, S_in, do, G)

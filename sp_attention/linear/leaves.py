@@ -1,0 +1,179 @@
+"""Several leaves at once, their cross-rank states overlapped with the chunk recurrence.
+
+q, k, v, do here are ``[N, C, H, D]``: one row per leaf (a rank's leaves are equal-length
+pieces of its shard, so ``[B, n·C, ...]`` is viewed as ``[B·n, C, ...]``); S_in and G are
+``[N, H, K, V]`` (zeros where no state enters / no gradient arrives, which is exact). The
+``scan`` callbacks map per-leaf states to the states entering the leaves (forward) or the
+gradients arriving at their ends (backward); they run the cross-rank communication.
+
+On the fla path three CUDA streams take part: the main stream; a high-priority "side" stream
+for the scan (latency-bound, a few small kernels and NCCL calls that a peer waits on); and, in
+the backward, a "recurrence" stream for the chunk states from S_in. Memory across streams is
+safe by ordering alone (no ``record_stream``, which makes every later allocation poll events):
+every fork waits on main first, and main waits on every stream before returning.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+
+from ..precision import acc_dtype
+from ..tuning import LinearTuning
+from .fla_ops import CHUNK, FlaKernels, resolve_kernels
+from .leaf import decayed_sum, leaf_backward, leaf_output, leaf_state
+from .slope_constants import fla_g_gamma
+
+__all__ = ["leaves_output", "leaves_backward"]
+
+_DEFAULT = LinearTuning()
+# Streams made once per (stream factory, device, role, priority); the factory is part of the
+# key so that streams made by a stand-in of torch.cuda.Stream (CPU tests) are never reused.
+_STREAMS: dict = {}
+
+
+def _stream(device: torch.device, role: str, priority: int = 0) -> "torch.cuda.Stream":
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = (torch.cuda.Stream, idx, role, priority)
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.cuda.Stream(device=idx, priority=priority)
+    return _STREAMS[key]
+
+
+def _scan_on_side_stream(scan: Callable, x, device: torch.device, priority: int) -> tuple:
+    """Start ``scan(x)`` on the side stream after the work queued so far, so that what the main
+    stream queues next runs while the states travel. Returns (result, side stream); the caller
+    makes the main stream wait on the side stream before it reads the result.
+
+    Blocks made on main and read here can only be rewritten by main work queued after main
+    waits on this stream (every caller does that before returning); blocks made here and read
+    on main return to this stream's pool, whose next user first waits on everything main has
+    queued (``side.wait_stream(main)``)."""
+    main, side = torch.cuda.current_stream(device), _stream(device, "side", priority)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        out = scan(x)
+    return out, side
+
+
+def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
+                  scale: float, scan: Callable, backend: Union[None, str, FlaKernels] = None,
+                  zero_in: bool = False, *, tuning: LinearTuning = _DEFAULT
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs of N leaves: ``(o [N, C, H, V], S_in [N, H, K, V])`` where ``scan(b)`` maps the
+    leaves' zero-start end states ``b`` (fp32) to the states entering them.
+
+    fla: the chunk recurrence runs from zero (``chunk_fwd_h``); its final state is ``b`` when
+    C is a multiple of the chunk, otherwise ``b`` comes from the one-pass state kernel, run
+    with the scan on the side stream beside the recurrence. The output kernel
+    (:func:`sp_attention.linear.kernels.output_from_states`) then adds ``λ^(n·BT) S_in`` to
+    each chunk state. ``zero_in``: no state enters any leaf (this rank holds only the
+    sequence's first leaf): the zero-start states are the states, fla's own output kernel runs
+    at once and the scan (this rank only sends) is joined afterwards. torch: ``b``, the scan,
+    then the chunked form. ``tuning.side_stream_priority``: the scan stream's priority.
+    """
+    kern = resolve_kernels(backend, q, k, v)
+    if kern is None:
+        S_in = scan(leaf_state(k, v, slopes))
+        return leaf_output(q, k, v, slopes, scale, S_in, "torch"), S_in
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    gg = fla_g_gamma(slopes, q.device)
+    main = torch.cuda.current_stream(q.device)
+    prio = tuning.side_stream_priority
+    with torch.cuda.device(q.device):
+        # fla 0.6.0 turns the final state of a partial last chunk into NaN for fast heads
+        # (see leaf.leaf_forward), so only whole chunks take the final state from the recurrence.
+        if k.shape[1] % CHUNK == 0:
+            h, b = kern.chunk_fwd_h(k=k, v=v, g=None, g_gamma=gg, h0=None,
+                                    output_final_state=True, chunk_size=CHUNK)
+            S_in, side = _scan_on_side_stream(scan, b, q.device, prio)
+        else:   # b from the one-pass state kernel on the side stream, beside the recurrence
+            S_in, side = _scan_on_side_stream(
+                lambda _: scan(kern.state_sum(k, v, slopes, k.shape[1] - 1, -1, 1.0)), None,
+                q.device, prio)
+            h, _ = kern.chunk_fwd_h(k=k, v=v, g=None, g_gamma=gg, h0=None,
+                                    output_final_state=False, chunk_size=CHUNK)
+        if zero_in:
+            o = kern.chunk_fwd_o(q=q, k=k, v=v, h=h, g=None, g_gamma=gg, scale=float(scale),
+                                 chunk_size=CHUNK)
+            main.wait_stream(side)          # the send finishes behind the output kernel
+            return o, S_in
+        main.wait_stream(side)
+        S_in = S_in.contiguous()
+        return kern.output_from_states(q, k, v, h, S_in, gg, scale, CHUNK), S_in
+
+
+def _state_grads(q: torch.Tensor, do: torch.Tensor, slopes: torch.Tensor, scale: float,
+                 needed: Optional[tuple], state_sum: Callable) -> torch.Tensor:
+    """Per-row state-gradient contributions ``[N, H, K, V]`` (fp32) of ``N = B·n`` rows (batch
+    row-major, ``n = len(needed)`` leaves per batch row), computed only for the leaves in
+    ``needed`` (None: all). The others are read by nobody (the sequence's first leaf has no
+    earlier leaf to send its contribution to); they are zeros, which keeps every scan's
+    arithmetic finite."""
+    if needed is None or all(needed):
+        return state_sum(q, do, slopes, 1, 1, scale)
+    n = len(needed)
+    d = q.new_zeros((q.shape[0], q.shape[2], q.shape[3], do.shape[3]), dtype=acc_dtype(q, do))
+    per_leaf = d.view(d.shape[0] // n, n, *d.shape[1:])
+    for j in (j for j, keep in enumerate(needed) if keep):
+        # leaf j of every batch row: a strided view of the rows, no copy
+        rows = (x.view(x.shape[0] // n, n, *x.shape[1:])[:, j] for x in (q, do))
+        per_leaf[:, j] = state_sum(*rows, slopes, 1, 1, scale)
+    return d
+
+
+def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
+                    scale: float, S_in: torch.Tensor, do: torch.Tensor, scan: Callable,
+                    backend: Union[None, str, FlaKernels] = None,
+                    needed: Optional[tuple] = None, zero_grad: bool = False, *,
+                    tuning: LinearTuning = _DEFAULT,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of N leaves entered with ``S_in``; ``scan(d)`` maps the leaves' state-gradient
+    contributions ``d`` (fp32) to the gradients ``G`` arriving at their ends.
+
+    ``needed``: per leaf of a batch row (rows are batch-major, ``len(needed)`` leaves each),
+    whether anyone reads its contribution (None: all); the others are not computed.
+    ``zero_grad``: no gradient arrives at any leaf (this rank holds only the sequence's last
+    leaf), so the gradient recurrence starts at once instead of waiting for the scan (which
+    here only sends ``d``); the scan is joined at the end.
+
+    fla, three streams: the high-priority side stream forms ``d`` (the one-pass state kernel)
+    and runs the scan, since a peer waits on it; the recurrence stream recomputes the chunk
+    states from ``S_in`` (``chunk_fwd_h``, which needs no ``G``); the main stream runs fla's
+    gradient recurrence from ``G`` (``chunk_bwd_dh``) beside it, then dv and, once the chunk
+    states are in, dq and dk (fla's own backward, split up). ``tuning.
+    concurrent_recurrences=False`` runs the chunk states on the main stream first (the A/B).
+    """
+    kern = resolve_kernels(backend, q, k, v)
+    if kern is None:
+        G = scan(_state_grads(q, do, slopes, scale, needed, decayed_sum))
+        return leaf_backward(q, k, v, slopes, scale, S_in, do, G, "torch")
+    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.to(v.dtype).contiguous()
+    gg = fla_g_gamma(slopes, q.device)
+    main = torch.cuda.current_stream(q.device)
+    with torch.cuda.device(q.device):
+        # d and the scan first, on the side stream: the peers' gradients wait on them.
+        G, side = _scan_on_side_stream(
+            lambda _: scan(_state_grads(q, do, slopes, scale, needed, kern.state_sum)), None,
+            q.device, tuning.side_stream_priority)
+        concurrent = tuning.concurrent_recurrences
+        rec = _stream(q.device, "recurrence") if concurrent else main
+        if concurrent:
+            rec.wait_stream(main)
+        with torch.cuda.stream(rec):
+            h, _ = kern.chunk_fwd_h(k=k, v=v, g=None, g_gamma=gg, h0=S_in,
+                                    output_final_state=False, chunk_size=CHUNK,
+                                    states_in_fp32=True)
+        if not zero_grad:
+            main.wait_stream(side)
+        dh, _ = kern.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None,
+                                  dht=None if zero_grad else G.contiguous(), scale=scale, g=None,
+                                  g_gamma=gg, chunk_size=CHUNK, states_in_fp32=True)
+        dv = kern.chunk_bwd_dv(q=q, k=k, do=do, dh=dh, g=None, g_gamma=gg, scale=scale,
+                               chunk_size=CHUNK)
+        if concurrent:
+            main.wait_stream(rec)
+        dq, dk, _, _ = kern.chunk_bwd_dqkwg(q=q, k=k, v=v, do=do, h=h, dh=dh, g=None,
+                                            g_gamma=gg, scale=scale, chunk_size=CHUNK)
+        main.wait_stream(side)          # joined (a no-op unless zero_grad)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,85 @@
+"""Small tensors derived from a slopes tensor, made once per slopes tensor and version.
+
+Rebuilding them on every call costs a handful of kernel launches each, and the CP step is
+launch-bound at short T_local; reading slope values on the host (the value check) would sync a
+CUDA device on every call. Each derived constant has a named function here; the cache behind
+them is keyed by ``id(slopes)`` with a weak reference to the tensor and its ``_version``: an
+in-place change of the slopes drops the entry, and a finalizer drops it with the tensor.
+Nothing is attached to the tensor itself (saving it saves only values). A WeakKeyDictionary
+would compare tensors with ``==``, which is elementwise.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Callable
+
+import torch
+
+__all__ = ["fla_g_gamma", "decay_weights", "leaf_transition", "check_slope_values",
+           "cached_constants", "num_cached_slopes"]
+
+# id(slopes) -> (weakref to it, its _version, {(constant name, *args): derived value})
+_CACHE: dict = {}
+
+
+def _cached(slopes: torch.Tensor, key: tuple, make: Callable):
+    entry = _CACHE.get(id(slopes))
+    if entry is None or entry[0]() is not slopes or entry[1] != slopes._version:
+        try:
+            ref = weakref.ref(slopes)
+        except TypeError:                       # not weak-referenceable: no caching
+            return make()
+        if entry is None or entry[0]() is not slopes:
+            weakref.finalize(slopes, _CACHE.pop, id(slopes), None)
+        entry = _CACHE[id(slopes)] = (ref, slopes._version, {})
+    if key not in entry[2]:
+        entry[2][key] = make()
+    return entry[2][key]
+
+
+def fla_g_gamma(slopes: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``[H]`` fp32 ``−s / ln 2`` on ``device``: the natural-log decay in log2 units, because
+    fla's kernels (and ours) form decays with exp2 (see :mod:`.fla_ops`)."""
+    return _cached(slopes, ("fla_g_gamma", device), lambda: (
+        -slopes.to(device=device, dtype=torch.float32) / math.log(2.0)).contiguous())
+
+
+def decay_weights(slopes: torch.Tensor, n: int, base: int, step: int, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """``[H, n]`` weights ``λ^(base + step·t)`` as ``exp(−s·(base + step·t))`` in ``dtype``."""
+    return _cached(slopes, ("decay_weights", n, base, step, dtype, device), lambda: torch.exp(
+        -slopes.to(device=device, dtype=dtype)[:, None]
+        * (base + step * torch.arange(n, device=device, dtype=dtype))[None, :]))
+
+
+def leaf_transition(slopes: torch.Tensor, leaf_len: int, batch: int, dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
+    """``[batch, H]`` scan transition ``A = λ^C`` of a leaf of ``C = leaf_len`` tokens."""
+    return _cached(slopes, ("leaf_transition", leaf_len, batch, dtype, device), lambda: torch.exp(
+        -slopes.to(device=device, dtype=dtype) * leaf_len).reshape(1, -1).expand(batch, -1)
+        .contiguous())
+
+
+def check_slope_values(slopes: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless every slope is finite and >= 0; checked once per tensor and
+    version (reading values on the host syncs a CUDA device)."""
+    def check() -> bool:
+        if not torch.isfinite(slopes).all() or (slopes < 0).any():
+            raise ValueError("slopes must be finite and >= 0 (decay exp(-slope) in (0, 1]); "
+                             f"got min {slopes.min().item()}")
+        return True
+    _cached(slopes, ("check_slope_values",), check)
+
+
+def cached_constants(slopes: torch.Tensor) -> tuple[str, ...]:
+    """Names of the constants cached for this slopes tensor at its current version."""
+    entry = _CACHE.get(id(slopes))
+    if entry is None or entry[0]() is not slopes or entry[1] != slopes._version:
+        return ()
+    return tuple(sorted({key[0] for key in entry[2]}))
+
+
+def num_cached_slopes() -> int:
+    """Slopes tensors with cached constants (entries die with their tensors)."""
+    return sum(1 for ref, _, _ in _CACHE.values() if ref() is not None)

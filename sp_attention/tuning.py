@@ -1,0 +1,89 @@
+"""Tuning of the two public ops: frozen dataclasses passed explicitly (``tuning=``).
+
+Every field only changes *how fast* a step runs or *when* a check runs, never the numbers it
+produces: each setting is exact. Defaults are what the measurements in
+``benchmarks/results/README.md`` support; the benchmarks' A/B flags pass other values here
+instead of overwriting module variables. Every rank of a CP group must pass equal tuning (it
+is part of the call signature the cross-rank check compares, see :mod:`sp_attention.call_check`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["LinearTuning", "SoftmaxTuning"]
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_bools(obj, *names: str) -> None:
+    for name in names:
+        if not isinstance(getattr(obj, name), bool):
+            raise TypeError(f"{type(obj).__name__}.{name} must be a bool, got "
+                            f"{getattr(obj, name)!r}")
+
+
+@dataclass(frozen=True)
+class LinearTuning:
+    """How :func:`sp_attention.lightning_attention` runs its step.
+
+    Attributes:
+        static_zero_paths: shorter local paths for a rank holding only the sequence's first
+            leaf (no state enters: fla's own output kernel runs at once, the scan is joined
+            afterwards) or only its last (no gradient arrives: the gradient recurrence starts
+            without waiting for the scan). They cut those ranks' GPU work on one H200 (rank 0
+            forward 0.53 -> 0.45 ms, rank P-1 backward 1.61 -> 1.41 ms at 32K) but the only
+            2-GPU run with them gave a slower step (0.77 of 2 x fla vs 0.84, 2026-11-23), so
+            off until an A/B on two GPUs (``benchmarks/linear_cp.py --ab-static-zero``).
+        side_stream_priority: CUDA priority of the stream the cross-rank scan runs on (lower
+            is higher; -1 is the highest torch offers). High, so the scan's few small kernels,
+            which a peer rank waits on, start ahead of the queued blocks of the chunk kernels
+            beside them. 0 is the A/B (``--comm-variants side0``).
+        concurrent_recurrences: the backward's two chunk recurrences (the chunk states from
+            ``S_in`` and the state gradients from ``G``) run on two streams: fla runs each with
+            one program per (K tile, V tile, batch row, head), under half of an H100/H200's
+            SMs at B 1, H 16, K = V = 128, so each takes the SMs the other leaves idle. False
+            runs them one after the other (``--ab-concurrent``).
+        auto_allgather_max_leaves: ``impl="auto"`` picks the one-collective all-gather scan up
+            to this many leaves and the tree scan (``2⌈log2 L⌉`` rounds of O(1) bytes) beyond.
+        check_every_call: run the cross-rank call check (one small all-gather) on every call
+            instead of once per new call signature: catches a rank that repeats an
+            already-checked call while another changes it, at one collective per call.
+    """
+
+    static_zero_paths: bool = False
+    side_stream_priority: int = -1
+    concurrent_recurrences: bool = True
+    auto_allgather_max_leaves: int = 16
+    check_every_call: bool = False
+
+    def __post_init__(self) -> None:
+        _check_bools(self, "static_zero_paths", "concurrent_recurrences", "check_every_call")
+        if not _is_int(self.side_stream_priority) or self.side_stream_priority > 0:
+            raise ValueError("LinearTuning.side_stream_priority must be an int <= 0 (CUDA: "
+                             f"lower is higher priority), got {self.side_stream_priority!r}")
+        if not _is_int(self.auto_allgather_max_leaves) or self.auto_allgather_max_leaves < 2:
+            raise ValueError("LinearTuning.auto_allgather_max_leaves must be an int >= 2, got "
+                             f"{self.auto_allgather_max_leaves!r}")
+
+
+@dataclass(frozen=True)
+class SoftmaxTuning:
+    """How :func:`sp_attention.context_parallel_attention` runs its step.
+
+    Attributes:
+        min_query_heads_per_call: the default ``heads_k_stride`` is the smallest divisor of the
+            local KV heads giving at least this many query heads per kernel call (8 heads x
+            32 tiles of 128 rows at a 4K-token chunk = 256 CTAs, about two waves on 132 SMs).
+        check_every_call: as :attr:`LinearTuning.check_every_call`.
+    """
+
+    min_query_heads_per_call: int = 8
+    check_every_call: bool = False
+
+    def __post_init__(self) -> None:
+        _check_bools(self, "check_every_call")
+        if not _is_int(self.min_query_heads_per_call) or self.min_query_heads_per_call < 1:
+            raise ValueError("SoftmaxTuning.min_query_heads_per_call must be a positive int, "
+                             f"got {self.min_query_heads_per_call!r}")
