@@ -273,6 +273,6 @@ class LinearCoreAttention(_CPCoreAttention):
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
         state_dict = self.state_dict(prefix="", keep_vars=True)
         dp_cp = metadata.get("dp_cp_group") if metadata else None
+        groups = {} if dp_cp is None else {"tp_group": self.tp_group, "dp_cp_group": dp_cp}
         return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"out_norm_weight": 0},
-                                                   sharded_offsets, tp_group=self.tp_group,
-                                                   dp_cp_group=dp_cp)
+                                                   sharded_offsets, **groups)

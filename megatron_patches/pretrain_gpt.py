@@ -1,0 +1,156 @@
+"""Megatron-LM's GPT pretraining with ``--context-parallel-impl`` (megatron-core >= 0.18 wheel).
+
+    torchrun --nproc-per-node N -m megatron_patches.pretrain_gpt <Megatron-LM pretrain args> \\
+        --transformer-impl local --no-rope-fusion --no-create-attention-mask-in-dataloader \\
+        --attention-dropout 0 --sp-model-kind hybrid --context-parallel-impl blelloch
+
+Mirrors Megatron-LM's ``pretrain_gpt.py`` on the wheel's ``megatron.training`` (which ships
+without Megatron-LM's root scripts): Megatron's own argument parsing (plus ours,
+:mod:`megatron_patches.args`), ``pretrain`` with its optimizer, schedules, DDP,
+checkpointing, logging and mock / indexed GPT datasets. Only the model provider is ours
+(:func:`megatron_patches.model.build_gpt_model`) and the batch's CP split uses the library's
+zigzag sharding (identical to Megatron's ``get_batch_on_this_cp_rank``).
+
+Importing this module imports nothing from ``megatron.training`` (so it is safe on
+megatron-core 0.16, which has none); :func:`main` needs it.
+"""
+from __future__ import annotations
+
+import time
+from functools import partial
+
+_PROGRAM_START = time.time()
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None,
+                   config=None, pg_collection=None):
+    """Megatron ``model_provider``: our GPT (softmax / linear / hybrid) from the parsed args."""
+    from megatron.training import get_args, print_rank_0
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    from .args import MEGATRON_IMPL, options_from_args
+    from .model import build_gpt_model
+
+    args = get_args()
+    opts = options_from_args(args)
+    if config is None:
+        config = core_transformer_config_from_args(args)
+    common = dict(vocab_size=args.padded_vocab_size,
+                  max_sequence_length=args.max_position_embeddings,
+                  pre_process=pre_process, post_process=post_process,
+                  fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+                  parallel_output=True,
+                  share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                  position_embedding_type=args.position_embedding_type,
+                  rotary_percent=args.rotary_percent)
+    if opts["cp_impl"] == MEGATRON_IMPL:      # Megatron's own attention, local spec
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        print_rank_0("building Megatron's GPT model (--context-parallel-impl megatron)")
+        return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization=args.normalization), rotary_base=args.rotary_base,
+            pg_collection=pg_collection, vp_stage=vp_stage, **common)
+    print_rank_0(f"building {opts['kind']} GPT with --context-parallel-impl {opts['cp_impl']}, "
+                 f"pattern {opts['layer_pattern']}, softmax {opts['softmax_options']}")
+    return build_gpt_model(config, kind=opts["kind"], cp_impl=opts["cp_impl"],
+                           softmax_options=opts["softmax_options"],
+                           hybrid_pattern=opts["layer_pattern"],
+                           slope_schedule=opts["slope_schedule"], pg_collection=pg_collection,
+                           rotary_base=args.rotary_base, vp_stage=vp_stage, **common)
+
+
+def get_batch(data_iterator):
+    """Next micro-batch, moved to the GPU and split zigzag over CP (every rank reads the
+    data itself; the datasets are built on every rank, see ``datasets_provider``)."""
+    import torch
+    from sp_attention import shard_sequence
+
+    from .model import cp_context
+
+    batch = next(data_iterator)
+    ctx = cp_context()
+    out = {}
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        out[key] = shard_sequence(batch[key].cuda(non_blocking=True), ctx, dim=1)
+    if batch.get("attention_mask") is not None:
+        raise ValueError("the dataset built an attention mask; pass "
+                         "--no-create-attention-mask-in-dataloader")
+    out["tokens"] = out["tokens"].to(torch.long)
+    return out
+
+
+def loss_func(loss_mask, output_tensor):
+    """Sum of token losses, token count, and the report Megatron logs (as pretrain_gpt.py)."""
+    import torch
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1),
+                                                    num_tokens.view(1)])}
+
+
+def forward_step(data_iterator, model):
+    """Megatron ``forward_step``: one micro-batch through the model."""
+    from megatron.training import get_timers
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    b = get_batch(data_iterator)
+    timers("batch-generator").stop()
+    out = model(b["tokens"], b["position_ids"], None, labels=b["labels"],
+                loss_mask=b["loss_mask"])
+    return out, partial(loss_func, b["loss_mask"])
+
+
+def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Megatron's GPT datasets (mock with ``--mock-data``, else indexed ``--data-path``)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import \
+        BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_args, get_tokenizer, print_rank_0
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
+        blend_per_split=blend_per_split, split=args.split,
+        path_to_cache=args.data_cache_path, tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader)
+    cls = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0(f"> building {cls.__name__} train/valid/test datasets")
+    # every rank builds them (PP = 1), so no TP broadcast of batches is needed
+    return BlendedMegatronDatasetBuilder(cls, train_val_test_num_samples, lambda: True,
+                                         config).build()
+
+
+def main(argv=None) -> None:
+    """Parse Megatron-LM's arguments plus ours and run Megatron's ``pretrain``."""
+    import sys
+
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    from .args import add_arguments, validate_args
+
+    if argv is not None:
+        sys.argv = [sys.argv[0]] + list(argv)
+    try:
+        from megatron.training import set_startup_timestamps
+        set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
+    except ImportError:     # older wheels
+        pass
+    args = parse_and_validate_args(extra_args_provider=add_arguments,
+                                   args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    validate_args(args)     # fail before Megatron initialises anything
+    datasets_provider.is_distributed = True
+    pretrain(pretrain_cfg_container_from_args(args), datasets_provider,
+             ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+
+
+if __name__ == "__main__":
+    main()
