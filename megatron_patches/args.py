@@ -77,12 +77,12 @@ def _softmax_options(args):
 
 
 def _check_megatron_impl(args, kind: str, spec_kind: Optional[str]) -> None:
-    if kind != "softmax":
-        raise ValueError(f"--sp-model-kind {kind}: linear-attention layers need our scan; set "
-                         "--context-parallel-impl to blelloch, allgather, ring or auto")
     if spec_kind is not None:
         raise ValueError("--spec megatron_patches.specs ... needs --context-parallel-impl "
                          "blelloch/allgather/ring/auto ('megatron' leaves attention to Megatron)")
+    if kind != "softmax":
+        raise ValueError(f"--sp-model-kind {kind}: linear-attention layers need our scan; set "
+                         "--context-parallel-impl to blelloch, allgather, ring or auto")
     given = [f"--{n.replace('_', '-')}" for n in ("softmax_cp_preset",) + _STRIDES
              if getattr(args, n, None) is not None]
     if given:

@@ -1,0 +1,181 @@
+"""Validation errors (arguments, core-attention options), RoPE positions, the TP cut rule and
+the launcher's importability. One process, no process group."""
+import argparse
+import importlib
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from megatron_patches.args import add_arguments, options_from_args, validate_args  # noqa: E402
+from megatron_patches.core_attention import (LinearCoreAttention, SoftmaxCoreAttention,  # noqa: E402
+                                             SoftmaxOptions)
+
+
+def _args(*argv, **megatron):
+    """Our parser's namespace plus Megatron-LM fields at values that pass validation."""
+    ns = add_arguments(argparse.ArgumentParser()).parse_args(list(argv))
+    base = dict(context_parallel_size=2, tensor_model_parallel_size=2, seq_length=64,
+                num_attention_heads=8, num_query_groups=4, group_query_attention=True,
+                num_layers=4, transformer_impl="local", pipeline_model_parallel_size=1,
+                attention_dropout=0.0, create_attention_mask_in_dataloader=False,
+                reset_attention_mask=False, position_embedding_type="rope",
+                apply_rope_fusion=False, cp_comm_type=["p2p"], spec=None)
+    base.update(megatron)
+    for k, v in base.items():
+        setattr(ns, k, v)
+    return ns
+
+
+GOOD = ["--context-parallel-impl", "blelloch", "--sp-model-kind", "hybrid"]
+
+BAD = [  # (our argv, Megatron fields, text the message must contain)
+    (GOOD, dict(seq_length=62), "multiple of 2 x context-parallel-size"),
+    (GOOD, dict(tensor_model_parallel_size=4, num_attention_heads=6, num_query_groups=2),
+     "divisible by --tensor-model"),
+    (GOOD, dict(num_query_groups=1), "divisible by --tensor-model"),
+    (["--context-parallel-impl", "megatron", "--sp-model-kind", "linear"], {},
+     "set --context-parallel-impl"),
+    (["--context-parallel-impl", "blelloch", "--sp-model-kind", "softmax"], {},
+     "use --context-parallel-impl auto"),
+    (["--context-parallel-impl", "megatron", "--softmax-cp-preset", "ring_ag"], {},
+     "would be ignored"),
+    (["--context-parallel-impl", "auto", "--sp-model-kind", "linear",
+      "--softmax-cp-preset", "ring"], {}, "would be ignored"),
+    (GOOD + ["--softmax-heads-k-stride", "2"], {}, "preset 'ring' would ignore"),
+    (GOOD + ["--softmax-cp-preset", "ring_ag", "--softmax-heads-k-stride", "3"], {},
+     "must divide"),
+    (GOOD + ["--softmax-bwd-head-first-stride", "1"], {}, "ring backward"),
+    (GOOD + ["--sp-hybrid-pattern", "LLS"], {}, "--sp-hybrid-pattern"),
+    (GOOD, dict(transformer_impl="transformer_engine"), "--transformer-impl local"),
+    (GOOD, dict(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size 1"),
+    (GOOD, dict(attention_dropout=0.1), "--attention-dropout 0"),
+    (GOOD, dict(create_attention_mask_in_dataloader=True),
+     "--no-create-attention-mask-in-dataloader"),
+    (GOOD, dict(reset_attention_mask=True), "--reset-attention-mask"),
+    (GOOD, dict(apply_rope_fusion=True), "--no-rope-fusion"),
+    (GOOD, dict(position_embedding_type="yarn"), "rope or learned_absolute"),
+    (GOOD, dict(cp_comm_type=["a2a"]), "--cp-comm-type"),
+    (["--context-parallel-impl", "megatron"], dict(spec=["megatron_patches.specs",
+                                                         "hybrid_layer_spec"]), "--spec"),
+    (GOOD, dict(spec=["megatron_patches.specs", "nope"]), "hybrid_layer_spec"),
+]
+
+
+@pytest.mark.parametrize("argv,megatron,message", BAD, ids=[b[2][:30] for b in BAD])
+def test_each_bad_argument_names_the_fix(argv, megatron, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        validate_args(_args(*argv, **megatron))
+
+
+def test_good_arguments_give_options():
+    opts = options_from_args(_args(*GOOD, "--softmax-cp-preset", "ring_ag",
+                                   "--softmax-heads-k-stride", "2",
+                                   "--softmax-bwd-head-first-stride", "1"))
+    assert opts["cp_impl"] == "blelloch" and opts["layer_pattern"] == "LLLS"
+    assert opts["softmax_options"] == SoftmaxOptions("ring_ag", 2, 1, None)
+    spec = options_from_args(_args("--context-parallel-impl", "auto",
+                                   spec=["megatron_patches.specs", "linear_layer_spec"]))
+    assert spec["kind"] == "linear" and spec["layer_pattern"] == "L"
+    validate_args(_args())                          # megatron impl, softmax model: nothing to do
+
+
+def _config(**kw):
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def _make(cls, config=None, **kw):
+    return cls(config=config or _config(), layer_number=1,
+               attn_mask_type=kw.pop("attn_mask_type", AttnMaskType.causal),
+               attention_type="self", cp_comm_type=None, softmax_scale=None,
+               pg_collection=None, **kw)
+
+
+@pytest.mark.parametrize("cls", [SoftmaxCoreAttention, LinearCoreAttention])
+def test_core_attention_refuses_what_it_cannot_honour(cls):
+    with pytest.raises(ValueError, match="attention_dropout=0.0"):
+        _make(cls, _config(attention_dropout=0.1))
+    with pytest.raises(ValueError, match="attention_dropout=0.0"):
+        _make(cls, attention_dropout=0.2)
+    with pytest.raises(ValueError, match="only causal"):
+        _make(cls, attn_mask_type=AttnMaskType.no_mask)
+    with pytest.raises(ValueError, match="window_size=None"):
+        _make(cls, _config(window_size=(8, 0)))
+    ca = _make(cls)
+    q = torch.randn(8, 1, 4, 8)
+    kv = torch.randn(8, 1, 2, 8)
+    out = ca(q, kv, kv, None)
+    assert out.shape == (8, 1, 32)
+    calls = [
+        (dict(attention_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool)),
+         "--no-create-attention-mask-in-dataloader"),
+        (dict(attention_bias=torch.zeros(1, 4, 8, 8)), "attention_bias"),
+        (dict(packed_seq_params=PackedSeqParams(qkv_format="thd")), "packed sequences"),
+        (dict(attn_mask_type=AttnMaskType.padding), "only causal"),
+    ]
+    for kwargs, message in calls:
+        mask = kwargs.pop("attention_mask", None)
+        with pytest.raises(ValueError, match=message):
+            ca(q, kv, kv, mask, **kwargs)
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="cp_impl"):
+        _make(LinearCoreAttention, cp_impl="tree")
+    with pytest.raises(ValueError, match="slope_schedule"):
+        _make(LinearCoreAttention, slope_schedule="alibi")
+    with pytest.raises(ValueError, match="must divide the 2 KV heads"):
+        _make(SoftmaxCoreAttention, softmax_options={"preset": "allgather", "heads_k_stride": 4})
+    with pytest.raises(ValueError, match="preset"):
+        SoftmaxOptions("flash")
+    from megatron_patches.model import build_gpt_model
+    for kw, message in ((dict(kind="mamba"), "kind"), (dict(cp_impl="x"), "cp_impl"),
+                        (dict(position_embedding_type="yarn"), "position_embedding_type"),
+                        (dict(kind="hybrid", hybrid_pattern="LLS"), "pattern")):
+        args = dict(kind="linear", vocab_size=16, max_sequence_length=8)
+        args.update(kw)
+        with pytest.raises(ValueError, match=message):
+            build_gpt_model(_config(), **args)
+
+
+def test_linear_gqa_expansion_uses_megatron_group_mapping():
+    """Query head i reads KV group i // (np / ng): the same as feeding expanded K/V."""
+    ca = _make(LinearCoreAttention)
+    q, kv = torch.randn(8, 2, 4, 8), torch.randn(8, 2, 2, 8)
+    ref = _make(LinearCoreAttention, _config(num_query_groups=4))
+    full = kv[:, :, [0, 0, 1, 1]]
+    assert torch.allclose(ca(q, kv, kv, None), ref(q, full, full, None), atol=1e-6)
+
+
+def test_rope_positions_match_megatron_and_follow_position_ids():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron_patches.rotary import ZigzagRotaryEmbedding
+    ours = ZigzagRotaryEmbedding(16, rotary_base=500)
+    theirs = RotaryEmbedding(16, 1.0, rotary_base=500, use_cpu_initialization=True)
+    f = theirs.get_freqs_non_repeated(12)
+    assert torch.allclose(ours(12), torch.cat((f, f), -1)[:, None, None, :])
+    ours.position_ids = torch.tensor([[3, 4, 9], [0, 1, 2]])
+    emb = ours(3)
+    assert emb.shape == (3, 2, 1, 16)
+    assert torch.allclose(emb[:, 0, 0], torch.cat((f, f), -1)[[3, 4, 9]])
+
+
+def test_tp_cut_honours_partition_stride():
+    from megatron_patches.model import _tp_slice
+    full = torch.arange(8.0)[:, None]                  # SwiGLU fc1: [gate 0..3; up 4..7]
+    assert _tp_slice(full, 0, 2, 0, 2).flatten().tolist() == [0, 1, 4, 5]
+    assert _tp_slice(full, 0, 2, 1, 2).flatten().tolist() == [2, 3, 6, 7]
+    assert _tp_slice(full, 0, 1, 1, 2).flatten().tolist() == [4, 5, 6, 7]
+
+
+def test_launcher_imports_without_megatron_training():
+    mod = importlib.import_module("megatron_patches.pretrain_gpt")
+    assert callable(mod.main) and callable(mod.model_provider)
