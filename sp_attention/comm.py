@@ -28,30 +28,31 @@ _AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _flat_collective(name: str, fn, out: torch.Tensor, inp: torch.Tensor, ctx: SPContext,
+                     async_op: bool, per_rank: torch.Tensor, whole: torch.Tensor):
+    """The rule both flat collectives share: ``whole`` holds ``P`` blocks of ``per_rank``'s
+    size; a group of one copies; others pass 1-D views (gloo only accepts dim-0
+    concatenation)."""
+    if whole.numel() != ctx.world_size * per_rank.numel():
+        raise ValueError(f"{name}: {'output' if whole is out else 'input'} has {whole.numel()} "
+                         f"elements, expected {ctx.world_size} × {per_rank.numel()}")
+    if ctx.world_size == 1:
+        out.view(-1).copy_(inp.reshape(-1))
+        return None
+    return fn(out.view(-1), inp.contiguous().view(-1), group=ctx.group, async_op=async_op)
+
+
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, ctx: SPContext,
                     async_op: bool = False):
     """All-gather ``inp`` of every rank into ``out`` (``out.numel() == P · inp.numel()``,
     rank-major). Returns the work handle when ``async_op``."""
-    if out.numel() != ctx.world_size * inp.numel():
-        raise ValueError(f"all_gather_flat: output has {out.numel()} elements, expected "
-                         f"{ctx.world_size} × {inp.numel()}")
-    if ctx.world_size == 1:
-        out.view(-1).copy_(inp.reshape(-1))
-        return None
-    # 1-D views: gloo only accepts dim-0 concatenation.
-    return _AG(out.view(-1), inp.contiguous().view(-1), group=ctx.group, async_op=async_op)
+    return _flat_collective("all_gather_flat", _AG, out, inp, ctx, async_op, inp, out)
 
 
 def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, ctx: SPContext,
                         async_op: bool = False):
     """Sum ``inp`` (rank-major, ``P · out.numel()`` elements) over ranks; rank r receives block r."""
-    if inp.numel() != ctx.world_size * out.numel():
-        raise ValueError(f"reduce_scatter_flat: input has {inp.numel()} elements, expected "
-                         f"{ctx.world_size} × {out.numel()}")
-    if ctx.world_size == 1:
-        out.view(-1).copy_(inp.reshape(-1))
-        return None
-    return _RS(out.view(-1), inp.contiguous().view(-1), group=ctx.group, async_op=async_op)
+    return _flat_collective("reduce_scatter_flat", _RS, out, inp, ctx, async_op, out, inp)
 
 
 def pad_flat(x: torch.Tensor, multiple: int) -> torch.Tensor:

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .validation import is_int
+
 __all__ = ["LinearTuning", "SoftmaxTuning"]
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check_bools(obj, *names: str) -> None:
@@ -60,10 +58,10 @@ class LinearTuning:
 
     def __post_init__(self) -> None:
         _check_bools(self, "static_zero_paths", "concurrent_recurrences", "check_every_call")
-        if not _is_int(self.side_stream_priority) or self.side_stream_priority > 0:
+        if not is_int(self.side_stream_priority) or self.side_stream_priority > 0:
             raise ValueError("LinearTuning.side_stream_priority must be an int <= 0 (CUDA: "
                              f"lower is higher priority), got {self.side_stream_priority!r}")
-        if not _is_int(self.auto_allgather_max_leaves) or self.auto_allgather_max_leaves < 2:
+        if not is_int(self.auto_allgather_max_leaves) or self.auto_allgather_max_leaves < 2:
             raise ValueError("LinearTuning.auto_allgather_max_leaves must be an int >= 2, got "
                              f"{self.auto_allgather_max_leaves!r}")
 
@@ -84,6 +82,6 @@ class SoftmaxTuning:
 
     def __post_init__(self) -> None:
         _check_bools(self, "check_every_call")
-        if not _is_int(self.min_query_heads_per_call) or self.min_query_heads_per_call < 1:
+        if not is_int(self.min_query_heads_per_call) or self.min_query_heads_per_call < 1:
             raise ValueError("SoftmaxTuning.min_query_heads_per_call must be a positive int, "
                              f"got {self.min_query_heads_per_call!r}")

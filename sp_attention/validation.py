@@ -11,8 +11,14 @@ import torch.distributed as dist
 from .context import SPContext
 from .layout import PAD_HELPER
 
-__all__ = ["PAD_HELPER", "resolve_ctx", "check_tensors", "check_local_length", "sdpa_hint"]
+__all__ = ["PAD_HELPER", "is_int", "resolve_ctx", "check_tensors", "check_local_length",
+           "sdpa_hint"]
 
+
+
+def is_int(x) -> bool:
+    """An int that is not a bool (``True`` is not a head count)."""
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def resolve_ctx(ctx) -> SPContext:

@@ -76,16 +76,11 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: tor
         raise ValueError(f"slopes must have shape [H] = [{q.shape[2]}], got {tuple(slopes.shape)}")
 
 
-def recurrent_linear_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slopes: torch.Tensor,
-    *,
-    scale: float = 1.0,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def recurrent_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               slopes: torch.Tensor, *, scale: float = 1.0,
+                               initial_state: torch.Tensor | None = None,
+                               output_final_state: bool = False,
+                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token reference: S_t = lam S_{t-1} + k_t^T v_t, o_t = scale q_t S_t.
 
     Returns (o [B, T, H, V] in q.dtype, final state [B, H, K, V] in fp32/fp64 or None).

@@ -16,7 +16,7 @@ import torch
 from ..call_check import agree_across_ranks
 from ..context import SPContext
 from ..tuning import SoftmaxTuning
-from ..validation import check_local_length, check_tensors, resolve_ctx
+from ..validation import check_local_length, check_tensors, is_int, resolve_ctx
 from .bwd_allgather import allgather_backward
 from .bwd_ring import ring_backward
 from .fwd_allgather import allgather_forward
@@ -140,12 +140,8 @@ def _check_tensors(q, k, v, ctx: SPContext) -> None:
     check_local_length(q, ctx)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _check_strides(kv_heads: int, stride, first, last, bwd: str) -> None:
-    if not _is_int(stride) or stride < 1 or kv_heads % stride:
+    if not is_int(stride) or stride < 1 or kv_heads % stride:
         divisors = [d for d in range(1, kv_heads + 1) if kv_heads % d == 0]
         raise ValueError(f"heads_k_stride={stride!r} must be a positive divisor of the "
                          f"{kv_heads} local KV heads; use one of {divisors} (or None)")
@@ -161,7 +157,7 @@ def _check_strides(kv_heads: int, stride, first, last, bwd: str) -> None:
         if stride == 1:
             raise ValueError(f"{name}={val!r}: heads_k_stride=1 leaves no stride to split (no "
                              f"split is possible); use heads_k_stride >= 2 or leave {name} None")
-        if not _is_int(val) or not 0 < val < stride:
+        if not is_int(val) or not 0 < val < stride:
             raise ValueError(f"{name}={val!r} must satisfy 0 < {name} < heads_k_stride "
                              f"({stride}); pick one of 1..{stride - 1} or None")
     if kv_heads == stride and first is not None and last is not None and first + last > stride:
