@@ -26,8 +26,10 @@ def _rank_world_layout(ctx: SPContext) -> tuple[int, int, str]:
 def shard_sequence(x: torch.Tensor, ctx: SPContext, dim: int = 1) -> torch.Tensor:
     """This rank's part of the global tensor ``x`` along the sequence ``dim``.
 
-    zigzag: chunks ``r`` and ``2P−1−r`` of ``2P`` concatenated; contiguous: the ``r``-th of ``P``
-    pieces. The sequence length must split evenly (see :func:`pad_for_layout`).
+    zigzag: chunks ``r`` and ``2P−1−r`` of ``2P`` concatenated (a new tensor, a copy);
+    contiguous: the ``r``-th of ``P`` pieces (a view of ``x``, sharing its memory and autograd
+    graph; ``.contiguous()`` it if the layer needs dense memory). Differentiable either way.
+    The sequence length must split evenly (see :func:`pad_for_layout`).
     """
     rank, world, layout = _rank_world_layout(ctx)
     dim = dim % x.dim()
