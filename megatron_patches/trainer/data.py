@@ -20,10 +20,11 @@ __all__ = ["CopyTask", "TokenFile", "build_dataset", "pad_vocab", "dp_rows"]
 
 
 def pad_vocab(n: int, tp: int, multiple: int = 128) -> int:
-    """Round the vocabulary up to a multiple of ``multiple × TP`` (Megatron's
-    ``--make-vocab-size-divisible-by``): the embedding and output layer split it over TP."""
-    m = multiple * tp
-    return int(math.ceil(n / m) * m)
+    """Round the vocabulary up to a multiple of ``multiple`` that TP divides (the embedding and
+    output layer split it over TP). Unlike Megatron's ``multiple × TP`` this keeps the model —
+    and so the losses — the same for every TP size up to ``multiple``."""
+    v = int(math.ceil(n / multiple) * multiple)
+    return v if v % tp == 0 else int(math.ceil(n / (multiple * tp)) * multiple * tp)
 
 
 def dp_rows(global_batch: int, dp_rank: int, dp_size: int) -> slice:

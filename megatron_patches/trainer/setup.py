@@ -60,12 +60,14 @@ def transformer_config(args: TrainArgs, layout: Layout, *, bf16: bool, on_gpu: b
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
     dtype = torch.bfloat16 if bf16 else torch.float32
+    # the baseline's model sees a CP group of one: its shard is all the sequence it knows
+    cp = 1 if args.local_attention_only else layout.cp
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.hidden_size
         // args.num_attention_heads,
-        tensor_model_parallel_size=layout.tp, context_parallel_size=layout.cp,
+        tensor_model_parallel_size=layout.tp, context_parallel_size=cp,
         sequence_parallel=False, normalization="RMSNorm", layernorm_epsilon=1e-5,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,

@@ -62,12 +62,17 @@ def _extra_checks(rank, tmp):
     base = _argv("softmax", 1, 2, f"{tmp}/bad")
     _expect_error(base + ["--tensor-model-parallel-size", "3"], "not divisible by TP×CP")
     _expect_error(base + ["--seq-length", "30"], "divisible by 2·CP")
-    _expect_error(base + ["--tensor-model-parallel-size", "4", "--context-parallel-size", "1"],
-                  "not divisible by TP = 4")
+    _expect_error(base + ["--tensor-model-parallel-size", "4", "--context-parallel-size", "1",
+                          "--num-attention-heads", "2"], "--num-attention-heads 2 is not "
+                  "divisible by TP = 4")
     _expect_error(base + ["--data-path", f"{tmp}/missing.txt"], "does not exist")
     _expect_error(base + ["--context-parallel-impl", "blelloch"], "does not fit")
     ck = f"{tmp}/ck"
-    train.main(_argv("softmax", 1, 2, f"{tmp}/s", steps=STEPS - 1, extra=["--save", ck]))
+    os.environ["SP_TRAIN_TEST_SIGTERM_AT"] = str(STEPS - 1)       # SIGTERM: save and stop
+    try:
+        train.main(_argv("softmax", 1, 2, f"{tmp}/s", extra=["--save", ck]))
+    finally:
+        del os.environ["SP_TRAIN_TEST_SIGTERM_AT"]
     # same TP, CP 2 -> 4 and DP 2 -> 1: loads and continues
     resumed = _losses(train.main(_argv("softmax", 1, 4, f"{tmp}/r", extra=["--load", ck])))
     msg = _expect_error(_argv("softmax", 2, 2, f"{tmp}/t", extra=["--load", ck]),

@@ -75,7 +75,7 @@ def test_copy_task_is_deterministic_and_dp_splits_the_global_batch():
     halves = [d.batch(5, 4, r, 2) for r in range(2)]
     assert torch.equal(torch.cat([h[0] for h in halves]), tok)       # DP sees the same batch
     assert not torch.equal(d.batch(6, 4)[0], tok)
-    assert d.vocab_size % 128 == 0 and pad_vocab(300, 2) == 512
+    assert d.vocab_size % 128 == 0 and pad_vocab(300, 2) == 384 and pad_vocab(300, 5) == 640
 
 
 def test_text_and_jsonl_data(tmp_path):
