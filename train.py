@@ -16,6 +16,7 @@ Reusable pieces live in ``megatron_patches/trainer/`` (see its README).
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Optional, Sequence
@@ -120,7 +121,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list:
 
     n_params = count_params(model, layout.tp)
     attn = ("local shard only (baseline, no cross-rank attention)" if args.local_attention_only
-            else f"{args.context_parallel_impl} across CP (zigzag)")
+            else f"{args.context_parallel_impl} across CP (zigzag)".replace(
+                "auto", "ring" if args.model_kind == "softmax" else "auto"))
     rank0_print(
         f"train.py | {args.model_kind} {args.num_layers}L d{args.hidden_size} "
         f"{args.num_attention_heads}h ({n_params / 1e6:.2f}M params) | {layout.summary()} | "
@@ -161,6 +163,14 @@ def main(argv: Optional[Sequence[str]] = None) -> list:
     finally:
         progress.close()
         signals.restore()
+    if rank == 0 and progress.history:          # means of the steady steps, for benchmarks
+        summary = dict(progress.summary(), model_kind=args.model_kind, preset=args.preset,
+                       layout=layout.summary(), params=n_params, device=str(device),
+                       gpu=torch.cuda.get_device_name() if device.type == "cuda" else None)
+        with open(os.path.join(os.path.dirname(os.path.abspath(args.log_json)),
+                               "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1, ensure_ascii=False)
+        print("summary: " + json.dumps(summary, ensure_ascii=False), flush=True)
     if stopped:
         rank0_print(f"stopped by a signal after step {step}"
                     + (f"; resume with --load {args.save}" if args.save else ""))

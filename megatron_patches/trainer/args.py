@@ -91,6 +91,8 @@ class TrainArgs:
     data_path: Optional[str] = None        # text / jsonl; None = the generated copy task
     tokenizer_model: Optional[str] = None  # HF tokenizer name; None = bytes
     copy_vocab: int = 32                   # copy task: distinct random tokens
+    vocab_size: Optional[int] = None       # copy task: model vocabulary (e.g. 128256 to time
+    #                                        a Llama output layer); None = just enough
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: int = 0                 # 0: save only at the end and on SIGTERM

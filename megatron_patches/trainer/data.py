@@ -43,12 +43,13 @@ class CopyTask:
     (``--local-attention-only``) stays at chance.
     """
 
-    def __init__(self, seq_length: int, copy_vocab: int, seed: int, tp: int = 1):
+    def __init__(self, seq_length: int, copy_vocab: int, seed: int, tp: int = 1,
+                 vocab_size: Optional[int] = None):
         if seq_length % 2:
             raise ValueError(f"the copy task needs an even --seq-length, got {seq_length}")
         self.seq_length, self.copy_vocab, self.seed = seq_length, copy_vocab, seed
         self.sep = copy_vocab
-        self.vocab_size = pad_vocab(copy_vocab + 1, tp)
+        self.vocab_size = pad_vocab(max(copy_vocab + 1, vocab_size or 0), tp)
         self.chance_loss = math.log(copy_vocab)
         self.description = (f"copy task ({seq_length // 2} random tokens of {copy_vocab}, "
                             f"separator, copy; chance loss {self.chance_loss:.3f})")
@@ -132,5 +133,5 @@ class TokenFile:
 def build_dataset(args, tp: int):
     """The dataset ``args`` asks for (``args.data_path`` None = the copy task)."""
     if args.data_path is None:
-        return CopyTask(args.seq_length, args.copy_vocab, args.seed, tp)
+        return CopyTask(args.seq_length, args.copy_vocab, args.seed, tp, args.vocab_size)
     return TokenFile(args.data_path, args.seq_length, args.seed, tp, args.tokenizer_model)

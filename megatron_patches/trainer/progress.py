@@ -128,6 +128,19 @@ class Progress:
         elif step % self.log_interval == 0 or step == n or step == self.start + 1:
             print(text, flush=True)
 
+    def summary(self) -> dict:
+        """Means over the last two thirds of the steps (the first third warms up)."""
+        recs = self.history[len(self.history) // 3:]
+        if not recs:
+            return {}
+        out = {"steps_measured": len(recs), "first_step": recs[0]["step"]}
+        for k in ("tokens_per_s", "mfu", "step_time_s"):
+            if k in recs[0]:
+                out[k] = sum(r[k] for r in recs) / len(recs)
+        out["loss_last"] = recs[-1]["loss"]
+        out["mem_gb"] = max(r["mem_gb"] for r in recs)
+        return out
+
     def close(self) -> None:
         if self.tty and self.history and self.history[-1]["step"] != self.total:
             print(flush=True)
