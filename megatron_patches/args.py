@@ -96,6 +96,9 @@ def _check_megatron_flags(args) -> None:
     if getattr(args, "transformer_impl", "local") != "local":
         raise ValueError(f"--transformer-impl {args.transformer_impl}: our CP attention is "
                          "built on the local spec; pass --transformer-impl local")
+    if not getattr(args, "no_persist_layer_norm", True):
+        raise ValueError("the local spec's torch norms cannot persist layer norms; pass "
+                         "--no-persist-layer-norm")
     if getattr(args, "pipeline_model_parallel_size", 1) != 1:
         raise ValueError("pipeline parallelism is not supported with --context-parallel-impl; "
                          "set --pipeline-model-parallel-size 1")

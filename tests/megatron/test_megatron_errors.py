@@ -25,7 +25,8 @@ def _args(*argv, **megatron):
                 num_layers=4, transformer_impl="local", pipeline_model_parallel_size=1,
                 attention_dropout=0.0, create_attention_mask_in_dataloader=False,
                 reset_attention_mask=False, position_embedding_type="rope",
-                apply_rope_fusion=False, cp_comm_type=["p2p"], spec=None)
+                apply_rope_fusion=False, cp_comm_type=["p2p"], spec=None,
+                no_persist_layer_norm=True)
     base.update(megatron)
     for k, v in base.items():
         setattr(ns, k, v)
@@ -53,6 +54,7 @@ BAD = [  # (our argv, Megatron fields, text the message must contain)
     (GOOD + ["--softmax-bwd-head-first-stride", "1"], {}, "ring backward"),
     (GOOD + ["--sp-hybrid-pattern", "LLS"], {}, "--sp-hybrid-pattern"),
     (GOOD, dict(transformer_impl="transformer_engine"), "--transformer-impl local"),
+    (GOOD, dict(no_persist_layer_norm=False), "--no-persist-layer-norm"),
     (GOOD, dict(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size 1"),
     (GOOD, dict(attention_dropout=0.1), "--attention-dropout 0"),
     (GOOD, dict(create_attention_mask_in_dataloader=True),
