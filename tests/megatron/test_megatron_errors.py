@@ -181,3 +181,36 @@ def test_tp_cut_honours_partition_stride():
 def test_launcher_imports_without_megatron_training():
     mod = importlib.import_module("megatron_patches.pretrain_gpt")
     assert callable(mod.main) and callable(mod.model_provider)
+
+
+def test_prebuilt_spec_core_attention_follows_the_pattern(monkeypatch):
+    """``--spec megatron_patches.specs hybrid_layer_spec``: each layer's kind from the pattern."""
+    import megatron_patches.args as margs
+    from megatron_patches.specs import ArgsCoreAttention
+    opts = options_from_args(_args(*GOOD, tensor_model_parallel_size=1, context_parallel_size=1))
+    monkeypatch.setattr(margs, "options_from_megatron_args", lambda: opts)
+    config = _config(num_layers=4)
+    kinds = [type(ArgsCoreAttention(config=config, layer_number=n,
+                                    attn_mask_type=AttnMaskType.causal, attention_type="self",
+                                    cp_comm_type=None, softmax_scale=None, pg_collection=None))
+             for n in (1, 2, 3, 4)]
+    assert kinds == [LinearCoreAttention] * 3 + [SoftmaxCoreAttention]
+    linear = ArgsCoreAttention(config=config, layer_number=4, attn_mask_type=AttnMaskType.causal,
+                               kind="linear")
+    assert isinstance(linear, LinearCoreAttention) and linear.cp_impl == "blelloch"
+
+
+def test_public_api_is_pinned():
+    import megatron_patches.args as a
+    import megatron_patches.core_attention as c
+    import megatron_patches.model as m
+    import megatron_patches.specs as s
+    assert set(m.__all__) == {"build_gpt_model", "KINDS", "POSITION_EMBEDDINGS",
+                              "tp_shard_state_dict", "grad_reduce_group", "cp_context",
+                              "layer_pattern"}
+    assert {"SoftmaxOptions", "SoftmaxCoreAttention", "LinearCoreAttention"} <= set(c.__all__)
+    assert {"patch_core_attention", "layer_spec", "block_spec", "softmax_layer_spec",
+            "linear_layer_spec", "hybrid_layer_spec"} <= set(s.__all__)
+    assert {"add_arguments", "validate_args"} <= set(a.__all__)
+    for mod in (a, c, m, s):
+        assert all(hasattr(mod, n) for n in mod.__all__), mod.__name__
