@@ -5,7 +5,8 @@
 #     --context-parallel-impl blelloch for 60 steps on mock data and saves a Megatron
 #     checkpoint (torch_dist) at steps 30 and 60;
 #  3. a second run resumes from it (--load) and trains to step 80.
-# Logs and summary.txt go to $OUT (or /tmp/mp_out). Needs the 0.19 wheel on PYTHONPATH:
+# Logs and summary.txt go to $OUT (or /tmp/mp_out); each step is time-boxed (60 + 170 + 100 s)
+# so the whole check ends within 6 minutes. Needs the 0.19 wheel on PYTHONPATH:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && \
 #   bash megatron_patches/device_run.sh
@@ -22,7 +23,7 @@ torch.__version__, 'megatron-core', m.__version__)"
 } > "$OUT/versions.txt" 2>&1
 
 if python3 -c "import pytest" 2>/dev/null; then
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/megatron/test_megatron_specs.py \
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/megatron/test_megatron_specs.py \
     > "$OUT/specs.log" 2>&1; echo "specs pytest rc=$?" >> "$OUT/specs.log"
 else
   echo "pytest missing on this machine: spec tests not run" > "$OUT/specs.log"
@@ -35,7 +36,8 @@ ARGS=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-hea
       --weight-decay 0.01 --clip-grad 1.0 --bf16 --seed 1234
       --mock-data --tokenizer-type NullTokenizer --vocab-size 1024
       --transformer-impl local --no-persist-layer-norm --no-rope-fusion
-      --no-gradient-accumulation-fusion --no-masked-softmax-fusion
+      --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-swiglu-fusion
+      --no-bias-dropout-fusion
       --no-create-attention-mask-in-dataloader --attention-dropout 0 --hidden-dropout 0
       --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
       --sp-model-kind hybrid --sp-hybrid-pattern LLLS --context-parallel-impl blelloch
@@ -43,10 +45,10 @@ ARGS=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-hea
       --save "$CK" --save-interval 30)
 LAUNCH=(torchrun --nproc-per-node 1 --master-port 29517 -m megatron_patches.pretrain_gpt)
 
-timeout 200 "${LAUNCH[@]}" "${ARGS[@]}" --train-iters 60 > "$OUT/train.log" 2>&1
+timeout 170 "${LAUNCH[@]}" "${ARGS[@]}" --train-iters 60 > "$OUT/train.log" 2>&1
 echo "train rc=$?" >> "$OUT/train.log"
 ls -R "$CK" > "$OUT/checkpoint_files.txt" 2>&1
-timeout 150 "${LAUNCH[@]}" "${ARGS[@]}" --train-iters 80 --load "$CK" > "$OUT/resume.log" 2>&1
+timeout 100 "${LAUNCH[@]}" "${ARGS[@]}" --train-iters 80 --load "$CK" > "$OUT/resume.log" 2>&1
 echo "resume rc=$?" >> "$OUT/resume.log"
 
 { echo "== versions"; cat "$OUT/versions.txt"
