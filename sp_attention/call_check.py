@@ -17,6 +17,8 @@ so they agree on when to check. A rank that repeats an already-checked signature
 rank passes a new one skips the exchange the other enters; that cannot be caught without a
 collective on every call. ``LinearTuning(check_every_call=True)`` /
 ``SoftmaxTuning(check_every_call=True)`` pay that collective on every call (debugging).
+The exchange reads its result on the host (a device sync on NCCL), so make one eager call of
+a signature before capturing it in a CUDA graph (warm-up steps do this anyway).
 """
 from __future__ import annotations
 

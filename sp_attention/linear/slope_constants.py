@@ -81,5 +81,6 @@ def cached_constants(slopes: torch.Tensor) -> tuple[str, ...]:
 
 
 def num_cached_slopes() -> int:
-    """Slopes tensors with cached constants (entries die with their tensors)."""
-    return sum(1 for ref, _, _ in _CACHE.values() if ref() is not None)
+    """Entries in the cache, one per slopes tensor with cached constants (a finalizer drops
+    the entry when its tensor dies)."""
+    return len(_CACHE)

@@ -55,6 +55,8 @@ def test_slope_values_checked_once_per_version_and_again_after_an_inplace_change
     q, k, v = _qkv()
     slopes = torch.tensor([0.1, 0.2], dtype=torch.float64)
     single = SPContext(None, 0, 1, (0,), "contiguous")
+    import gc
+    gc.collect()                    # other tests' dead slopes leave the cache now, not below
     before = num_cached_slopes()
     lightning_attention(q, k, v, slopes, ctx=single, backend="torch")
     assert "check_slope_values" in cached_constants(slopes)
@@ -65,7 +67,6 @@ def test_slope_values_checked_once_per_version_and_again_after_an_inplace_change
     with pytest.raises(ValueError, match=">= 0"):
         lightning_attention(q, k, v, slopes, ctx=FAKE, backend="torch")
     del slopes
-    import gc
     gc.collect()
     assert num_cached_slopes() == before               # entries die with their tensors
 
