@@ -16,6 +16,7 @@ megatron-core 0.16, which has none); :func:`main` needs it.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from functools import partial
 
@@ -126,6 +127,40 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
                                          config).build()
 
 
+@contextlib.contextmanager
+def _prebuilt_dataset_helpers():
+    """Skip ``megatron.training``'s dataset-helper compile step where it cannot run.
+
+    ``initialize_megatron`` runs ``make`` in ``megatron/core/datasets`` on rank 0 and exits when
+    it fails. The megatron-core wheel ships that helper already compiled
+    (``helpers_cpp*.so``) but not its Makefile, so on a wheel install the step always fails
+    (seen with 0.19.2: "Failed to compile the C++ dataset helper functions"). Only then, and
+    only while ``pretrain`` runs in this launcher's process, the step becomes the barrier it
+    ends with; a source checkout with its Makefile compiles as usual.
+    """
+    import os
+
+    import torch
+    import megatron.core.datasets as datasets
+    from megatron.training import initialize
+
+    has_makefile = os.path.exists(os.path.join(os.path.dirname(datasets.__file__), "Makefile"))
+    try:
+        import megatron.core.datasets.helpers_cpp  # noqa: F401  (the prebuilt extension)
+        prebuilt = True
+    except ImportError:
+        prebuilt = False
+    original = getattr(initialize, "_compile_dependencies", None)
+    if has_makefile or not prebuilt or original is None:
+        yield
+        return
+    initialize._compile_dependencies = lambda: torch.distributed.barrier()
+    try:
+        yield
+    finally:
+        initialize._compile_dependencies = original
+
+
 def main(argv=None) -> None:
     """Parse Megatron-LM's arguments plus ours and run Megatron's ``pretrain``."""
     import sys
@@ -148,8 +183,9 @@ def main(argv=None) -> None:
                                    args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     validate_args(args)     # fail before Megatron initialises anything
     datasets_provider.is_distributed = True
-    pretrain(pretrain_cfg_container_from_args(args), datasets_provider,
-             ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+    with _prebuilt_dataset_helpers():
+        pretrain(pretrain_cfg_container_from_args(args), datasets_provider,
+                 ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["install_autotune_seeds"]
+__all__ = ["install_autotune_seeds", "install_once"]
 
 _TUNED = Path(__file__).with_name("tuned")
 
@@ -56,13 +56,21 @@ def _cache_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def install_autotune_seeds() -> int:
-    """Unpack the shipped autotune results into Triton's cache (once per process); returns the
-    number of files written (0 when nothing matches this machine or all were present)."""
-    path = _seed_file()
+def install_once() -> int:
+    """:func:`install_autotune_seeds` for this machine, once per process (the fla path calls
+    it before its first kernel)."""
+    return install_autotune_seeds()
+
+
+def install_autotune_seeds(archive: Optional[Path] = None,
+                           cache_dir: Optional[Path] = None) -> int:
+    """Unpack ``archive`` (default: the shipped one matching this GPU, Triton and fla) into
+    ``cache_dir`` (default: Triton's cache); returns the number of files written (0 when
+    nothing matches this machine or every file was present)."""
+    path = _seed_file() if archive is None else Path(archive)
     if path is None:
         return 0
-    root = _cache_dir()
+    root = _cache_dir() if cache_dir is None else Path(cache_dir)
     written = 0
     try:
         with tarfile.open(path) as tar:
