@@ -111,6 +111,12 @@ def build_gpt_model(config: TransformerConfig, *, kind: str, vocab_size: int,
                       softmax_options=softmax_options, slope_schedule=slope_schedule)
     if pg_collection is not None:
         gpt_kwargs["pg_collection"] = pg_collection
+    if len(set(pattern)) > 1:
+        # Layers of different kinds hold different parameters (a linear layer's output norm),
+        # which Megatron's distributed checkpoint cannot stack into one tensor per name over
+        # all layers ("Invalid access pattern", seen saving a hybrid on 0.19.2): its own switch
+        # for such blocks keys every layer's tensors by the layer's number.
+        config.hetereogenous_dist_checkpoint = True
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
                      max_sequence_length=max_sequence_length,
                      position_embedding_type=position_embedding_type, rotary_base=rotary_base,
