@@ -75,7 +75,7 @@ def transformer_config(args: TrainArgs, layout: Layout, *, bf16: bool, on_gpu: b
         use_cpu_initialization=not on_gpu, perform_initialization=True,
         bias_activation_fusion=on_gpu, masked_softmax_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
-        cross_entropy_loss_fusion=False)
+        cross_entropy_loss_fusion=on_gpu)   # Megatron's native fused CE on GPUs
 
 
 def build_model(args: TrainArgs, layout: Layout, groups: Groups, vocab_size: int, *,
