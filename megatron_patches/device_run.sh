@@ -2,7 +2,7 @@
 # One-GPU check of the Megatron integration on megatron-core 0.19.x (megatron.training):
 #  1. the spec-patcher tests against this megatron-core's GPT and hybrid specs;
 #  2. megatron_patches.pretrain_gpt trains a small hybrid model (LLLS) with
-#     --context-parallel-impl blelloch for 60 steps on mock data and saves a Megatron
+#     --context-parallel-impl blelloch for 60 of 80 steps (--exit-interval 60, the schedule of an 80-step run) on mock data and saves a Megatron
 #     checkpoint (torch_dist) at steps 30 and 60;
 #  3. a second run resumes from it (--load) and trains to step 80.
 # Logs and summary.txt go to $OUT (or /tmp/mp_out); each step is time-boxed (60 + 170 + 100 s)
@@ -45,7 +45,7 @@ ARGS=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-hea
       --save "$CK" --save-interval 30)
 LAUNCH=(torchrun --nproc-per-node 1 --master-port 29517 -m megatron_patches.pretrain_gpt)
 
-timeout 170 "${LAUNCH[@]}" "${ARGS[@]}" --train-iters 60 > "$OUT/train.log" 2>&1
+timeout 170 "${LAUNCH[@]}" "${ARGS[@]}" --train-iters 80 --exit-interval 60 > "$OUT/train.log" 2>&1
 echo "train rc=$?" >> "$OUT/train.log"
 ls -R "$CK" > "$OUT/checkpoint_files.txt" 2>&1
 timeout 100 "${LAUNCH[@]}" "${ARGS[@]}" --train-iters 80 --load "$CK" > "$OUT/resume.log" 2>&1
