@@ -6,15 +6,7 @@
 #   checks      GPU tests (-m gpu) beside megatron_patches/device_run.sh (Megatron launcher)
 # Usage: bash scripts/device_integrations.sh [first_call] [train_1b] [checks]
 set -uo pipefail
-OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/device_env.sh"
 for step in ${*:-first_call train_1b checks}; do
   case $step in
     first_call)

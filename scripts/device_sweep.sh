@@ -6,17 +6,11 @@
 #                                 rank_programs|softmax_pieces|softmax_env|triton_cache ...]
 # (default: all but profile)
 set -uo pipefail
-OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+. "$(dirname "$0")/device_env.sh"
 export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
-# fla's Triton autotuning costs ~3 min on every fresh machine. Its results (small JSON files,
-# not the compiled kernels) travel: step `triton_cache` packs them into $OUT/autotune.tgz;
+# The package ships fla's autotune results for Hopper (sp_attention/linear/autotune_seeds.py);
+# for other GPUs or versions, fla autotunes (~4 min on a fresh machine). Its results (small
+# JSON files, not the compiled kernels) travel: step `triton_cache` packs them into $OUT/autotune.tgz;
 # copy that to .tritoncache/ here and carry it, and the next machine starts from it.
 if [ -f .tritoncache/autotune.tgz ]; then
   mkdir -p "$HOME/.triton/cache" && tar xzf .tritoncache/autotune.tgz -C "$HOME/.triton/cache"
