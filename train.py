@@ -19,12 +19,19 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from typing import Optional, Sequence
 
-import torch
-import torch.distributed as dist
+# Megatron-Core announces at import, once per process, that it falls back to torch where
+# TransformerEngine/Apex are absent (always true on CPU): expected here, so not repeated.
+for _msg in ("Transformer Engine and Apex are not installed", "Apex is not installed",
+             "full scope is deprecated"):
+    warnings.filterwarnings("ignore", message=_msg, category=UserWarning)
 
-from megatron_patches.trainer import checkpoint as ckpt
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_patches.trainer import checkpoint as ckpt  # noqa: E402
 from megatron_patches.trainer.args import TrainArgs, parse_args
 from megatron_patches.trainer.data import build_dataset
 from megatron_patches.trainer.launch import StopSignals, init_distributed
