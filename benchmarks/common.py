@@ -147,6 +147,34 @@ def host_ms(fn: Callable[[], object], iters: int = 10) -> float:
     return ms
 
 
+def peak_mem_gb(fn: Callable[[], object], device: str) -> Optional[float]:
+    """GB (1e9 bytes) that one call of ``fn`` adds at its peak on top of what was allocated
+    before it (``max_memory_allocated`` after a reset, minus ``memory_allocated`` at the start):
+    the call's working memory, its inputs excluded, so rows measured in one process compare
+    whatever else that process holds. None off CUDA."""
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 1e9
+
+
+def print_summary(paths, cols) -> None:
+    """A markdown table of the JSON lines in ``paths``: the columns of ``cols`` any row has."""
+    rows = [json.loads(line) for p in paths for line in open(p) if line.strip()]
+    cols = [c for c in cols if any(c in r for r in rows)]
+
+    def fmt(v):
+        return f"{v:.4g}" if isinstance(v, float) else "" if v is None else str(v)
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(fmt(r.get(c)) for c in cols) + " |")
+
+
 def device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" else "cpu"
 

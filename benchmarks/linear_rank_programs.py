@@ -1,14 +1,27 @@
-"""Benchmark: each rank's local GPU work in a contiguous P = 2 linear CP step, on ONE GPU.
+"""Benchmark: each rank's local GPU work in a linear CP step, on ONE GPU.
 
-    python benchmarks/linear_rank_programs.py [--t-local 32768]
+    python benchmarks/linear_rank_programs.py [--t-local 16384 32768] [--worlds 1 2 4]
+        [--layouts contiguous zigzag] [--device cpu --t-local 128]   # CPU dry run
 
-The scan callbacks return prepared states instead of communicating, so each row is the GPU
-time of one rank's kernels alone (queued timing): rank 0 (the sequence's first leaf: nothing
-enters it) and rank 1 (its last leaf: no gradient arrives), forward and backward, with the
-first/last-leaf shortcuts of `leaves_output` / `leaves_backward` on and off, the backward with
-its two chunk recurrences on two streams and one after the other, next to fla's own forward
-and backward on the same tokens. What it cannot show is the waiting between ranks;
-`linear_cp.py` on two GPUs measures that.
+Every rank's program is assembled as `lightning_attention` assembles it (its leaves as the rows
+of one batch via `leaf_rows`, the first-leaf / last-leaf flags of `LinearTuning`, then
+`leaves_output` and `leaves_backward`) on T_local tokens. For P > 1 the scan callbacks return
+prepared states of the right shape (zeros where nothing enters / no gradient arrives) instead
+of communicating, so a row is the GPU time of that rank's kernels and bookkeeping alone (queued
+timing on CUDA). For P = 1 (zigzag: two leaves on one GPU) the scan is the library's own
+`scan_rows` over a one-rank context, for each `--scans` schedule: nothing is left out.
+
+Rows (`impl` "rank program"): layout, world (P), rank, scan, ms_fwd, ms_bwd, ms_fwd_bwd (one
+forward then its backward, timed together), `ratio` = (ms_fwd + ms_bwd) ÷ the single-GPU
+kernel's fwd+bwd on the same T_local (fla `chunk_simple_gla` on CUDA, the torch backend on CPU),
+`ratio_slowest` = the largest `ratio` over the ranks of that (layout, P): a CP step can be no
+faster than its slowest rank. `peak_mem_gb`: what one fwd+bwd adds at its peak above its inputs
+(the baseline row carries the single-GPU kernel's). Also the older A/B rows of the contiguous
+P = 2 ranks: first/last-leaf shortcuts on and off, the backward's two chunk recurrences on two
+streams and one after the other. What this cannot show is the waiting between ranks;
+`linear_cp.py` on several GPUs measures that.
+
+    python benchmarks/linear_rank_programs.py --summary FILE.jsonl   # table of the JSON lines
 """
 from __future__ import annotations
 
@@ -18,58 +31,170 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import base_parser, device_name, emit, time_ms  # noqa: E402
-from sp_attention import LinearTuning  # noqa: E402
+from benchmarks.common import (base_parser, device_name, emit, host_ahead_lost,  # noqa: E402
+                               peak_mem_gb, print_summary, time_ms)
+from sp_attention import LinearTuning, SPContext, lightning_attention  # noqa: E402
+from sp_attention.layout import leaves_of_rank  # noqa: E402
+from sp_attention.linear.attention import leaf_rows, scan_rows  # noqa: E402
 from sp_attention.linear.leaves import leaves_backward, leaves_output  # noqa: E402
+
+SUMMARY_COLS = ["impl", "layout", "world", "rank", "scan", "T_local", "ms", "ms_fwd", "ms_bwd",
+                "ms_fwd_bwd", "ratio", "ratio_slowest", "peak_mem_gb", "host_ahead_lost"]
+
+
+def rank_program(rank: int, world: int, layout: str, q, k, v, do, slopes, backend: str,
+                 tuning: LinearTuning, scan: str = "ring"):
+    """``(fwd, bwd, fwd_bwd)`` closures of rank ``rank``'s program at ``world`` ranks on its
+    ``q, k, v, do [1, T_local, H, K]``, as `_LightningAttention` runs it. ``world == 1``: the
+    library's scan ``scan`` over a one-rank context; otherwise prepared states."""
+    leaves = leaves_of_rank(rank, world, layout)
+    n, L = len(leaves), (2 * world if layout == "zigzag" else world)
+    qb, kb, vb, dob = (leaf_rows(t, n) for t in (q, k, v, do))
+    zero_in = tuning.static_zero_paths and all(leaf == 0 for leaf in leaves)
+    needed = tuple(leaf != 0 for leaf in leaves)
+    zero_grad = tuning.static_zero_paths and all(leaf == L - 1 for leaf in leaves)
+    H, K, V = q.shape[2], q.shape[3], v.shape[3]
+    g = torch.Generator(device=q.device).manual_seed(3 + rank)
+    S = torch.randn(n, H, K, V, device=q.device, dtype=torch.float32, generator=g) * 0.01
+    G = torch.randn(n, H, K, V, device=q.device, dtype=torch.float32, generator=g) * 0.01
+    S[[j for j, leaf in enumerate(leaves) if leaf == 0]] = 0        # nothing enters leaf 0
+    G[[j for j, leaf in enumerate(leaves) if leaf == L - 1]] = 0    # nor leaves the last one
+    if world == 1:
+        ctx = SPContext(None, 0, 1, layout=layout)
+        fscan = lambda b: scan_rows(b, q, slopes, ctx, scan, False)  # noqa: E731
+        bscan = lambda d: scan_rows(d, q, slopes, ctx, scan, True)  # noqa: E731
+    else:
+        fscan, bscan = (lambda b: S), (lambda d: G)
+
+    def fwd():
+        return leaves_output(qb, kb, vb, slopes, 1.0, fscan, backend, zero_in, tuning=tuning)
+
+    def bwd(S_in=S):
+        return leaves_backward(qb, kb, vb, slopes, 1.0, S_in, dob, bscan, backend, needed,
+                               zero_grad, tuning=tuning)
+
+    def fwd_bwd():
+        _, S_in = fwd()
+        return bwd(S_in)
+    return fwd, bwd, fwd_bwd
+
+
+def programs(worlds, layouts, scans):
+    """``(layout, P, scan)`` groups to time: P = 1 only zigzag (contiguous P = 1 is one leaf,
+    the plain kernel), once per scan schedule; P > 1 with the stand-in scan ("-")."""
+    for layout in layouts:
+        for P in worlds:
+            if P == 1:
+                if layout == "zigzag":
+                    yield from ((layout, P, s) for s in scans)
+            else:
+                yield layout, P, "-"
+
+
+def ab_rows(q, k, v, do, slopes, backend: str, tuning: LinearTuning) -> dict:
+    """The contiguous P = 2 A/B rows: shortcuts on/off (zero states or prepared ones)."""
+    g = torch.Generator(device=q.device).manual_seed(11)
+    S = torch.randn(1, q.shape[2], q.shape[3], v.shape[3], device=q.device, generator=g) * 0.01
+    Z = torch.zeros_like(S)
+
+    def out(zero_in, S_in):
+        return lambda: leaves_output(q, k, v, slopes, 1.0, lambda b: S_in, backend,
+                                     zero_in=zero_in, tuning=tuning)
+
+    def back(S_in, G, **kw):
+        return lambda: leaves_backward(q, k, v, slopes, 1.0, S_in, do, lambda d: G, backend,
+                                       tuning=tuning, **kw)
+    return {"rank0 fwd, shortcut": out(True, Z), "rank0 fwd, no shortcut": out(False, Z),
+            "rank1 fwd": out(False, S), "rank0 bwd": back(Z, S, needed=(False,)),
+            "rank1 bwd, shortcut": back(S, Z, zero_grad=True),
+            "rank1 bwd, no shortcut": back(S, Z)}
+
+
+def baselines(q, k, v, do, slopes, dev: str) -> dict:
+    """The single-GPU kernel on the same tokens: ``{"fwd": fn, "fwd+bwd": fn}``."""
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    if dev == "cuda":
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        def f(a, b, c):
+            return chunk_simple_gla(a, b, c, g_gamma=-slopes, scale=1.0)[0]
+    else:
+        def f(a, b, c):
+            return lightning_attention(a, b, c, slopes, backend="torch")
+
+    def fb():
+        f(qg, kg, vg).backward(do)
+    return {"fwd": lambda: f(q, k, v), "fwd+bwd": fb}
+
+
+def run_t(T: int, a, dev: str) -> None:
+    device = torch.device("cuda", 0) if dev == "cuda" else torch.device("cpu")
+    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if dev == "cuda"
+                                                     else torch.float32)
+    backend = "fla" if dev == "cuda" else "torch"
+    H, K = a.heads, a.head_dim
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=device)
+    g = torch.Generator(device=device).manual_seed(11)
+    q, k, v, do = (torch.randn(1, T, H, K, device=device, dtype=dtype, generator=g) * 0.1
+                   for _ in range(4))
+    mode = "queued" if dev == "cuda" else "eager"
+    base = {"bench": "linear_rank_programs", "T_local": T, "H": H, "K": K,
+            "dtype": str(dtype).replace("torch.", ""), "device": device_name(dev),
+            "timing": mode, "backend": backend}
+
+    def timer(fn):
+        fn()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        return time_ms(fn, dev, a.warmup, a.iters, a.repeats, mode=mode)
+    ref = baselines(q, k, v, do, slopes, dev)
+    ref_ms = timer(ref["fwd+bwd"])
+    name = "fla" if dev == "cuda" else "torch"      # "fla fwd+bwd": as in earlier results
+    emit(dict(base, impl=f"{name} fwd", ms=timer(ref["fwd"])), a.out, 0)
+    emit(dict(base, impl=f"{name} fwd+bwd", ms=ref_ms, ms_fwd_bwd=ref_ms, ratio=1.0,
+              peak_mem_gb=peak_mem_gb(ref["fwd+bwd"], dev)), a.out, 0)
+    default = LinearTuning()
+    for layout, P, scan in programs(a.worlds, a.layouts, a.scans):
+        rows = []
+        for r in range(P):
+            fwd, bwd, fb = rank_program(r, P, layout, q, k, v, do, slopes, backend, default,
+                                        "ring" if scan == "-" else scan)
+            tf, tb = timer(fwd), timer(bwd)
+            rows.append(dict(base, impl="rank program", layout=layout, world=P, rank=r,
+                             leaves=list(leaves_of_rank(r, P, layout)), scan=scan, ms_fwd=tf,
+                             ms_bwd=tb, ms_fwd_bwd=timer(fb), ratio=(tf + tb) / ref_ms,
+                             peak_mem_gb=peak_mem_gb(fb, dev)))
+        worst = max(row["ratio"] for row in rows)
+        for row in rows:      # host_ahead_lost: queued repeats so far that were not host-ahead
+            emit(dict(row, ratio_slowest=worst, host_ahead_lost=host_ahead_lost()), a.out, 0)
+    if a.no_ab:
+        return
+    flip = LinearTuning(concurrent_recurrences=not default.concurrent_recurrences)
+    runs = list(ab_rows(q, k, v, do, slopes, backend, default).items())
+    tag = ", serial" if default.concurrent_recurrences else ", concurrent"
+    runs += [(name + tag, fn) for name, fn in ab_rows(q, k, v, do, slopes, backend,
+                                                       flip).items() if "bwd" in name]
+    for name, fn in runs:
+        emit(dict(base, impl=name, layout="contiguous", world=2, ms=timer(fn)), a.out, 0)
 
 
 def main() -> None:
-    a = base_parser(__doc__.splitlines()[0]).parse_args()
-    from fla.ops.simple_gla import chunk_simple_gla
-    dev = torch.device("cuda", 0)
-    H, K = 16, 128
-    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=dev)
-    for T in a.t_local or [32768]:
-        g = torch.Generator(device=dev).manual_seed(11)
-        q, k, v, do = (torch.randn(1, T, H, K, device=dev, dtype=torch.bfloat16, generator=g) * 0.1
-                       for _ in range(4))
-        S = torch.randn(1, H, K, K, device=dev, generator=g) * 0.01
-        Z = torch.zeros_like(S)
-        qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
-
-        def fla_fb():
-            o, _ = chunk_simple_gla(qg, kg, vg, g_gamma=-slopes, scale=1.0)
-            o.backward(do)
-        default = LinearTuning()
-        flip = LinearTuning(concurrent_recurrences=not default.concurrent_recurrences)
-
-        def rows(tuning):
-            return {
-                "rank0 fwd, shortcut": lambda: leaves_output(
-                    q, k, v, slopes, 1.0, lambda b: Z, "fla", zero_in=True, tuning=tuning),
-                "rank0 fwd, no shortcut": lambda: leaves_output(
-                    q, k, v, slopes, 1.0, lambda b: Z, "fla", tuning=tuning),
-                "rank1 fwd": lambda: leaves_output(q, k, v, slopes, 1.0, lambda b: S, "fla",
-                                                   tuning=tuning),
-                "rank0 bwd": lambda: leaves_backward(q, k, v, slopes, 1.0, Z, do, lambda d: S,
-                                                     "fla", needed=(False,), tuning=tuning),
-                "rank1 bwd, shortcut": lambda: leaves_backward(
-                    q, k, v, slopes, 1.0, S, do, lambda d: Z, "fla", zero_grad=True,
-                    tuning=tuning),
-                "rank1 bwd, no shortcut": lambda: leaves_backward(
-                    q, k, v, slopes, 1.0, S, do, lambda d: Z, "fla", tuning=tuning),
-            }
-        runs = [("fla fwd", lambda: chunk_simple_gla(q, k, v, g_gamma=-slopes, scale=1.0)),
-                ("fla fwd+bwd", fla_fb)] + list(rows(default).items())
-        tag = ", serial" if default.concurrent_recurrences else ", concurrent"
-        runs += [(name + tag, fn) for name, fn in rows(flip).items() if "bwd" in name]
-        for name, fn in runs:
-            fn()
-            torch.cuda.synchronize()
-            ms = time_ms(fn, "cuda", a.warmup, a.iters, a.repeats, mode="queued")
-            emit({"bench": "linear_rank_programs", "impl": name, "T_local": T, "H": H, "K": K,
-                  "dtype": "bfloat16", "device": device_name("cuda"), "timing": "queued",
-                  "ms": ms}, a.out, 0)
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4], help="CP sizes P")
+    p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"],
+                   choices=["contiguous", "zigzag"])
+    p.add_argument("--scans", nargs="+", default=["ring", "blelloch", "allgather"],
+                   choices=["ring", "blelloch", "allgather"], help="P = 1 scan schedules")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--no-ab", action="store_true", help="skip the contiguous P = 2 A/B rows")
+    p.add_argument("--summary", nargs="+", metavar="JSONL", help="print a table and exit")
+    a = p.parse_args()
+    if a.summary:
+        print_summary(a.summary, SUMMARY_COLS)
+        return
+    for T in a.t_local or ([32768] if a.device == "cuda" else [128]):
+        run_t(T, a, a.device)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,17 @@ kernel on the global causal problem (the strong-scaling baseline of `softmax_cp.
 T_local alone. Rows: per rank and variant — `kernels` (the calls alone), `schedule` (calls +
 merges into an fp32 accumulator and fp32 dq/dK/dV accumulation), `schedule_groups` (the
 backward's last step split into 4 KV-head groups, as `bwd_ring` ran it until 2026-11-23).
+The all-gather schedules run the library's own `allgather_forward` / `allgather_backward`
+with the collectives replaced by local stand-ins (see `LocalCollectives`): `allgather` (fwd
+allgather + bwd allgather) and `ring_ag` (the ring `schedule` forward + bwd allgather), one
+row per `--strides` value (`stride`: KV heads per gather; default the library's) and the
+backward's `--bwd-first` / `--bwd-last` stride splits.
 `ratio` = per-GPU TFLOP/s of the variant ÷ the 1-GPU global kernel, i.e. what the CP step
-could reach if every transfer were hidden and cost no SM time.
+could reach if every transfer were hidden and cost no SM time. `peak_mem_gb`: what one fwd+bwd
+adds at its peak above its inputs (CUDA), for each rank's program and for the 1-GPU kernel on
+the global sequence and on T_local (`single_t_local`: the same tokens per GPU).
+
+    python benchmarks/softmax_pieces.py --summary FILE.jsonl   # table of the JSON lines
 """
 from __future__ import annotations
 
@@ -21,11 +30,20 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import base_parser, device_name, emit, time_ms  # noqa: E402
+from benchmarks.common import (base_parser, device_name, emit, host_ahead_lost,  # noqa: E402
+                               peak_mem_gb, print_summary, time_ms)
+from sp_attention import SPContext  # noqa: E402
 from sp_attention.layout import ring_source, shard_ranges  # noqa: E402
+from sp_attention.softmax import bwd_allgather, fwd_allgather, gather  # noqa: E402
+from sp_attention.softmax.attention import default_heads_k_stride  # noqa: E402
 from sp_attention.softmax.backends import get_backend  # noqa: E402
 from sp_attention.softmax.merge import merge_blocks_  # noqa: E402
 from sp_attention.softmax.plan import ring_calls  # noqa: E402
+
+
+SUMMARY_COLS = ["impl", "layout", "world", "rank", "stride", "T_local", "timing", "ms_fwd",
+                "ms_fwd_bwd", "tflops_per_gpu", "ratio", "ratio_fwd", "ratio_vs_t_local",
+                "peak_mem_gb", "host_ahead_lost"]
 
 
 def flops(B, H, T, D, fwd_bwd):
@@ -84,6 +102,108 @@ def ring_backward_local(do, q, kv, out, lse, rank, world, layout, be, accumulate
     return dq
 
 
+class LocalCollectives:
+    """The all-gather schedules without the network, for one emulated rank.
+
+    K/V gathers: the unit's send buffer is packed as the library packs it (local work), and
+    the gather's result is the unit's gathered K/V, made once from every rank's shard outside
+    the timed calls (so nothing is copied that a network would have written). dK/dV
+    reduce-scatters: this rank's own block of the slot is copied out (one block's traffic;
+    the sum over ranks is the network's work), then added into dK/dV as the library drains it.
+    Used as a context manager: it patches the library's module-level names and restores them.
+    """
+
+    def __init__(self, shards_kv: list):
+        self.kv, self.cache = shards_kv, {}
+        outer = self
+
+        class _Gather(gather.KVGather):
+            def start(self, i, u):
+                super().start(i, u)                     # pack; the gather itself is a no-op
+                self._pending[i % 2] = (None, outer.gathered(u, self.ls))
+        self._gather_cls = _Gather
+
+    def gathered(self, u, ls: int) -> torch.Tensor:
+        """``[P, B, n·Ls, 2, s, D]``: unit ``u``'s K/V of every rank (rank-major)."""
+        key = (u, ls)
+        if key not in self.cache:
+            rows = slice(u.p0 * ls, u.p1 * ls)
+            self.cache[key] = torch.stack([torch.stack(
+                (k[:, rows, u.h0:u.h1], v[:, rows, u.h0:u.h1]), 2) for k, v in self.kv])
+        return self.cache[key]
+
+    def prepare(self, units_ls) -> None:
+        for u, ls in units_ls:
+            self.gathered(u, ls)
+
+    @staticmethod
+    def _no_gather(out, inp, ctx, async_op=False):
+        return None
+
+    @staticmethod
+    def _own_block(out, inp, ctx, async_op=False):
+        out.view(-1).copy_(inp.reshape(ctx.world_size, -1)[ctx.rank])
+        return None
+
+    def __enter__(self):
+        from sp_attention import comm
+        self._saved = [(gather, "all_gather_flat", gather.all_gather_flat),
+                       (comm, "reduce_scatter_flat", comm.reduce_scatter_flat),
+                       (fwd_allgather, "KVGather", fwd_allgather.KVGather),
+                       (bwd_allgather, "KVGather", bwd_allgather.KVGather)]
+        gather.all_gather_flat = self._no_gather
+        comm.reduce_scatter_flat = self._own_block
+        fwd_allgather.KVGather = bwd_allgather.KVGather = self._gather_cls
+        return self
+
+    def __exit__(self, *exc):
+        for mod, name, val in self._saved:
+            setattr(mod, name, val)
+
+
+def allgather_rows(a, sh, r, P, be, timer, mem) -> dict:
+    """``{(name, stride): (ms_fwd, ms_fwd_bwd, peak_gb)}`` of rank ``r``'s all-gather
+    schedules (``allgather``, ``ring_ag``) per stride."""
+    ql, kl, vl, dol = sh[r]
+    H, Hkv = ql.shape[2], kl.shape[2]
+    kv = [(s[1], s[2]) for s in sh]
+    ctx = SPContext(object(), r, P, layout=a.layout)    # a stand-in group: never used
+    n_chunks = len(ctx.leaves)
+    strides = a.strides or [default_heads_k_stride(Hkv, H // Hkv)]
+    out = {}
+    for st in strides:
+        units, split = bwd_allgather.backward_units(Hkv, n_chunks, ql.shape[1], st, a.bwd_first,
+                                                    a.bwd_last)
+        fwd_units = [gather.Unit(h, h + st, 0, n_chunks) for h in range(0, Hkv, st)]
+        coll = LocalCollectives(kv)
+        coll.prepare([(u, ql.shape[1] // n_chunks) for u in fwd_units]
+                     + [(u, ql.shape[1] // (n_chunks * split)) for u in units])
+        with coll:
+            def fwd():
+                return fwd_allgather.allgather_forward(ql, kl, vl, ctx, be, causal=True,
+                                                       scale=None, heads_k_stride=st)
+            o, l_ = fwd()
+
+            def bwd():
+                return bwd_allgather.allgather_backward(
+                    dol, ql, kl, vl, o, l_, ctx, be, causal=True, scale=None,
+                    heads_k_stride=st, first=a.bwd_first, last=a.bwd_last)
+
+            def fb_ag():
+                fwd()
+                bwd()
+
+            def fb_ring_ag():
+                ring_forward_local(ql, kv, r, P, a.layout, be, True)
+                bwd()
+            tf = timer(fwd)
+            out[("allgather", st)] = (tf, timer(fb_ag), mem(fb_ag))
+            tf_ring = timer(lambda: ring_forward_local(ql, kv, r, P, a.layout, be, True))
+            out[("ring_ag", st)] = (tf_ring, timer(fb_ring_ag), mem(fb_ring_ag))
+        del coll
+    return out
+
+
 def main() -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2, help="ranks P of the emulated ring")
@@ -91,63 +211,83 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
+    p.add_argument("--strides", type=int, nargs="+",
+                   help="heads_k_stride values of the all-gather rows (default: the library's)")
+    p.add_argument("--bwd-first", type=int, help="bwd_head_first_stride of the all-gather bwd")
+    p.add_argument("--bwd-last", type=int, help="bwd_head_last_stride of the all-gather bwd")
+    p.add_argument("--no-allgather", action="store_true", help="ring rows only")
+    p.add_argument("--summary", nargs="+", metavar="JSONL", help="print a table and exit")
     a = p.parse_args()
+    if a.summary:
+        print_summary(a.summary, SUMMARY_COLS)
+        return
     dev = a.device
     device = torch.device("cuda", 0) if dev == "cuda" else torch.device("cpu")
-    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if dev == "cuda" else torch.float32)
-    P, H, Hkv, D = a.world, a.heads, a.kv_heads, a.head_dim
-    be = get_backend(None, device, dtype, D)
+    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if dev == "cuda"
+                                                     else torch.float32)
+    be = get_backend(None, device, dtype, a.head_dim)
     for T_local in a.t_local or ([8192, 32768] if dev == "cuda" else [64]):
-        T = P * T_local
-        g = torch.Generator(device=device).manual_seed(5)
-        q, do = (torch.randn(1, T, H, D, device=device, dtype=dtype, generator=g) for _ in range(2))
-        k, v = (torch.randn(1, T, Hkv, D, device=device, dtype=dtype, generator=g) for _ in range(2))
         for mode in (a.timing if dev == "cuda" else ["eager"]):
-            def timer(fn):
-                return time_ms(fn, dev, a.warmup, a.iters, a.repeats, mode=mode)
-            base = {"bench": "softmax_pieces", "world": P, "B": 1, "T_local": T_local, "H": H,
-                    "Hkv": Hkv, "K": D, "dtype": str(dtype).replace("torch.", ""),
-                    "device": device_name(dev), "backend": be.name, "timing": mode,
-                    "layout": a.layout}
-            ref, ref_fwd = {}, {}
-            for name, Tq in (("single_global", T), ("single_t_local", T_local)):
-                def fb(Tq=Tq):
-                    o, l_ = be.forward(q[:, :Tq], k[:, :Tq], v[:, :Tq], True, None)
-                    be.backward(do[:, :Tq], q[:, :Tq], k[:, :Tq], v[:, :Tq], o, l_, True, None)
-                tf = timer(lambda Tq=Tq: be.forward(q[:, :Tq], k[:, :Tq], v[:, :Tq], True, None))
-                tfb = timer(fb)
-                ref[name] = flops(1, H, Tq, D, True) / tfb / 1e9
-                ref_fwd[name] = flops(1, H, Tq, D, False) / tf / 1e9
-                emit(dict(base, impl=name, T_local=Tq, ms_fwd=tf, ms_fwd_bwd=tfb,
-                          tflops_per_gpu=ref[name], tflops_fwd=flops(1, H, Tq, D, False) / tf / 1e9,
-                          ratio=1.0), a.out, 0)
-            sh = [[_shard(t, r, P, a.layout) for t in (q, k, v, do)] for r in range(P)]
-            kv = [(s[1], s[2]) for s in sh]
-            groups = 4      # the last step by KV-head group, as bwd_ring ran it before 2026-11-23
-            for r in range(P):
-                ql, dol = sh[r][0], sh[r][3]
-                o, l_ = ring_forward_local(ql, kv, r, P, a.layout, be, True)
-                o = o.to(dtype)
-                variants = {
-                    "kernels": (False, False, 1),
-                    "schedule": (True, True, 1),
-                    "schedule_groups": (True, True, groups),
-                }
-                for name, (merge, acc, grp) in variants.items():
-                    tf = timer(lambda: ring_forward_local(ql, kv, r, P, a.layout, be, merge))
+            run_t(a, T_local, mode, device, dtype, be)
 
-                    def fb():
-                        ring_forward_local(ql, kv, r, P, a.layout, be, merge)
-                        ring_backward_local(dol, ql, kv, o, l_, r, P, a.layout, be, acc, grp)
-                    tfb = timer(fb)
-                    tp = flops(1, H, T, D, True) / P / tfb / 1e9
-                    emit(dict(base, impl=f"rank{r}_{name}", rank=r, ms_fwd=tf, ms_fwd_bwd=tfb,
-                              tflops_per_gpu=tp, baseline="single_global",
-                              ratio=tp / ref["single_global"],
-                              ratio_fwd=flops(1, H, T, D, False) / P / tf / 1e9
-                              / ref_fwd["single_global"],
-                              ratio_vs_t_local=tp / ref["single_t_local"]), a.out, 0)
-        del q, k, v, do, sh, kv
+
+def run_t(a, T_local: int, mode: str, device, dtype, be) -> None:
+    dev, P, H, Hkv, D = device.type, a.world, a.heads, a.kv_heads, a.head_dim
+    T = P * T_local
+    g = torch.Generator(device=device).manual_seed(5)
+    q, do = (torch.randn(1, T, H, D, device=device, dtype=dtype, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, T, Hkv, D, device=device, dtype=dtype, generator=g) for _ in range(2))
+
+    def timer(fn):
+        return time_ms(fn, dev, a.warmup, a.iters, a.repeats, mode=mode)
+
+    def mem(fn):
+        return peak_mem_gb(fn, dev)
+    base = {"bench": "softmax_pieces", "world": P, "B": 1, "T_local": T_local, "H": H,
+            "Hkv": Hkv, "K": D, "dtype": str(dtype).replace("torch.", ""),
+            "device": device_name(dev), "backend": be.name, "timing": mode,
+            "layout": a.layout}
+    ref, ref_fwd = {}, {}
+    for name, Tq in (("single_global", T), ("single_t_local", T_local)):
+        def fb(Tq=Tq):
+            o, l_ = be.forward(q[:, :Tq], k[:, :Tq], v[:, :Tq], True, None)
+            be.backward(do[:, :Tq], q[:, :Tq], k[:, :Tq], v[:, :Tq], o, l_, True, None)
+        tf = timer(lambda Tq=Tq: be.forward(q[:, :Tq], k[:, :Tq], v[:, :Tq], True, None))
+        tfb = timer(fb)
+        ref[name] = flops(1, H, Tq, D, True) / tfb / 1e9
+        ref_fwd[name] = flops(1, H, Tq, D, False) / tf / 1e9
+        emit(dict(base, impl=name, T_local=Tq, ms_fwd=tf, ms_fwd_bwd=tfb,
+                  tflops_per_gpu=ref[name], tflops_fwd=flops(1, H, Tq, D, False) / tf / 1e9,
+                  ratio=1.0, peak_mem_gb=mem(fb)), a.out, 0)
+
+    def row(name, r, tf, tfb, peak, **extra):
+        tp = flops(1, H, T, D, True) / P / tfb / 1e9
+        emit(dict(base, impl=f"rank{r}_{name}", rank=r, ms_fwd=tf, ms_fwd_bwd=tfb,
+                  tflops_per_gpu=tp, baseline="single_global", ratio=tp / ref["single_global"],
+                  ratio_fwd=flops(1, H, T, D, False) / P / tf / 1e9 / ref_fwd["single_global"],
+                  ratio_vs_t_local=tp / ref["single_t_local"], peak_mem_gb=peak,
+                  host_ahead_lost=host_ahead_lost(), **extra), a.out, 0)
+    sh = [[_shard(t, r, P, a.layout) for t in (q, k, v, do)] for r in range(P)]
+    kv = [(s[1], s[2]) for s in sh]
+    # the last step by KV-head group, as bwd_ring ran it before 2026-11-23 (4 for Llama-3-8B)
+    groups = min(4, Hkv)
+    variants = {"kernels": (False, False, 1), "schedule": (True, True, 1),
+                "schedule_groups": (True, True, groups)}
+    for r in range(P):
+        ql, dol = sh[r][0], sh[r][3]
+        o, l_ = ring_forward_local(ql, kv, r, P, a.layout, be, True)
+        o = o.to(dtype)
+        for name, (merge, acc, grp) in variants.items():
+            def fb():
+                ring_forward_local(ql, kv, r, P, a.layout, be, merge)
+                ring_backward_local(dol, ql, kv, o, l_, r, P, a.layout, be, acc, grp)
+            row(name, r, timer(lambda: ring_forward_local(ql, kv, r, P, a.layout, be, merge)),
+                timer(fb), mem(fb))
+        if not a.no_allgather:
+            for (name, st), (tf, tfb, peak) in allgather_rows(a, sh, r, P, be, timer,
+                                                              mem).items():
+                row(name, r, tf, tfb, peak, stride=st, bwd_first=a.bwd_first,
+                    bwd_last=a.bwd_last)
 
 
 if __name__ == "__main__":

@@ -46,14 +46,16 @@ for step in $steps; do
     linear_kernels)   # GPU ms (queued) and host µs of every kernel of the linear step, 1 GPU
       python3 benchmarks/linear_kernels.py --t-local ${LK_T:-32768} --out "$OUT/linear_kernels.jsonl" \
         > /dev/null && python3 benchmarks/summarize.py "$OUT/linear_kernels.jsonl" ;;
-    rank_programs)   # each rank's linear step alone (serial vs concurrent recurrences), 1 GPU
-      python3 benchmarks/linear_rank_programs.py --t-local ${RP_T:-16384 32768} \
+    rank_programs)   # every rank's linear step alone at P = 1 (zigzag), 2, 4, contiguous and
+                     # zigzag, + the P = 2 A/B rows, 1 GPU; RP_ARGS e.g. "--worlds 2 --no-ab"
+      python3 benchmarks/linear_rank_programs.py --t-local ${RP_T:-16384 32768} ${RP_ARGS:-} \
         --out "$OUT/rank_programs.jsonl" > /dev/null
-      python3 benchmarks/summarize.py "$OUT/rank_programs.jsonl" ;;
-    softmax_pieces)   # one rank's ring kernels without communication, 1 GPU
+      python3 benchmarks/linear_rank_programs.py --summary "$OUT/rank_programs.jsonl" ;;
+    softmax_pieces)   # each rank's ring and all-gather schedules without communication, 1 GPU;
+                      # SP_ARGS e.g. "--strides 1 2 4 --bwd-first 1"
       python3 benchmarks/softmax_pieces.py --t-local ${SP_T:-8192 32768} --timing queued \
-        --out "$OUT/softmax_pieces.jsonl" > /dev/null
-      python3 benchmarks/summarize.py "$OUT/softmax_pieces.jsonl" ;;
+        ${SP_ARGS:-} --out "$OUT/softmax_pieces.jsonl" > /dev/null
+      python3 benchmarks/softmax_pieces.py --summary "$OUT/softmax_pieces.jsonl" ;;
     softmax_env)   # ring/ring at 8K under NCCL settings (SOFTMAX_ENVS: space-separated, "-" = none)
       for e in ${SOFTMAX_ENVS:--}; do
         [ "$NGPU" -ge 2 ] || break

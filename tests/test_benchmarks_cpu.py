@@ -1,0 +1,98 @@
+"""CPU dry runs of the one-GPU rank-program benchmarks: every row is produced, and the programs
+they time compute what the library computes (so a timing is of the right work)."""
+import json
+import sys
+
+import pytest
+import torch
+
+from benchmarks import linear_rank_programs as lrp
+from benchmarks import softmax_pieces as sp
+from sp_attention import SPContext, lightning_attention
+from sp_attention.softmax import bwd_allgather, fwd_allgather
+from sp_attention.softmax.backends import get_backend
+
+
+def _rows(module, argv, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["x", "--device", "cpu", "--warmup", "0", "--iters", "1",
+                                      "--repeats", "1"] + argv)
+    module.main()
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
+
+
+def test_linear_rank_programs_rows(capsys, monkeypatch):
+    rows = _rows(lrp, ["--t-local", "64", "--heads", "2", "--head-dim", "8"], capsys,
+                 monkeypatch)
+    prog = [r for r in rows if r["impl"] == "rank program"]
+    got = {(r["layout"], r["world"], r["rank"], r["scan"]) for r in prog}
+    want = {("zigzag", 1, 0, s) for s in ("ring", "blelloch", "allgather")}
+    want |= {(lay, P, r, "-") for lay in ("contiguous", "zigzag") for P in (2, 4)
+             for r in range(P)}
+    assert got == want
+    for r in prog:
+        assert r["ms_fwd"] > 0 and r["ms_bwd"] > 0 and r["ms_fwd_bwd"] > 0
+        key = ("layout", "world", "scan")
+        same = [x["ratio"] for x in prog if all(x[c] == r[c] for c in key)]
+        assert r["ratio_slowest"] == max(same) and 0 < r["ratio"] < 1e3
+    assert any(r["impl"] == "torch fwd+bwd" and r["ratio"] == 1.0 for r in rows)
+    assert sum(r["impl"].startswith("rank1 bwd") for r in rows) == 4      # the A/B rows
+
+
+def test_linear_rank_program_is_the_library_step():
+    """P = 1 zigzag: the program (real scan) equals lightning_attention, outputs and grads."""
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(1, 32, 2, 8, dtype=torch.float64) * 0.3 for _ in range(4))
+    slopes = torch.tensor([0.1, 0.5], dtype=torch.float64)
+    fwd, bwd, _ = lrp.rank_program(0, 1, "zigzag", q, k, v, do, slopes, "torch",
+                                   lrp.LinearTuning(), "blelloch")
+    o, S = fwd()
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    ref = lightning_attention(qg, kg, vg, slopes, backend="torch")
+    ref.backward(do)
+    torch.testing.assert_close(o.reshape(ref.shape), ref.detach())
+    for g, r in zip(bwd(S), (qg.grad, kg.grad, vg.grad)):
+        torch.testing.assert_close(g.reshape(r.shape), r)
+    for P, layout in ((2, "contiguous"), (4, "zigzag")):     # stand-in scans: shapes only
+        for rank in range(P):
+            fwd, bwd, fb = lrp.rank_program(rank, P, layout, q, k, v, do, slopes, "torch",
+                                            lrp.LinearTuning())
+            assert fwd()[0].numel() == q.numel()
+            assert all(g.numel() == q.numel() for g in fb())
+
+
+def test_softmax_pieces_rows(capsys, monkeypatch):
+    rows = _rows(sp, ["--t-local", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
+                      "--strides", "1", "2"], capsys, monkeypatch)
+    names = {(r["impl"], r.get("stride")) for r in rows}
+    for r in range(2):
+        for v in ("kernels", "schedule", "schedule_groups"):
+            assert (f"rank{r}_{v}", None) in names
+        for v in ("allgather", "ring_ag"):
+            assert {(f"rank{r}_{v}", 1), (f"rank{r}_{v}", 2)} <= names
+    assert all(r["ms_fwd"] > 0 and r["ms_fwd_bwd"] > 0 and r["ratio"] > 0 for r in rows)
+    assert {"single_global", "single_t_local"} <= {r["impl"] for r in rows}
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_softmax_allgather_standins_compute_the_step(layout):
+    """Under LocalCollectives each rank's all-gather fwd gives the global attention's rows, and
+    its bwd the global dq rows (dK/dV hold only this rank's share: the sum is the network's)."""
+    torch.manual_seed(1)
+    P, T = 2, 64
+    q, do = (torch.randn(1, T, 4, 8, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, T, 2, 8, dtype=torch.float64) for _ in range(2))
+    be = get_backend(None, "cpu", torch.float64, 8)
+    qg = q.clone().requires_grad_(True)
+    o_ref, lse_ref = be.forward(qg, k, v, True, None)
+    dq_ref = be.backward(do, q, k, v, o_ref, lse_ref, True, None)[0]
+    sh = [[sp._shard(t, r, P, layout) for t in (q, k, v, do)] for r in range(P)]
+    for r in range(P):
+        ql, kl, vl, dol = sh[r]
+        ctx = SPContext(object(), r, P, layout=layout)
+        with sp.LocalCollectives([(s[1], s[2]) for s in sh]):
+            o, lse = fwd_allgather.allgather_forward(ql, kl, vl, ctx, be, causal=True,
+                                                     scale=None, heads_k_stride=1)
+            dq = bwd_allgather.allgather_backward(dol, ql, kl, vl, o, lse, ctx, be, causal=True,
+                                                  scale=None, heads_k_stride=1)[0]
+        torch.testing.assert_close(o, sp._shard(o_ref.detach(), r, P, layout))
+        torch.testing.assert_close(dq, sp._shard(dq_ref, r, P, layout))
