@@ -10,8 +10,9 @@ kernel on the global causal problem (the strong-scaling baseline of `softmax_cp.
 T_local alone. Rows: per rank and variant — `kernels` (the calls alone), `schedule` (calls +
 merges into an fp32 accumulator and fp32 dq/dK/dV accumulation), `schedule_groups` (the
 backward's last step split into 4 KV-head groups, as `bwd_ring` ran it until 2026-11-23).
-The all-gather schedules run the library's own `allgather_forward` / `allgather_backward`
-with the collectives replaced by local stand-ins (see `LocalCollectives`): `allgather` (fwd
+The all-gather schedules run the library's own `allgather_forward` / `allgather_backward`,
+unpatched, on torch's fake process-group backend (`fake_cp_group`: collectives return at once,
+no data moves; the process emulates rank r through its SPContext): `allgather` (fwd
 allgather + bwd allgather) and `ring_ag` (the ring `schedule` forward + bwd allgather), one
 row per `--strides` value (`stride`: KV heads per gather; default the library's) and the
 backward's `--bwd-first` / `--bwd-last` stride splits.
@@ -24,17 +25,20 @@ the global sequence and on T_local (`single_t_local`: the same tokens per GPU).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (base_parser, device_name, emit, host_ahead_lost,  # noqa: E402
                                peak_mem_gb, print_summary, time_ms)
 from sp_attention import SPContext  # noqa: E402
 from sp_attention.layout import ring_source, shard_ranges  # noqa: E402
-from sp_attention.softmax import bwd_allgather, fwd_allgather, gather  # noqa: E402
+from sp_attention.softmax.bwd_allgather import allgather_backward  # noqa: E402
+from sp_attention.softmax.fwd_allgather import allgather_forward  # noqa: E402
 from sp_attention.softmax.attention import default_heads_k_stride  # noqa: E402
 from sp_attention.softmax.backends import get_backend  # noqa: E402
 from sp_attention.softmax.merge import merge_blocks_  # noqa: E402
@@ -43,7 +47,7 @@ from sp_attention.softmax.plan import ring_calls  # noqa: E402
 
 SUMMARY_COLS = ["impl", "layout", "world", "rank", "stride", "T_local", "timing", "ms_fwd",
                 "ms_fwd_bwd", "tflops_per_gpu", "ratio", "ratio_fwd", "ratio_vs_t_local",
-                "peak_mem_gb", "host_ahead_lost"]
+                "peak_mem_gb", "host_ahead_lost", "outputs_finite"]
 
 
 def flops(B, H, T, D, fwd_bwd):
@@ -102,105 +106,74 @@ def ring_backward_local(do, q, kv, out, lse, rank, world, layout, be, accumulate
     return dq
 
 
-class LocalCollectives:
-    """The all-gather schedules without the network, for one emulated rank.
+@contextlib.contextmanager
+def fake_cp_group(world: int):
+    """The process group of the all-gather rows: torch's fake backend with ``world`` ranks, so
+    the library's collectives run unpatched and move nothing over a network.
 
-    K/V gathers: the unit's send buffer is packed as the library packs it (local work), and
-    the gather's result is the unit's gathered K/V, made once from every rank's shard outside
-    the timed calls (so nothing is copied that a network would have written). dK/dV
-    reduce-scatters: this rank's own block of the slot is copied out (one block's traffic;
-    the sum over ranks is the network's work), then added into dK/dV as the library drains it.
-    Used as a context manager: it patches the library's module-level names and restores them.
+    Made only when no process group exists (and destroyed on exit); an existing fake group of
+    the same size is reused. Any other existing group is refused: its collectives would be
+    real, or sized for another world.
     """
-
-    def __init__(self, shards_kv: list):
-        self.kv, self.cache = shards_kv, {}
-        outer = self
-
-        class _Gather(gather.KVGather):
-            def start(self, i, u):
-                super().start(i, u)                     # pack; the gather itself is a no-op
-                self._pending[i % 2] = (None, outer.gathered(u, self.ls))
-        self._gather_cls = _Gather
-
-    def gathered(self, u, ls: int) -> torch.Tensor:
-        """``[P, B, n·Ls, 2, s, D]``: unit ``u``'s K/V of every rank (rank-major)."""
-        key = (u, ls)
-        if key not in self.cache:
-            rows = slice(u.p0 * ls, u.p1 * ls)
-            self.cache[key] = torch.stack([torch.stack(
-                (k[:, rows, u.h0:u.h1], v[:, rows, u.h0:u.h1]), 2) for k, v in self.kv])
-        return self.cache[key]
-
-    def prepare(self, units_ls) -> None:
-        for u, ls in units_ls:
-            self.gathered(u, ls)
-
-    @staticmethod
-    def _no_gather(out, inp, ctx, async_op=False):
-        return None
-
-    @staticmethod
-    def _own_block(out, inp, ctx, async_op=False):
-        out.view(-1).copy_(inp.reshape(ctx.world_size, -1)[ctx.rank])
-        return None
-
-    def __enter__(self):
-        from sp_attention import comm
-        self._saved = [(gather, "all_gather_flat", gather.all_gather_flat),
-                       (comm, "reduce_scatter_flat", comm.reduce_scatter_flat),
-                       (fwd_allgather, "KVGather", fwd_allgather.KVGather),
-                       (bwd_allgather, "KVGather", bwd_allgather.KVGather)]
-        gather.all_gather_flat = self._no_gather
-        comm.reduce_scatter_flat = self._own_block
-        fwd_allgather.KVGather = bwd_allgather.KVGather = self._gather_cls
-        return self
-
-    def __exit__(self, *exc):
-        for mod, name, val in self._saved:
-            setattr(mod, name, val)
+    if dist.is_initialized():
+        if dist.get_backend() != "fake" or dist.get_world_size() != world:
+            raise ValueError(
+                f"softmax_pieces: a {dist.get_backend()!r} process group of "
+                f"{dist.get_world_size()} ranks is already initialised; the all-gather rows "
+                f"need torch's fake backend with {world} ranks. Run the benchmark in a process "
+                "without a process group, or pass --no-allgather")
+        yield dist.group.WORLD
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore   # registers "fake"
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
 
 
-def allgather_rows(a, sh, r, P, be, timer, mem) -> dict:
-    """``{(name, stride): (ms_fwd, ms_fwd_bwd, peak_gb)}`` of rank ``r``'s all-gather
-    schedules (``allgather``, ``ring_ag``) per stride."""
+def allgather_rows(a, sh, r, P, be, timer, mem, group, o_ref, lse_ref) -> dict:
+    """``{(name, stride): (ms_fwd, ms_fwd_bwd, peak_gb, outputs_finite)}`` of rank ``r``'s
+    all-gather schedules (``allgather``, ``ring_ag``) per stride.
+
+    The library's ``allgather_forward`` / ``allgather_backward`` run as on rank ``r`` of a real
+    group (packing, kernel calls, fp32 upcasts, reduce-scatter drains), with ``group`` the fake
+    backend's: its collectives return at once. The gathered K/V are therefore not the other
+    ranks' data. On torch 2.13 the fake all-gather writes P copies of this rank's send buffer
+    into the receive buffer and the fake reduce-scatter copies one block (local device copies,
+    about the bytes NCCL would write); a build whose fake backend left the library's
+    ``torch.empty`` receive buffers untouched would feed the kernels whatever memory held, NaN
+    included. Kernel time does not depend on the values; ``outputs_finite`` records whether
+    the fwd output/LSE and dq/dK/dV came out finite. The backward is given the ring
+    schedule's real ``out`` / LSE of rank ``r`` (``o_ref``, ``lse_ref``).
+    """
     ql, kl, vl, dol = sh[r]
     H, Hkv = ql.shape[2], kl.shape[2]
     kv = [(s[1], s[2]) for s in sh]
-    ctx = SPContext(object(), r, P, layout=a.layout)    # a stand-in group: never used
-    n_chunks = len(ctx.leaves)
+    ctx = SPContext(group, r, P, tuple(range(P)), a.layout)
     strides = a.strides or [default_heads_k_stride(Hkv, H // Hkv)]
     out = {}
     for st in strides:
-        units, split = bwd_allgather.backward_units(Hkv, n_chunks, ql.shape[1], st, a.bwd_first,
-                                                    a.bwd_last)
-        fwd_units = [gather.Unit(h, h + st, 0, n_chunks) for h in range(0, Hkv, st)]
-        coll = LocalCollectives(kv)
-        coll.prepare([(u, ql.shape[1] // n_chunks) for u in fwd_units]
-                     + [(u, ql.shape[1] // (n_chunks * split)) for u in units])
-        with coll:
-            def fwd():
-                return fwd_allgather.allgather_forward(ql, kl, vl, ctx, be, causal=True,
-                                                       scale=None, heads_k_stride=st)
-            o, l_ = fwd()
+        def fwd(st=st):
+            return allgather_forward(ql, kl, vl, ctx, be, causal=True, scale=None,
+                                     heads_k_stride=st)
 
-            def bwd():
-                return bwd_allgather.allgather_backward(
-                    dol, ql, kl, vl, o, l_, ctx, be, causal=True, scale=None,
-                    heads_k_stride=st, first=a.bwd_first, last=a.bwd_last)
+        def bwd(st=st):
+            return allgather_backward(dol, ql, kl, vl, o_ref, lse_ref, ctx, be, causal=True,
+                                      scale=None, heads_k_stride=st, first=a.bwd_first,
+                                      last=a.bwd_last)
 
-            def fb_ag():
-                fwd()
-                bwd()
+        def fb_ag():
+            fwd()
+            bwd()
 
-            def fb_ring_ag():
-                ring_forward_local(ql, kv, r, P, a.layout, be, True)
-                bwd()
-            tf = timer(fwd)
-            out[("allgather", st)] = (tf, timer(fb_ag), mem(fb_ag))
-            tf_ring = timer(lambda: ring_forward_local(ql, kv, r, P, a.layout, be, True))
-            out[("ring_ag", st)] = (tf_ring, timer(fb_ring_ag), mem(fb_ring_ag))
-        del coll
+        def fb_ring_ag():
+            ring_forward_local(ql, kv, r, P, a.layout, be, True)
+            bwd()
+        finite = all(bool(torch.isfinite(t).all()) for t in (*fwd(), *bwd()))
+        out[("allgather", st)] = (timer(fwd), timer(fb_ag), mem(fb_ag), finite)
+        tf_ring = timer(lambda: ring_forward_local(ql, kv, r, P, a.layout, be, True))
+        out[("ring_ag", st)] = (tf_ring, timer(fb_ring_ag), mem(fb_ring_ag), finite)
     return out
 
 
@@ -226,12 +199,13 @@ def main() -> None:
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if dev == "cuda"
                                                      else torch.float32)
     be = get_backend(None, device, dtype, a.head_dim)
-    for T_local in a.t_local or ([8192, 32768] if dev == "cuda" else [64]):
-        for mode in (a.timing if dev == "cuda" else ["eager"]):
-            run_t(a, T_local, mode, device, dtype, be)
+    with contextlib.nullcontext() if a.no_allgather else fake_cp_group(a.world) as group:
+        for T_local in a.t_local or ([8192, 32768] if dev == "cuda" else [64]):
+            for mode in (a.timing if dev == "cuda" else ["eager"]):
+                run_t(a, T_local, mode, device, dtype, be, group)
 
 
-def run_t(a, T_local: int, mode: str, device, dtype, be) -> None:
+def run_t(a, T_local: int, mode: str, device, dtype, be, group) -> None:
     dev, P, H, Hkv, D = device.type, a.world, a.heads, a.kv_heads, a.head_dim
     T = P * T_local
     g = torch.Generator(device=device).manual_seed(5)
@@ -276,7 +250,7 @@ def run_t(a, T_local: int, mode: str, device, dtype, be) -> None:
     for r in range(P):
         ql, dol = sh[r][0], sh[r][3]
         o, l_ = ring_forward_local(ql, kv, r, P, a.layout, be, True)
-        o = o.to(dtype)
+        o = o.to(dtype)             # rank r's real out / LSE: the backward rows' inputs
         for name, (merge, acc, grp) in variants.items():
             def fb():
                 ring_forward_local(ql, kv, r, P, a.layout, be, merge)
@@ -284,10 +258,10 @@ def run_t(a, T_local: int, mode: str, device, dtype, be) -> None:
             row(name, r, timer(lambda: ring_forward_local(ql, kv, r, P, a.layout, be, merge)),
                 timer(fb), mem(fb))
         if not a.no_allgather:
-            for (name, st), (tf, tfb, peak) in allgather_rows(a, sh, r, P, be, timer,
-                                                              mem).items():
+            for (name, st), (tf, tfb, peak, fin) in allgather_rows(
+                    a, sh, r, P, be, timer, mem, group, o, l_).items():
                 row(name, r, tf, tfb, peak, stride=st, bwd_first=a.bwd_first,
-                    bwd_last=a.bwd_last)
+                    bwd_last=a.bwd_last, comm="fake_pg", outputs_finite=fin)
 
 
 if __name__ == "__main__":
