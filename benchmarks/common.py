@@ -193,3 +193,14 @@ def emit(record: dict, out: Optional[str], rank: int) -> None:
     if out:
         with open(out, "a") as f:
             f.write(line + "\n")
+
+
+def parse_or_summarize(p: argparse.ArgumentParser, cols) -> Optional[argparse.Namespace]:
+    """Parse the benchmark's arguments, with ``--summary FILE...`` (print the table of earlier
+    JSON lines and return None: the caller exits)."""
+    p.add_argument("--summary", nargs="+", metavar="JSONL", help="print a table and exit")
+    a = p.parse_args()
+    if a.summary:
+        print_summary(a.summary, cols)
+        return None
+    return a

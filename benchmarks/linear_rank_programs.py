@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (base_parser, device_name, emit, host_ahead_lost,  # noqa: E402
-                               peak_mem_gb, print_summary, time_ms)
+                               peak_mem_gb, parse_or_summarize, time_ms)
 from sp_attention import LinearTuning, SPContext, lightning_attention  # noqa: E402
 from sp_attention.layout import leaves_of_rank  # noqa: E402
 from sp_attention.linear.attention import leaf_rows, scan_rows  # noqa: E402
@@ -188,10 +188,8 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--no-ab", action="store_true", help="skip the contiguous P = 2 A/B rows")
-    p.add_argument("--summary", nargs="+", metavar="JSONL", help="print a table and exit")
-    a = p.parse_args()
-    if a.summary:
-        print_summary(a.summary, SUMMARY_COLS)
+    a = parse_or_summarize(p, SUMMARY_COLS)
+    if a is None:
         return
     for T in a.t_local or ([32768] if a.device == "cuda" else [128]):
         run_t(T, a, a.device)

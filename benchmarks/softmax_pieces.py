@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (base_parser, device_name, emit, host_ahead_lost,  # noqa: E402
-                               peak_mem_gb, print_summary, time_ms)
+                               peak_mem_gb, parse_or_summarize, time_ms)
 from sp_attention import SPContext  # noqa: E402
 from sp_attention.layout import ring_source, shard_ranges  # noqa: E402
 from sp_attention.softmax.bwd_allgather import allgather_backward  # noqa: E402
@@ -189,10 +189,8 @@ def main() -> None:
     p.add_argument("--bwd-first", type=int, help="bwd_head_first_stride of the all-gather bwd")
     p.add_argument("--bwd-last", type=int, help="bwd_head_last_stride of the all-gather bwd")
     p.add_argument("--no-allgather", action="store_true", help="ring rows only")
-    p.add_argument("--summary", nargs="+", metavar="JSONL", help="print a table and exit")
-    a = p.parse_args()
-    if a.summary:
-        print_summary(a.summary, SUMMARY_COLS)
+    a = parse_or_summarize(p, SUMMARY_COLS)
+    if a is None:
         return
     dev = a.device
     device = torch.device("cuda", 0) if dev == "cuda" else torch.device("cpu")
