@@ -23,15 +23,17 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
+from sp_attention.linear import IMPLS as LINEAR_IMPLS
 from sp_attention.linear.slopes import SLOPE_SCHEDULES
+from sp_attention.softmax import PRESETS
 
 __all__ = ["add_arguments", "validate_args", "options_from_args", "options_from_megatron_args",
            "CP_IMPLS", "MEGATRON_IMPL", "MODEL_KINDS"]
 
 MEGATRON_IMPL = "megatron"
-CP_IMPLS = ("blelloch", "allgather", "ring", "auto", MEGATRON_IMPL)
+CP_IMPLS = LINEAR_IMPLS + (MEGATRON_IMPL,)
 MODEL_KINDS = ("softmax", "linear", "hybrid")
-_PRESETS = ("ring", "ring_ag", "allgather", "ag_ring")
+_PRESETS = tuple(PRESETS)
 _STRIDES = ("softmax_heads_k_stride", "softmax_bwd_head_first_stride",
             "softmax_bwd_head_last_stride")
 

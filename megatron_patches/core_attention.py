@@ -30,13 +30,14 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from sp_attention import build_sp_context, context_parallel_attention, lightning_attention
+from sp_attention.linear import IMPLS as LINEAR_IMPLS
+from sp_attention.softmax import PRESETS
 from sp_attention.linear.slopes import SLOPE_SCHEDULES, decay_slopes
 
 __all__ = ["SoftmaxOptions", "SoftmaxCoreAttention", "LinearCoreAttention", "LINEAR_IMPLS",
            "SOFTMAX_PRESETS", "resolve_groups"]
 
-LINEAR_IMPLS = ("blelloch", "allgather", "ring", "auto")
-SOFTMAX_PRESETS = ("ring", "ring_ag", "allgather", "ag_ring")
+SOFTMAX_PRESETS = tuple(PRESETS)
 
 
 @dataclass(frozen=True)

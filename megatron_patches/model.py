@@ -38,6 +38,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from .args import MODEL_KINDS as KINDS
 from .core_attention import LINEAR_IMPLS, SoftmaxOptions
 from .rotary import install_zigzag_rope
 from .specs import block_spec, expand_pattern
@@ -45,7 +46,6 @@ from .specs import block_spec, expand_pattern
 __all__ = ["build_gpt_model", "KINDS", "POSITION_EMBEDDINGS", "tp_shard_state_dict",
            "grad_reduce_group", "cp_context", "layer_pattern"]
 
-KINDS = ("softmax", "linear", "hybrid")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 
 

@@ -13,10 +13,14 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Optional, Sequence
 
+from sp_attention.linear import IMPLS as _LINEAR_IMPLS
+from sp_attention.softmax import PRESETS as _SOFTMAX_PRESETS
+
+from ..args import MODEL_KINDS
+
 __all__ = ["PRESETS", "MODEL_KINDS", "TrainArgs", "Layout", "build_parser", "parse_args",
            "impls_for_kind"]
 
-MODEL_KINDS = ("softmax", "linear", "hybrid")
 
 # Shapes. "tiny" learns the copy task on CPU in about a minute; the others are Llama shapes
 # (1b = Llama-3.2-1B, 8b = Llama-3-8B). Linear attention needs head dim >= 32 to learn the copy
@@ -34,8 +38,7 @@ PRESETS: dict[str, dict] = {
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
               "ffn_hidden_size", "seq_length")
 
-_LINEAR_IMPLS = ("auto", "blelloch", "allgather", "ring")
-_SOFTMAX_IMPLS = ("auto", "ring", "ring_ag", "allgather", "ag_ring")
+_SOFTMAX_IMPLS = ("auto",) + tuple(_SOFTMAX_PRESETS)     # auto: the library's default preset
 
 
 def impls_for_kind(kind: str) -> tuple[str, ...]:

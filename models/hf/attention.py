@@ -32,11 +32,11 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from sp_attention import SPContext, build_sp_context, context_parallel_attention, lightning_attention
+from sp_attention.linear import IMPLS as LINEAR_IMPLS
 from sp_attention.softmax import PRESETS
 
 __all__ = ["CPSchedule", "CPHandle", "prepare_model_for_cp", "make_cp_attention", "LINEAR_IMPLS"]
 
-LINEAR_IMPLS = ("auto", "blelloch", "allgather", "ring")
 # HF's names for packed-sequence (varlen) arguments; we cannot honour them.
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
                   "cu_seqlens_q", "cu_seqlens_k")
