@@ -75,14 +75,14 @@ def local_micro_batches(data, step: int, args: TrainArgs, layout, groups, cp_ctx
 def train_step(model, optimizer, micro_batches, groups, layout, lr: float, clip: float):
     """Forward/backward over the micro-batches, gradient sum over DP × CP, optimizer step.
     Returns (this rank's share of the global mean loss, gradient norm)."""
-    share = torch.zeros((), dtype=torch.float64)
+    share = torch.zeros((), dtype=torch.float64, device=micro_batches[0][0].device)
     for tok, pos, lab, msk in micro_batches:
         token_loss = model(tok, pos, attention_mask=None, labels=lab)       # [b, s/cp]
         # each micro-batch holds the same number of loss tokens, so the global mean over the
         # step is the average of the micro-batch means
         loss = global_token_mean(token_loss.float(), msk, groups.dp_cp) / len(micro_batches)
         loss.backward()
-        share += loss.detach().double().cpu()
+        share += loss.detach().double()     # stays on the device: agree() syncs once a step
     all_reduce_gradients(model.parameters(), groups.dp_cp)
     return share, optimizer.step(lr, clip)
 
@@ -90,9 +90,9 @@ def train_step(model, optimizer, micro_batches, groups, layout, lr: float, clip:
 def agree(share: torch.Tensor, stop: bool, tp: int) -> tuple[float, bool]:
     """One all-reduce over all ranks: the global mean loss (each DP×CP share is held by all TP
     ranks) and whether any rank was asked to stop."""
-    v = torch.stack([share / tp, torch.tensor(float(stop), dtype=torch.float64)])
-    if dist.get_backend() == "nccl":
-        v = v.cuda()
+    device = share.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    v = torch.stack([share.to(device) / tp,
+                     torch.tensor(float(stop), dtype=torch.float64, device=device)])
     dist.all_reduce(v)
     return float(v[0]), bool(v[1] > 0)
 
