@@ -1,7 +1,9 @@
 """Where a train.py step's GPU time goes: runs ``train.main(argv)`` under the torch profiler and
 prints the CUDA kernels by total time, the time per kind of kernel (GEMM, attention,
 cross-entropy, norm, RoPE, optimizer, other element-wise, copies), the summed kernel time and
-the wall time (their gap is the time the GPU waited on the host).
+the wall time (their gap is the time the GPU waited on the host). Only steady steps are recorded: ``--profile-skip``
+steps (default 2: compilation, autotuning, allocator growth) run first, then
+``--profile-steps`` (default 3) are profiled; pass ``--train-iters`` ≥ their sum.
 
     python benchmarks/train_profile.py --preset 1b --train-iters 6 --micro-batch-size 4 \\
         --global-batch-size 16 --no-progress-bar --log-dir /tmp/prof
@@ -38,12 +40,39 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def _pop_int(argv: list, flag: str, default: int) -> int:
+    if flag in argv:
+        i = argv.index(flag)
+        value = int(argv[i + 1])
+        del argv[i:i + 2]
+        return value
+    return default
+
+
 def main() -> None:
+    argv = sys.argv[1:]
+    skip = _pop_int(argv, "--profile-skip", 2)
+    active = _pop_int(argv, "--profile-steps", 3)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    t0 = time.perf_counter()
-    with torch.profiler.profile(activities=acts) as prof:
-        records = train.main(sys.argv[1:])
-    wall = time.perf_counter() - t0
+    prof = torch.profiler.profile(activities=acts, schedule=torch.profiler.schedule(
+        wait=max(0, skip - 1), warmup=1 if skip else 0, active=active, repeat=1))
+    step_fn = train.train_step
+    walls = []
+
+    def profiled_step(*a, **kw):       # train.main looks train_step up per call
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = step_fn(*a, **kw)
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t)
+        prof.step()
+        return out
+
+    train.train_step = profiled_step
+    with prof:
+        train.main(argv)
+    wall = sum(walls[skip:skip + active])
+    records = walls[skip:skip + active]
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     total_us = sum(e.device_time_total for e in events)
     by_kind: dict = {}
@@ -51,9 +80,12 @@ def main() -> None:
         k = kind_of(e.key)
         by_kind[k] = by_kind.get(k, 0.0) + e.device_time_total
     steps = max(1, len(records))
-    print(prof.key_averages().table(sort_by="device_time_total", row_limit=40,
-                                    max_name_column_width=90))
-    print(f"steps {len(records)} | wall {wall:.1f} s | CUDA kernel time {total_us / 1e6:.2f} s")
+    print("kernel time per step (ms) | calls per step | kind | kernel")
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:50]:
+        print(f"{e.device_time_total / 1e3 / steps:9.2f} | {e.count / steps:7.1f} | "
+              f"{kind_of(e.key):13s} | {e.key[:110]}")
+    print(f"profiled steps {len(records)} | wall {wall:.2f} s | CUDA kernel time "
+          f"{total_us / 1e6:.2f} s (the gap: the GPU waiting on the host)")
     print("per step (ms) by kind: " + json.dumps(
         {k: round(v / 1e3 / steps, 1) for k, v in sorted(by_kind.items(), key=lambda x: -x[1])}))
 

@@ -43,7 +43,22 @@ def _run_layouts(rank, world, tmp, layouts, extra_checks):
             out[(kind, tp, cp)] = _losses(train.main(_argv(kind, tp, cp, f"{tmp}/{kind}{tp}{cp}")))
     if extra_checks:
         out["extra"] = _extra_checks(rank, tmp)
+    if world == 1:
+        out["bf16_dtypes"] = _bf16_param_dtypes()
     return out
+
+
+def _bf16_param_dtypes():
+    """A bf16 model holds every parameter in bf16, norm weights included (Megatron's
+    Float16Module does the same; an fp32 norm weight keeps torch off its fused RMSNorm)."""
+    import torch
+    from megatron_patches.trainer.args import parse_args
+    from megatron_patches.trainer.setup import build_model, init_groups
+    args = parse_args(["--preset", "tiny", "--model-kind", "hybrid"])
+    layout = args.layout(1)
+    model = build_model(args, layout, init_groups(layout), 64, bf16=True,
+                        device=torch.device("cpu"))
+    return {str(p.dtype) for p in model.parameters()}
 
 
 def _expect_error(argv, needle):
@@ -91,6 +106,7 @@ def test_parallelism_invariance_errors_and_layout_changes(tmp_path):
                          timeout=300)[0]
     w4 = run_distributed(_run_layouts, 4, str(tmp_path / "w4"), [(2, 2), (1, 2)], True,
                          timeout=400)
+    assert ref["bf16_dtypes"] == {"torch.bfloat16"}
     for kind in KINDS:
         want = ref[(kind, 1, 1)]
         assert len(want) == STEPS and want[-1] < want[0], (kind, want)   # it trains
