@@ -7,13 +7,14 @@ plan.ring_calls`), merges blocks by LSE (forward) and accumulates dq / fp32 dK/d
 Here each rank's calls run on one GPU with K/V taken from the global tensors instead of
 received, so the time is the schedule's ceiling with free communication. Next to it, the 1-GPU
 kernel on the global causal problem (the strong-scaling baseline of `softmax_cp.py`) and on
-T_local alone. Rows: per rank and variant — `kernels` (the calls alone), `schedule` (calls +
-merges into an fp32 accumulator and fp32 dq/dK/dV accumulation), `schedule_groups` (the
-backward's last step split into 4 KV-head groups, as `bwd_ring` ran it until 2026-11-23).
-The all-gather schedules run the library's own `allgather_forward` / `allgather_backward`,
-unpatched, on torch's fake process-group backend (`fake_cp_group`: collectives return at once,
-no data moves; the process emulates rank r through its SPContext): `allgather` (fwd
-allgather + bwd allgather) and `ring_ag` (the ring `schedule` forward + bwd allgather), one
+T_local alone. Rows: per rank and variant — `kernels` (the calls alone) and `ring` (the
+library's own `ring_forward` / `ring_backward`, unpatched: K/V packing, kernel calls, LSE
+merges, dq / dK/dV accumulation and the hops' buffers, with the hops going through torch's fake
+process-group backend, `fake_cp_group`: collectives and point-to-point calls return at once, no
+data moves; the process emulates rank r through its SPContext). The received K/V buffers are
+therefore whatever memory held (kernel time does not depend on the values); the backward is
+given rank r's real ``out`` / LSE. The all-gather schedules run the same way: `allgather` (fwd
+allgather + bwd allgather) and `ring_ag` (the ring forward + bwd allgather), one
 row per `--strides` value (`stride`: KV heads per gather; default the library's) and the
 backward's `--bwd-first` / `--bwd-last` stride splits.
 `ratio` = per-GPU TFLOP/s of the variant ÷ the 1-GPU global kernel, i.e. what the CP step
@@ -38,10 +39,11 @@ from benchmarks.common import (base_parser, device_name, emit, host_ahead_lost, 
 from sp_attention import SPContext  # noqa: E402
 from sp_attention.layout import ring_source, shard_ranges  # noqa: E402
 from sp_attention.softmax.bwd_allgather import allgather_backward  # noqa: E402
+from sp_attention.softmax.bwd_ring import ring_backward  # noqa: E402
 from sp_attention.softmax.fwd_allgather import allgather_forward  # noqa: E402
+from sp_attention.softmax.fwd_ring import ring_forward  # noqa: E402
 from sp_attention.softmax.attention import default_heads_k_stride  # noqa: E402
 from sp_attention.softmax.backends import get_backend  # noqa: E402
-from sp_attention.softmax.merge import merge_blocks_  # noqa: E402
 from sp_attention.softmax.plan import ring_calls  # noqa: E402
 
 
@@ -66,44 +68,18 @@ def _calls(rank, world, layout):
             for c in ring_calls(rank, ring_source(rank, world, s), world, layout, True)]
 
 
-def ring_forward_local(q, kv, rank, world, layout, be, merge: bool):
+def kernel_calls(q, kv, rank, world, layout, be, do=None, out=None, lse=None):
+    """Rank ``rank``'s ring kernel calls alone (K/V of step s from the global tensors): the
+    forward calls, or with ``do`` the backward calls given the rank's ``out`` / ``lse``."""
     ls = q.shape[1] // 2 if layout == "zigzag" else q.shape[1]
-    out = lse = None
     for step, src, c in _calls(rank, world, layout):
         rows, n = slice(c.q_start * ls, c.q_stop * ls), c.keys * ls
-        o, l_ = be.forward(q[:, rows], kv[src][0][:, :n], kv[src][1][:, :n], c.causal, None)
-        if not merge:
-            continue
-        if step == 0:
-            out, lse = o.float(), l_
+        k, v = kv[src][0][:, :n], kv[src][1][:, :n]
+        if do is None:
+            be.forward(q[:, rows], k, v, c.causal, None)
         else:
-            merge_blocks_(out[:, rows], lse[:, :, rows], o, l_)
-    return out, lse
-
-
-def ring_backward_local(do, q, kv, out, lse, rank, world, layout, be, accumulate: bool,
-                        groups: int = 1):
-    """The ring backward's calls and fp32 accumulations; the last step by ``groups`` KV-head
-    groups when ``groups > 1`` (as ``bwd_ring`` does)."""
-    ls = q.shape[1] // 2 if layout == "zigzag" else q.shape[1]
-    hkv = kv[rank][0].shape[2]
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dkv = {s: torch.zeros((2,) + tuple(kv[s][0].shape), dtype=torch.float32, device=q.device)
-           for s in range(world)}
-    for step, src, c in _calls(rank, world, layout):
-        rows, n = slice(c.q_start * ls, c.q_stop * ls), c.keys * ls
-        last = step == world - 1 and groups > 1
-        hq, hk = q.shape[2] // (groups if last else 1), hkv // (groups if last else 1)
-        for g in range(groups if last else 1):
-            hs, ks = slice(g * hq, (g + 1) * hq), slice(g * hk, (g + 1) * hk)
-            dq_c, dk_c, dv_c = be.backward(do[:, rows, hs], q[:, rows, hs],
-                                           kv[src][0][:, :n, ks], kv[src][1][:, :n, ks],
-                                           out[:, rows, hs], lse[:, hs, rows], c.causal, None)
-            if accumulate:
-                dq[:, rows, hs].add_(dq_c)
-                dkv[src][0][:, :n, ks].add_(dk_c)
-                dkv[src][1][:, :n, ks].add_(dv_c)
-    return dq
+            be.backward(do[:, rows], q[:, rows], k, v, out[:, rows], lse[:, :, rows], c.causal,
+                        None)
 
 
 @contextlib.contextmanager
@@ -167,12 +143,15 @@ def allgather_rows(a, sh, r, P, be, timer, mem, group, o_ref, lse_ref) -> dict:
             fwd()
             bwd()
 
+        def ring_fwd():
+            return ring_forward(ql, kl, vl, ctx, be, causal=True, scale=None)
+
         def fb_ring_ag():
-            ring_forward_local(ql, kv, r, P, a.layout, be, True)
+            ring_fwd()
             bwd()
         finite = all(bool(torch.isfinite(t).all()) for t in (*fwd(), *bwd()))
         out[("allgather", st)] = (timer(fwd), timer(fb_ag), mem(fb_ag), finite)
-        tf_ring = timer(lambda: ring_forward_local(ql, kv, r, P, a.layout, be, True))
+        tf_ring = timer(ring_fwd)
         out[("ring_ag", st)] = (tf_ring, timer(fb_ring_ag), mem(fb_ring_ag), finite)
     return out
 
@@ -188,7 +167,7 @@ def main() -> None:
                    help="heads_k_stride values of the all-gather rows (default: the library's)")
     p.add_argument("--bwd-first", type=int, help="bwd_head_first_stride of the all-gather bwd")
     p.add_argument("--bwd-last", type=int, help="bwd_head_last_stride of the all-gather bwd")
-    p.add_argument("--no-allgather", action="store_true", help="ring rows only")
+    p.add_argument("--no-allgather", action="store_true", help="no all-gather rows")
     a = parse_or_summarize(p, SUMMARY_COLS)
     if a is None:
         return
@@ -197,7 +176,7 @@ def main() -> None:
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if dev == "cuda"
                                                      else torch.float32)
     be = get_backend(None, device, dtype, a.head_dim)
-    with contextlib.nullcontext() if a.no_allgather else fake_cp_group(a.world) as group:
+    with fake_cp_group(a.world) as group:
         for T_local in a.t_local or ([8192, 32768] if dev == "cuda" else [64]):
             for mode in (a.timing if dev == "cuda" else ["eager"]):
                 run_t(a, T_local, mode, device, dtype, be, group)
@@ -241,20 +220,26 @@ def run_t(a, T_local: int, mode: str, device, dtype, be, group) -> None:
                   host_ahead_lost=host_ahead_lost(), **extra), a.out, 0)
     sh = [[_shard(t, r, P, a.layout) for t in (q, k, v, do)] for r in range(P)]
     kv = [(s[1], s[2]) for s in sh]
-    # the last step by KV-head group, as bwd_ring ran it before 2026-11-23 (4 for Llama-3-8B)
-    groups = min(4, Hkv)
-    variants = {"kernels": (False, False, 1), "schedule": (True, True, 1),
-                "schedule_groups": (True, True, groups)}
     for r in range(P):
-        ql, dol = sh[r][0], sh[r][3]
-        o, l_ = ring_forward_local(ql, kv, r, P, a.layout, be, True)
-        o = o.to(dtype)             # rank r's real out / LSE: the backward rows' inputs
-        for name, (merge, acc, grp) in variants.items():
-            def fb():
-                ring_forward_local(ql, kv, r, P, a.layout, be, merge)
-                ring_backward_local(dol, ql, kv, o, l_, r, P, a.layout, be, acc, grp)
-            row(name, r, timer(lambda: ring_forward_local(ql, kv, r, P, a.layout, be, merge)),
-                timer(fb), mem(fb))
+        ql, kl, vl, dol = sh[r]
+        ctx = SPContext(group, r, P, tuple(range(P)), a.layout)
+        # rank r's real out / LSE (from the global K/V): the backward rows' inputs
+        o, l_ = be.forward(q, k, v, True, None)
+        o, l_ = _shard(o, r, P, a.layout), _shard(l_.transpose(1, 2), r, P, a.layout)
+        l_ = l_.transpose(1, 2).contiguous()
+
+        def kern_fb():
+            kernel_calls(ql, kv, r, P, a.layout, be)
+            kernel_calls(ql, kv, r, P, a.layout, be, dol, o, l_)
+
+        def ring_fb():
+            ring_forward(ql, kl, vl, ctx, be, causal=True, scale=None)
+            ring_backward(dol, ql, kl, vl, o, l_, ctx, be, causal=True, scale=None)
+        row("kernels", r, timer(lambda: kernel_calls(ql, kv, r, P, a.layout, be)),
+            timer(kern_fb), mem(kern_fb))
+        row("ring", r, timer(lambda: ring_forward(ql, kl, vl, ctx, be, causal=True,
+                                                  scale=None)),
+            timer(ring_fb), mem(ring_fb), comm="fake_pg")
         if not a.no_allgather:
             for (name, st), (tf, tfb, peak, fin) in allgather_rows(
                     a, sh, r, P, be, timer, mem, group, o, l_).items():

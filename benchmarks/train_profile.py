@@ -1,9 +1,10 @@
 """Where a train.py step's GPU time goes: runs ``train.main(argv)`` under the torch profiler and
-prints the CUDA kernels by total time, the time per kind of kernel (GEMM, attention,
-cross-entropy, norm, RoPE, optimizer, other element-wise, copies), the summed kernel time and
-the wall time (their gap is the time the GPU waited on the host). Only steady steps are recorded: ``--profile-skip``
-steps (default 2: compilation, autotuning, allocator growth) run first, then
-``--profile-steps`` (default 3) are profiled; pass ``--train-iters`` ≥ their sum.
+prints the CUDA kernels by time per step, the time per kind of kernel (GEMM, attention,
+cross-entropy, norm, optimizer, copies, other element-wise), the summed kernel time and the
+wall time of the profiled steps. Only steady steps are recorded: ``--profile-skip`` steps
+(default 2: compilation, autotuning, allocator growth) run first, then ``--profile-steps``
+(default 3) are profiled; pass ``--train-iters`` ≥ their sum. Kinds are guessed from kernel
+names (Megatron's torch.compile'd fusions show as ``triton_*``: read the names).
 
     python benchmarks/train_profile.py --preset 1b --train-iters 6 --micro-batch-size 4 \\
         --global-batch-size 16 --no-progress-bar --log-dir /tmp/prof
@@ -73,7 +74,8 @@ def main() -> None:
         train.main(argv)
     wall = sum(walls[skip:skip + active])
     records = walls[skip:skip + active]
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"
+              and not e.key.startswith("ProfilerStep")]      # the profiler's step marker
     total_us = sum(e.device_time_total for e in events)
     by_kind: dict = {}
     for e in events:

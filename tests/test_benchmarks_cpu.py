@@ -10,7 +10,7 @@ import torch.distributed as dist
 from benchmarks import linear_rank_programs as lrp
 from benchmarks import softmax_pieces as sp
 from sp_attention import comm, lightning_attention
-from sp_attention.softmax import bwd_allgather, fwd_allgather, gather
+from sp_attention.softmax import bwd_allgather, bwd_ring, fwd_allgather, fwd_ring, gather
 
 
 def _rows(module, argv, capsys, monkeypatch):
@@ -61,9 +61,9 @@ def test_linear_rank_program_is_the_library_step():
 
 
 def test_softmax_pieces_rows(capsys, monkeypatch):
-    """Every row, finite; the all-gather rows ran the library unpatched on the fake backend
+    """Every row, finite; the ring and all-gather rows ran the library unpatched on the fake backend
     (no name in the library's modules was reassigned) and left no process group behind."""
-    mods = (comm, gather, fwd_allgather, bwd_allgather)
+    mods = (comm, gather, fwd_allgather, bwd_allgather, fwd_ring, bwd_ring)
     names = {m: list(vars(m)) for m in mods}
 
     def ids():
@@ -81,7 +81,7 @@ def test_softmax_pieces_rows(capsys, monkeypatch):
     assert not dist.is_initialized()
     got = {(r["impl"], r.get("stride")) for r in rows}
     for r in range(2):
-        for v in ("kernels", "schedule", "schedule_groups"):
+        for v in ("kernels", "ring"):
             assert (f"rank{r}_{v}", None) in got
         for v in ("allgather", "ring_ag"):
             assert {(f"rank{r}_{v}", 1), (f"rank{r}_{v}", 2)} <= got
