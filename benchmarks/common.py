@@ -162,6 +162,23 @@ def peak_mem_gb(fn: Callable[[], object], device: str) -> Optional[float]:
     return (torch.cuda.max_memory_allocated() - base) / 1e9
 
 
+def kernel_table(fn: Callable[[], object], label: str, iters: int = 5, top: int = 15) -> None:
+    """Print the GPU kernels of one call of ``fn`` (µs per call, launches per call), from the
+    torch profiler over ``iters`` calls after one warm-up: where a row's time goes."""
+    fn()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.device_time_total for e in events) / iters
+    print(f"--- kernels of {label}: {total:.1f} us per call (sum of kernel times)")
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
+        print(f"{e.device_time_total / iters:9.1f} us | {e.count / iters:5.1f} x | {e.key[:100]}")
+
+
 def print_summary(paths, cols) -> None:
     """A markdown table of the JSON lines in ``paths``: the columns of ``cols`` any row has."""
     rows = [json.loads(line) for p in paths for line in open(p) if line.strip()]

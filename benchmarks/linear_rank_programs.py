@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (base_parser, device_name, emit, host_ahead_lost,  # noqa: E402
-                               peak_mem_gb, parse_or_summarize, time_ms)
+                               kernel_table, peak_mem_gb, parse_or_summarize, time_ms)
 from sp_attention import LinearTuning, SPContext, lightning_attention  # noqa: E402
 from sp_attention.layout import leaves_of_rank  # noqa: E402
 from sp_attention.linear.attention import leaf_rows, scan_rows  # noqa: E402
@@ -167,6 +167,14 @@ def run_t(T: int, a, dev: str) -> None:
         worst = max(row["ratio"] for row in rows)
         for row in rows:      # host_ahead_lost: queued repeats so far that were not host-ahead
             emit(dict(row, ratio_slowest=worst, host_ahead_lost=host_ahead_lost()), a.out, 0)
+    if a.profile and dev == "cuda":
+        kernel_table(ref["fwd"], f"fla fwd, T {T}")
+        kernel_table(ref["fwd+bwd"], f"fla fwd+bwd, T {T}")
+        for r in (0, 1):
+            fwd, bwd, _ = rank_program(r, 2, "contiguous", q, k, v, do, slopes, backend,
+                                       default)
+            kernel_table(fwd, f"contiguous P 2 rank {r} fwd, T {T}")
+            kernel_table(bwd, f"contiguous P 2 rank {r} bwd, T {T}")
     if a.no_ab:
         return
     flip = LinearTuning(concurrent_recurrences=not default.concurrent_recurrences)
@@ -188,6 +196,9 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--no-ab", action="store_true", help="skip the contiguous P = 2 A/B rows")
+    p.add_argument("--profile", action="store_true",
+                   help="CUDA: print the kernels of fla's fwd / fwd+bwd and of the contiguous "
+                        "P = 2 ranks' fwd / bwd")
     a = parse_or_summarize(p, SUMMARY_COLS)
     if a is None:
         return
