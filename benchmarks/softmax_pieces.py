@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (base_parser, device_name, emit, host_ahead_lost,  # noqa: E402
-                               peak_mem_gb, parse_or_summarize, time_ms)
+                               kernel_table, peak_mem_gb, parse_or_summarize, time_ms)
 from sp_attention import SPContext  # noqa: E402
 from sp_attention.layout import ring_source, shard_ranges  # noqa: E402
 from sp_attention.softmax.bwd_allgather import allgather_backward  # noqa: E402
@@ -168,6 +168,8 @@ def main() -> None:
     p.add_argument("--bwd-first", type=int, help="bwd_head_first_stride of the all-gather bwd")
     p.add_argument("--bwd-last", type=int, help="bwd_head_last_stride of the all-gather bwd")
     p.add_argument("--no-allgather", action="store_true", help="no all-gather rows")
+    p.add_argument("--profile", action="store_true",
+                   help="CUDA: print each rank's kernels, calls alone vs the ring schedule")
     a = parse_or_summarize(p, SUMMARY_COLS)
     if a is None:
         return
@@ -240,6 +242,15 @@ def run_t(a, T_local: int, mode: str, device, dtype, be, group) -> None:
         row("ring", r, timer(lambda: ring_forward(ql, kl, vl, ctx, be, causal=True,
                                                   scale=None)),
             timer(ring_fb), mem(ring_fb), comm="fake_pg")
+        if a.profile and dev == "cuda":
+            kernel_table(lambda: kernel_calls(ql, kv, r, P, a.layout, be),
+                         f"rank {r} kernels fwd, T_local {T_local}")
+            kernel_table(lambda: ring_forward(ql, kl, vl, ctx, be, causal=True, scale=None),
+                         f"rank {r} ring fwd, T_local {T_local}")
+            kernel_table(lambda: kernel_calls(ql, kv, r, P, a.layout, be, dol, o, l_),
+                         f"rank {r} kernels bwd, T_local {T_local}")
+            kernel_table(lambda: ring_backward(dol, ql, kl, vl, o, l_, ctx, be, causal=True,
+                                               scale=None), f"rank {r} ring bwd, T_local {T_local}")
         if not a.no_allgather:
             for (name, st), (tf, tfb, peak, fin) in allgather_rows(
                     a, sh, r, P, be, timer, mem, group, o, l_).items():

@@ -65,19 +65,20 @@ def _merge_kernel(out, lse, out_b, lse_b, Tq, H,
 
 
 def merge_blocks_triton(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor,
-                        lse_b: torch.Tensor) -> None:
+                        lse_b: torch.Tensor, *, block_t: int = 32, num_warps: int = 4) -> None:
     """Merge (out_b, lse_b) into (out, lse) in place with one kernel.
 
     out, out_b ``[B, Tq, H, D]`` with unit stride in D (any other strides); lse, lse_b
     ``[B, H, Tq]`` fp32, any strides. ``out`` fp32 or 16-bit (rounded once). Shapes are assumed
-    checked by the caller (:func:`sp_attention.softmax.merge.merge_blocks_`).
+    checked by the caller (:func:`sp_attention.softmax.merge.merge_blocks_`). ``block_t``
+    query rows per program and ``num_warps``: the launch shape (``benchmarks/merge_sweep.py``).
     """
     B, Tq, H, D = out.shape
     if out.stride(3) != 1 or out_b.stride(3) != 1:
         raise ValueError("merge_blocks_triton: out and out_b need unit stride in D")
     if Tq == 0 or B * H == 0:
         return
-    BT = 32
+    BT = block_t
     grid = (triton.cdiv(Tq, BT), B * H)
     guard = torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext()
     with guard:
@@ -87,4 +88,4 @@ def merge_blocks_triton(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tenso
             out_b.stride(0), out_b.stride(1), out_b.stride(2),
             lse.stride(0), lse.stride(1), lse.stride(2),
             lse_b.stride(0), lse_b.stride(1), lse_b.stride(2),
-            D=D, BD=triton.next_power_of_2(D), BT=BT, num_warps=4)
+            D=D, BD=triton.next_power_of_2(D), BT=BT, num_warps=num_warps)
