@@ -143,9 +143,10 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             block = (nxt[0], nxt[1])
     for w in works:
         w.wait()
-    # the owner's contribution plus everyone else's: fp32 arithmetic, rounded once
-    dk = torch.add(dk_home, home[0]).to(k.dtype)
-    dv = torch.add(dv_home, home[1]).to(v.dtype)
+    # the owner's contribution plus everyone else's: fp32 arithmetic (an in-place add computes
+    # in the promoted dtype), one kernel per tensor, rounded once into the kernel's dtype
+    dk = dk_home.add_(home[0]).to(k.dtype)
+    dv = dv_home.add_(home[1]).to(v.dtype)
     return dq.to(q.dtype), dk, dv
 
 
