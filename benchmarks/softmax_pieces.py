@@ -108,13 +108,14 @@ def fake_cp_group(world: int):
         dist.destroy_process_group()
 
 
-def allgather_rows(a, sh, r, P, be, timer, mem, group, o_ref, lse_ref) -> dict:
+def allgather_rows(a, shard, be, timer, mem, ctx, ring_fwd, o_ref, lse_ref) -> dict:
     """``{(name, stride): (ms_fwd, ms_fwd_bwd, peak_gb, outputs_finite)}`` of rank ``r``'s
-    all-gather schedules (``allgather``, ``ring_ag``) per stride.
+    all-gather schedules (``allgather``, ``ring_ag``: ``ring_fwd`` then the all-gather backward)
+    per stride; ``shard`` is rank r's ``(q, k, v, do)``, ``ctx`` its context on the fake group.
 
     The library's ``allgather_forward`` / ``allgather_backward`` run as on rank ``r`` of a real
-    group (packing, kernel calls, fp32 upcasts, reduce-scatter drains), with ``group`` the fake
-    backend's: its collectives return at once. The gathered K/V are therefore not the other
+    group (packing, kernel calls, fp32 upcasts, reduce-scatter drains), with ``ctx.group`` the
+    fake backend's: its collectives return at once. The gathered K/V are therefore not the other
     ranks' data. On torch 2.13 the fake all-gather writes P copies of this rank's send buffer
     into the receive buffer and the fake reduce-scatter copies one block (local device copies,
     about the bytes NCCL would write); a build whose fake backend left the library's
@@ -123,10 +124,8 @@ def allgather_rows(a, sh, r, P, be, timer, mem, group, o_ref, lse_ref) -> dict:
     the fwd output/LSE and dq/dK/dV came out finite. The backward is given the ring
     schedule's real ``out`` / LSE of rank ``r`` (``o_ref``, ``lse_ref``).
     """
-    ql, kl, vl, dol = sh[r]
+    ql, kl, vl, dol = shard
     H, Hkv = ql.shape[2], kl.shape[2]
-    kv = [(s[1], s[2]) for s in sh]
-    ctx = SPContext(group, r, P, tuple(range(P)), a.layout)
     strides = a.strides or [default_heads_k_stride(Hkv, H // Hkv)]
     out = {}
     for st in strides:
@@ -142,9 +141,6 @@ def allgather_rows(a, sh, r, P, be, timer, mem, group, o_ref, lse_ref) -> dict:
         def fb_ag():
             fwd()
             bwd()
-
-        def ring_fwd():
-            return ring_forward(ql, kl, vl, ctx, be, causal=True, scale=None)
 
         def fb_ring_ag():
             ring_fwd()
@@ -222,41 +218,32 @@ def run_t(a, T_local: int, mode: str, device, dtype, be, group) -> None:
                   host_ahead_lost=host_ahead_lost(), **extra), a.out, 0)
     sh = [[_shard(t, r, P, a.layout) for t in (q, k, v, do)] for r in range(P)]
     kv = [(s[1], s[2]) for s in sh]
+    o_all, lse_all = be.forward(q, k, v, True, None)   # every rank's real out / LSE
     for r in range(P):
         ql, kl, vl, dol = sh[r]
         ctx = SPContext(group, r, P, tuple(range(P)), a.layout)
-        # rank r's real out / LSE (from the global K/V): the backward rows' inputs
-        o, l_ = be.forward(q, k, v, True, None)
-        o, l_ = _shard(o, r, P, a.layout), _shard(l_.transpose(1, 2), r, P, a.layout)
-        l_ = l_.transpose(1, 2).contiguous()
-
-        def kern_fb():
-            kernel_calls(ql, kv, r, P, a.layout, be)
-            kernel_calls(ql, kv, r, P, a.layout, be, dol, o, l_)
-
-        def ring_fb():
-            ring_forward(ql, kl, vl, ctx, be, causal=True, scale=None)
-            ring_backward(dol, ql, kl, vl, o, l_, ctx, be, causal=True, scale=None)
-        row("kernels", r, timer(lambda: kernel_calls(ql, kv, r, P, a.layout, be)),
-            timer(kern_fb), mem(kern_fb))
-        row("ring", r, timer(lambda: ring_forward(ql, kl, vl, ctx, be, causal=True,
-                                                  scale=None)),
-            timer(ring_fb), mem(ring_fb), comm="fake_pg")
-        if a.profile and dev == "cuda":
-            kernel_table(lambda: kernel_calls(ql, kv, r, P, a.layout, be),
-                         f"rank {r} kernels fwd, T_local {T_local}")
-            kernel_table(lambda: ring_forward(ql, kl, vl, ctx, be, causal=True, scale=None),
-                         f"rank {r} ring fwd, T_local {T_local}")
-            kernel_table(lambda: kernel_calls(ql, kv, r, P, a.layout, be, dol, o, l_),
-                         f"rank {r} kernels bwd, T_local {T_local}")
-            kernel_table(lambda: ring_backward(dol, ql, kl, vl, o, l_, ctx, be, causal=True,
-                                               scale=None), f"rank {r} ring bwd, T_local {T_local}")
+        o = _shard(o_all, r, P, a.layout)                 # the backward rows' inputs
+        l_ = _shard(lse_all.transpose(1, 2), r, P, a.layout).transpose(1, 2).contiguous()
+        programs = {   # (forward, backward) of rank r: its kernel calls alone; the library's ring
+            "kernels": (lambda: kernel_calls(ql, kv, r, P, a.layout, be),
+                        lambda: kernel_calls(ql, kv, r, P, a.layout, be, dol, o, l_)),
+            "ring": (lambda: ring_forward(ql, kl, vl, ctx, be, causal=True, scale=None),
+                     lambda: ring_backward(dol, ql, kl, vl, o, l_, ctx, be, causal=True,
+                                           scale=None))}
+        for name, (fwd, bwd) in programs.items():
+            def fb(fwd=fwd, bwd=bwd):
+                fwd()
+                bwd()
+            row(name, r, timer(fwd), timer(fb), mem(fb),
+                **({"comm": "fake_pg"} if name == "ring" else {}))
+            if a.profile and dev == "cuda":
+                kernel_table(fwd, f"rank {r} {name} fwd, T_local {T_local}")
+                kernel_table(bwd, f"rank {r} {name} bwd, T_local {T_local}")
         if not a.no_allgather:
             for (name, st), (tf, tfb, peak, fin) in allgather_rows(
-                    a, sh, r, P, be, timer, mem, group, o, l_).items():
+                    a, sh[r], be, timer, mem, ctx, programs["ring"][0], o, l_).items():
                 row(name, r, tf, tfb, peak, stride=st, bwd_first=a.bwd_first,
                     bwd_last=a.bwd_last, comm="fake_pg", outputs_finite=fin)
-
 
 if __name__ == "__main__":
     main()

@@ -11,6 +11,7 @@ names (Megatron's torch.compile'd fusions show as ``triton_*``: read the names).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -41,19 +42,12 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def _pop_int(argv: list, flag: str, default: int) -> int:
-    if flag in argv:
-        i = argv.index(flag)
-        value = int(argv[i + 1])
-        del argv[i:i + 2]
-        return value
-    return default
-
-
 def main() -> None:
-    argv = sys.argv[1:]
-    skip = _pop_int(argv, "--profile-skip", 2)
-    active = _pop_int(argv, "--profile-steps", 3)
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)   # the rest: train.py
+    p.add_argument("--profile-skip", type=int, default=2)
+    p.add_argument("--profile-steps", type=int, default=3)
+    ours, argv = p.parse_known_args(sys.argv[1:])
+    skip, active = ours.profile_skip, ours.profile_steps
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     prof = torch.profiler.profile(activities=acts, schedule=torch.profiler.schedule(
         wait=max(0, skip - 1), warmup=1 if skip else 0, active=active, repeat=1))
