@@ -8,7 +8,7 @@ Here each rank's calls run on one GPU with K/V taken from the global tensors ins
 received, so the time is the schedule's ceiling with free communication. Next to it, the 1-GPU
 kernel on the global causal problem (the strong-scaling baseline of `softmax_cp.py`) and on
 T_local alone. Rows: per rank and variant — `kernels` (the calls alone) and `ring` (the
-library's own `ring_forward` / `ring_backward`, unpatched: K/V packing, kernel calls, LSE
+library's own `ring_forward` / `ring_backward`, unpatched: K/V hops, kernel calls, LSE
 merges, dq / dK/dV accumulation and the hops' buffers, with the hops going through torch's fake
 process-group backend, `fake_cp_group`: collectives and point-to-point calls return at once, no
 data moves; the process emulates rank r through its SPContext). The received K/V buffers are
@@ -164,6 +164,9 @@ def main() -> None:
     p.add_argument("--bwd-first", type=int, help="bwd_head_first_stride of the all-gather bwd")
     p.add_argument("--bwd-last", type=int, help="bwd_head_last_stride of the all-gather bwd")
     p.add_argument("--no-allgather", action="store_true", help="no all-gather rows")
+    p.add_argument("--pack-kv", action="store_true",
+                   help="also `ring_packed` rows: the ring with K/V packed into one buffer per "
+                        "hop (SoftmaxTuning.pack_kv, the A/B of sending them as two messages)")
     p.add_argument("--profile", action="store_true",
                    help="CUDA: print each rank's kernels, calls alone vs the ring schedule")
     a = parse_or_summarize(p, SUMMARY_COLS)
@@ -230,12 +233,17 @@ def run_t(a, T_local: int, mode: str, device, dtype, be, group) -> None:
             "ring": (lambda: ring_forward(ql, kl, vl, ctx, be, causal=True, scale=None),
                      lambda: ring_backward(dol, ql, kl, vl, o, l_, ctx, be, causal=True,
                                            scale=None))}
+        if a.pack_kv:
+            programs["ring_packed"] = (
+                lambda: ring_forward(ql, kl, vl, ctx, be, causal=True, scale=None, pack_kv=True),
+                lambda: ring_backward(dol, ql, kl, vl, o, l_, ctx, be, causal=True, scale=None,
+                                      pack_kv=True))
         for name, (fwd, bwd) in programs.items():
             def fb(fwd=fwd, bwd=bwd):
                 fwd()
                 bwd()
             row(name, r, timer(fwd), timer(fb), mem(fb),
-                **({"comm": "fake_pg"} if name == "ring" else {}))
+                **({"comm": "fake_pg"} if name.startswith("ring") else {}))
             if a.profile and dev == "cuda":
                 kernel_table(fwd, f"rank {r} {name} fwd, T_local {T_local}")
                 kernel_table(bwd, f"rank {r} {name} bwd, T_local {T_local}")

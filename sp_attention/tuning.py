@@ -75,13 +75,18 @@ class SoftmaxTuning:
             local KV heads giving at least this many query heads per kernel call (8 heads x
             32 tiles of 128 rows at a 4K-token chunk = 256 CTAs, about two waves on 132 SMs).
         check_every_call: as :attr:`LinearTuning.check_every_call`.
+        pack_kv: the ring schedules copy K and V into one buffer per hop and send one message,
+            instead of sending them as two messages straight from their own storage (the
+            default: no copies; at T_local 8K, Hkv 8, D 128 the two copies cost ~19 µs per
+            pass on an H200). The A/B: ``benchmarks/softmax_pieces.py --pack-kv``.
     """
 
     min_query_heads_per_call: int = 8
     check_every_call: bool = False
+    pack_kv: bool = False
 
     def __post_init__(self) -> None:
-        _check_bools(self, "check_every_call")
+        _check_bools(self, "check_every_call", "pack_kv")
         if not is_int(self.min_query_heads_per_call) or self.min_query_heads_per_call < 1:
             raise ValueError("SoftmaxTuning.min_query_heads_per_call must be a positive int, "
                              f"got {self.min_query_heads_per_call!r}")

@@ -76,12 +76,12 @@ def test_softmax_pieces_rows(capsys, monkeypatch):
     ref = ids()
     monkeypatch.setattr(sp, "time_ms", spy)
     rows = _rows(sp, ["--t-local", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
-                      "--strides", "1", "2"], capsys, monkeypatch)
+                      "--strides", "1", "2", "--pack-kv"], capsys, monkeypatch)
     assert len(seen) == len(rows) * 2 and all(x == ref for x in seen) and ids() == ref
     assert not dist.is_initialized()
     got = {(r["impl"], r.get("stride")) for r in rows}
     for r in range(2):
-        for v in ("kernels", "ring"):
+        for v in ("kernels", "ring", "ring_packed"):
             assert (f"rank{r}_{v}", None) in got
         for v in ("allgather", "ring_ag"):
             assert {(f"rank{r}_{v}", 1), (f"rank{r}_{v}", 2)} <= got

@@ -45,7 +45,11 @@ import triton.language as tl
 OUTPUT_CANDIDATES = [
     triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=st)
     for bk, bv, w, st in ((64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 8, 2), (32, 32, 2, 3),
-                          (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 4))
+                          (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 4),
+                          # fewer pipeline stages: each stage also holds the fp32 S_in tile in
+                          # shared memory (3 stages of [64, 64]: 120 KB, one program per SM)
+                          (64, 64, 4, 1), (64, 64, 4, 2), (128, 64, 4, 1), (128, 64, 8, 1),
+                          (64, 128, 4, 1), (128, 128, 8, 1))
 ]
 _CONFIGS = OUTPUT_CANDIDATES[:1]
 

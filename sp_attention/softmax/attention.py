@@ -73,6 +73,7 @@ class _Config:
     first: Optional[int]
     last: Optional[int]
     return_lse: bool
+    pack_kv: bool
 
 
 class _ContextParallelAttention(torch.autograd.Function):
@@ -80,7 +81,7 @@ class _ContextParallelAttention(torch.autograd.Function):
     def forward(fctx, q, k, v, cfg: _Config):
         if cfg.fwd == "ring":
             out, lse = ring_forward(q, k, v, cfg.ctx, cfg.backend, causal=cfg.causal,
-                                    scale=cfg.scale)
+                                    scale=cfg.scale, pack_kv=cfg.pack_kv)
         else:
             out, lse = allgather_forward(q, k, v, cfg.ctx, cfg.backend, causal=cfg.causal,
                                          scale=cfg.scale, heads_k_stride=cfg.stride)
@@ -97,7 +98,8 @@ class _ContextParallelAttention(torch.autograd.Function):
         cfg: _Config = fctx.cfg
         if cfg.bwd == "ring":
             dq, dk, dv = ring_backward(dout, q, k, v, out, lse, cfg.ctx, cfg.backend,
-                                       causal=cfg.causal, scale=cfg.scale)
+                                       causal=cfg.causal, scale=cfg.scale,
+                                       pack_kv=cfg.pack_kv)
         else:
             dq, dk, dv = allgather_backward(dout, q, k, v, out, lse, cfg.ctx, cfg.backend,
                                             causal=cfg.causal, scale=cfg.scale,
@@ -305,4 +307,4 @@ def _config(q, k, v, ctx: SPContext, tuning, *, fwd, bwd, preset, heads_k_stride
     kernel = get_backend(backend, q.device, q.dtype, q.shape[3])   # raises if it cannot run
     scale = q.shape[3] ** -0.5 if softmax_scale is None else float(softmax_scale)
     return _Config(ctx, fwd, bwd, causal, scale, kernel, stride, bwd_head_first_stride,
-                   bwd_head_last_stride, return_lse)
+                   bwd_head_last_stride, return_lse, tuning.pack_kv)

@@ -22,25 +22,26 @@ from typing import Optional
 
 import torch
 
-from ..comm import RingComm
 from ..context import SPContext
 from ..layout import ring_source
 from .backends import KernelBackend
 from ..precision import acc_dtype
 from .merge import merge_blocks_
 from .plan import ring_calls
-from .ring_buffers import pack_kv
+from .ring_buffers import KVRing
 
 __all__ = ["ring_forward"]
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SPContext,
-                 backend: KernelBackend, *, causal: bool,
-                 scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+                 backend: KernelBackend, *, causal: bool, scale: Optional[float],
+                 pack_kv: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward by ring exchange of K/V.
 
     Args:
         q: ``[B, T_local, H, D]``; k, v: ``[B, T_local, Hkv, D]`` (local shards, ctx's layout).
+
+    ``pack_kv``: K and V travel packed in one buffer (:class:`.ring_buffers.KVRing`).
 
     Returns ``(out [B, T_local, H, D] in q.dtype, lse [B, H, T_local] fp32 (fp64 for fp64))``.
     """
@@ -50,14 +51,12 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SPConte
     if world == 1:            # the own block alone: one call (plan.ring_calls), no ring
         o, l = backend.forward(q, k, v, bool(causal), scale)
         return o.to(q.dtype), l.to(acc)
-    bufs = pack_kv(k, v, ctx)
-    block = (bufs[0][0], bufs[0][1])
-    ring = RingComm(ctx)
-    out = lse = nxt = None
+    kv = KVRing(k, v, ctx, pack_kv)
+    out = lse = None
     for step in range(world):
         if step + 1 < world:
-            nxt = ring.send_recv(bufs[step % 2], bufs[(step + 1) % 2])
-            ring.commit()                               # the hop overlaps this step's calls
+            kv.post(step)                               # the hop overlaps this step's calls
+        block = kv.block(step)
         src = ring_source(rank, world, step)
         for c in ring_calls(rank, src, world, ctx.layout, bool(causal)):
             rows = slice(c.q_start * ls, c.q_stop * ls)
@@ -73,6 +72,5 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SPConte
             else:
                 merge_blocks_(out[:, rows], lse[:, :, rows], o, l)
         if step + 1 < world:
-            ring.wait()
-            block = (nxt[0], nxt[1])
+            kv.wait()
     return out.to(q.dtype), lse

@@ -4,7 +4,8 @@ Same result as :func:`sp_attention.softmax.merge._merge_inplace` (the pure-torch
 written as one kernel: the torch form makes about ten elementwise passes over
 ``[B, Tq, H, D]`` (≈0.43 ms on an H200 for a bf16 ``[1, 8192, 32, 128]`` block against an
 fp32 accumulator, 6 % of a CP ring step at T_local 8K); this reads ``out`` and ``out_b`` once
-and writes ``out`` once. Per program: ``BT`` query rows of one (batch, head)::
+and writes ``out`` once. Per program: ``BT`` query rows × ``BH`` heads of one batch row
+(``BH`` = every head: whole rows of a contiguous ``out``)::
 
     m   = max(lse, lse_b)                       (rows where both are -inf stay untouched)
     lse' = m + log(exp(lse − m) + exp(lse_b − m))
@@ -30,20 +31,24 @@ import triton.language as tl
                                "sl_b", "sl_h", "sl_t", "slb_b", "slb_h", "slb_t"])
 def _merge_kernel(out, lse, out_b, lse_b, Tq, H,
                   so_b, so_t, so_h, sb_b, sb_t, sb_h, sl_b, sl_h, sl_t, slb_b, slb_h, slb_t,
-                  D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr):
+                  D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+    # a program: BT query rows x BH heads of one batch row, as BT·BH (row, head) pairs with the
+    # head fastest (memory order of a [B, Tq, H, D] tensor: BH = H reads whole rows)
     i_t = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
-    m_t = o_t < Tq
+    i_bg = tl.program_id(1).to(tl.int64)
+    n_hb = tl.cdiv(H, BH)
+    i_b = i_bg // n_hb
+    r = tl.arange(0, BT * BH)
+    o_t = (i_t * BT + r // BH).to(tl.int64)
+    o_h = ((i_bg % n_hb) * BH + r % BH).to(tl.int64)
+    m_r = (o_t < Tq) & (o_h < H)
     o_d = tl.arange(0, BD).to(tl.int64)
     m_d = o_d < D
 
-    p_l = lse + i_b * sl_b + i_h * sl_h + o_t * sl_t
-    p_lb = lse_b + i_b * slb_b + i_h * slb_h + o_t * slb_t
-    a = tl.load(p_l, mask=m_t, other=float("-inf")).to(tl.float32)
-    b = tl.load(p_lb, mask=m_t, other=float("-inf")).to(tl.float32)
+    p_l = lse + i_b * sl_b + o_h * sl_h + o_t * sl_t
+    p_lb = lse_b + i_b * slb_b + o_h * slb_h + o_t * slb_t
+    a = tl.load(p_l, mask=m_r, other=float("-inf")).to(tl.float32)
+    b = tl.load(p_lb, mask=m_r, other=float("-inf")).to(tl.float32)
     m = tl.maximum(a, b)
     seen = m > float("-inf")                      # False: neither side saw a key
     m0 = tl.where(seen, m, 0.0)
@@ -51,27 +56,29 @@ def _merge_kernel(out, lse, out_b, lse_b, Tq, H,
     eb = tl.exp(b - m0)
     s = ea + eb
     s1 = tl.where(seen, s, 1.0)
-    w = tl.where(seen, eb / s1, 0.0)              # [BT]
+    w = tl.where(seen, eb / s1, 0.0)              # [BT·BH]
     new_lse = tl.where(seen, m0 + tl.log(s1), float("-inf"))
 
-    mask = m_t[:, None] & m_d[None, :]
-    p_o = out + i_b * so_b + i_h * so_h + o_t[:, None] * so_t + o_d[None, :]
-    p_ob = out_b + i_b * sb_b + i_h * sb_h + o_t[:, None] * sb_t + o_d[None, :]
+    mask = m_r[:, None] & m_d[None, :]
+    p_o = out + (i_b * so_b + o_h * so_h + o_t * so_t)[:, None] + o_d[None, :]
+    p_ob = out_b + (i_b * sb_b + o_h * sb_h + o_t * sb_t)[:, None] + o_d[None, :]
     x = tl.load(p_o, mask=mask, other=0.0).to(tl.float32)
     y = tl.load(p_ob, mask=mask, other=0.0).to(tl.float32)
     x = x + w[:, None] * (y - x)
     tl.store(p_o, x.to(out.dtype.element_ty), mask=mask)
-    tl.store(p_l, new_lse.to(lse.dtype.element_ty), mask=m_t)
+    tl.store(p_l, new_lse.to(lse.dtype.element_ty), mask=m_r)
 
 
 def merge_blocks_triton(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor,
-                        lse_b: torch.Tensor, *, block_t: int = 16, num_warps: int = 2) -> None:
+                        lse_b: torch.Tensor, *, block_t: int = 16, block_h: int = 1,
+                        num_warps: int = 2) -> None:
     """Merge (out_b, lse_b) into (out, lse) in place with one kernel.
 
     out, out_b ``[B, Tq, H, D]`` with unit stride in D (any other strides); lse, lse_b
     ``[B, H, Tq]`` fp32, any strides. ``out`` fp32 or 16-bit (rounded once). Shapes are assumed
     checked by the caller (:func:`sp_attention.softmax.merge.merge_blocks_`). ``block_t``
-    query rows per program and ``num_warps``: the launch shape. Default 16 × 2 warps: on an
+    query rows × ``block_h`` heads per program (powers of two; ``block_h`` is capped at the
+    head count's) and ``num_warps``: the launch shape. Default 16 × 2 warps: on an
     H200 (2026-11-23, ``benchmarks/merge_sweep.py``, [1, 8192, 32, 128] bf16 into bf16) 110 µs
     vs 180 µs for 32 × 4, and the fastest of 16-128 rows × 2-8 warps for fp32 accumulators too.
     """
@@ -80,8 +87,11 @@ def merge_blocks_triton(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tenso
         raise ValueError("merge_blocks_triton: out and out_b need unit stride in D")
     if Tq == 0 or B * H == 0:
         return
-    BT = block_t
-    grid = (triton.cdiv(Tq, BT), B * H)
+    for name, n in (("block_t", block_t), ("block_h", block_h)):
+        if n < 1 or n & (n - 1):
+            raise ValueError(f"merge_blocks_triton: {name} must be a power of two, got {n}")
+    BT, BH = block_t, min(block_h, triton.next_power_of_2(H))
+    grid = (triton.cdiv(Tq, BT), B * triton.cdiv(H, BH))
     guard = torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext()
     with guard:
         _merge_kernel[grid](
@@ -90,4 +100,4 @@ def merge_blocks_triton(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tenso
             out_b.stride(0), out_b.stride(1), out_b.stride(2),
             lse.stride(0), lse.stride(1), lse.stride(2),
             lse_b.stride(0), lse_b.stride(1), lse_b.stride(2),
-            D=D, BD=triton.next_power_of_2(D), BT=BT, num_warps=num_warps)
+            D=D, BD=triton.next_power_of_2(D), BT=BT, BH=BH, num_warps=num_warps)

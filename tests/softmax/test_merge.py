@@ -233,27 +233,35 @@ def _torch_path_(out, lse, out_b, lse_b):
         merge_blocks_(out, lse, out_b, lse_b)
 
 
-def _triton_(out, lse, out_b, lse_b):
+def _triton_(out, lse, out_b, lse_b, **shape):
     from sp_attention.softmax.merge_kernel import merge_blocks_triton
     # the kernel reads D with unit stride (what every schedule passes); a block strided in D
     # (one of the view cases) is made contiguous first, as merge_blocks_ would route it
-    merge_blocks_triton(out, lse, out_b if out_b.stride(-1) == 1 else out_b.contiguous(), lse_b)
+    merge_blocks_triton(out, lse, out_b if out_b.stride(-1) == 1 else out_b.contiguous(), lse_b,
+                        **shape)
+
+
+def _triton_heads_(out, lse, out_b, lse_b):
+    """The kernel with several heads per program (4: a partial head block for h = 5, 3)."""
+    _triton_(out, lse, out_b, lse_b, block_t=2, block_h=4)
 
 
 _KERNEL_CASES = [(dt, d, layout, h, t) for dt in (F32, BF16) for d, h, t in ((16, 5, 6),
                  (24, 3, 37), (128, 2, 70)) for layout in ("contiguous", "rows", "heads")]
+_LAUNCHES = {"default": _triton_, "heads": _triton_heads_}
 
 
 if __import__("os").environ.get("TRITON_INTERPRET") == "1":
     # Collected only in test_triton_merge_in_interpreter's subprocess: the interpreter must be
     # chosen before triton compiles anything.
+    @pytest.mark.parametrize("launch", sorted(_LAUNCHES))
     @pytest.mark.parametrize("dtype,d,layout,h,t", _KERNEL_CASES)
-    def test_triton_merge_interpreted(dtype, d, layout, h, t):
+    def test_triton_merge_interpreted(dtype, d, layout, h, t, launch):
         """The kernel in Triton's CPU interpreter vs the torch form: -inf rows, row / head
         views of bigger buffers (nothing outside written), D not a power of two, Tq not a
-        multiple of the row block, 16-bit out rounded once (the interpreter truncates: one
-        ulp)."""
-        _compare_to_torch_path(_triton_, dtype, d, layout, h, "cpu", seed=d + t, t=t,
+        multiple of the row block, a partial head block, 16-bit out rounded once (the
+        interpreter truncates: one ulp)."""
+        _compare_to_torch_path(_LAUNCHES[launch], dtype, d, layout, h, "cpu", seed=d + t, t=t,
                                rtne=False)
 
 
@@ -269,15 +277,17 @@ def test_triton_merge_in_interpreter():
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         os.path.abspath(__file__), "-k", "triton_merge_interpreted"],
                        env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and f"{len(_KERNEL_CASES)} passed" in r.stdout, r.stdout[-3000:]
+    n = len(_KERNEL_CASES) * len(_LAUNCHES)
+    assert r.returncode == 0 and f"{n} passed" in r.stdout, r.stdout[-3000:]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+@pytest.mark.parametrize("launch", sorted(_LAUNCHES))
 @pytest.mark.parametrize("dtype,d,layout,h,t", _KERNEL_CASES)
-def test_triton_merge_gpu_cases(dtype, d, layout, h, t):
+def test_triton_merge_gpu_cases(dtype, d, layout, h, t, launch):
     """The kernel on the GPU vs the torch form on the same cases (round to nearest even)."""
-    _compare_to_torch_path(_triton_, dtype, d, layout, h, "cuda", seed=d + t, t=t)
+    _compare_to_torch_path(_LAUNCHES[launch], dtype, d, layout, h, "cuda", seed=d + t, t=t)
 
 
 @pytest.mark.gpu

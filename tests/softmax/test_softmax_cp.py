@@ -2,7 +2,9 @@
 
 One spawn per world size P in {1, 2, 3, 4, 8} runs every check at every rank: all four
 fwd × bwd pairs, both layouts, causal and not, GQA groups 1 / 4 / 8 (the last with one KV
-head: the sequence-pipelined all-gather backward), head strides with first/last splits; out,
+head: the sequence-pipelined all-gather backward), head strides with first/last splits, the
+ring's K/V hops packed and unpacked, the ring backward's 16-bit accumulator hops (P = 2, 3,
+4, a stand-in backend that returns dK/dV in bf16 like the CUDA kernels); out,
 lse, dq, dk, dv within 1e-10 relative of `attention_reference` + autograd on the global
 sequence, compared with this rank's shard. World 8 also runs DP > 1 with TP-inner
 (non-contiguous) CP groups. Bad inputs raise before any collective (a fake two-rank context
@@ -13,8 +15,8 @@ import zlib
 import pytest
 import torch
 
-from sp_attention import (CPGroupOptions, SPContext, build_sp_context, new_cp_group,
-                          shard_sequence)
+from sp_attention import (CPGroupOptions, SoftmaxTuning, SPContext, build_sp_context,
+                          new_cp_group, shard_sequence)
 from sp_attention.softmax import PRESETS, attention_reference, context_parallel_attention
 from sp_attention.softmax.attention import default_heads_k_stride
 from sp_attention.testing import assert_close, megatron_groups, rel_rms, run_distributed, seeded
@@ -28,7 +30,9 @@ CASES = [
                                                        bwd_head_last_stride=1)),
                        ("ring", "allgather", dict(heads_k_stride=1)),
                        ("allgather", "allgather", dict(heads_k_stride=4, bwd_head_first_stride=1,
-                                                       bwd_head_last_stride=2))]),
+                                                       bwd_head_last_stride=2)),
+                       # the A/B of the ring's K/V hops: packed into one buffer per hop
+                       ("ring", "ring", dict(tuning=SoftmaxTuning(pack_kv=True)))]),
     ((1, 2, 8, 2, 4), [("ring", "allgather", dict(heads_k_stride=2, bwd_head_first_stride=1,
                                                   bwd_head_last_stride=1)),
                        ("allgather", "allgather", dict(heads_k_stride=1))]),
@@ -90,10 +94,48 @@ def _refs(P):
             for i, (shape, _) in enumerate(CASES)]
 
 
+def _kernel_dtype_backend():
+    """The math backend dressed as a CUDA kernel: native GQA, dK/dV returned in the input
+    dtype, so the ring backward takes its 16-bit single-output hops (sent as the kernel wrote
+    them, only the rows a visitor touched) on CPU too."""
+    from sp_attention.softmax.backends import make_backend, math_backward, math_forward
+
+    def bwd(dout, q, k, v, out, lse, causal, scale):
+        return tuple(t.to(q.dtype) for t in math_backward(dout, q, k, v, out, lse, causal, scale))
+    return make_backend("kernel_dtype_math", math_forward, bwd, lambda *a: None,
+                        native_gqa=True, native_bottom_right=True)
+
+
+def _check_ring_16bit_hops(group, P):
+    """bf16 through the library's ring forward/backward with the kernel-dtype stand-in, K/V
+    hops packed and not: identical bits, and within bf16 error of the fp64 reference."""
+    from sp_attention.softmax.bwd_ring import ring_backward
+    from sp_attention.softmax.fwd_ring import ring_forward
+    be = _kernel_dtype_backend()
+    for layout in ("zigzag", "contiguous"):
+        ctx = build_sp_context(group, layout=layout)
+        for causal in (True, False):
+            (q, k, v, w), expected = _reference((2, 3, 8, 2, 8), P, causal, 5 + causal)
+            want = [shard_sequence(t, ctx, 1) for t in (expected[0],) + expected[2:]]
+            ql, kl, vl, wl = (shard_sequence(t, ctx, 1).to(torch.bfloat16) for t in (q, k, v, w))
+            runs = []
+            for pack in (False, True):
+                o, lse = ring_forward(ql, kl, vl, ctx, be, causal=causal, scale=SCALE,
+                                      pack_kv=pack)
+                runs.append((o,) + ring_backward(wl, ql, kl, vl, o, lse, ctx, be, causal=causal,
+                                                 scale=SCALE, pack_kv=pack))
+            name = f"P={P} {layout} causal={causal} rank{ctx.rank}"
+            for a, b_, exp, what in zip(*runs, want, ("out", "dq", "dk", "dv")):
+                assert a.dtype == torch.bfloat16 and torch.equal(a, b_), f"{name} {what}"
+                assert rel_rms(a.double(), exp) < 2e-2, (name, what, rel_rms(a.double(), exp))
+
+
 def _softmax_world(rank, world):
     import torch.distributed as dist
     group = dist.new_group(list(range(world))) if world > 1 else None
     _check_group(group, world, f"P={world}", _refs(world))
+    if world in (2, 3, 4):
+        _check_ring_16bit_hops(group, world)
     if world == 8:
         # Megatron order tp-cp-dp (TP innermost): CP groups are not contiguous global ranks.
         for tp, cp, dp in ((2, 2, 2), (2, 4, 1)):

@@ -152,3 +152,28 @@ def test_ring_backward_hop_dtypes(layout, causal):
                 if table[r][0][s - 1] == lo:
                     assert outputs <= 1, (P, blk, s)
     assert hop_dtypes(0, 2, "zigzag", True, lo, hi) == ([lo], [lo])
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_backward_hop_chunks(layout, causal):
+    """The rows each accumulator hop carries, P = 2 … 16: both ends agree; a hop covers exactly
+    the longest key prefix any visitor of its block has read so far (0: nothing read, no
+    message); P = 2 zigzag causal: rank 1 returns one chunk, rank 0 both; contiguous causal:
+    rank 0 sends nothing."""
+    from sp_attention.softmax.bwd_ring import hop_chunks
+    from sp_attention.softmax.plan import ring_calls
+    for P in range(2, 17):
+        table = [hop_chunks(r, P, layout, causal) for r in range(P)]
+        for r in range(P):
+            sent, got = table[r]
+            assert len(sent) == len(got) == P - 1 and got == table[(r - 1) % P][0]
+        for blk in range(P):
+            covered = 0
+            for s in range(1, P):
+                r = (blk + s) % P
+                covered = max([covered] + [c.keys for c in ring_calls(r, blk, P, layout, causal)])
+                assert table[r][0][s - 1] == covered, (P, blk, s)
+    if causal:
+        want = {"zigzag": ([2], [1]), "contiguous": ([0], [1])}[layout]
+        assert hop_chunks(0, 2, layout, True) == want
