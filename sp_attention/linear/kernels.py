@@ -37,11 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
-# Candidate configs (BK, BV, warps, stages); every one passed test_our_kernels_every_config_gpu
-# on an H200 (bf16, and fp32 with IEEE dots; 2026-11-23). fla's own output kernel picks [128,
-# 128] tiles on Hopper (0.227 ms at 32K, B 1, H 16, K = V = 128); ours keeps 0.345 ms with those
-# offered to the autotuner too (its extra fp32 S_in tile per program), so the autotuner gets the
-# first alone (also what Triton's CPU interpreter runs). Pass ``config=`` to force one.
+# Candidate configs (BK, BV, warps, stages); pass ``config=`` to force one. Measured on an H200
+# at 32K, B 1, H 16, K = V = 128 (2026-11-23, benchmarks/linear_kernels.py): the stages hold the
+# fp32 S_in tile beside q, k and h in shared memory, so the pipelined configs fit one program
+# per SM: [64, 64] x 3 stages 0.342 ms, fla's [128, 128] tiles 0.438; one stage over the whole
+# K (128 x 64, 4 warps) 0.241 ms, as fast as fla's own output kernel beside it (0.245).
+# The autotuner is offered that one and [64, 64] x 2 stages (0.289; the better fit for K = 64);
+# Triton's CPU interpreter runs the first of them.
 OUTPUT_CANDIDATES = [
     triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=st)
     for bk, bv, w, st in ((64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 8, 2), (32, 32, 2, 3),
@@ -51,7 +53,7 @@ OUTPUT_CANDIDATES = [
                           (64, 64, 4, 1), (64, 64, 4, 2), (128, 64, 4, 1), (128, 64, 8, 1),
                           (64, 128, 4, 1), (128, 128, 8, 1))
 ]
-_CONFIGS = OUTPUT_CANDIDATES[:1]
+_CONFIGS = [OUTPUT_CANDIDATES[9], OUTPUT_CANDIDATES[8]]
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -123,8 +125,8 @@ def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: tor
     states entering each chunk (``N = ceil(T / chunk_size)``, fla's ``chunk_fwd_h`` layout, any
     float dtype); ``S_in [B, H, K, V]`` fp32, the state entering the leaf; ``g_gamma [H]`` fp32
     log2 decay per token (``−slope / ln 2``). ``config``: index into
-    :data:`OUTPUT_CANDIDATES` (default: autotuned over :data:`_CONFIGS` on the
-    GPU, their first in Triton's CPU interpreter).
+    :data:`OUTPUT_CANDIDATES` (default: autotuned over the offered :data:`_CONFIGS` on
+    the GPU, their first in Triton's CPU interpreter).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -150,7 +152,8 @@ def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: tor
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     with guard:
         if config is not None or os.environ.get("TRITON_INTERPRET") == "1":
-            cfg = OUTPUT_CANDIDATES[config or 0]   # a fixed config (tests; the interpreter)
+            # a fixed config (tests; the interpreter)
+            cfg = _CONFIGS[0] if config is None else OUTPUT_CANDIDATES[config]
             _output_from_states_kernel[grid(cfg.kwargs)](
                 *args, H=H, K=K, V=V, BT=chunk_size, PRECISION=prec, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, **cfg.kwargs)

@@ -70,7 +70,7 @@ def _merge_kernel(out, lse, out_b, lse_b, Tq, H,
 
 
 def merge_blocks_triton(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor,
-                        lse_b: torch.Tensor, *, block_t: int = 16, block_h: int = 1,
+                        lse_b: torch.Tensor, *, block_t: int = 2, block_h: int = 4,
                         num_warps: int = 2) -> None:
     """Merge (out_b, lse_b) into (out, lse) in place with one kernel.
 
@@ -78,9 +78,10 @@ def merge_blocks_triton(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tenso
     ``[B, H, Tq]`` fp32, any strides. ``out`` fp32 or 16-bit (rounded once). Shapes are assumed
     checked by the caller (:func:`sp_attention.softmax.merge.merge_blocks_`). ``block_t``
     query rows × ``block_h`` heads per program (powers of two; ``block_h`` is capped at the
-    head count's) and ``num_warps``: the launch shape. Default 16 × 2 warps: on an
-    H200 (2026-11-23, ``benchmarks/merge_sweep.py``, [1, 8192, 32, 128] bf16 into bf16) 110 µs
-    vs 180 µs for 32 × 4, and the fastest of 16-128 rows × 2-8 warps for fp32 accumulators too.
+    head count's) and ``num_warps``: the launch shape. Default 2 rows × 4 heads × 2 warps: on
+    an H200 (2026-11-23, ``benchmarks/merge_sweep.py``, [1, T, 32, 128] bf16 into bf16) 88 µs
+    at 8K rows (2.3 TB/s) vs 139 µs for the earlier 16 rows × 1 head, and the fastest shape for
+    4K rows and for fp32 accumulators too (104 µs at 8K rows, 3.3 TB/s).
     """
     B, Tq, H, D = out.shape
     if out.stride(3) != 1 or out_b.stride(3) != 1:
