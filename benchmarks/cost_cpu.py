@@ -1,0 +1,165 @@
+"""Validate the cost model on CPU/gloo: calibrate, then time every schedule at P = 2…8 and
+write measured beside predicted step times as JSON lines.
+
+    python benchmarks/cost_cpu.py --out benchmarks/results/DATE_cpu_gloo_cost.jsonl [--runs 3]
+
+One spawn of ``--max-world`` gloo processes (one thread each). Inside it: the calibration probe
+(:mod:`sp_attention.calibrate`: the local kernels on rank 0 alone, the links between ranks 0
+and 1), then for each P the ranks ``0 … P−1`` form a group and time
+:func:`~sp_attention.lightning_attention` (every scan × layout) and
+:func:`~sp_attention.context_parallel_attention` (every preset, zigzag), fwd and fwd + bwd,
+median of ``--repeats`` (the other ranks wait in a barrier, which sleeps). P processes share the
+machine's cores: the model gives each ``min(1, cores / P)`` of a core's rate. Other work on
+the machine changes that share; each row records the load average, and ``--runs`` repeats
+the whole sweep (report.py takes the median over runs).
+
+Rows: ``bench="cost_cpu"``, ``kind`` (linear / softmax), ``schedule``, ``layout``, ``world``,
+shape fields, ``ms_fwd``, ``ms_fwd_bwd`` (measured), ``pred_fwd``, ``pred_fwd_bwd`` (the model
+with this run's calibration), ``local_ms`` (linear: the plain kernel on T_local timed by all P
+ranks at once), ``loadavg``, ``run``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from sp_attention import build_sp_context  # noqa: E402
+from sp_attention.calibrate import (calibrate, probe_kernels, probe_links,  # noqa: E402
+                                    time_ms)
+from sp_attention.cost import (LINEAR_SCANS, SOFTMAX_PRESETS, LinearShape,  # noqa: E402
+                               SoftmaxShape, linear_step, softmax_step)
+from sp_attention.linear import lightning_attention  # noqa: E402
+from sp_attention.softmax import context_parallel_attention  # noqa: E402
+
+LIN = dict(B=1, T_local=128, H=4, K=32)
+SOFT = dict(B=1, T_local=128, H=8, Hkv=4, D=32)
+KERNEL_SHAPES = {"linear": dict(B=1, H=4, K=32, T=(128, 512)),
+                 "softmax": dict(B=1, H=8, Hkv=4, D=32, T=(128, 512))}
+
+
+def _barrier(group):
+    return lambda: dist.barrier(group=group)
+
+
+def _linear_rows(rank, P, group, a) -> list[dict]:
+    B, T, H, K = LIN["B"], LIN["T_local"], LIN["H"], LIN["K"]
+    g = torch.Generator().manual_seed(rank)
+    q, k, v, do = (torch.randn(B, T, H, K, generator=g) * 0.1 for _ in range(4))
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)])
+    timer = dict(iters=a.iters, repeats=a.repeats, warmup=2, barrier=_barrier(group))
+
+    def local():
+        torch.autograd.grad(lightning_attention(q, k, v, slopes), (q, k, v), do)
+    rows = [dict(kind="linear", schedule="local", layout="-",
+                 ms_fwd_bwd=time_ms(local, "cpu", **timer))]
+    for layout in ("contiguous", "zigzag"):
+        ctx = build_sp_context(group, layout=layout)
+        for impl in LINEAR_SCANS:
+            def fwd():
+                with torch.no_grad():
+                    lightning_attention(q, k, v, slopes, ctx=ctx, impl=impl)
+
+            def fwd_bwd():
+                torch.autograd.grad(lightning_attention(q, k, v, slopes, ctx=ctx, impl=impl),
+                                    (q, k, v), do)
+            rows.append(dict(kind="linear", schedule=impl, layout=layout,
+                             ms_fwd=time_ms(fwd, "cpu", **timer),
+                             ms_fwd_bwd=time_ms(fwd_bwd, "cpu", **timer)))
+    return rows
+
+
+def _softmax_rows(rank, P, group, a) -> list[dict]:
+    B, T, H, Hkv, D = (SOFT[n] for n in ("B", "T_local", "H", "Hkv", "D"))
+    g = torch.Generator().manual_seed(rank)
+    q, do = (torch.randn(B, T, H, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, T, Hkv, D, generator=g) for _ in range(2))
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    ctx = build_sp_context(group, layout="zigzag")
+    timer = dict(iters=a.iters, repeats=a.repeats, warmup=2, barrier=_barrier(group))
+    rows = []
+    for preset in SOFTMAX_PRESETS:
+        def fwd():
+            with torch.no_grad():
+                context_parallel_attention(q, k, v, ctx=ctx, preset=preset)
+
+        def fwd_bwd():
+            torch.autograd.grad(context_parallel_attention(q, k, v, ctx=ctx, preset=preset),
+                                (q, k, v), do)
+        rows.append(dict(kind="softmax", schedule=preset, layout="zigzag",
+                         ms_fwd=time_ms(fwd, "cpu", **timer),
+                         ms_fwd_bwd=time_ms(fwd_bwd, "cpu", **timer)))
+    return rows
+
+
+def _predict(row: dict, P: int, machine) -> dict:
+    if row["kind"] == "linear":
+        if row["schedule"] == "local":
+            return {}
+        shape = LinearShape(LIN["B"], LIN["T_local"], LIN["H"], LIN["K"], LIN["K"], 4)
+        t = linear_step(shape, P, row["layout"], row["schedule"], machine)
+    else:
+        shape = SoftmaxShape(SOFT["B"], SOFT["T_local"], SOFT["H"], SOFT["Hkv"], SOFT["D"], 4)
+        t = softmax_step(shape, P, "zigzag", *SOFTMAX_PRESETS[row["schedule"]], machine)
+    return dict(pred_fwd=t.fwd_ms, pred_fwd_bwd=t.total_ms, pred_compute=t.compute_ms)
+
+
+def worker(rank: int, world: int, a) -> list:
+    torch.set_num_threads(1)
+    pair = dist.new_group([0, 1])
+    link_rows = probe_links(rank, 2, "cpu", [2 ** 14, 2 ** 16, 2 ** 18, 2 ** 20], group=pair) \
+        if rank < 2 else []
+    dist.barrier()
+    kernel_rows = probe_kernels("cpu", KERNEL_SHAPES) if rank == 0 else []
+    dist.barrier()
+    machine = calibrate("cpu", link_rows, kernel_rows, 2) if rank == 0 else None
+    out = []
+    for P in range(2, world + 1):
+        group = dist.new_group(list(range(P)))      # every rank makes every group, in order
+        if rank < P:
+            rows = _linear_rows(rank, P, group, a) + _softmax_rows(rank, P, group, a)
+            if rank == 0:
+                load = os.getloadavg()[0]
+                for r in rows:
+                    r.update(_predict(r, P, machine), world=P, loadavg=load)
+                out += rows
+        dist.barrier()
+    if rank == 0:
+        base = dict(bench="cost_cpu", device="cpu", torch=torch.__version__,
+                    date=time.strftime("%Y-%m-%d"), run=a.run, cores=machine.kernels.cores,
+                    linear_shape=LIN, softmax_shape=SOFT)
+        return ([dict(r, bench="calibrate", run=a.run) for r in link_rows + kernel_rows]
+                + [dict(base, **r) for r in out]
+                + [dict(bench="cost_cpu_machine", run=a.run, machine=machine.to_dict())])
+    return []
+
+
+def main() -> None:
+    from sp_attention.testing import run_distributed
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="append the JSON lines to this file")
+    p.add_argument("--max-world", type=int, default=8)
+    p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
+    a = p.parse_args()
+    for run in range(a.runs):
+        a.run = f"{time.strftime('%H%M%S')}-{run}"
+        rows = run_distributed(worker, a.max_world, a, timeout=3600.0)[0]
+        for r in rows:
+            line = json.dumps(r, sort_keys=True)
+            print(line, flush=True)
+            if a.out:
+                with open(a.out, "a") as f:
+                    f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
