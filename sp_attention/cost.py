@@ -202,6 +202,8 @@ def _scan_ms(schedule: str, world: int, layout: str, reverse: bool, S: int, mach
              nodes: tuple[int, ...]) -> float:
     topo = Topology(nodes)
     L = num_chunks(world, layout)
+    if L == 1:                                  # one leaf: nothing to scan
+        return 0.0
     holder = [holder_of_leaf(scan_position(p, L, reverse), world, layout) for p in range(L)]
     share = machine.compute_share(world)
     if schedule == "ring":                      # a chain: every hop waits for the previous one
@@ -232,7 +234,8 @@ def _scan_ms(schedule: str, world: int, layout: str, reverse: bool, S: int, mach
         link = topo.collective_link(machine)
         fold = (4 * machine.kernels.op_us * 1e-3
                 + (L + n) * S / machine.kernels.mem_gbps * 1e-6) / share
-        return link.collective_ms(world, (world - 1) * n * S) + fold
+        comm = link.collective_ms(world, (world - 1) * n * S) if world > 1 else 0.0
+        return comm + fold
     raise ValueError(f"unknown linear scan {schedule!r}; use one of {LINEAR_SCANS}")
 
 
