@@ -4,14 +4,17 @@ write measured beside predicted step times as JSON lines.
     python benchmarks/cost_cpu.py --out benchmarks/results/DATE_cpu_gloo_cost.jsonl [--runs 3]
 
 One spawn of ``--max-world`` gloo processes (one thread each). Inside it: the calibration probe
-(:mod:`sp_attention.calibrate`: the local kernels on rank 0 alone, the links between ranks 0
-and 1), then for each P the ranks ``0 … P−1`` form a group and time
-:func:`~sp_attention.lightning_attention` (every scan × layout) and
-:func:`~sp_attention.context_parallel_attention` (every preset, zigzag), fwd and fwd + bwd,
-median of ``--repeats`` (the other ranks wait in a barrier, which sleeps). P processes share the
-machine's cores: the model gives each ``min(1, cores / P)`` of a core's rate. Other work on
-the machine changes that share; each row records the load average, and ``--runs`` repeats
-the whole sweep (report.py takes the median over runs).
+(:mod:`sp_attention.calibrate`) measures the local kernels on rank 0 alone, and this script
+each CP rank's own CPU work ÷ the plain kernel (the rank factors); then for each P the ranks
+``0 … P−1`` form a group, probe their links (ring hops and all-gathers among the P processes:
+on 2 cores, P > 2 processes wake each other through the scheduler, which the α of that P
+includes) and time :func:`~sp_attention.lightning_attention` (every scan × layout) and
+:func:`~sp_attention.context_parallel_attention` (every preset, zigzag), fwd and fwd + bwd
+(the other ranks wait in a barrier, which sleeps). Every CPU timing is the minimum over
+``--repeats`` (other processes on the shared machine only ever add time). P processes share
+the machine's cores: the model gives each ``min(1, cores / P)`` of a core's rate; other work
+on the machine lowers that share, so each row records the load average, and ``--runs``
+repeats the whole sweep (report.py takes the median over runs).
 
 Rows: ``bench="cost_cpu"``, ``kind`` (linear / softmax), ``schedule``, ``layout``, ``world``,
 shape fields, ``ms_fwd``, ``ms_fwd_bwd`` (measured), ``pred_fwd``, ``pred_fwd_bwd`` (the model
@@ -21,6 +24,7 @@ ranks at once), ``loadavg``, ``run``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -31,8 +35,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sp_attention import build_sp_context  # noqa: E402
-from sp_attention.calibrate import (calibrate, probe_kernels, probe_links,  # noqa: E402
-                                    time_ms)
+from sp_attention.calibrate import (calibrate, fit_link, probe_kernels,  # noqa: E402
+                                    probe_links, time_ms)
 from sp_attention.cost import (LINEAR_SCANS, SOFTMAX_PRESETS, LinearShape,  # noqa: E402
                                SoftmaxShape, linear_step, softmax_step)
 from sp_attention.linear import lightning_attention  # noqa: E402
@@ -40,6 +44,7 @@ from sp_attention.softmax import context_parallel_attention  # noqa: E402
 
 LIN = dict(B=1, T_local=128, H=4, K=32)
 SOFT = dict(B=1, T_local=128, H=8, Hkv=4, D=32)
+LINK_SIZES = [2 ** 14, 2 ** 16, 2 ** 18, 2 ** 20]
 KERNEL_SHAPES = {"linear": dict(B=1, H=4, K=32, T=(128, 512)),
                  "softmax": dict(B=1, H=8, Hkv=4, D=32, T=(128, 512))}
 
@@ -111,33 +116,64 @@ def _predict(row: dict, P: int, machine) -> dict:
     return dict(pred_fwd=t.fwd_ms, pred_fwd_bwd=t.total_ms, pred_compute=t.compute_ms)
 
 
+def rank_factors() -> dict:
+    """The CP rank's own CPU work ÷ the plain kernel on the same tokens, per layout (the
+    slowest rank of P = 2, from ``linear_rank_programs.rank_program``: the CPU twin of the
+    one-GPU rank programs that set the H200 factors)."""
+    from benchmarks.linear_rank_programs import rank_program
+    from sp_attention import LinearTuning
+    B, T, H, K = LIN["B"], LIN["T_local"], LIN["H"], LIN["K"]
+    g = torch.Generator().manual_seed(7)
+    q, k, v, do = (torch.randn(B, T, H, K, generator=g) * 0.1 for _ in range(4))
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)])
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    base = time_ms(lambda: torch.autograd.grad(lightning_attention(qg, kg, vg, slopes),
+                                               (qg, kg, vg), do), "cpu", iters=5, repeats=7)
+    out = {}
+    for layout in ("contiguous", "zigzag"):
+        ms = [time_ms(rank_program(r, 2, layout, q, k, v, do, slopes, "torch",
+                                   LinearTuning())[2], "cpu", iters=5, repeats=7)
+              for r in range(2)]
+        out[layout] = max(ms) / base
+    return out
+
+
 def worker(rank: int, world: int, a) -> list:
     torch.set_num_threads(1)
-    pair = dist.new_group([0, 1])
-    link_rows = probe_links(rank, 2, "cpu", [2 ** 14, 2 ** 16, 2 ** 18, 2 ** 20], group=pair) \
-        if rank < 2 else []
-    dist.barrier()
     kernel_rows = probe_kernels("cpu", KERNEL_SHAPES) if rank == 0 else []
     dist.barrier()
-    machine = calibrate("cpu", link_rows, kernel_rows, 2) if rank == 0 else None
-    out = []
+    machine = None
+    if rank == 0:
+        f = rank_factors()
+        machine = calibrate("cpu", [], kernel_rows, 1)
+        machine = dataclasses.replace(machine, kernels=dataclasses.replace(
+            machine.kernels, linear_rank_contiguous=f["contiguous"],
+            linear_rank_zigzag=f["zigzag"]))
+    dist.barrier()
+    out, machines = [], []
     for P in range(2, world + 1):
         group = dist.new_group(list(range(P)))      # every rank makes every group, in order
         if rank < P:
+            # the links of this P-rank group (P processes on the shared cores wake each other)
+            links = probe_links(rank, P, "cpu", LINK_SIZES, group=group)
             rows = _linear_rows(rank, P, group, a) + _softmax_rows(rank, P, group, a)
             if rank == 0:
+                link = fit_link(links, P, machine.intra)
+                mp = dataclasses.replace(machine, intra=link, inter=link)
+                machines.append(dict(bench="cost_cpu_machine", run=a.run, world=P,
+                                     machine=mp.to_dict()))
                 load = os.getloadavg()[0]
                 for r in rows:
-                    r.update(_predict(r, P, machine), world=P, loadavg=load)
-                out += rows
+                    r.update(_predict(r, P, mp), world=P, loadavg=load)
+                out += rows + [dict(r, bench="calibrate", run=a.run) for r in links]
         dist.barrier()
     if rank == 0:
         base = dict(bench="cost_cpu", device="cpu", torch=torch.__version__,
                     date=time.strftime("%Y-%m-%d"), run=a.run, cores=machine.kernels.cores,
                     linear_shape=LIN, softmax_shape=SOFT)
-        return ([dict(r, bench="calibrate", run=a.run) for r in link_rows + kernel_rows]
-                + [dict(base, **r) for r in out]
-                + [dict(bench="cost_cpu_machine", run=a.run, machine=machine.to_dict())])
+        return ([dict(r, bench="calibrate", run=a.run) for r in kernel_rows]
+                + [r if r.get("bench") == "calibrate" else dict(base, **r) for r in out]
+                + machines)
     return []
 
 

@@ -166,14 +166,16 @@ def points_one_gpu(rows) -> list[dict]:
 
 def points_cpu(rows) -> list[dict]:
     """CPU/gloo steps at P = 2…8: median over runs of measured and predicted (each run's
-    prediction from the calibration measured in that run)."""
-    machines = {r["run"]: machine_from_dict(r["machine"]) for r in rows
+    prediction from the calibration measured in that run: kernels, rank factors, and the
+    links of the P-rank group)."""
+    machines = {(r["run"], r.get("world")): machine_from_dict(r["machine"]) for r in rows
                 if r.get("bench") == "cost_cpu_machine"}
     acc = defaultdict(lambda: ([], []))
     for r in rows:
-        if r.get("bench") != "cost_cpu" or r["schedule"] == "local" or r["run"] not in machines:
+        if r.get("bench") != "cost_cpu" or r["schedule"] == "local" or \
+                (r["run"], r["world"]) not in machines:
             continue
-        m, P = machines[r["run"]], r["world"]
+        m, P = machines[(r["run"], r["world"])], r["world"]
         if r["kind"] == "linear":
             s = r["linear_shape"]
             t = linear_step(LinearShape(s["B"], s["T_local"], s["H"], s["K"], s["K"], 4), P,

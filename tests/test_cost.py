@@ -294,3 +294,17 @@ def test_report_renders_from_a_tiny_input(tmp_path):
     for name in ("pred_vs_meas", "throughput", "ratio", "projection"):
         png = tmp_path / f"r_{name}.png"
         assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_probe_runs_on_cpu_and_saves(tmp_path):
+    """The probe's kernel part at tiny shapes (the GPU run uses the same code at its shapes)."""
+    shapes = {"linear": dict(B=1, H=2, K=8, T=(32, 64)),
+              "softmax": dict(B=1, H=2, Hkv=1, D=8, T=(16, 32))}
+    rows = calibrate.probe_kernels("cpu", shapes)
+    assert [r["what"] for r in rows] == ["linear", "linear", "softmax", "softmax", "memory"]
+    assert all(r["ms_fwd_bwd"] > r["ms_fwd"] > 0 for r in rows if r["what"] != "memory")
+    m = calibrate.calibrate("cpu", [], rows, 1)
+    assert m.device == "cpu" and m.kernels.cores >= 1 and m.intra == CPU_GLOO.intra
+    assert "links: defaults" in m.source
+    path = save_machine(m, str(tmp_path / "c.json"))
+    assert load_machine("cpu", path) == m
