@@ -6,9 +6,9 @@ write measured beside predicted step times as JSON lines.
 One spawn of ``--max-world`` gloo processes (one thread each). Inside it: the calibration probe
 (:mod:`sp_attention.calibrate`) measures the local kernels on rank 0 alone, and this script
 each CP rank's own CPU work ÷ the plain kernel (the rank factors); then for each P the ranks
-``0 … P−1`` form a group, probe their links (ring hops and all-gathers among the P processes:
-on 2 cores, P > 2 processes wake each other through the scheduler, which the α of that P
-includes) and time :func:`~sp_attention.lightning_attention` (every scan × layout) and
+``0 … P−1`` form a group, probe their links for the record (ring hops and all-gathers among
+the P processes; the model does not use them: it extrapolates from the links between two
+processes, measured first, as it does to any P) and time :func:`~sp_attention.lightning_attention` (every scan × layout) and
 :func:`~sp_attention.context_parallel_attention` (every preset, zigzag), fwd and fwd + bwd
 (the other ranks wait in a barrier, which sleeps). Every CPU timing is the minimum over
 ``--repeats`` (other processes on the shared machine only ever add time). P processes share
@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sp_attention import build_sp_context  # noqa: E402
-from sp_attention.calibrate import (calibrate, fit_link, probe_kernels,  # noqa: E402
-                                    probe_links, time_ms)
+from sp_attention.calibrate import (calibrate, probe_kernels, probe_links,  # noqa: E402
+                                    time_ms)
 from sp_attention.cost import (LINEAR_SCANS, SOFTMAX_PRESETS, LinearShape,  # noqa: E402
                                SoftmaxShape, linear_step, softmax_step)
 from sp_attention.linear import lightning_attention  # noqa: E402
@@ -140,40 +140,40 @@ def rank_factors() -> dict:
 
 def worker(rank: int, world: int, a) -> list:
     torch.set_num_threads(1)
+    pair = dist.new_group([0, 1])      # the links between two processes (the others sleep)
+    link_rows = probe_links(rank, 2, "cpu", LINK_SIZES, group=pair) if rank < 2 else []
+    dist.barrier()
     kernel_rows = probe_kernels("cpu", KERNEL_SHAPES) if rank == 0 else []
     dist.barrier()
     machine = None
     if rank == 0:
         f = rank_factors()
-        machine = calibrate("cpu", [], kernel_rows, 1)
+        machine = calibrate("cpu", link_rows, kernel_rows, 2)
         machine = dataclasses.replace(machine, kernels=dataclasses.replace(
             machine.kernels, linear_rank_contiguous=f["contiguous"],
             linear_rank_zigzag=f["zigzag"]))
     dist.barrier()
-    out, machines = [], []
+    out = []
     for P in range(2, world + 1):
         group = dist.new_group(list(range(P)))      # every rank makes every group, in order
         if rank < P:
-            # the links of this P-rank group (P processes on the shared cores wake each other)
+            # the links among all P processes, for the record (the model extrapolates from
+            # the two-process calibration, see the module docstring)
             links = probe_links(rank, P, "cpu", LINK_SIZES, group=group)
             rows = _linear_rows(rank, P, group, a) + _softmax_rows(rank, P, group, a)
             if rank == 0:
-                link = fit_link(links, P, machine.intra)
-                mp = dataclasses.replace(machine, intra=link, inter=link)
-                machines.append(dict(bench="cost_cpu_machine", run=a.run, world=P,
-                                     machine=mp.to_dict()))
                 load = os.getloadavg()[0]
                 for r in rows:
-                    r.update(_predict(r, P, mp), world=P, loadavg=load)
+                    r.update(_predict(r, P, machine), world=P, loadavg=load)
                 out += rows + [dict(r, bench="calibrate", run=a.run) for r in links]
         dist.barrier()
     if rank == 0:
         base = dict(bench="cost_cpu", device="cpu", torch=torch.__version__,
                     date=time.strftime("%Y-%m-%d"), run=a.run, cores=machine.kernels.cores,
                     linear_shape=LIN, softmax_shape=SOFT)
-        return ([dict(r, bench="calibrate", run=a.run) for r in kernel_rows]
+        return ([dict(r, bench="calibrate", run=a.run) for r in link_rows + kernel_rows]
                 + [r if r.get("bench") == "calibrate" else dict(base, **r) for r in out]
-                + machines)
+                + [dict(bench="cost_cpu_machine", run=a.run, machine=machine.to_dict())])
     return []
 
 

@@ -39,6 +39,9 @@ DEFAULT_INPUTS = [   # the recorded runs of the code the library ships (see resu
 EXTRA_GLOBS = ["*calibrate*.jsonl", "*_cpu_gloo_cost.jsonl"]
 PRESET_OF = {f"{f}/{b}": name for name, (f, b) in SOFTMAX_PRESETS.items()}
 TOLERANCE = 0.20
+# softmax_pieces' rank programs -> (preset, extra K/V buffers): the packed ring holds one more
+PIECES = {"ring": ("ring", 0), "ring_packed": ("ring", 1), "allgather": ("allgather", 0),
+          "ring_ag": ("ring_ag", 0)}
 FREE = Link(alpha_p2p_us=0.0, p2p_gbps=1e12, alpha_coll_us=0.0, coll_gbps=1e12, step_us=0.0)
 # The projection's cluster: 8 GPUs per node (NVLink inside, the H200 figures), 400 Gb/s
 # InfiniBand across (assumed, see sp_attention/machine.py); CP groups fill nodes in order.
@@ -144,11 +147,13 @@ def points_one_gpu(rows) -> list[dict]:
             pts.append(_point(src, f"linear rank P={r['world']} {r['layout']} "
                                    f"{r['T_local'] // 1024}K", "rank", None, r["ms_fwd_bwd"],
                               t.compute_ms))
-        elif r.get("bench") == "softmax_pieces" and (r["impl"].startswith("single")
-                                                     or r["impl"].endswith("_ring")):
-            P = 1 if r["impl"].startswith("single") else r["world"]
+        elif r.get("bench") == "softmax_pieces" and (
+                r["impl"].startswith("single") or r["impl"].split("_", 1)[-1] in PIECES):
+            single = r["impl"].startswith("single")
+            P = 1 if single else r["world"]
+            pre = "ring" if single else PIECES[r["impl"].split("_", 1)[-1]][0]
             shape = SoftmaxShape(1, r["T_local"], r["H"], r["Hkv"], r["K"], 2)
-            t = softmax_step(shape, P, "zigzag", "ring", "ring", m)
+            t = softmax_step(shape, P, "zigzag", *SOFTMAX_PRESETS[pre], m)
             pts.append(_point(src, f"softmax {r['impl']} {r['T_local'] // 1024}K", "rank",
                               None, r["ms_fwd_bwd"], t.total_ms))
         elif r.get("bench") == "calibrate" and r.get("device", "cpu") != "cpu" and \
@@ -170,12 +175,12 @@ def points_cpu(rows) -> list[dict]:
     links of the P-rank group)."""
     machines = {(r["run"], r.get("world")): machine_from_dict(r["machine"]) for r in rows
                 if r.get("bench") == "cost_cpu_machine"}
-    acc = defaultdict(lambda: ([], []))
+    acc = defaultdict(lambda: ([], [], []))
     for r in rows:
-        if r.get("bench") != "cost_cpu" or r["schedule"] == "local" or \
-                (r["run"], r["world"]) not in machines:
+        m = machines.get((r.get("run"), r.get("world"))) or machines.get((r.get("run"), None))
+        if r.get("bench") != "cost_cpu" or r["schedule"] == "local" or m is None:
             continue
-        m, P = machines[(r["run"], r["world"])], r["world"]
+        P = r["world"]
         if r["kind"] == "linear":
             s = r["linear_shape"]
             t = linear_step(LinearShape(s["B"], s["T_local"], s["H"], s["K"], s["K"], 4), P,
@@ -187,12 +192,13 @@ def points_cpu(rows) -> list[dict]:
         key = (r["kind"], P, r["layout"], r["schedule"])
         acc[key][0].append(r["ms_fwd_bwd"])
         acc[key][1].append(t.total_ms)
+        acc[key][2].append(r.get("loadavg", float("nan")))
     pts = []
-    for (kind, P, layout, sched), (meas, pred) in sorted(acc.items()):
+    for (kind, P, layout, sched), (meas, pred, load) in sorted(acc.items()):
         grp = ("CPU/gloo", kind, P, layout)
         pts.append(_point("CPU/gloo", f"{kind} P={P} {layout}", sched, grp,
                           statistics.median(meas), statistics.median(pred),
-                          note=f"{len(meas)} runs"))
+                          note=f"{len(meas)} runs, load {statistics.median(load):.1f}"))
     return pts
 
 
@@ -230,24 +236,23 @@ def memory_points(rows) -> list[dict]:
             mem = linear_memory(shape, world, layout, "ring")
             pred = mem["peak"] if r["impl"] == "rank program" else \
                 mem["o"] + mem["h"] + mem["dh"] + mem["dq_dk_dv"]
-            cfg = f"linear {r['impl']} P={world} {layout} {r['T_local'] // 1024}K"
-        elif r.get("bench") == "softmax_pieces" and (r["impl"].startswith("single")
-                                                     or "_ring" in r["impl"]
-                                                     or r["impl"].endswith("allgather")):
+            cfg = (f"linear {r['impl']} P={world} {layout} {r.get('scan', '')} "
+                   f"{r['T_local'] // 1024}K").replace(" - ", " ")
+        elif r.get("bench") == "softmax_pieces" and (
+                r["impl"].startswith("single") or r["impl"].split("_", 1)[-1] in PIECES):
             shape = SoftmaxShape(1, r["T_local"], r["H"], r["Hkv"], r["K"])
             if r["impl"].startswith("single"):
                 pred = _single_softmax_bytes(shape, m)
             else:
-                pre = "allgather" if r["impl"].endswith("allgather") else "ring"
-                pred = softmax_memory(shape, r["world"], "zigzag", *SOFTMAX_PRESETS[pre], m)["peak"]
-                if "packed" in r["impl"]:
-                    pred += shape.kv_bytes
-            cfg = f"softmax {r['impl']} {r['T_local'] // 1024}K"
+                pre, extra = PIECES[r["impl"].split("_", 1)[-1]]
+                pred = softmax_memory(shape, r["world"], "zigzag", *SOFTMAX_PRESETS[pre],
+                                      m)["peak"] + extra * shape.kv_bytes
+            cfg = f"softmax {r['impl'].split('_', 1)[-1] if r['impl'].startswith('rank') else r['impl']} {r['T_local'] // 1024}K"
         else:
             continue
         pts.append(dict(source=src, config=cfg, measured=peak * 1e9, predicted=pred,
                         error=_err(pred, peak * 1e9)))
-    for r in rows:     # the one-GPU calibration run's peaks
+    for r in rows:     # the one-GPU calibration run's peaks (appended below)
         if r.get("bench") == "calibrate" and r.get("peak_bytes") and r["what"] == "linear":
             mem = linear_memory(LinearShape(r["B"], r["T"], r["H"], r["K"], r["V"]), 1,
                                 "contiguous", "ring")
@@ -255,7 +260,18 @@ def memory_points(rows) -> list[dict]:
             pts.append(dict(source="calibrate", config=f"linear op {r['T'] // 1024}K",
                             measured=r["peak_bytes"], predicted=pred,
                             error=_err(pred, r["peak_bytes"])))
-    return pts
+        elif r.get("bench") == "calibrate" and r.get("peak_bytes") and r["what"] == "softmax":
+            pred = _single_softmax_bytes(SoftmaxShape(r["B"], r["T"], r["H"], r["Hkv"], r["D"]),
+                                         H200_NVLINK_IB400)
+            pts.append(dict(source="calibrate", config=f"softmax op {r['T'] // 1024}K",
+                            measured=r["peak_bytes"], predicted=pred,
+                            error=_err(pred, r["peak_bytes"])))
+    best = {}     # one row per (source, config): the largest rank's peak
+    for p in pts:
+        key = (p["source"], p["config"])
+        if key not in best or p["measured"] > best[key]["measured"]:
+            best[key] = p
+    return list(best.values())
 
 
 def _single_softmax_bytes(shape: SoftmaxShape, machine) -> float:

@@ -275,6 +275,8 @@ def calibrate(device: str, link_rows: Sequence[dict], kernel_rows: Sequence[dict
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         kernels = dataclasses.replace(kernels, cores=cores)
     intra = fit_link(link_rows, world, base.intra) if link_rows else base.intra
+    if device == "cpu" and link_rows:   # gloo's ring collectives: one more pairwise step per rank
+        intra = dataclasses.replace(intra, step_us=intra.alpha_coll_us)
     links = f"links among {world} ranks" if link_rows else "links: defaults (one rank)"
     return dataclasses.replace(
         base, name=f"calibrated {_device_name(device)}", kernels=kernels, intra=intra,

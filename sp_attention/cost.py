@@ -5,7 +5,10 @@ Pure functions of the sizes, the CP size P, the layout, where the ranks sit
 (:class:`Topology`: which CP ranks share a node) and a :class:`~sp_attention.machine.Machine`
 (α, β per link class, kernel rates, overlap). Times are the slowest rank's GPU time in ms with
 the host ahead of the device (PERF.md's ``queued`` timing, a layer inside a model); on CPU the
-P processes time-share the machine's cores (``Machine.compute_share``).
+P processes time-share the machine's cores (``Machine.compute_share``): compute, and every
+communication round in which all ranks take part (tree rounds, collectives, softmax ring hops),
+take ``1 / share`` as long; a ring scan's hops are a chain between two ranks at a time and do
+not.
 
 Formulas (``S`` = one fp32 scan element ``(A, b)`` = ``4·B·H·(K·V + 1)`` bytes; ``kv`` = one
 rank's K and V; links per message from the topology):
@@ -227,14 +230,14 @@ def _scan_ms(schedule: str, world: int, layout: str, reverse: bool, S: int, mach
             comm = max((max(l.alpha_p2p_us for l in ls) * 1e-3
                         + len(ls) * S / min(l.p2p_gbps for l in ls) * 1e-6)
                        for ls in sent.values()) if sent else 0.0
-            t += comm + _combine_ms(machine, S) / share
+            t += (comm + _combine_ms(machine, S)) / share    # every rank busy at once
         return t
     if schedule == "allgather":
         n = L // world
         link = topo.collective_link(machine)
         fold = (4 * machine.kernels.op_us * 1e-3
                 + (L + n) * S / machine.kernels.mem_gbps * 1e-6) / share
-        comm = link.collective_ms(world, (world - 1) * n * S) if world > 1 else 0.0
+        comm = link.collective_ms(world, (world - 1) * n * S) / share if world > 1 else 0.0
         return comm + fold
     raise ValueError(f"unknown linear scan {schedule!r}; use one of {LINEAR_SCANS}")
 
@@ -326,8 +329,8 @@ def _ring(shape: SoftmaxShape, world: int, layout: str, machine: Machine, topo: 
     k, s = machine.kernels, shape
     steps = _ring_compute(shape, world, layout, machine, rank)
     link = _ring_link(topo, machine)
-    hop = link.p2p_ms(s.kv_bytes)
     share = machine.compute_share(world)
+    hop = link.p2p_ms(s.kv_bytes) / share           # every rank sends and receives at once
     add = (k.op_us * 1e-3 + 3 * s.B * s.T_local * s.H * s.D * s.itemsize / k.mem_gbps * 1e-6
            ) / share                            # one LSE merge / one dq accumulation
     wide = 8 if s.itemsize == 8 else 4
@@ -337,7 +340,7 @@ def _ring(shape: SoftmaxShape, world: int, layout: str, machine: Machine, topo: 
             # the accumulator of the block visited at step i - 1 (i >= 2) goes to its next
             # visitor: one kernel output (input dtype) after its first visit, fp32 sums later
             acc = 0.0 if i < 2 else s.kv_bytes * (1.0 if i == 2 else wide / s.itemsize)
-            hop_b = link.p2p_ms(s.kv_bytes + acc)
+            hop_b = link.p2p_ms(s.kv_bytes + acc) / share
             fwd += _overlapped(cf, hop, s.kv_bytes, machine)
             bwd += _overlapped(cb, hop_b, s.kv_bytes + acc, machine)
             comm_f += hop
@@ -376,8 +379,8 @@ def _allgather(shape: SoftmaxShape, world: int, layout: str, machine: Machine,
           + calls * (k.softmax_call_ms + k.softmax_ag_call_bwd_ms) / share)
     link = topo.collective_link(machine)
     unit_kv = 2 * s.B * s.T_local * stride * s.D               # elements per rank and unit
-    gather = link.collective_ms(world, (world - 1) * unit_kv * s.itemsize)
-    scatter = link.collective_ms(world, (world - 1) * unit_kv * 4)
+    gather = link.collective_ms(world, (world - 1) * unit_kv * s.itemsize) / share
+    scatter = link.collective_ms(world, (world - 1) * unit_kv * 4) / share
     g_bytes, s_bytes = (world - 1) * unit_kv * s.itemsize, (world - 1) * unit_kv * 4
     arrange = (k.op_us * 1e-3 + 2 * world * unit_kv * s.itemsize / k.mem_gbps * 1e-6) / share
     slot = (2 * k.op_us * 1e-3 + 2 * world * unit_kv * 4 / k.mem_gbps * 1e-6) / share
@@ -534,10 +537,10 @@ def softmax_memory(shape: SoftmaxShape, world: int, layout: str, fwd: str, bwd: 
         slots = min(2, world - 1) * s.kv_bytes
         acc = (q_bytes * wide / s.itemsize + lse) if world > 2 else 0
         out["fwd"] = slots + acc + q_bytes + lse
-    else:
+    else:        # out, LSE, send / receive buffers and the arrangement scratch
         stride = heads_k_stride or _default_stride(s)
-        unit = 2 * s.B * s.T_local * stride * s.D * s.itemsize * world
-        out["fwd"] = 3 * unit + q_bytes + lse
+        unit = 2 * s.B * s.T_local * stride * s.D * s.itemsize
+        out["fwd"] = 2 * unit + 3 * world * unit + 2 * (q_bytes + lse)
     if bwd == "ring":
         slots = min(2, world - 1) * s.kv_bytes
         in_flight = 2 * s.kv_bytes * wide / s.itemsize if world > 2 else 0
@@ -549,13 +552,22 @@ def softmax_memory(shape: SoftmaxShape, world: int, layout: str, fwd: str, bwd: 
                               else s.T_local, s.H, machine))
         out["bwd"] = slots + max(first, later)
     else:
+        # dq, the fp32 dK/dV sums, two send and two receive buffers of the widest unit, the
+        # arrangement scratch, two fp32 reduce-scatter slots; then the unit's calls: each
+        # keeps its dK/dV until the unit scatters them, and the kernel gets contiguous copies
+        # of its strided head slices of q, dout and out
         stride = heads_k_stride or _default_stride(s)
-        unit_it = 2 * s.B * s.T_local * stride * s.D * world
+        unit = 2 * s.B * s.T_local * stride * s.D                  # one rank's unit, elements
         heads = stride * s.H // s.Hkv
         per_chunk = s.T_local * world // num_chunks(world, layout)
-        call = _call_bwd_bytes(s, per_chunk, s.T_local * world - per_chunk, heads, machine)
-        out["bwd"] = (3 * unit_it * s.itemsize + 2 * unit_it * 4 + q_bytes
-                      + s.kv_bytes * wide / s.itemsize + call)
+        keys = s.T_local * world - per_chunk
+        calls = num_chunks(world, layout) // world
+        held = (q_bytes + s.kv_bytes * wide / s.itemsize + 2 * unit * s.itemsize
+                + 3 * world * unit * s.itemsize + 2 * world * unit * wide)
+        parts = 2 * s.B * (calls * keys) * stride * s.D * s.itemsize
+        copies = 3 * s.B * per_chunk * heads * s.D * s.itemsize
+        out["bwd"] = held + parts + copies + _call_bwd_bytes(s, per_chunk, keys, heads,
+                                                             machine)
     out["peak"] = max(out["fwd"], out["bwd"])
     return out
 
