@@ -6,14 +6,18 @@ write measured beside predicted step times as JSON lines.
 One spawn of ``--max-world`` gloo processes (one thread each). Inside it: the calibration probe
 (:mod:`sp_attention.calibrate`) measures the local kernels on rank 0 alone, and this script
 each CP rank's own CPU work ÷ the plain kernel (the rank factors); then for each P the ranks
-``0 … P−1`` form a group, probe their links for the record (ring hops and all-gathers among
-the P processes; the model does not use them: it extrapolates from the links between two
-processes, measured first, as it does to any P) and time :func:`~sp_attention.lightning_attention` (every scan × layout) and
+``0 … P−1`` form a group, probe their links (ring hops and all-gathers among the P
+processes) and time :func:`~sp_attention.lightning_attention` (every scan × layout) and
 :func:`~sp_attention.context_parallel_attention` (every preset, zigzag), fwd and fwd + bwd
-(the other ranks wait in a barrier, which sleeps). Every CPU timing is the minimum over
+(the other ranks wait in a barrier, which sleeps). Two predictions per row: from the links
+between two processes, extrapolated by the model to P (``pred_*``), and from the links probed
+among the P processes themselves (``pred_*_links_at_p``: the probe run on the CP group at
+hand, which also catches how busy the machine is at that moment). Every CPU timing is the minimum over
 ``--repeats`` (other processes on the shared machine only ever add time). P processes share
 the machine's cores: the model gives each ``min(1, cores / P)`` of a core's rate; other work
-on the machine lowers that share, so each row records the load average, and ``--runs``
+on the machine lowers that share: the run measures the cores it gets (the plain kernel on
+rank 0 alone, then on all ranks at once: ``cores = P_max · t_one / t_all``, at most the
+machine's) and the model uses that; each row records the load average, and ``--runs``
 repeats the whole sweep (report.py takes the median over runs).
 
 Rows: ``bench="cost_cpu"``, ``kind`` (linear / softmax), ``schedule``, ``layout``, ``world``,
@@ -35,8 +39,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sp_attention import build_sp_context  # noqa: E402
-from sp_attention.calibrate import (calibrate, probe_kernels, probe_links,  # noqa: E402
-                                    time_ms)
+from sp_attention.calibrate import (calibrate, fit_link, probe_kernels,  # noqa: E402
+                                    probe_links, time_ms)
 from sp_attention.cost import (LINEAR_SCANS, SOFTMAX_PRESETS, LinearShape,  # noqa: E402
                                SoftmaxShape, linear_step, softmax_step)
 from sp_attention.linear import lightning_attention  # noqa: E402
@@ -50,7 +54,7 @@ KERNEL_SHAPES = {"linear": dict(B=1, H=4, K=32, T=(128, 512)),
 
 
 def _barrier(group):
-    return lambda: dist.barrier(group=group)
+    return lambda: dist.barrier(group=group) if group is not None else dist.barrier()
 
 
 def _linear_rows(rank, P, group, a) -> list[dict]:
@@ -116,6 +120,17 @@ def _predict(row: dict, P: int, machine) -> dict:
     return dict(pred_fwd=t.fwd_ms, pred_fwd_bwd=t.total_ms, pred_compute=t.compute_ms)
 
 
+def _local_ms(a, barrier=None) -> float:
+    """The plain linear kernel's fwd + bwd on this rank's T_local tokens (ms)."""
+    B, T, H, K = LIN["B"], LIN["T_local"], LIN["H"], LIN["K"]
+    g = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn(B, T, H, K, generator=g) * 0.1 for _ in range(4))
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)])
+    return time_ms(lambda: torch.autograd.grad(lightning_attention(q, k, v, slopes), (q, k, v),
+                                               do), "cpu", iters=5, repeats=7, barrier=barrier)
+
+
 def rank_factors() -> dict:
     """The CP rank's own CPU work ÷ the plain kernel on the same tokens, per layout (the
     slowest rank of P = 2, from ``linear_rank_programs.rank_program``: the CPU twin of the
@@ -145,34 +160,46 @@ def worker(rank: int, world: int, a) -> list:
     dist.barrier()
     kernel_rows = probe_kernels("cpu", KERNEL_SHAPES) if rank == 0 else []
     dist.barrier()
+    # the cores this job gets: the plain kernel on rank 0 alone, then on every rank at once
+    # (other work on the machine holds the rest; the model's compute share uses this)
+    t_one = _local_ms(a) if rank == 0 else 0.0
+    dist.barrier()
+    t_all = _local_ms(a, barrier=_barrier(None))
     machine = None
     if rank == 0:
         f = rank_factors()
         machine = calibrate("cpu", link_rows, kernel_rows, 2)
+        cores = min(machine.kernels.cores, world * t_one / t_all)
         machine = dataclasses.replace(machine, kernels=dataclasses.replace(
             machine.kernels, linear_rank_contiguous=f["contiguous"],
-            linear_rank_zigzag=f["zigzag"]))
+            linear_rank_zigzag=f["zigzag"], cores=cores),
+            extra=dict(nominal_cores=machine.kernels.cores, t_one=t_one, t_all=t_all))
     dist.barrier()
     out = []
     for P in range(2, world + 1):
         group = dist.new_group(list(range(P)))      # every rank makes every group, in order
         if rank < P:
-            # the links among all P processes, for the record (the model extrapolates from
-            # the two-process calibration, see the module docstring)
+            # the links among these P processes (the probe run on this group)
             links = probe_links(rank, P, "cpu", LINK_SIZES, group=group)
             rows = _linear_rows(rank, P, group, a) + _softmax_rows(rank, P, group, a)
             if rank == 0:
                 load = os.getloadavg()[0]
+                link = fit_link(links, P, machine.intra)
+                mp = dataclasses.replace(machine, intra=link, inter=link, links_world=P)
                 for r in rows:
                     r.update(_predict(r, P, machine), world=P, loadavg=load)
+                    r.update({k + "_links_at_p": v for k, v in _predict(r, P, mp).items()})
                 out += rows + [dict(r, bench="calibrate", run=a.run) for r in links]
+                out.append(dict(bench="cost_cpu_machine", run=a.run, world=P,
+                                machine=mp.to_dict()))
         dist.barrier()
     if rank == 0:
         base = dict(bench="cost_cpu", device="cpu", torch=torch.__version__,
                     date=time.strftime("%Y-%m-%d"), run=a.run, cores=machine.kernels.cores,
                     linear_shape=LIN, softmax_shape=SOFT)
         return ([dict(r, bench="calibrate", run=a.run) for r in link_rows + kernel_rows]
-                + [r if r.get("bench") == "calibrate" else dict(base, **r) for r in out]
+                + [r if r.get("bench") in ("calibrate", "cost_cpu_machine") else dict(base, **r)
+                   for r in out]
                 + [dict(bench="cost_cpu_machine", run=a.run, machine=machine.to_dict())])
     return []
 

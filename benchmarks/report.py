@@ -170,35 +170,43 @@ def points_one_gpu(rows) -> list[dict]:
 
 
 def points_cpu(rows) -> list[dict]:
-    """CPU/gloo steps at P = 2…8: median over runs of measured and predicted (each run's
-    prediction from the calibration measured in that run: kernels, rank factors, and the
-    links of the P-rank group)."""
-    machines = {(r["run"], r.get("world")): machine_from_dict(r["machine"]) for r in rows
-                if r.get("bench") == "cost_cpu_machine"}
-    acc = defaultdict(lambda: ([], [], []))
-    for r in rows:
-        m = machines.get((r.get("run"), r.get("world"))) or machines.get((r.get("run"), None))
-        if r.get("bench") != "cost_cpu" or r["schedule"] == "local" or m is None:
-            continue
-        P = r["world"]
-        if r["kind"] == "linear":
-            s = r["linear_shape"]
-            t = linear_step(LinearShape(s["B"], s["T_local"], s["H"], s["K"], s["K"], 4), P,
-                            r["layout"], r["schedule"], m)
-        else:
-            s = r["softmax_shape"]
-            t = softmax_step(SoftmaxShape(s["B"], s["T_local"], s["H"], s["Hkv"], s["D"], 4),
-                             P, "zigzag", *SOFTMAX_PRESETS[r["schedule"]], m)
-        key = (r["kind"], P, r["layout"], r["schedule"])
-        acc[key][0].append(r["ms_fwd_bwd"])
-        acc[key][1].append(t.total_ms)
-        acc[key][2].append(r.get("loadavg", float("nan")))
+    """CPU/gloo steps at P = 2…8: median over runs of measured and predicted, each run's
+    prediction from the calibration measured in that run: kernels and rank factors, with the
+    links between two processes extrapolated to P (``CPU/gloo``) or probed among the P
+    processes themselves (``CPU/gloo, links at P``)."""
+    run_m = {r["run"]: machine_from_dict(r["machine"]) for r in rows
+             if r.get("bench") == "cost_cpu_machine" and r.get("world") is None}
+    at_p = {(r["run"], r["world"]): machine_from_dict(r["machine"]) for r in rows
+            if r.get("bench") == "cost_cpu_machine" and r.get("world") is not None}
     pts = []
-    for (kind, P, layout, sched), (meas, pred, load) in sorted(acc.items()):
-        grp = ("CPU/gloo", kind, P, layout)
-        pts.append(_point("CPU/gloo", f"{kind} P={P} {layout}", sched, grp,
-                          statistics.median(meas), statistics.median(pred),
-                          note=f"{len(meas)} runs, load {statistics.median(load):.1f}"))
+    for source, lookup in (("CPU/gloo", lambda r: run_m.get(r["run"])),
+                           ("CPU/gloo links at P", lambda r: at_p.get((r["run"], r["world"])))):
+        acc = defaultdict(lambda: ([], [], []))
+        for r in rows:
+            if r.get("bench") != "cost_cpu" or r["schedule"] == "local":
+                continue
+            m, P = lookup(r), r["world"]
+            if m is None:
+                continue
+            if r["kind"] == "linear":
+                s = r["linear_shape"]
+                t = linear_step(LinearShape(s["B"], s["T_local"], s["H"], s["K"], s["K"], 4),
+                                P, r["layout"], r["schedule"], m)
+            else:
+                s = r["softmax_shape"]
+                t = softmax_step(SoftmaxShape(s["B"], s["T_local"], s["H"], s["Hkv"], s["D"],
+                                              4), P, "zigzag", *SOFTMAX_PRESETS[r["schedule"]], m)
+            key = (r["kind"], P, r["layout"], r["schedule"])
+            acc[key][0].append(r["ms_fwd_bwd"])
+            acc[key][1].append(t.total_ms)
+            acc[key][2].append((r.get("loadavg", float("nan")), m.kernels.cores))
+        for (kind, P, layout, sched), (meas, pred, load) in sorted(acc.items()):
+            grp = (source, kind, P, layout)
+            pts.append(_point(source, f"{kind} P={P} {layout}", sched, grp,
+                              statistics.median(meas), statistics.median(pred),
+                              note=f"{len(meas)} runs, load "
+                                   f"{statistics.median(x[0] for x in load):.1f}, cores "
+                                   f"{statistics.median(x[1] for x in load):.2f}"))
     return pts
 
 
@@ -544,6 +552,16 @@ def write_markdown(path, name, inputs, points, checks, mem, proj) -> None:
          "timing, the GPU-bound step; softmax as recorded), with the CP rank's kernel factor of "
          "that day's one-GPU rank programs (`_s4_`). One-H200 rows: each rank's own GPU work. "
          "CPU/gloo rows: median over runs, each predicted from its own calibration.",
+         "",
+         "What was fitted on what (so which rows are checks, not fits): the NVLink α/β on the "
+         "link probe; the fla rate on `fla fwd+bwd` at 16K/32K and the CP rank factors on the "
+         "32K rank programs (`_s6_`); the attention rates on the 1-GPU cuDNN rows; the "
+         "all-gather calls' overheads on the `_s4_` all-gather rank programs; the overlap cost "
+         "(one number) on the four 2 × H200 softmax rows. Checks: the 16K rank programs, every "
+         "softmax ring rank program, all 2 × H200 linear rows, the memory model (cuDNN's "
+         "workspace per element fitted on one row), the CPU/gloo rows (their own probe) and "
+         "any `calibrate*.jsonl` from a GPU run. The 2 × H200 runs of 2026-11-22 are of code "
+         "the library no longer ships (host-bound eager steps, since cut) and are left out.",
          "",
          f"![predicted vs measured]({name}_pred_vs_meas.png)",
          ""] + md_errors(points) + [

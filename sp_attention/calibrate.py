@@ -280,6 +280,7 @@ def calibrate(device: str, link_rows: Sequence[dict], kernel_rows: Sequence[dict
     links = f"links among {world} ranks" if link_rows else "links: defaults (one rank)"
     return dataclasses.replace(
         base, name=f"calibrated {_device_name(device)}", kernels=kernels, intra=intra,
+        links_world=world if link_rows else 0,
         inter=intra if device == "cpu" else base.inter, device=_device_name(device),
         source=f"python -m sp_attention.calibrate, {time.strftime('%Y-%m-%d')}, "
                f"torch {torch.__version__}; {links}; inter-node: "

@@ -6,9 +6,9 @@ Pure functions of the sizes, the CP size P, the layout, where the ranks sit
 (α, β per link class, kernel rates, overlap). Times are the slowest rank's GPU time in ms with
 the host ahead of the device (PERF.md's ``queued`` timing, a layer inside a model); on CPU the
 P processes time-share the machine's cores (``Machine.compute_share``): compute, and every
-communication round in which all ranks take part (tree rounds, collectives, softmax ring hops),
-take ``1 / share`` as long; a ring scan's hops are a chain between two ranks at a time and do
-not.
+communication round in which all ranks take part (tree rounds, collectives, softmax ring hops;
+``Machine.comm_share``), take ``1 / share`` as long; a ring scan's hops are a chain between two
+ranks at a time and do not.
 
 Formulas (``S`` = one fp32 scan element ``(A, b)`` = ``4·B·H·(K·V + 1)`` bytes; ``kv`` = one
 rank's K and V; links per message from the topology):
@@ -230,14 +230,15 @@ def _scan_ms(schedule: str, world: int, layout: str, reverse: bool, S: int, mach
             comm = max((max(l.alpha_p2p_us for l in ls) * 1e-3
                         + len(ls) * S / min(l.p2p_gbps for l in ls) * 1e-6)
                        for ls in sent.values()) if sent else 0.0
-            t += (comm + _combine_ms(machine, S)) / share    # every rank busy at once
+            t += comm / machine.comm_share(world) + _combine_ms(machine, S) / share
         return t
     if schedule == "allgather":
         n = L // world
         link = topo.collective_link(machine)
         fold = (4 * machine.kernels.op_us * 1e-3
                 + (L + n) * S / machine.kernels.mem_gbps * 1e-6) / share
-        comm = link.collective_ms(world, (world - 1) * n * S) / share if world > 1 else 0.0
+        comm = (link.collective_ms(world, (world - 1) * n * S) / machine.comm_share(world)
+                if world > 1 else 0.0)
         return comm + fold
     raise ValueError(f"unknown linear scan {schedule!r}; use one of {LINEAR_SCANS}")
 
@@ -330,7 +331,8 @@ def _ring(shape: SoftmaxShape, world: int, layout: str, machine: Machine, topo: 
     steps = _ring_compute(shape, world, layout, machine, rank)
     link = _ring_link(topo, machine)
     share = machine.compute_share(world)
-    hop = link.p2p_ms(s.kv_bytes) / share           # every rank sends and receives at once
+    cshare = machine.comm_share(world)               # every rank sends and receives at once
+    hop = link.p2p_ms(s.kv_bytes) / cshare
     add = (k.op_us * 1e-3 + 3 * s.B * s.T_local * s.H * s.D * s.itemsize / k.mem_gbps * 1e-6
            ) / share                            # one LSE merge / one dq accumulation
     wide = 8 if s.itemsize == 8 else 4
@@ -340,7 +342,7 @@ def _ring(shape: SoftmaxShape, world: int, layout: str, machine: Machine, topo: 
             # the accumulator of the block visited at step i - 1 (i >= 2) goes to its next
             # visitor: one kernel output (input dtype) after its first visit, fp32 sums later
             acc = 0.0 if i < 2 else s.kv_bytes * (1.0 if i == 2 else wide / s.itemsize)
-            hop_b = link.p2p_ms(s.kv_bytes + acc) / share
+            hop_b = link.p2p_ms(s.kv_bytes + acc) / cshare
             fwd += _overlapped(cf, hop, s.kv_bytes, machine)
             bwd += _overlapped(cb, hop_b, s.kv_bytes + acc, machine)
             comm_f += hop
@@ -379,8 +381,9 @@ def _allgather(shape: SoftmaxShape, world: int, layout: str, machine: Machine,
           + calls * (k.softmax_call_ms + k.softmax_ag_call_bwd_ms) / share)
     link = topo.collective_link(machine)
     unit_kv = 2 * s.B * s.T_local * stride * s.D               # elements per rank and unit
-    gather = link.collective_ms(world, (world - 1) * unit_kv * s.itemsize) / share
-    scatter = link.collective_ms(world, (world - 1) * unit_kv * 4) / share
+    cshare = machine.comm_share(world)
+    gather = link.collective_ms(world, (world - 1) * unit_kv * s.itemsize) / cshare
+    scatter = link.collective_ms(world, (world - 1) * unit_kv * 4) / cshare
     g_bytes, s_bytes = (world - 1) * unit_kv * s.itemsize, (world - 1) * unit_kv * 4
     arrange = (k.op_us * 1e-3 + 2 * world * unit_kv * s.itemsize / k.mem_gbps * 1e-6) / share
     slot = (2 * k.op_us * 1e-3 + 2 * world * unit_kv * 4 / k.mem_gbps * 1e-6) / share

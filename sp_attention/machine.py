@@ -92,7 +92,8 @@ class Kernels:
         softmax_bwd_workspace: bytes per query element (``B·T·H·D``) the kernel backward
             allocates beyond dq, dk, dv (cuDNN: fp32 dq accumulation and friends).
         cores: CPU cores the ranks of one machine share (None: one device per rank). With P
-            ranks on ``cores`` cores each rank computes at ``min(1, cores / P)`` of its rate.
+            ranks on ``cores`` cores each rank computes at ``min(1, cores / P)`` of its rate;
+            a fraction when other work holds part of the cores.
     """
 
     linear_tflops: float
@@ -109,7 +110,7 @@ class Kernels:
     softmax_ag_rate: float = 1.0
     linear_rank_contiguous: float = 1.0
     linear_rank_zigzag: float = 1.0
-    cores: Optional[int] = None
+    cores: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in ("linear_tflops", "softmax_fwd_tflops", "softmax_bwd_tflops", "mem_gbps"):
@@ -118,8 +119,10 @@ class Kernels:
         if not 0 < self.linear_fwd_share < 1:
             raise ValueError("Kernels.linear_fwd_share must be in (0, 1), got "
                              f"{self.linear_fwd_share!r}")
-        if self.cores is not None and (not isinstance(self.cores, int) or self.cores < 1):
-            raise ValueError(f"Kernels.cores must be None or a positive int, got {self.cores!r}")
+        if self.cores is not None and (isinstance(self.cores, bool) or not isinstance(
+                self.cores, (int, float)) or not self.cores > 0):
+            raise ValueError(f"Kernels.cores must be None or a positive number, got "
+                             f"{self.cores!r}")
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,8 @@ class Machine:
             recomputation (a GPU side stream); False on CPU, where it is serial.
         device: the device string this was measured on (``torch.cuda.get_device_name`` or
             ``"cpu"``); :func:`load_machine` uses a calibration only on a matching device.
+        links_world: the number of ranks the links were measured among (0: not measured, or
+            the figures hold for any group size); see :meth:`comm_share`.
     """
 
     name: str
@@ -153,6 +158,7 @@ class Machine:
     overlap_cost: float = 0.0
     scan_hidden: bool = True
     device: str = ""
+    links_world: int = 0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -167,6 +173,12 @@ class Machine:
         time-share ``kernels.cores``; GPUs have one device per rank)."""
         cores = self.kernels.cores
         return 1.0 if cores is None else min(1.0, cores / max(world, 1))
+
+    def comm_share(self, world: int) -> float:
+        """What a communication round in which all ``world`` ranks take part gets of the
+        links' calibrated speed: the compute share, unless the links were measured among
+        exactly ``world`` ranks (``links_world``), which already includes the sharing."""
+        return 1.0 if self.links_world == world else self.compute_share(world)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
