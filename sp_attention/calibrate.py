@@ -57,10 +57,12 @@ def _sync(device: str) -> None:
 
 def time_ms(fn: Callable[[], object], device: str, iters: int = 5, repeats: int = 5,
             warmup: int = 2, barrier: Optional[Callable[[], None]] = None) -> float:
-    """The mean ms of ``iters`` calls: the median over ``repeats`` on CUDA, where the calls
-    are enqueued behind a sleep kernel (the GPU's own time, the host ahead as inside a model;
-    CUDA events); the minimum on CPU, where other processes on a shared machine only ever add
-    time (the ranks' own sharing of the cores is in every repeat)."""
+    """ms per call. CUDA: the median over ``repeats`` of the mean of ``iters`` calls enqueued
+    behind a sleep kernel (the GPU's own time, the host ahead as inside a model; CUDA events).
+    CPU: the fastest of ``repeats × iters`` calls timed one by one, each after ``barrier``
+    (the ranks start together), since other processes on a shared machine only ever add time
+    (the ranks' own sharing of the cores is in every call: a CP step's ranks wait on each
+    other)."""
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -77,11 +79,13 @@ def time_ms(fn: Callable[[], object], device: str, iters: int = 5, repeats: int 
             end.record()
             end.synchronize()
             out.append(start.elapsed_time(end) / iters)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(iters):
+        else:          # every call timed alone, from a common start: the least disturbed counts
+            for i in range(iters):
+                if barrier and i:
+                    barrier()
+                t0 = time.perf_counter()
                 fn()
-            out.append((time.perf_counter() - t0) * 1e3 / iters)
+                out.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(out) if device == "cuda" else min(out)
 
 
