@@ -180,8 +180,8 @@ class Choice:
 # ----------------------------------------------------------------------------- FLOPs
 def linear_flops(shape: LinearShape) -> float:
     """fwd + bwd FLOPs of the chunked linear kernel on one rank: forward
-    ``2·B·T·H·(2·K·V + C·(K + V))`` (states ``kᵀv``, output ``q·S``, the intra-chunk ``q·kᵀ``
-    and its product with ``v``, chunk C = 64), backward twice the forward."""
+    ``2·B·T·H·(2·K·V + C·(K + V))`` (states ``kᵀv``, output ``q·S``, the intra-chunk
+    ``q·kᵀ`` and its product with ``v``, chunk C = 64), backward twice the forward."""
     s = shape
     return 3 * 2 * s.B * s.T_local * s.H * (2 * s.K * s.V + _CHUNK * (s.K + s.V))
 

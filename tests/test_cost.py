@@ -14,8 +14,8 @@ from sp_attention.cost import (LINEAR_SCANS, SOFTMAX_PRESETS, LinearShape, Softm
                                Topology, choose_linear_scan, choose_softmax_preset,
                                linear_memory, linear_scan_ms, linear_step, softmax_memory,
                                softmax_step)
-from sp_attention.machine import (CPU_GLOO, H200_NVLINK_IB400, Kernels, Link, Machine,
-                                  load_machine, machine_from_dict, save_machine)
+from sp_attention.machine import (CPU_GLOO, H200_NVLINK_IB400, Link, Machine, load_machine,
+                                  machine_from_dict, save_machine)
 
 H200 = H200_NVLINK_IB400
 LIN = LinearShape(1, 8192, 16, 128, 128)
@@ -102,8 +102,9 @@ def test_linear_scan_formulas_exact():
 
 
 def test_linear_crossovers_where_the_formulas_put_them():
-    """ring vs tree: P − 1 hops against 2⌈log2 P⌉ rounds: the tree wins from P = 8 on (tie at
-    7); ring vs all-gather: the P* solving (P−1)(α_p + S/β) = α_c + (P−2)·s + (P−1)·S/β."""
+    """ring vs tree: P − 1 hops against 2⌈log2 P⌉ rounds: the tree wins from P = 8 on (tie
+    at 7); ring vs all-gather: the P* solving
+    (P−1)(α_p + S/β) = α_c + (P−2)·s + (P−1)·S/β."""
     m = _bare(alpha_p2p=50.0, alpha_coll=1000.0, step=0.0, gbps=1e6)
     for P in range(2, 40):
         ring = linear_scan_ms("ring", LIN, P, "contiguous", m)
