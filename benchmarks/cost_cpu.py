@@ -13,8 +13,9 @@ processes) and time :func:`~sp_attention.lightning_attention` (every scan × lay
 between two processes, extrapolated by the model to P (``pred_*``), and from the links probed
 among the P processes themselves (``pred_*_links_at_p``: the probe run on the CP group at
 hand, which also catches how busy the machine is at that moment). Every CPU timing is the
-fastest of ``--repeats × --iters`` calls, each timed alone (other processes on the shared
-machine only ever add time). P processes share
+fastest of ``--repeats × --iters`` calls, each timed alone after a barrier, the schedules
+interleaved round by round (other processes on the shared machine only ever add time, and a
+burst of their load then falls on every schedule alike). P processes share
 the machine's cores: the model gives each ``min(1, cores / P)`` of a core's rate. Other work
 on the machine lowers that share; timing the fastest single call filters most of it, each row
 records the load average (and the machine row the cores the job saw: the plain kernel on all
@@ -58,32 +59,43 @@ def _barrier(group):
     return lambda: dist.barrier(group=group) if group is not None else dist.barrier()
 
 
+def _interleaved(fns: dict, group, a) -> dict:
+    """``{name: fastest single call, ms}`` with the calls interleaved: each of ``a.repeats``
+    rounds times every function ``a.iters`` times (each call after a barrier), so a burst of
+    load on the shared machine falls on all schedules alike instead of on one."""
+    for fn in fns.values():
+        fn()
+        fn()                       # warm-up (the first call per signature checks across ranks)
+    best = {n: float("inf") for n in fns}
+    for _ in range(a.repeats):
+        for name, fn in fns.items():
+            best[name] = min(best[name], time_ms(fn, "cpu", iters=a.iters, repeats=1, warmup=0,
+                                                 barrier=_barrier(group)))
+    return best
+
+
 def _linear_rows(rank, P, group, a) -> list[dict]:
     B, T, H, K = LIN["B"], LIN["T_local"], LIN["H"], LIN["K"]
     g = torch.Generator().manual_seed(rank)
     q, k, v, do = (torch.randn(B, T, H, K, generator=g) * 0.1 for _ in range(4))
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)])
-    timer = dict(iters=a.iters, repeats=a.repeats, warmup=2, barrier=_barrier(group))
-
-    def local():
-        torch.autograd.grad(lightning_attention(q, k, v, slopes), (q, k, v), do)
-    rows = [dict(kind="linear", schedule="local", layout="-",
-                 ms_fwd_bwd=time_ms(local, "cpu", **timer))]
+    fns = {("local", "-", "fwd_bwd"): lambda: torch.autograd.grad(
+        lightning_attention(q, k, v, slopes), (q, k, v), do)}
     for layout in ("contiguous", "zigzag"):
         ctx = build_sp_context(group, layout=layout)
         for impl in LINEAR_SCANS:
-            def fwd():
+            def fwd(ctx=ctx, impl=impl):
                 with torch.no_grad():
                     lightning_attention(q, k, v, slopes, ctx=ctx, impl=impl)
 
-            def fwd_bwd():
+            def fwd_bwd(ctx=ctx, impl=impl):
                 torch.autograd.grad(lightning_attention(q, k, v, slopes, ctx=ctx, impl=impl),
                                     (q, k, v), do)
-            rows.append(dict(kind="linear", schedule=impl, layout=layout,
-                             ms_fwd=time_ms(fwd, "cpu", **timer),
-                             ms_fwd_bwd=time_ms(fwd_bwd, "cpu", **timer)))
-    return rows
+            fns[(impl, layout, "fwd")], fns[(impl, layout, "fwd_bwd")] = fwd, fwd_bwd
+    ms = _interleaved(fns, group, a)
+    return [dict(kind="linear", schedule=n, layout=lay, ms_fwd=ms.get((n, lay, "fwd")),
+                 ms_fwd_bwd=ms[(n, lay, "fwd_bwd")]) for (n, lay, m) in fns if m == "fwd_bwd"]
 
 
 def _softmax_rows(rank, P, group, a) -> list[dict]:
@@ -93,20 +105,19 @@ def _softmax_rows(rank, P, group, a) -> list[dict]:
     k, v = (torch.randn(B, T, Hkv, D, generator=g) for _ in range(2))
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     ctx = build_sp_context(group, layout="zigzag")
-    timer = dict(iters=a.iters, repeats=a.repeats, warmup=2, barrier=_barrier(group))
-    rows = []
+    fns = {}
     for preset in SOFTMAX_PRESETS:
-        def fwd():
+        def fwd(preset=preset):
             with torch.no_grad():
                 context_parallel_attention(q, k, v, ctx=ctx, preset=preset)
 
-        def fwd_bwd():
+        def fwd_bwd(preset=preset):
             torch.autograd.grad(context_parallel_attention(q, k, v, ctx=ctx, preset=preset),
                                 (q, k, v), do)
-        rows.append(dict(kind="softmax", schedule=preset, layout="zigzag",
-                         ms_fwd=time_ms(fwd, "cpu", **timer),
-                         ms_fwd_bwd=time_ms(fwd_bwd, "cpu", **timer)))
-    return rows
+        fns[(preset, "fwd")], fns[(preset, "fwd_bwd")] = fwd, fwd_bwd
+    ms = _interleaved(fns, group, a)
+    return [dict(kind="softmax", schedule=p, layout="zigzag", ms_fwd=ms[(p, "fwd")],
+                 ms_fwd_bwd=ms[(p, "fwd_bwd")]) for p in SOFTMAX_PRESETS]
 
 
 def _predict(row: dict, P: int, machine) -> dict:
@@ -219,8 +230,8 @@ def main() -> None:
     p.add_argument("--out", help="append the JSON lines to this file")
     p.add_argument("--max-world", type=int, default=8)
     p.add_argument("--runs", type=int, default=1)
-    p.add_argument("--iters", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=8)
     a = p.parse_args()
     for run in range(a.runs):
         a.run = f"{time.strftime('%H%M%S')}-{run}"

@@ -210,6 +210,29 @@ def points_cpu(rows) -> list[dict]:
     return pts
 
 
+def cpu_link_points(rows) -> list[dict]:
+    """The links among P gloo processes on the shared cores, probed in each run, against the
+    model's extrapolation from two processes (a collective ``(α + (P−2)·step)/share``, a ring
+    exchange among all ranks ``α/share``): medians over runs of the fitted latencies."""
+    run_m = {r["run"]: machine_from_dict(r["machine"]) for r in rows
+             if r.get("bench") == "cost_cpu_machine" and r.get("world") is None}
+    acc = defaultdict(lambda: ([], [], [], []))
+    for r in rows:
+        if r.get("bench") != "cost_cpu_machine" or r.get("world") is None:
+            continue
+        base, P = run_m.get(r["run"]), r["world"]
+        if base is None:
+            continue
+        got, link = machine_from_dict(r["machine"]).intra, base.intra
+        share = base.compute_share(P)
+        acc[P][0].append(got.alpha_p2p_us)
+        acc[P][1].append(link.alpha_p2p_us / share)
+        acc[P][2].append(got.alpha_coll_us)
+        acc[P][3].append((link.alpha_coll_us + (P - 2) * link.step_us) / share)
+    return [dict(P=P, **{k: statistics.median(v) for k, v in zip(
+        ("p2p", "p2p_model", "coll", "coll_model"), acc[P])}) for P in sorted(acc)]
+
+
 def auto_check(points) -> list[dict]:
     """Per group of measured alternatives: the measured best, the model's pick among them,
     and how much slower the pick measured (``auto`` must stay within 10 %)."""
@@ -385,7 +408,7 @@ def which_when(proj) -> list[str]:
     return lines
 
 
-def write_markdown(path, name, inputs, points, checks, mem, proj) -> None:
+def write_markdown(path, name, inputs, points, checks, mem, proj, cpu_links=()) -> None:
     m = H200_NVLINK_IB400
     k, a, e = m.kernels, m.intra, m.inter
     L = [f"# Cost model report: which schedule wins where",
@@ -436,6 +459,13 @@ def write_markdown(path, name, inputs, points, checks, mem, proj) -> None:
          "",
          f"![predicted vs measured]({name}_pred_vs_meas.png)",
          ""] + md_errors(points) + [
+         "**CPU/gloo links** (the probe among the P processes vs the model's extrapolation "
+         "from two: P processes on 2 cores wake each other through the scheduler):",
+         ""] + _table(["P", "ring hop α µs (probe)", "model", "all-gather α µs (probe)",
+                       "model"],
+                      [(c["P"], f"{c['p2p']:.0f}", f"{c['p2p_model']:.0f}",
+                        f"{c['coll']:.0f}", f"{c['coll_model']:.0f}") for c in cpu_links]) + [
+         "",
          "## `auto` against the measured best",
          "",
          "For every set of schedules measured side by side: the model's pick among them and how "
@@ -493,7 +523,8 @@ def main(argv=None) -> dict:
     plot_measured(rows, base + "_throughput.png", base + "_ratio.png",
                   _h200_for("2026-11-23", 32768, rank_factors(rows)))
     plot_projection(proj, base + "_projection.png")
-    write_markdown(base + ".md", a.name, inputs, points, checks, mem, proj)
+    write_markdown(base + ".md", a.name, inputs, points, checks, mem, proj,
+                   cpu_link_points(rows))
     print(f"wrote {base}.md and {a.name}_*.png ({len(points)} validation points, "
           f"{len(mem)} memory points)")
     return dict(points=points, checks=checks, memory=mem, projection=proj)

@@ -14,7 +14,7 @@ matches the device, else the default for the device kind:
   50 GB/s per direction per NIC (one NIC per GPU); we assume 40 GB/s after protocol overhead,
   and per-message latency of the intra-node figure plus 15 µs (network + NCCL proxy).
 * ``CPU_GLOO``: this project's 2-core CPU machine through gloo, from the probe
-  (``benchmarks/results/2026-11-24_cpu_gloo_calibration.json``).
+  (``benchmarks/results/2026-11-24_cpu_gloo_calibration.json`` and the CPU validation runs).
 """
 from __future__ import annotations
 
@@ -220,19 +220,22 @@ H200_NVLINK_IB400 = Machine(
                step_us=8.0),
     gpus_per_node=8, overlap_cost=3.0, scan_hidden=True, device="NVIDIA H200")
 
-# This project's CPU machine (2 cores, gloo over loopback), from `python -m
-# sp_attention.calibrate --device cpu` (benchmarks/results/2026-11-24_cpu_gloo_calibration.json).
+# This project's CPU machine (2 cores, gloo over loopback, one thread per process): the
+# medians of `python -m sp_attention.calibrate` and the three `benchmarks/cost_cpu.py` runs
+# (benchmarks/results/2026-11-24_cpu_gloo_*), taken while other jobs loaded the machine.
 CPU_GLOO = Machine(
     name="cpu-gloo",
-    source="default: the project's 2-core CPU machine, gloo (benchmarks/results)",
-    kernels=Kernels(linear_tflops=0.004, linear_call_ms=0.5, linear_fwd_share=0.35,
-                    softmax_fwd_tflops=0.01, softmax_bwd_tflops=0.008, softmax_call_ms=0.1,
-                    mem_gbps=4.0, op_us=15.0, softmax_bwd_workspace=8.0, cores=2),
-    intra=Link(alpha_p2p_us=150.0, p2p_gbps=1.0, alpha_coll_us=150.0, coll_gbps=1.0,
-               step_us=50.0),
-    inter=Link(alpha_p2p_us=150.0, p2p_gbps=1.0, alpha_coll_us=150.0, coll_gbps=1.0,
-               step_us=50.0),
-    gpus_per_node=2, overlap_cost=1.0, scan_hidden=False, device="cpu")
+    source="default: the project's 2-core CPU machine, gloo (benchmarks/results/"
+           "2026-11-24_cpu_gloo_*)",
+    kernels=Kernels(linear_tflops=0.026, linear_call_ms=1.05, linear_fwd_share=0.265,
+                    softmax_fwd_tflops=0.0069, softmax_bwd_tflops=0.0108, softmax_call_ms=0.0,
+                    mem_gbps=66.0, op_us=2.5, softmax_bwd_workspace=8.0,
+                    linear_rank_contiguous=1.11, linear_rank_zigzag=1.08, cores=2),
+    intra=Link(alpha_p2p_us=84.0, p2p_gbps=2.4, alpha_coll_us=160.0, coll_gbps=1.3,
+               step_us=160.0),
+    inter=Link(alpha_p2p_us=84.0, p2p_gbps=2.4, alpha_coll_us=160.0, coll_gbps=1.3,
+               step_us=160.0),
+    gpus_per_node=1024, overlap_cost=1.0, scan_hidden=False, device="cpu", links_world=2)
 
 
 def default_machine(device: str) -> Machine:
