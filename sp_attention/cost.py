@@ -577,10 +577,12 @@ def softmax_memory(shape: SoftmaxShape, world: int, layout: str, fwd: str, bwd: 
 
 def rank_memory(attention_bytes: float, model=None) -> dict:
     """Per-rank total of a TP × CP × DP layout: the attention schedule's working memory (per
-    layer; layers run one at a time) plus the model-level estimate ``model`` (weights,
-    gradients, optimizer states, activations by recompute setting) from
-    ``sp_attention.memory`` (issue 26): a number of bytes, or an object/mapping with
-    ``total_bytes``. Returns ``{"attention", "model", "total"}`` in bytes."""
+    layer, from :func:`linear_memory` / :func:`softmax_memory` with the rank's shapes: heads
+    ÷ TP, tokens ÷ CP, micro-batch; layers run one at a time) plus the model-level estimate
+    ``model`` (weights, gradients, optimizer states, activations by recompute setting: the
+    model-level estimate of ``sp_attention.memory``, issue 26), given as a number of bytes or
+    an object / mapping with ``total_bytes``. Returns ``{"attention", "model", "total"}`` in
+    bytes."""
     if model is None:
         m = 0.0
     elif isinstance(model, (int, float)):
