@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from sp_attention.precision import acc_dtype
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_ref", "default_chunk_tokens",
-           "LOSS_IMPLS", "CHUNK_ELEMENTS"]
+           "LOSS_IMPLS", "CHUNK_ELEMENTS", "check_loss_impl", "micro_batch_loss"]
 
 # Budget of one chunk's logits: 2^28 elements (at V = 128256: 2048 tokens, 1 GiB in fp32 on
 # the torch path, 0.5 GiB in bf16 on the Triton path). Bigger chunks gain nothing measurable
@@ -231,3 +231,62 @@ def linear_cross_entropy_ref(hidden: torch.Tensor, weight: torch.Tensor, labels:
     acc = acc_dtype(hidden, weight)
     logits = (hidden @ weight.t()).to(acc)
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+
+
+# --- train.py's loss per micro-batch ----------------------------------------------------------
+IGNORE_INDEX = -100
+
+
+def check_loss_impl(impl: str, tp: int, device: torch.device) -> None:
+    """Refuse a ``--loss-impl`` this run cannot use (on every rank, before any collective)."""
+    if impl not in LOSS_IMPLS:
+        raise ValueError(f"--loss-impl {impl!r}: use one of {LOSS_IMPLS}")
+    if impl != "liger":
+        return
+    if tp > 1:
+        raise ValueError("--loss-impl liger has no tensor parallelism (its fused linear cross "
+                         "entropy needs the whole vocabulary on one rank); use --loss-impl "
+                         "chunked (vocabulary-parallel) or --tensor-model-parallel-size 1")
+    if device.type != "cuda":
+        raise ValueError("--loss-impl liger runs Triton kernels on CUDA only; use --loss-impl "
+                         "chunked on CPU")
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        raise ValueError("--loss-impl liger needs Liger-Kernel (pip install liger-kernel); or "
+                         "use --loss-impl chunked") from None
+
+
+def micro_batch_loss(model, tokens, positions, labels, mask, *, impl: str, tp_group,
+                     dp_cp_group, num_micro_batches: int,
+                     chunk_tokens: Optional[int] = None) -> torch.Tensor:
+    """This rank's share of the step's global mean loss from one micro-batch
+    (``[b, s/cp]`` tensors): ``Σ masked token losses / (global real tokens · micro-batches)``
+    (every micro-batch holds the same number of loss tokens, so the shares of a step add up to
+    its global mean; sum gradients over DP × CP).
+
+    ``impl``: ``megatron`` — the model's own output layer and (on GPUs fused) vocabulary-parallel
+    cross entropy over the full logits (the model returns per-token losses); ``chunked`` /
+    ``liger`` — the model returns hidden states (``build_gpt_model(return_hidden_states=True)``)
+    and :func:`linear_cross_entropy` / Liger-Kernel's fused linear cross entropy applies the
+    output layer chunk by chunk.
+    """
+    from sp_attention.reduce import global_token_count, global_token_mean
+    if impl == "megatron":
+        token_loss = model(tokens, positions, attention_mask=None, labels=labels)   # [b, s]
+        return global_token_mean(token_loss.float(), mask, dp_cp_group) / num_micro_batches
+    from megatron_patches.model import output_weight
+    hidden = model(tokens, positions, attention_mask=None)                       # [s, b, h]
+    # labels in the hidden states' [s, b] order; masked tokens ignored
+    target = torch.where(mask.bool(), labels, torch.full_like(labels, IGNORE_INDEX))
+    target = target.t().reshape(-1)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    weight = output_weight(model)
+    if impl == "liger":
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+        loss_sum = liger_fused_linear_cross_entropy(hidden, weight, target,
+                                                    ignore_index=IGNORE_INDEX, reduction="sum")
+    else:
+        loss_sum, _ = linear_cross_entropy(hidden, weight, target, ignore_index=IGNORE_INDEX,
+                                           tp_group=tp_group, chunk_tokens=chunk_tokens)
+    return loss_sum.float() / (global_token_count(mask, dp_cp_group) * num_micro_batches)
