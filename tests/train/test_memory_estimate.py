@@ -98,7 +98,7 @@ def _expected(kind, groups, name):
     if name == "none":
         return LAYERS * layer() + shared
     if drop:      # a replayed core attention saves only its q, k, v inputs (+ an int64 id)
-        return LAYERS * layer(drop) + (8 + LAYERS * 8 / SEQ if "core_attn" in drop else shared)
+        return LAYERS * layer(drop) + (8 + 8 / SEQ if "core_attn" in drop else shared)
     ckpt = 2 * HID                           # one [N, h] input per checkpointed group
     if name == "full_b1":                    # layer 2 keeps everything
         return ckpt + (shared - 8) / LAYERS + layer() + 8 + 4 * d
