@@ -13,6 +13,9 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 LAYOUTS = ("contiguous", "zigzag")
+# The one default: Megatron's split (causal-balanced, what its RoPE and softmax layers assume).
+# Every builder and adapter that does not name a layout reads this constant.
+DEFAULT_LAYOUT = "zigzag"
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class SPContext:
     rank: int
     world_size: int
     global_ranks: tuple[int, ...] = field(default=())
-    layout: str = "zigzag"
+    layout: str = DEFAULT_LAYOUT
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -70,7 +73,7 @@ class SPContext:
         return self.global_ranks[group_rank % self.world_size]
 
 
-def build_sp_context(group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag",
+def build_sp_context(group: Optional[dist.ProcessGroup] = None, layout: str = DEFAULT_LAYOUT,
                      ) -> SPContext:
     """Build an :class:`SPContext` from a process group.
 

@@ -6,8 +6,9 @@ import sp_attention.linear
 
 def test_top_level_api():
     assert sorted(sp_attention.__all__) == sorted([
-        "__version__", "LAYOUTS", "SPContext", "build_sp_context", "CPGroupOptions", "new_cp_group",
-        "lightning_attention", "context_parallel_attention",
+        "__version__", "LAYOUTS", "DEFAULT_LAYOUT", "SPContext", "build_sp_context",
+        "CPGroupOptions", "new_cp_group", "lightning_attention", "context_parallel_attention",
+        "SoftmaxSchedule",
         "shard_sequence", "unshard_sequence", "shard_position_ids", "shift_labels",
         "pad_to_multiple", "pad_for_layout", "LinearTuning", "SoftmaxTuning"])
     for name in sp_attention.__all__:
