@@ -17,7 +17,7 @@ def test_top_level_api():
 
 def test_subpackage_apis():
     assert sorted(sp_attention.linear.__all__) == sorted([
-        "lightning_attention", "IMPLS", "LinearTuning", "recurrent_linear_attention",
+        "lightning_attention", "IMPLS", "DEFAULT_IMPL", "LinearTuning", "recurrent_linear_attention",
         "chunked_linear_attention"])
     assert sorted(sp_attention.comm.__all__) == sorted([
         "all_gather_flat", "reduce_scatter_flat", "all_gather_along", "reduce_scatter_along",
