@@ -20,7 +20,9 @@ import torch
 from ..call_check import agree_across_ranks
 from ..context import SPContext
 from ..tuning import LinearTuning
-from ..validation import check_local_length, check_tensors, resolve_ctx, sdpa_hint
+from ..precision import acc_dtype
+from ..validation import (autocast_inputs, autocast_off, check_local_length, check_tensors,
+                          resolve_ctx, sdpa_hint)
 from .fla_ops import BACKENDS, FlaKernels, resolve_kernels
 from .leaf import leaf_backward, leaf_output
 from .leaves import leaves_backward, leaves_output
@@ -29,19 +31,23 @@ from .scan_blelloch import blelloch_scan
 from .scan_ring import ring_scan
 from .slope_constants import check_slope_values, leaf_transition
 
-__all__ = ["lightning_attention", "IMPLS", "SCANS", "resolve_impl", "leaf_rows", "scan_rows"]
+__all__ = ["lightning_attention", "IMPLS", "DEFAULT_IMPL", "SCANS", "resolve_impl", "leaf_rows", "scan_rows"]
 
 SCANS = {"blelloch": blelloch_scan, "allgather": allgather_scan, "ring": ring_scan}
 IMPLS = tuple(SCANS) + ("auto",)
+# The one default scan choice; routes that do not name a scan pass None and get this (read at
+# call time, so every route follows a change of this line).
+DEFAULT_IMPL = "auto"
 _DEFAULT = LinearTuning()
 
 
-def resolve_impl(impl: str, ctx: SPContext, tuning: LinearTuning = _DEFAULT) -> str:
+def resolve_impl(impl: Optional[str], ctx: SPContext, tuning: LinearTuning = _DEFAULT) -> str:
     """The scan schedule ``impl`` names; ``"auto"``: two leaves (contiguous P = 2, or zigzag on
     one rank) need one hop at most, and the ring does it with no fold (measured on 2x H200 at
     32K: 0.74 vs 0.69 for the all-gather); beyond that one all-gather (a single latency) beats
     2⌈log2 L⌉ dependent rounds while the gathered states stay small, up to
     ``tuning.auto_allgather_max_leaves``; past that the tree's O(log L) rounds win."""
+    impl = DEFAULT_IMPL if impl is None else impl
     if impl not in IMPLS:
         raise ValueError(f"unknown linear-attention scan impl {impl!r}; use one of {IMPLS}")
     if impl == "auto":
@@ -70,10 +76,31 @@ def scan_rows(x: torch.Tensor, q: torch.Tensor, slopes: torch.Tensor, ctx: SPCon
     return torch.stack(out, 1).view(x.shape)
 
 
+def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[B, T, Hkv, D]`` -> ``[B, T, H, D]``: KV head ``g`` serves query heads ``g·G …
+    g·G + G − 1`` (``G = H / Hkv``; Megatron's and HF's mapping ``h // G``). No copy for
+    ``G = 1``."""
+    group = heads // x.shape[2]
+    return x if group == 1 else x.repeat_interleave(group, dim=2)
+
+
+def reduce_kv_grad(dx: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """Sum a ``[B, T, H, D]`` gradient over each GQA group (in fp32, fp64 stays) into
+    ``[B, T, Hkv, D]`` of ``dtype``."""
+    b, t, h, d = dx.shape
+    if h == kv_heads:
+        return dx.to(dtype)
+    return dx.to(acc_dtype(dx)).view(b, t, kv_heads, h // kv_heads, d).sum(3).to(dtype)
+
+
 class _LightningAttention(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, slopes, ctx: SPContext, impl: str, scale: float,
                 local: Union[str, FlaKernels], tuning: LinearTuning):
+        k_in, v_in = k, v
+        # GQA: one expansion on this rank (nothing but states crosses ranks), after the
+        # checks; the kernels see as many K/V heads as query heads; backward expands again
+        k, v = expand_kv(k, q.shape[2]), expand_kv(v, q.shape[2])
         if ctx.num_leaves == 1 and isinstance(local, str):
             # the whole sequence is one leaf: nothing enters it; one kernel call
             S = torch.zeros(())
@@ -91,13 +118,19 @@ class _LightningAttention(torch.autograd.Function):
                                  lambda b: scan_rows(b, q, slopes, ctx, impl, False), local,
                                  zero_in, tuning=tuning)
             out = o.reshape(*q.shape[:3], v.shape[-1])
-        fctx.save_for_backward(q, k, v, slopes, S)
+        fctx.save_for_backward(q, k_in, v_in, slopes, S)
         fctx.sp, fctx.impl, fctx.scale, fctx.local, fctx.tuning = ctx, impl, scale, local, tuning
         return out.to(q.dtype)
 
     @staticmethod
     def backward(fctx, do):
-        q, k, v, slopes, S = fctx.saved_tensors
+        with autocast_off(do.device):
+            return _LightningAttention._backward(fctx, do)
+
+    @staticmethod
+    def _backward(fctx, do):
+        q, k_in, v_in, slopes, S = fctx.saved_tensors
+        k, v = expand_kv(k_in, q.shape[2]), expand_kv(v_in, q.shape[2])
         ctx, scale, local, tuning = fctx.sp, fctx.scale, fctx.local, fctx.tuning
         if ctx.num_leaves == 1 and isinstance(local, str):
             # one leaf: no state enters, no gradient arrives
@@ -118,6 +151,8 @@ class _LightningAttention(torch.autograd.Function):
                 lambda d: scan_rows(d, q, slopes, ctx, fctx.impl, True), local, needed,
                 zero_grad, tuning=tuning)
             dq, dk, dv = (g.reshape(x.shape) for g, x in zip(grads, (q, k, v)))
+        dk = reduce_kv_grad(dk, k_in.shape[2], k_in.dtype)
+        dv = reduce_kv_grad(dv, v_in.shape[2], v_in.dtype)
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -126,13 +161,19 @@ def _check_inputs(q, k, v, slopes, ctx: SPContext, scale) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be [B, T, H, K/V]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape != k.shape:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must have the same shape")
-    if v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v {tuple(v.shape)} must match q {tuple(q.shape)} in B, T, H")
+    if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must have the same shape "
+                         "but for k's heads (B, T, K equal; k may have fewer, grouped heads)")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v {tuple(v.shape)} must match q {tuple(q.shape)} in B, T and k "
+                         f"{tuple(k.shape)} in its heads")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads {q.shape[2]} must be a multiple of the KV heads "
+                         f"{k.shape[2]} (GQA: query head h uses KV head h // (H / Hkv))")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them "
-                         "to one dtype")
+                         "to one dtype (under torch.autocast the op casts them to the autocast "
+                         "dtype itself, as SDPA does)")
     if not (q.device == k.device == v.device):
         raise ValueError("q, k, v are on different devices")
     H = q.shape[2]
@@ -164,7 +205,7 @@ def _signature(q, k, v, slopes, impl, scale, backend, tuning, ctx: SPContext) ->
 
 
 def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
-                        *, ctx: Optional[SPContext] = None, impl: str = "auto",
+                        *, ctx: Optional[SPContext] = None, impl: Optional[str] = None,
                         scale: float = 1.0, backend: Union[None, str, FlaKernels] = None,
                         tuning: Optional[LinearTuning] = None) -> torch.Tensor:
     """Causal linear attention with per-head decay over a context-parallel group.
@@ -175,10 +216,15 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope
         (o_t = scale · Σ_{j≤t} λ^{t−j} (q_t·k_j) v_j)
 
     Args:
-        q, k: ``[B, T_local, H, K]`` this rank's shard of the sequence (see
+        q: ``[B, T_local, H, K]`` this rank's shard of the sequence (see
             :func:`sp_attention.shard_sequence`; zigzag holds chunks ``r`` and ``2P−1−r``).
             Not SDPA's ``[B, H, T, K]``: transpose(1, 2) such tensors first.
-        v: ``[B, T_local, H, V]``.
+        k, v: ``[B, T_local, Hkv, K]`` and ``[B, T_local, Hkv, V]`` with ``H % Hkv == 0``
+            (grouped K/V, GQA: query head ``h`` uses KV head ``h // (H / Hkv)``, Megatron's and
+            HF's mapping); pass them as the projections make them, the op expands them once
+            on this rank (only states cross ranks) and sums their gradients over each group.
+            Dtypes: one floating dtype for q, k, v; under ``torch.autocast`` they are cast to
+            the autocast dtype first (SDPA's rule), outside autocast mismatches raise.
         slopes: ``[H]`` fixed, non-negative decay rates (0 = no decay), any float dtype and
             device (moved to ``q``'s device; decays are formed in fp32, fp64 for fp64
             inputs). Not differentiated. Under TP, the slopes of this rank's heads.
@@ -186,7 +232,8 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope
             was sharded). ``None`` or world size 1: plain single-device attention.
         impl: cross-rank state scan: ``"blelloch"`` (tree, 2⌈log2 L⌉ rounds of one fp32
             state), ``"allgather"`` (one all-gather, local fold), ``"ring"`` (P−1 sequential
-            hops, baseline), ``"auto"`` (ring for 2 leaves, allgather up to 16, else blelloch).
+            hops, baseline), ``"auto"`` (ring for 2 leaves, allgather up to 16, else blelloch);
+            None: :data:`DEFAULT_IMPL` (``"auto"``).
         scale: multiplies ``q`` (default 1.0, unlike softmax attention's ``D ** -0.5``; pass
             ``K ** -0.5`` for softmax-like scaling).
         backend: local kernel, ``"fla"`` (fla-core Triton, CUDA) or ``"torch"`` (chunked pure
@@ -208,6 +255,7 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope
     """
     ctx = resolve_ctx(ctx)
     tuning = _DEFAULT if tuning is None else tuning
+    q, k, v = autocast_inputs(q, k, v)
     error, local = None, None
     try:
         if not isinstance(tuning, LinearTuning):
@@ -225,7 +273,10 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope
         error = e
     check_all = isinstance(tuning, LinearTuning) and tuning.check_every_call
     agree_across_ranks(ctx, "lightning_attention",
-                       _signature(q, k, v, slopes, impl, scale, backend, tuning, ctx), error,
+                       _signature(q, k, v, slopes, DEFAULT_IMPL if impl is None else impl, scale,
+                                  backend, tuning, ctx), error,
                        check_all)
     slopes = slopes.to(device=q.device)
-    return _LightningAttention.apply(q, k, v, slopes, ctx, resolved, float(scale), local, tuning)
+    with autocast_off(q.device):
+        return _LightningAttention.apply(q, k, v, slopes, ctx, resolved, float(scale), local,
+                                         tuning)
