@@ -138,3 +138,29 @@ def test_estimate_arithmetic():
         ModelShape(2, 64, 128, 4, 4, 64, "SX")
     with pytest.raises(ValueError, match="recompute="):
         StepShape(recompute="partial")
+
+
+def test_train_memory_check_refuses_with_the_fixes():
+    """train.py's check: 1B softmax at 256K tokens without recompute cannot fit an H200; the
+    refusal names CP, full recompute and their estimates; full recompute fits."""
+    from megatron_patches.trainer.args import parse_args
+    from megatron_patches.trainer.loss import check_loss_impl
+    from megatron_patches.trainer.setup import check_memory
+    h200 = 150e9
+    argv = ["--preset", "1b", "--seq-length", "262144", "--global-batch-size", "1",
+            "--vocab-size", "128256"]
+    args = parse_args(argv)
+    with pytest.raises(ValueError, match="more than the device holds") as e:
+        check_memory(args, args.layout(1), 128256, bf16=True, capacity=h200)
+    for fix in ("--context-parallel-size 4 (4x the GPUs)", "--recompute-granularity full",
+                "--no-memory-check"):
+        assert fix in str(e.value), str(e.value)
+    full = parse_args(argv + ["--recompute-granularity", "full"])
+    assert check_memory(full, full.layout(1), 128256, bf16=True, capacity=h200).total < h200
+    assert check_memory(args, args.layout(1), 128256, bf16=True, capacity=None).total > h200
+    forced = parse_args(argv + ["--no-memory-check"])
+    check_memory(forced, forced.layout(1), 128256, bf16=True, capacity=h200)
+    with pytest.raises(ValueError, match="no tensor parallelism"):
+        check_loss_impl("liger", 2, torch.device("cuda"))
+    with pytest.raises(ValueError, match="use one of"):
+        parse_args(["--loss-impl", "plain"])
