@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[32768, 65536])
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--chunks", type=int, nargs="+", default=[0, 8192],
+    p.add_argument("--chunks", type=int, nargs="+", default=[0, 2048, 16384],
                    help="chunk sizes of ours to run (0: the default by memory)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)

@@ -92,7 +92,8 @@ class StepShape:
         recompute_method, recompute_num_layers: for ``full`` (``uniform``/``block``, N).
         recompute_modules: for ``selective`` (``core_attn``, ``mlp``).
         loss: ``"chunked"`` (ours), ``"liger"`` or ``"megatron"`` (full logits).
-        loss_chunk_tokens: the chunked loss's tokens per chunk (None: its default).
+        loss_chunk_tokens: the chunked loss's tokens per chunk (train.py passes its
+            loss's default; None: the whole micro-batch in one chunk).
     """
 
     tp: int = 1
@@ -271,8 +272,7 @@ def _loss_bytes(m: ModelShape, s: StepShape, n: int, e: int) -> tuple:
     if s.loss == "liger":
         chunk = n * h * e + n * 4                          # Liger sizes chunks to ~[N, h]
         return float(held + chunk + n * h * e), float(held)
-    from_chunk = s.loss_chunk_tokens or max(1, (1 << 28) // max(1, vt))
-    chunk = min(n, from_chunk) * vt * e                    # one chunk's logits
+    chunk = min(n, s.loss_chunk_tokens or n) * vt * e      # one chunk's logits
     acc = vt * h * 4 if s.param_bytes == 2 else 0         # the fp32 dW accumulator
     # forward: the hidden states, dh, the fp32 dW accumulator beside one chunk's logits or,
     # at the end, beside its 16-bit copy

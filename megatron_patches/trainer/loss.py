@@ -41,10 +41,11 @@ from sp_attention.precision import acc_dtype
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_ref", "default_chunk_tokens",
            "LOSS_IMPLS", "CHUNK_ELEMENTS", "check_loss_impl", "micro_batch_loss"]
 
-# Budget of one chunk's logits: 2^28 elements (at V = 128256: 2048 tokens, 1 GiB in fp32 on
-# the torch path, 0.5 GiB in bf16 on the Triton path). Bigger chunks gain nothing measurable
-# once each GEMM is [2048, 2048] x [2048, 128256] (1 TFLOP).
-CHUNK_ELEMENTS = 1 << 28
+# Budget of one chunk's logits: 2^30 elements (at V = 128256: 8192 tokens, 2 GiB in bf16 on
+# the Triton path; 4 GiB fp32 + 2 GiB bf16 on the torch path). Each chunk adds its dW into
+# the fp32 [V, h] accumulator (a read and a write of 1 GiB at V = 128256, h = 2048), so fewer,
+# larger chunks cost less traffic; benchmarks/loss_bench.py times others (--chunks).
+CHUNK_ELEMENTS = 1 << 30
 
 # train.py's --loss-impl values (one home): ours, Liger-Kernel's, Megatron's full-logits loss.
 LOSS_IMPLS = ("chunked", "liger", "megatron")
@@ -201,7 +202,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
             gradient). Identical on every TP rank.
         tp_group: the TP group the vocabulary is split over (None: one rank holds it all).
         chunk_tokens: tokens per chunk; None: :func:`default_chunk_tokens` (one chunk's logits
-            ≤ 2^28 values).
+            ≤ 2^30 values).
         use_triton: the fused row kernels of :mod:`.loss_kernels` (CUDA, 16-bit/fp32);
             None: on CUDA tensors. The torch path computes in fp32 (fp64 for fp64 inputs).
 

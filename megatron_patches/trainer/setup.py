@@ -122,6 +122,7 @@ def count_params(model: torch.nn.Module, tp: int) -> int:
 def memory_estimate(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: bool):
     """``sp_attention.memory.estimate_memory`` for this run (pure: no device, no collective)."""
     from sp_attention.memory import ModelShape, StepShape, estimate_memory
+    from .loss import default_chunk_tokens
     rc = args.recompute()
     model = ModelShape(args.num_layers, args.hidden_size, args.ffn_hidden_size,
                        args.num_attention_heads, args.num_query_groups, vocab_size,
@@ -131,7 +132,8 @@ def memory_estimate(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: b
                      num_micro_batches=layout.num_micro_batches, seq_length=args.seq_length,
                      param_bytes=2 if bf16 else 4, recompute=rc.granularity,
                      recompute_method=rc.method, recompute_num_layers=rc.num_layers,
-                     recompute_modules=rc.modules or ("core_attn",), loss=args.loss_impl)
+                     recompute_modules=rc.modules or ("core_attn",), loss=args.loss_impl,
+                     loss_chunk_tokens=default_chunk_tokens(vocab_size // layout.tp))
     return model, step, estimate_memory(model, step)
 
 

@@ -119,14 +119,14 @@ def test_estimate_arithmetic():
     """Terms add up; recompute and CP shrink activations; 1B numbers in the expected range."""
     m = ModelShape(16, 2048, 8192, 32, 8, 128256, "S" * 16)
     assert sum(param_count(m).values()) == pytest.approx(1.4985e9, rel=1e-3)
-    base = dict(seq_length=32768, num_micro_batches=4)
+    base = dict(seq_length=32768, num_micro_batches=4, loss_chunk_tokens=8192)
     none = estimate_memory(m, StepShape(**base))
     full = estimate_memory(m, StepShape(**base, recompute="full"))
     sel = estimate_memory(m, StepShape(**base, recompute="selective", recompute_modules=("mlp",)))
     cp2 = estimate_memory(m, StepShape(**base, cp=2))
     assert full.activations < sel.activations < none.activations
     assert cp2.activations == pytest.approx(none.activations / 2, rel=0.01)
-    assert none.phase == "backward" and none.total == pytest.approx(
+    assert none.phase in ("forward", "backward") and none.total == pytest.approx(
         none.weights + none.grads + none.optimizer + none.activations + none.loss
         + none.workspace)
     # one softmax layer of the 1B shape saves ~84 KiB per token in bf16
