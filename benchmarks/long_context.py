@@ -136,6 +136,8 @@ def run_row(row, log_dir: str) -> dict:
     except ValueError as e:
         msg = str(e)
         out["status"] = "refused by the estimate" if "device holds" in msg else f"error: {msg}"
+    except Exception as e:      # noqa: BLE001 - a failing row is recorded, the sweep goes on
+        out["status"] = f"error: {type(e).__name__}: {str(e)[:500]}"
     out["wall_s"] = time.perf_counter() - t0
     out["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     if out["status"] == "ok":
