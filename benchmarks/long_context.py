@@ -129,7 +129,7 @@ def run_row(row, log_dir: str) -> dict:
         steady = hist[1:] or hist
         out.update(status="ok", first_loss=hist[0]["loss"],
                    tokens_per_s=sum(r["tokens_per_s"] for r in steady) / len(steady),
-                   mfu=sum(r["mfu"] for r in steady) / len(steady),
+                   mfu=sum(r.get("mfu", 0.0) for r in steady) / len(steady),
                    step_time_s=sum(r["step_time_s"] for r in steady) / len(steady))
     except torch.OutOfMemoryError:
         out["status"] = "out of memory"

@@ -4,8 +4,10 @@
 # logged under $OUT. Needs the wheels megatron-core 0.19.2, fla-core 0.6.0 and liger-kernel
 # 0.8.5 in .whl/ (../shared/tools/device-wheels.sh liger-kernel==0.8.5).
 #   bash scripts/device_long_context.sh [loss] [sweep1] [sweep2] [launcher] [tests]
-# Times on an H200 (guesses): loss ~1 min, sweep1 ~6.5 min, sweep2 ~7.5 min (3.5 without the
-# longest softmax row: SWEEP2_ARGS="--longest"), launcher ~2.5 min, tests ~1 min.
+# One device call each (guesses on an H200): sweep1 ~8 min (32K and 4K with every recompute
+# setting, 256K full recompute, the longest hybrid), sweep2 ~7.5 min (64K, 128K, 256K, the
+# longest softmax; SWEEP2_ARGS="--longest hybrid" drops the ~4-min softmax row), and
+# "loss tests launcher" ~5 min together. Every row lands in $OUT/long_context.jsonl as it ends.
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 export TRITON_CACHE_AUTOTUNING=1 OMP_NUM_THREADS=8
@@ -13,7 +15,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 for step in ${*:-loss sweep1}; do
   case $step in
     loss)       # Liger vs ours vs Megatron's fused CE vs plain at 32K / 64K tokens
-      timeout 150 python3 benchmarks/loss_bench.py --out "$OUT/loss_bench.jsonl" \
+      timeout 240 python3 benchmarks/loss_bench.py --out "$OUT/loss_bench.jsonl" \
         > "$OUT/loss_bench.log" 2>&1; echo "loss_bench exit $?" | tee -a "$OUT/loss_bench.log"
       python3 benchmarks/long_context.py --table "$OUT/loss_bench.jsonl" ;;
     sweep1|sweep2)
