@@ -67,7 +67,7 @@ def plan(part: int, longest_hybrid: int = 0, longest_softmax: int = 0) -> list:
     return rows
 
 
-def longest_by_estimate(kind: str, capacity_gib: float, step: int = 64 * K) -> int:
+def longest_by_estimate(kind: str, capacity_gib: float, step: int = 32 * K) -> int:
     """The longest multiple of ``step`` whose full-recompute estimate stays within
     ``capacity_gib`` (pass a margin below the device)."""
     seq = step
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     p.add_argument("--build-s", type=float, default=7.0, help="model build + first-call guess")
     p.add_argument("--capacity-gib", type=float, default=139.7,
                    help="the GPU's memory (H200: 139.7 GiB) for the plan's guesses")
-    p.add_argument("--margin", type=float, default=0.92,
+    p.add_argument("--margin", type=float, default=0.9,
                    help="the longest rows: the longest length whose estimate is within this "
                    "share of --capacity-gib")
     p.add_argument("--part", type=int, choices=[1, 2], default=1,
@@ -227,6 +227,7 @@ def main(argv=None) -> int:
         return 0
     start = time.perf_counter()
     results = []
+    longest = {r for r in rows if r[6] == 1 and r[2] == "full"}
     for r in rows:
         left = args.budget_s - (time.perf_counter() - start)
         need = predicted_s(r, args.assumed_tflops, args.build_s, args.capacity_gib)
@@ -237,6 +238,9 @@ def main(argv=None) -> int:
         else:
             res = run_row(r, f"/tmp/long_context/{r[0]}_{r[1] // K}K_{r[2]}_{r[5]}")
         results.append(res)
+        if r in longest and res["status"] == "out of memory":    # one retry, 1/16 shorter
+            shorter = r[1] - r[1] // 16
+            rows.append((r[0], shorter - shorter % (32 * K)) + r[2:])
         line = json.dumps(res)
         print(line, flush=True)
         if args.out:
