@@ -179,6 +179,8 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
                 save(args, step, model, optimizer, groups, layout)
     finally:
         progress.close()
+        if own_signals:
+            signals.restore()
     if rank == 0 and progress.history:          # means of the steady steps, for benchmarks
         summary = dict(progress.summary(), model_kind=args.model_kind, preset=args.preset,
                        layout=layout.summary(), params=n_params, device=str(device),
@@ -201,9 +203,8 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
                     + (f"; resume with --load {args.save}" if args.save else ""))
     elif png:
         rank0_print(f"loss curve: {png}")
-    if own_signals:
-        signals.restore()
     return progress.history
+
 
 if __name__ == "__main__":
     stop = StopSignals()     # SIGTERM/SIGINT from the start: a stop, never a kill mid-save

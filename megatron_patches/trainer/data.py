@@ -72,8 +72,8 @@ class CopyTask:
 def _not_utf8(path: str, raw: bytes, e: UnicodeDecodeError, line: Optional[int]) -> ValueError:
     if line is None:                       # a whole .txt file: the line of the bad byte
         line = raw.count(b"\n", 0, e.start) + 1
-    return ValueError(f"{path}:{line}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); fix the file, or "
-                      "pass --data-encoding bytes to train on its raw bytes")
+    return ValueError(f"{path}:{line}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); fix the "
+                      "file, or pass --data-encoding bytes to train on its raw bytes")
 
 
 def _read_documents(path: str, encoding: str = "utf-8") -> list:

@@ -141,6 +141,23 @@ def test_slurm_env_mapping():
     assert first_host("node1") == "node1" and first_host("a[3-5,9],b2") == "a3"
 
 
+def test_stop_exit_statuses(monkeypatch):
+    """75 after SIGTERM (requeue), 130 after Ctrl-C, 0 otherwise; 0 under torchrun, whose
+    agent reads any other worker status as a crash (our launcher returns the stop's)."""
+    import signal
+    from megatron_patches.trainer.launch import StopSignals
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    s = StopSignals()
+    s.restore()
+    assert s.exit_status == 0 and s.name == "no signal"
+    s.stopped_by = signal.SIGTERM
+    assert s.exit_status == 75 and s.name == "SIGTERM"
+    s.stopped_by = signal.SIGINT
+    assert s.exit_status == 130
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert s.exit_status == 0
+
+
 def _fake_slurm(tmp_path, hostnames='echo nodeA\necho nodeB'):
     """Stand-in scontrol/srun that record their arguments; the environment to run with."""
     bindir = tmp_path / "bin"
