@@ -265,8 +265,8 @@ def _loss_bytes(m: ModelShape, s: StepShape, n: int, e: int) -> tuple:
     if s.loss == "megatron":
         # forward: the [N, V/t] logits, their fp32 copy and its exp (saved for the backward);
         # backward: the saved exp beside the 16-bit gradient. Calibrated on an H200 (1B, V
-        # 128256, fused CE: 62.0 GiB measured at 4K x 4, 101.6 at 32K; train.py runs in
-        # benchmarks/results/2026-11-23_h200_s5_train_1b.jsonl)
+        # 128256, fused CE: 62.0 / 65.2 GiB measured at 4K x 4 for softmax / hybrid in
+        # benchmarks/results/2026-11-23_h200_s5_train_1b.jsonl; 101.6 / 108.0 at 32K, issue 26)
         fwd = n * vt * (e + 8) + n * h * e
         return float(fwd), float(n * vt * (4 + e) + n * h * e)
     held = n * h * e + vt * h * s.param_bytes              # dh, the output weight's grad
