@@ -120,10 +120,10 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
     args = parse_args(argv)                       # bad flags fail here, on every rank
     rank, world, device = init_distributed(args.distributed_timeout_minutes)
     layout = args.layout(world)                   # world-size checks, still before collectives
-    resume_from = checked_resume_point(args, layout)
-    bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
     args.recompute().check_device(device.type == "cuda")
     check_loss_impl(args.loss_impl, layout.tp, device)
+    resume_from = checked_resume_point(args, layout)
+    bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
     data = build_dataset(args, layout.tp)
     # printed before anything is allocated; a layout that cannot fit stops here on every rank
     capacity = (torch.cuda.get_device_properties(device).total_memory
