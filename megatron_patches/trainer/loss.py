@@ -66,6 +66,7 @@ class _Config:
     ignore_index: int
     chunk_tokens: int
     use_triton: bool
+    grad_enabled: bool         # autograd records this call (needs_input_grad ignores no_grad)
 
 
 def _tp_all_reduce(x: torch.Tensor, cfg: _Config, op=dist.ReduceOp.SUM) -> None:
@@ -131,7 +132,8 @@ def _add_weight_grad(dW: torch.Tensor, g: torch.Tensor, hc: torch.Tensor) -> Non
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(fctx, hidden, weight, labels, cfg: _Config):
-        need_h, need_w = fctx.needs_input_grad[0], fctx.needs_input_grad[1]
+        need_h = cfg.grad_enabled and fctx.needs_input_grad[0]
+        need_w = cfg.grad_enabled and fctx.needs_input_grad[1]
         want = need_h or need_w
         n = hidden.shape[0]
         acc = acc_dtype(hidden, weight)
@@ -224,7 +226,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     cfg = _Config(tp_group=tp_group, tp_size=tp_size, vocab_start=tp_rank * weight.shape[0],
                   ignore_index=ignore_index,
                   chunk_tokens=chunk_tokens or default_chunk_tokens(weight.shape[0]),
-                  use_triton=bool(use_triton))
+                  use_triton=bool(use_triton), grad_enabled=torch.is_grad_enabled())
     return _LinearCrossEntropy.apply(hidden, weight, labels, cfg)
 
 

@@ -67,9 +67,19 @@ def test_no_grad_and_frozen_weight():
     from megatron_patches.trainer.loss import linear_cross_entropy
     hidden, weight, labels = _data()
     ref = _reference(hidden, weight, labels, 1.0)
-    with torch.no_grad():
-        loss, _ = linear_cross_entropy(hidden, weight, labels, chunk_tokens=8)
-    assert _err(loss, ref[0]) < 1e-10
+    import megatron_patches.trainer.loss as loss_mod
+    calls = []
+    real_mm = loss_mod._add_weight_grad
+    loss_mod._add_weight_grad = lambda *a: calls.append(1) or real_mm(*a)
+    try:
+        with torch.no_grad():       # the inputs require grad, but nothing records the call
+            loss, _ = linear_cross_entropy(hidden.requires_grad_(True),
+                                           weight.requires_grad_(True), labels, chunk_tokens=8)
+    finally:
+        loss_mod._add_weight_grad = real_mm
+    hidden.requires_grad_(False)
+    weight.requires_grad_(False)
+    assert _err(loss, ref[0]) < 1e-10 and not calls      # no gradient work under no_grad
     h = hidden.clone().requires_grad_(True)
     loss, _ = linear_cross_entropy(h, weight, labels, chunk_tokens=8)
     loss.backward()
