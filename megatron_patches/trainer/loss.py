@@ -278,13 +278,16 @@ def micro_batch_loss(model, tokens, positions, labels, mask, *, impl: str, tp_gr
     output layer chunk by chunk.
     """
     from sp_attention.reduce import global_token_count, global_token_mean
+    # the tokens the mean counts: masked in, and not an ignored target (Megatron's cross
+    # entropy has no ignore index, see megatron_patches.model.global_loss_share)
+    keep = mask * (labels != IGNORE_INDEX).to(mask.dtype)
     if impl == "megatron":
         token_loss = model(tokens, positions, attention_mask=None, labels=labels)   # [b, s]
-        return global_token_mean(token_loss.float(), mask, dp_cp_group) / num_micro_batches
+        return global_token_mean(token_loss.float(), keep, dp_cp_group) / num_micro_batches
     from megatron_patches.model import output_weight
     hidden = model(tokens, positions, attention_mask=None)                       # [s, b, h]
-    # labels in the hidden states' [s, b] order; masked tokens ignored
-    target = torch.where(mask.bool(), labels, torch.full_like(labels, IGNORE_INDEX))
+    # labels in the hidden states' [s, b] order; tokens left out get ignore_index
+    target = torch.where(keep.bool(), labels, torch.full_like(labels, IGNORE_INDEX))
     target = target.t().reshape(-1)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     weight = output_weight(model)
@@ -295,4 +298,4 @@ def micro_batch_loss(model, tokens, positions, labels, mask, *, impl: str, tp_gr
     else:
         loss_sum, _ = linear_cross_entropy(hidden, weight, target, ignore_index=IGNORE_INDEX,
                                            tp_group=tp_group, chunk_tokens=chunk_tokens)
-    return loss_sum.float() / (global_token_count(mask, dp_cp_group) * num_micro_batches)
+    return loss_sum.float() / (global_token_count(keep, dp_cp_group) * num_micro_batches)

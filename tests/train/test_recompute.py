@@ -79,8 +79,8 @@ def _worker(rank, world):
     ctx = cp_context()
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = shift_labels(tokens)           # the last label is -100: masked out below
-    mask = ((torch.rand(BATCH, SEQ, generator=g) > 0.2) & (labels >= 0)).float()
+    labels = shift_labels(tokens)           # the last label is -100: left out by both losses
+    mask = (torch.rand(BATCH, SEQ, generator=g) > 0.2).float()
     batch = (shard_sequence(tokens, ctx, dim=1),
              shard_position_ids(SEQ, ctx).unsqueeze(0).expand(BATCH, -1),
              shard_sequence(labels, ctx, dim=1), shard_sequence(mask, ctx, dim=1))
