@@ -47,7 +47,8 @@ from .rotary import install_zigzag_rope
 from .specs import block_spec, expand_pattern
 
 __all__ = ["build_gpt_model", "KINDS", "POSITION_EMBEDDINGS", "tp_shard_state_dict",
-           "grad_reduce_group", "cp_context", "layer_pattern", "global_loss_share"]
+           "grad_reduce_group", "cp_context", "layer_pattern", "global_loss_share",
+           "HiddenStatesGPTModel", "output_weight"]
 
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 
@@ -58,6 +59,29 @@ def layer_pattern(kind: str, num_layers: int, hybrid_pattern: str = "LLLS") -> s
         raise ValueError(f"kind={kind!r}: use one of {KINDS}")
     pattern = {"softmax": "S", "linear": "L"}.get(kind, hybrid_pattern)
     return expand_pattern(pattern, num_layers)
+
+
+class HiddenStatesGPTModel(GPTModel):
+    """A ``GPTModel`` whose forward returns the final hidden states ``[s, b, h]`` (after the
+    final norm) instead of logits or per-token losses.
+
+    For a loss that applies the output layer itself without ever holding ``[s, b, V]`` logits
+    (``megatron_patches.trainer.loss.linear_cross_entropy`` with :func:`output_weight`).
+    Everything else — parameters, output layer, state dict, checkpoints — is ``GPTModel``'s;
+    only the step after the decoder (``_postprocess``, called with keywords by megatron-core
+    0.16 and 0.19 alike) hands back its input. Multi-token prediction is not supported.
+    """
+
+    def _postprocess(self, *args, **kwargs):
+        return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+
+def output_weight(model: GPTModel) -> torch.Tensor:
+    """The output layer's weight ``[V/TP, h]`` of this TP rank (the word embedding's when
+    input and output embeddings are shared)."""
+    if getattr(model, "share_embeddings_and_output_weights", False):
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
 
 
 def _check(config: TransformerConfig, kind, cp_impl, position_embedding_type, pg_collection):
@@ -88,7 +112,8 @@ def build_gpt_model(config: TransformerConfig, *, kind: str, vocab_size: int,
                     softmax_options: Optional[SoftmaxOptions] = None,
                     hybrid_pattern: str = "LLLS", slope_schedule: str = "long_range",
                     position_embedding_type: str = "rope", pg_collection=None,
-                    rotary_base: float = 10000, **gpt_kwargs) -> GPTModel:
+                    rotary_base: float = 10000, return_hidden_states: bool = False,
+                    **gpt_kwargs) -> GPTModel:
     """A Megatron ``GPTModel`` whose attention layers run over Megatron's CP group.
 
     Args:
@@ -105,6 +130,8 @@ def build_gpt_model(config: TransformerConfig, *, kind: str, vocab_size: int,
         position_embedding_type: ``"rope"`` (our zigzag-aware RoPE) or ``"learned_absolute"``.
         pg_collection: Megatron ``ProcessGroupCollection``; None uses ``parallel_state``'s.
         rotary_base, **gpt_kwargs: passed on (``share_embeddings_and_output_weights``, ...).
+        return_hidden_states: build a :class:`HiddenStatesGPTModel` (forward returns the final
+            hidden states; apply the output layer in the loss with :func:`output_weight`).
 
     See the module docstring for the input/output and gradient contract.
     """
@@ -120,7 +147,11 @@ def build_gpt_model(config: TransformerConfig, *, kind: str, vocab_size: int,
         # all layers ("Invalid access pattern", seen saving a hybrid on 0.19.2): its own switch
         # for such blocks keys every layer's tensors by the layer's number.
         config.hetereogenous_dist_checkpoint = True
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
+    if return_hidden_states and config.mtp_num_layers:
+        raise ValueError("return_hidden_states does not support multi-token prediction; set "
+                         "mtp_num_layers=None or use the model's own loss")
+    cls = HiddenStatesGPTModel if return_hidden_states else GPTModel
+    model = cls(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
                      max_sequence_length=max_sequence_length,
                      position_embedding_type=position_embedding_type, rotary_base=rotary_base,
                      **gpt_kwargs)

@@ -18,6 +18,8 @@ from sp_attention.softmax import PRESETS as _SOFTMAX_PRESETS
 
 from ..args import MODEL_KINDS
 from .data import ENCODINGS as DATA_ENCODINGS
+from .loss import LOSS_IMPLS
+from .recompute import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, RECOMPUTE_MODULES, Recompute
 
 __all__ = ["PRESETS", "MODEL_KINDS", "TrainArgs", "Layout", "build_parser", "parse_args",
            "impls_for_kind"]
@@ -81,6 +83,12 @@ class TrainArgs:
     context_parallel_impl: str = "auto"
     local_attention_only: bool = False     # baseline: no attention across CP ranks (breaks CP)
     micro_batch_size: Optional[int] = None  # None: global batch / DP (no accumulation)
+    recompute_granularity: Optional[str] = None  # selective | full (Megatron's names)
+    recompute_method: Optional[str] = None       # full: uniform (default) | block
+    recompute_num_layers: Optional[int] = None   # full: layers per checkpoint / checkpointed
+    recompute_modules: Optional[list] = None     # selective: core_attn (default), mlp
+    loss_impl: str = "chunked"             # chunked (ours) | liger | megatron (full logits)
+    no_memory_check: bool = False          # start even when the memory estimate exceeds the GPU
     global_batch_size: int = 16
     lr: float = 2e-3
     min_lr: float = 2e-4
@@ -176,6 +184,15 @@ class TrainArgs:
             raise ValueError("--copy-vocab must be >= 2")
         if self.save_interval < 0 or self.log_interval < 1:
             raise ValueError("--save-interval must be >= 0 and --log-interval >= 1")
+        if self.loss_impl not in LOSS_IMPLS:
+            raise ValueError(f"--loss-impl {self.loss_impl!r}: use one of {LOSS_IMPLS}")
+        self.recompute()                   # its checks, with the fix in the message
+
+    def recompute(self) -> Recompute:
+        """The validated ``--recompute-*`` settings."""
+        return Recompute.from_flags(self.recompute_granularity, self.recompute_method,
+                                    self.recompute_num_layers, self.recompute_modules,
+                                    self.num_layers)
 
     def layer_kinds(self) -> str:
         """One letter per layer: S softmax, L linear."""
@@ -222,6 +239,26 @@ class TrainArgs:
         return Layout(tp, cp, dp, mbs, self.global_batch_size // (mbs * dp))
 
 
+_CHOICES = {
+    "recompute_granularity": dict(choices=RECOMPUTE_GRANULARITIES,
+                                  help="activation recompute: selective (--recompute-modules of "
+                                  "every layer) or full (whole layers); default none"),
+    "recompute_method": dict(choices=RECOMPUTE_METHODS,
+                             help="full recompute: uniform (groups of N layers, default) or "
+                             "block (the first N layers)"),
+    "recompute_num_layers": dict(help="full recompute: N (uniform default 1, block default "
+                                 "all layers)"),
+    "recompute_modules": dict(nargs="+", choices=RECOMPUTE_MODULES,
+                              help="selective recompute: submodules to replay (default "
+                              "core_attn)"),
+    "loss_impl": dict(choices=LOSS_IMPLS,
+                      help="chunked: linear + cross entropy in token chunks, never the full "
+                      "logits (vocabulary-parallel under TP); liger: Liger-Kernel's fused "
+                      "linear cross entropy (TP 1, CUDA); megatron: the model's output layer "
+                      "and Megatron's cross entropy over the full logits"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="train.py", description="DP × CP × TP training with context-parallel attention "
@@ -229,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in fields(TrainArgs):
         flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool) or f.name in ("local_attention_only", "no_progress_bar"):
+        if f.type in ("bool", bool) or f.name in ("local_attention_only", "no_progress_bar",
+                                                   "no_memory_check"):
             p.add_argument(flag, action="store_true")
         elif f.name == "bf16":
             p.add_argument("--bf16", dest="bf16", action="store_true", default=None)
@@ -244,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
                 kw["choices"] = sorted(PRESETS)
             if f.name == "data_encoding":
                 kw["choices"] = DATA_ENCODINGS
+            kw.update(_CHOICES.get(f.name, {}))
             p.add_argument(flag, type=typ, default=f.default, **kw)
     return p
 

@@ -235,7 +235,8 @@ def test_public_api_is_pinned():
     import megatron_patches.specs as s
     assert set(m.__all__) == {"build_gpt_model", "KINDS", "POSITION_EMBEDDINGS",
                               "tp_shard_state_dict", "grad_reduce_group", "cp_context",
-                              "layer_pattern", "global_loss_share"}
+                              "layer_pattern", "global_loss_share", "HiddenStatesGPTModel",
+                              "output_weight"}
     assert {"SoftmaxOptions", "SoftmaxCoreAttention", "LinearCoreAttention"} <= set(c.__all__)
     assert {"patch_core_attention", "layer_spec", "block_spec", "softmax_layer_spec",
             "linear_layer_spec", "hybrid_layer_spec"} <= set(s.__all__)

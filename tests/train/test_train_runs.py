@@ -92,6 +92,10 @@ def _extra_checks(rank, tmp):
                   "divisible by TP = 4")
     _expect_error(base + ["--data-path", f"{tmp}/missing.txt"], "does not exist")
     _expect_error(base + ["--context-parallel-impl", "blelloch"], "does not fit")
+    _expect_error(base + ["--recompute-granularity", "full"], "needs a GPU")
+    _expect_error(base + ["--loss-impl", "liger"], "CUDA only")
+    _expect_error(base + ["--recompute-granularity", "selective", "--recompute-num-layers",
+                          "2"], "full only")
     ck = f"{tmp}/ck"
     os.environ["SP_TRAIN_TEST_SIGTERM_AT"] = str(STEPS - 1)       # SIGTERM: save and stop
     try:
