@@ -689,7 +689,8 @@ def resolve_plan(cu_seqlens, ctx: SPContext, local_len: int, device=None) -> Pac
     object seen before, unmodified, costs no device→host copy). Raises naming the fix."""
     if isinstance(cu_seqlens, PackingPlan):
         plan = cu_seqlens
-        if plan.world_size != ctx.world_size or plan.layout != ctx.layout:
+        if plan.world_size != ctx.world_size or (plan.layout != ctx.layout
+                                                 and ctx.world_size > 1):
             raise ValueError(f"the PackingPlan was built for {plan.world_size} ranks, layout "
                              f"{plan.layout!r}; this op runs on {ctx.world_size} ranks, layout "
                              f"{ctx.layout!r}: build it with plan_packing(cu_seqlens, ctx)")
