@@ -84,16 +84,14 @@ def doc_flops(cu, H, D, fwd_bwd: bool) -> float:
 # Single-GPU baselines on the whole row
 # --------------------------------------------------------------------------------------------
 
-def baselines(q, k, v, do, cu, be, dry: bool) -> dict:
+def baselines(q, k, v, do, cu, be, dry: bool, cudnn_ragged: bool = False) -> dict:
     """``{name: (fwd, fwd_bwd, out, lse-or-None)}`` of the single-GPU kernels (module doc)."""
-    T, H, D = q.shape[1], q.shape[2], q.shape[3]
-    group = H // k.shape[2]
+    group = q.shape[2] // k.shape[2]
     cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
     max_len = max(b - a for a, b in zip(cu[:-1], cu[1:]))
     out: dict = {}
     # the library's own varlen call over the whole row (one pair per document)
     call = PackedCall(own_pairs(plan_packing(cu, 1), 0), True)
-    leaves = [q, k, v]
 
     def lib_fwd():
         return call_forward(be, q, k, v, call, None)
@@ -126,7 +124,8 @@ def baselines(q, k, v, do, cu, be, dry: bool) -> dict:
         torch.autograd.grad(o, (q3, k3, v3), do3[0] if do3.dim() == 4 else do3)
     out["varlen_attn"] = (va_fwd, va_fb)
     out["flex"] = _flex(q, k, v, do, cu)
-    out["cudnn_ragged"] = _cudnn_ragged(q, k, v, do, cu_t, max_len)
+    if cudnn_ragged:
+        out["cudnn_ragged"] = _cudnn_ragged(q, k, v, do, cu_t, max_len)
     return out
 
 
@@ -233,7 +232,7 @@ def rank_kernels(plan, r, shards, be, policy):
 
 def assemble(plan, progs, shape_q, shape_k, device):
     """Every rank's kernel program → global out, lse, dq, dk, dv (fp32/fp64)."""
-    P, L, tr = plan.world_size, plan.local_len, travel(plan)
+    tr = travel(plan)
     res = [fwd() for fwd, _ in progs]
     grads = [bwd(*res[r]) for r, (_, bwd) in enumerate(progs)]
     dks = [g[1].clone() for g in grads]
@@ -282,6 +281,11 @@ def main() -> None:
                         "rank programs (default first: SoftmaxTuning's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compiles)")
+    p.add_argument("--cudnn-ragged", action="store_true",
+                   help="also try aten._cudnn_attention_forward with cum_seq (torch's own "
+                        "varlen_attn keeps it off; run it in a process of its own)")
+    p.add_argument("--baselines-only", action="store_true",
+                   help="only the single-GPU kernel rows (e.g. with --cudnn-ragged)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, fp64, small shapes, one iteration: checks the logic")
     a = parse_or_summarize(p, SUMMARY_COLS)
@@ -325,7 +329,7 @@ def run_one(a, P: int, T_local: int) -> list[str]:
             "device": device_name(dev), "backend": be.name, "timing": mode, "layout": "zigzag"}
     # single-GPU kernels on the whole row
     best = best_fwd = 0.0
-    for name, (fwd, fb) in baselines(q, k, v, do, cu, be, dry).items():
+    for name, (fwd, fb) in baselines(q, k, v, do, cu, be, dry, a.cudnn_ragged).items():
         if name == "flex" and a.no_flex:
             continue
         try:
@@ -346,7 +350,10 @@ def run_one(a, P: int, T_local: int) -> list[str]:
         emit(dict(base, impl="dense_cudnn", world=1, ms_fwd_bwd=td,
                   tflops_per_gpu=4 * H * D * T * T / 2 * 3.5 / td / 1e9,
                   note="whole row as one document (not the packed problem)"), a.out, 0)
-    emit(dict(base, impl="baseline", world=1, tflops_per_gpu=best, tflops_fwd=best_fwd), a.out, 0)
+    emit(dict(base, impl="baseline", world=1, tflops_per_gpu=best, tflops_fwd=best_fwd),
+         a.out, 0)
+    if a.baselines_only:
+        return []
 
     def row(name, tf, tfb, peak, **extra):
         tp = fl / P / tfb / 1e9
@@ -368,7 +375,7 @@ def run_one(a, P: int, T_local: int) -> list[str]:
         emit(dict(base, world=1, impl=f"lib_p1_dm{dm}", ms_fwd=timer(op),
                   ms_fwd_bwd=fl / tp / 1e9, tflops_per_gpu=tp, ratio=tp / best,
                   peak_mem_gb=peak_mem_gb(op_fb, dev)), a.out, 0)
-    failures = check(a, base, q, k, v, do, cu, plan1, be, P, dry)
+    failures, base_err = check(a, base, q, k, v, do, cu, plan1, be, P, dry)
     # per rank of a P-rank plan
     plan = plan_packing(cu, P)
     pol = CallPolicy(a.dense_min[0])
@@ -400,11 +407,12 @@ def run_one(a, P: int, T_local: int) -> list[str]:
                 row(f"rank{r}_{name}", timer(f), timer(fb), peak_mem_gb(fb, dev), rank=r,
                     travel_len=travel(plan).length, crossing=len(plan.crossing_docs),
                     **({"comm": "fake_pg"} if name != "kernels" else {}))
-    failures += check_ranks(a, base, q, k, v, do, cu, plan, progs, dry, "")
+    failures += check_ranks(a, base, q, k, v, do, cu, plan, progs, dry, "", base_err)
     # the same calls without gaps inside varlen calls (SoftmaxTuning.packed_varlen_gaps=False)
     no_gaps = [rank_kernels(plan, r, shards, be, CallPolicy(pol.dense_min, False))
                for r in range(P)]
-    return failures + check_ranks(a, base, q, k, v, do, cu, plan, no_gaps, dry, "_nogaps")
+    return failures + check_ranks(a, base, q, k, v, do, cu, plan, no_gaps, dry, "_nogaps",
+                                  base_err)
 
 
 _REF: dict = {}
@@ -436,8 +444,9 @@ def _compare(a, base, name, got, ref, base_err, dry) -> list[str]:
     return fails
 
 
-def check(a, base, q, k, v, do, cu, plan1, be, P, dry) -> list[str]:
-    """The CP = 1 public op and the baseline kernel vs the fp32 reference."""
+def check(a, base, q, k, v, do, cu, plan1, be, P, dry) -> tuple[list[str], dict]:
+    """The CP = 1 public op and the baseline kernel vs the fp32 reference: (failures, the
+    baseline's errors)."""
     ref = _ref(q, k, v, do, cu, dry)
     base_err = {}
     if not dry:
@@ -451,14 +460,14 @@ def check(a, base, q, k, v, do, cu, plan1, be, P, dry) -> list[str]:
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     o, l_ = context_parallel_attention(*leaves, cu_seqlens=plan1, return_lse=True)
     grads = torch.autograd.grad(o, leaves, do)
-    return _compare(a, base, "lib_p1", (o, l_, *grads), ref, base_err, dry)
+    return _compare(a, base, "lib_p1", (o, l_, *grads), ref, base_err, dry), base_err
 
 
-def check_ranks(a, base, q, k, v, do, cu, plan, progs, dry, tag) -> list[str]:
+def check_ranks(a, base, q, k, v, do, cu, plan, progs, dry, tag, base_err) -> list[str]:
     """Every rank's kernel program, assembled, vs the fp32 reference."""
     ref = _ref(q, k, v, do, cu, dry)
     got = assemble(plan, progs, q.shape, k.shape, q.device)
-    return _compare(a, base, f"ranks_p{plan.world_size}{tag}", got, ref, {}, dry)
+    return _compare(a, base, f"ranks_p{plan.world_size}{tag}", got, ref, base_err, dry)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import torch
 
 from sp_attention import SPContext, plan_packing, shard_sequence
 from sp_attention.layout import shard_ranges
-from sp_attention.packing import (PackingPlan, causal_work, check_cu_seqlens, resolve_plan)
+from sp_attention.packing import PackingPlan, causal_work, resolve_plan
 
 
 def _cu(lengths):

@@ -59,20 +59,16 @@ def packed_allgather_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     b, t, h, d = q.shape
     hkv = k.shape[2]
     group = h // hkv
-    acc = acc_dtype(q.dtype)
-    out = torch.zeros((b, t, h, d), dtype=acc, device=q.device)
-    lse = torch.full((b, h, t), float("-inf"), dtype=acc, device=q.device)
     tr = travel(plan)
     if ctx.world_size == 1 or tr.length == 0:
-        own_forward(q, k, v, plan, rank, backend, scale, policy, out, lse)
-        return out.to(q.dtype), lse
+        return own_forward(q, k, v, plan, rank, backend, scale, policy, q.dtype)
     ts = tr.starts[rank]
     units = _units(hkv, heads_k_stride, None, None)
     gather = KVGather(k[:, ts:ts + tr.length], v[:, ts:ts + tr.length], ctx, tr.length,
                       max_unit_numel(units, b, tr.length, d))
     sources = _sources(plan, rank, policy)
     gather.start(0, units[0])
-    own_forward(q, k, v, plan, rank, backend, scale, policy, out, lse)
+    out, lse = own_forward(q, k, v, plan, rank, backend, scale, policy, acc_dtype(q.dtype))
     for i, u in enumerate(units):
         recv = gather.wait(i)                                   # [P, B, TL, 2, s, D]
         if i + 1 < len(units):
@@ -101,13 +97,10 @@ def packed_allgather_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     hkv = k.shape[2]
     group = h // hkv
     acc = acc_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     tr = travel(plan)
     if ctx.world_size == 1 or tr.length == 0:
-        own_backward(dout, q, k, v, out, lse, plan, rank, backend, scale, policy, dq, dk, dv)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return own_backward(dout, q, k, v, out, lse, plan, rank, backend, scale, policy,
+                            (q.dtype, k.dtype, v.dtype))
     ts, tl = tr.starts[rank], tr.length
     units = _units(hkv, heads_k_stride, first, last)
     gather = KVGather(k[:, ts:ts + tl], v[:, ts:ts + tl], ctx, tl,
@@ -116,7 +109,8 @@ def packed_allgather_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     dkv = torch.zeros((b, tl, 2, hkv, d), dtype=acc, device=k.device)   # RS destination
     sources = _sources(plan, rank, policy)
     gather.start(0, units[0])
-    own_backward(dout, q, k, v, out, lse, plan, rank, backend, scale, policy, dq, dk, dv)
+    dq, dk, dv = own_backward(dout, q, k, v, out, lse, plan, rank, backend, scale, policy,
+                              (acc,) * 3)
     for i, u in enumerate(units):
         recv = gather.wait(i)
         if i + 1 < len(units):

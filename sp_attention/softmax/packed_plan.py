@@ -32,8 +32,8 @@ from functools import lru_cache
 
 from ..packing import PackingPlan
 
-__all__ = ["Pair", "PackedCall", "Travel", "CallPolicy", "travel", "own_pairs", "step_pairs", "group_calls",
-           "own_calls", "step_calls", "active_steps"]
+__all__ = ["Pair", "PackedCall", "Travel", "CallPolicy", "travel", "own_pairs", "step_pairs",
+           "group_calls", "own_calls", "step_calls", "active_steps"]
 
 
 @dataclass(frozen=True)

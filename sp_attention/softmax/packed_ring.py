@@ -33,25 +33,40 @@ __all__ = ["packed_ring_forward", "packed_ring_backward", "own_forward", "own_ba
 
 
 def own_forward(q, k, v, plan: PackingPlan, rank: int, backend, scale, policy: CallPolicy,
-                out: torch.Tensor, lse: torch.Tensor) -> None:
-    """The own block into fresh accumulators ``out`` (zeros) and ``lse`` (−inf)."""
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The own block: fresh ``(out in dtype, lse fp32/fp64)``, padding rows 0 / −inf. The
+    own calls cover every other row exactly once (the document groups tile them)."""
+    b, t, h, d = q.shape
+    out = torch.empty((b, t, h, d), dtype=dtype, device=q.device)
+    lse = torch.empty((b, h, t), dtype=acc_dtype(q.dtype), device=q.device)
+    n = plan.real_len(rank)
+    out[:, n:].zero_()
+    lse[:, :, n:].fill_(float("-inf"))
     for c in own_calls(plan, rank, policy):
         rows = slice(c.q_start, c.q_stop)
         o, l = call_forward(backend, q[:, rows], k[:, rows], v[:, rows], c, scale)
         out[:, rows].copy_(o)
         lse[:, :, rows].copy_(l)
+    return out, lse
 
 
 def own_backward(dout, q, k, v, out, lse, plan: PackingPlan, rank: int, backend, scale,
-                 policy: CallPolicy, dq, dk, dv) -> None:
-    """The own block's gradients added into the fp32 accumulators."""
+                 policy: CallPolicy, dtypes: tuple) -> tuple[torch.Tensor, ...]:
+    """The own block's fresh ``(dq, dk, dv)`` in ``dtypes``, zero at padding (the own calls
+    cover every other query row and key exactly once)."""
+    n = plan.real_len(rank)
+    grads = []
+    for x, dt in zip((q, k, v), dtypes):
+        g = torch.empty(x.shape, dtype=dt, device=x.device)
+        g[:, n:].zero_()
+        grads.append(g)
     for c in own_calls(plan, rank, policy):
         rows = slice(c.q_start, c.q_stop)
-        g = call_backward(backend, dout[:, rows], q[:, rows], k[:, rows], v[:, rows],
-                          out[:, rows], lse[:, :, rows], c, scale)
-        dq[:, rows].add_(g[0])
-        dk[:, rows].add_(g[1])
-        dv[:, rows].add_(g[2])
+        res = call_backward(backend, dout[:, rows], q[:, rows], k[:, rows], v[:, rows],
+                            out[:, rows], lse[:, :, rows], c, scale)
+        for g, r in zip(grads, res):
+            g[:, rows].copy_(r)
+    return tuple(grads)
 
 
 def _window(x: torch.Tensor, start: int, length: int) -> torch.Tensor:
@@ -68,19 +83,14 @@ def packed_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: 
     Returns ``(out [B, L, H, D] in q.dtype, lse [B, H, L] fp32/fp64)``; padding rows 0 / −inf.
     """
     world, rank = ctx.world_size, ctx.rank
-    b, t, h, d = q.shape
-    acc = acc_dtype(q.dtype)
-    out = torch.zeros((b, t, h, d), dtype=acc, device=q.device)
-    lse = torch.full((b, h, t), float("-inf"), dtype=acc, device=q.device)
     steps = active_steps(plan) if world > 1 else 0
-    if steps == 0:
-        own_forward(q, k, v, plan, rank, backend, scale, policy, out, lse)
-        return out.to(q.dtype), lse
+    if steps == 0:            # no document crosses ranks: the own block is the result
+        return own_forward(q, k, v, plan, rank, backend, scale, policy, q.dtype)
     tr = travel(plan)
     kv = KVRing(_window(k, tr.starts[rank], tr.length), _window(v, tr.starts[rank], tr.length),
                 ctx, pack_kv)
     kv.post(0)                                      # the first hop overlaps the own block
-    own_forward(q, k, v, plan, rank, backend, scale, policy, out, lse)
+    out, lse = own_forward(q, k, v, plan, rank, backend, scale, policy, acc_dtype(q.dtype))
     kv.wait()
     for step in range(1, steps + 1):
         if step < steps:
@@ -104,18 +114,16 @@ def packed_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     dtypes of q, k, v, zero at padding."""
     world, rank = ctx.world_size, ctx.rank
     acc = acc_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     steps = active_steps(plan) if world > 1 else 0
     if steps == 0:
-        own_backward(dout, q, k, v, out, lse, plan, rank, backend, scale, policy, dq, dk, dv)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return own_backward(dout, q, k, v, out, lse, plan, rank, backend, scale, policy,
+                            (q.dtype, k.dtype, v.dtype))
     tr = travel(plan)
     ts = tr.starts[rank]
     kv = KVRing(_window(k, ts, tr.length), _window(v, ts, tr.length), ctx, pack_kv)
     kv.post(0)
-    own_backward(dout, q, k, v, out, lse, plan, rank, backend, scale, policy, dq, dk, dv)
+    dq, dk, dv = own_backward(dout, q, k, v, out, lse, plan, rank, backend, scale, policy,
+                              (acc,) * 3)
     kv.wait()
     shape = (k.shape[0], tr.length) + tuple(k.shape[2:])
     pending: list = []                    # (works, received, sent) of the previous step

@@ -179,10 +179,14 @@ def flash_varlen_forward(q: Tensor, k: Tensor, v: Tensor, call: PackedCall,
         _flat(q), _flat(k), _flat(v), cu_q, cu_k, max_q, max_k, 0.0, call.causal, False,
         scale=scale)
     out, lse = res[0], res[1]                                       # [B·Tq, H, D], [H, B·Tq]
+    if lse.dim() != 2:
+        raise RuntimeError(f"this torch's varlen flash kernel returned an lse of shape "
+                           f"{tuple(lse.shape)}; the packed path needs [H, total_q] (torch >= "
+                           "2.5); pass SoftmaxTuning(packed_dense_min=1) to use dense calls only")
     lse = lse[:, :b * tq].float().view(h, b, tq).transpose(0, 1)
     if q_gaps:                      # rows with no key: the kernel's +inf, our -inf
         lse = lse.masked_fill(torch.isposinf(lse), float("-inf"))
-    return out.view(b, tq, h, d), lse
+    return out.reshape(b, tq, h, d), lse
 
 
 def flash_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
@@ -197,8 +201,8 @@ def flash_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
         _flat(dout.to(q.dtype)).contiguous(), _flat(q), _flat(k), _flat(v),
         _flat(out.to(q.dtype)).contiguous(), lse_h, cu_q, cu_k, max_q, max_k, 0.0,
         call.causal, seed, offset, scale=scale)
-    return (dq.view(b, tq, h, d), dk.view(b, k.shape[1], *k.shape[2:]),
-            dv.view(b, v.shape[1], *v.shape[2:]))
+    return (dq.reshape(b, tq, h, d), dk.reshape(b, k.shape[1], *k.shape[2:]),
+            dv.reshape(b, v.shape[1], *v.shape[2:]))
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,8 +9,9 @@ varlen kernel calls (`packed_dense_min`), and the named rows of issue 24 (bounda
 and leaf edges, documents shorter than a chunk and a leaf, single-token documents, one
 document spanning all ranks, ranks with only whole documents, a row ending in padding, ranks
 holding only padding, hundreds of tiny documents). At P = 3: changing one document's tokens
-leaves every other document's outputs and gradients bit-identical. Bad boundaries raise on
-every rank.
+leaves every other document's outputs and gradients bit-identical. TP 2 × CP 2 × DP 2 with
+Megatron's groups (CP groups not contiguous), each TP rank with its heads. Bad boundaries raise
+on every rank.
 """
 import math
 import random
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from sp_attention import (SoftmaxTuning, build_sp_context, context_parallel_attention,
                           plan_packing)
 from sp_attention.softmax.naive import packed_attention_reference
-from sp_attention.testing import assert_close, run_distributed, seeded
+from sp_attention.testing import assert_close, megatron_groups, run_distributed, seeded
 
 SCALE = 0.7
 PAIRS = [("ring", "ring"), ("ring", "allgather"), ("allgather", "allgather"),
@@ -156,8 +157,31 @@ def _errors(ctx):
                                    cu_seqlens=torch.tensor([0, t]))
 
 
+def _tp_sharded_heads(mg):
+    """TP 2 × CP 2 × DP 2 (Megatron's order, TP innermost: CP groups are not contiguous): each
+    TP rank passes its heads (H / TP query, Hkv / TP KV heads) on its CP group."""
+    tp, ctx = mg["tp_ranks"].index(dist.get_rank()), build_sp_context(mg["cp"], "zigzag")
+    cu = _cu([3, 17, 2, 9, 1])
+    (q, k, v, w), exp = _reference(cu, cu[-1], (1, 8, 4, 4), 21)
+    plan = plan_packing(cu, ctx)
+    hq, hk = slice(4 * tp, 4 * tp + 4), slice(2 * tp, 2 * tp + 2)
+    inputs = (q[:, :, hq], k[:, :, hk], v[:, :, hk], w[:, :, hq])
+    want = (exp[0][:, :, hq], exp[1][:, hq], exp[2][:, :, hq], None, None)
+    leaves = [plan.shard(t, ctx.rank).requires_grad_(True) for t in inputs[:3]]
+    o, lse = context_parallel_attention(*leaves, ctx=ctx, softmax_scale=SCALE, backend="math",
+                                        return_lse=True, cu_seqlens=plan)
+    (o * plan.shard(inputs[3], ctx.rank)).sum().backward()
+    assert_close(o, plan.shard(want[0], ctx.rank), 1e-10, "tp out")
+    assert_close(lse, plan.shard(want[1], ctx.rank, dim=2), 1e-10, "tp lse")
+    assert_close(leaves[0].grad, plan.shard(want[2], ctx.rank), 1e-10, "tp dq")
+    # dK/dV of the rank's KV heads: the reference's, as the head groups do not mix
+    assert_close(leaves[1].grad, plan.shard(exp[3][:, :, hk], ctx.rank), 1e-10, "tp dk")
+    assert_close(leaves[2].grad, plan.shard(exp[4][:, :, hk], ctx.rank), 1e-10, "tp dv")
+
+
 def _worker(rank, world):
     groups = {P: dist.new_group(ranks) for P, ranks in GROUPS.items()}
+    mg = megatron_groups(2, 2, 2)
     done = []
     for P, ranks in GROUPS.items():
         if rank not in ranks:
@@ -178,6 +202,7 @@ def _worker(rank, world):
                 _errors(ctx)
                 if P == 3:
                     _isolation(ctx)
+    _tp_sharded_heads(mg)
     return done
 
 
