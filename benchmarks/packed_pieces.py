@@ -362,7 +362,8 @@ def run_one(a, P: int, T_local: int) -> list[str]:
                   peak_mem_gb=peak, **extra), a.out, 0)
     # CP = 1: the public op on the whole row, per dense threshold
     plan1 = plan_packing(cu, 1)
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    leaves = [plan1.shard(t, 0).requires_grad_(True) for t in (q, k, v)]
+    do1 = plan1.shard(do, 0)
     for dm in a.dense_min:
         tun = SoftmaxTuning(packed_dense_min=dm)
 
@@ -370,7 +371,7 @@ def run_one(a, P: int, T_local: int) -> list[str]:
             return context_parallel_attention(*leaves, cu_seqlens=plan1, tuning=tun)
 
         def op_fb(op=op):
-            torch.autograd.grad(op(), leaves, do)
+            torch.autograd.grad(op(), leaves, do1)
         tp = fl / timer(op_fb) / 1e9
         emit(dict(base, world=1, impl=f"lib_p1_dm{dm}", ms_fwd=timer(op),
                   ms_fwd_bwd=fl / tp / 1e9, tflops_per_gpu=tp, ratio=tp / best,
@@ -457,10 +458,11 @@ def check(a, base, q, k, v, do, cu, plan1, be, P, dry) -> tuple[list[str], dict]
         g = call_backward(be, do, *leaves, o, l_, call, None)
         for what, x, y in zip(("out", "dq", "dk", "dv"), (o, *g), (ref[0], *ref[2:])):
             base_err[what] = rel_rms(x, y)
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    leaves = [plan1.shard(t, 0).requires_grad_(True) for t in (q, k, v)]
     o, l_ = context_parallel_attention(*leaves, cu_seqlens=plan1, return_lse=True)
-    grads = torch.autograd.grad(o, leaves, do)
-    return _compare(a, base, "lib_p1", (o, l_, *grads), ref, base_err, dry), base_err
+    grads = torch.autograd.grad(o, leaves, plan1.shard(do, 0))
+    got = (plan1.unshard([o]), plan1.unshard([l_], dim=2), *(plan1.unshard([g]) for g in grads))
+    return _compare(a, base, "lib_p1", got, ref, base_err, dry), base_err
 
 
 def check_ranks(a, base, q, k, v, do, cu, plan, progs, dry, tag, base_err) -> list[str]:

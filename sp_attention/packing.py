@@ -19,10 +19,12 @@ Invariants every consumer may rely on (tested for many random rows, P = 1 … 16
    global order, so a square causal mask over their concatenation is the document's causal
    mask restricted to the rank's tokens (one local varlen causal call per rank).
 2. ``zigzag``: segments of **crossing** documents (documents with tokens on more than one rank)
-   come first, grouped by document in ascending document order; then whole documents
-   (ascending); padding last. ``contiguous``: the shard is one range of the global row in
-   global order (crossing documents are at most its first and last segment); padding last too
-   (it only exists at the row's end).
+   come first, then whole documents, then padding; within each part documents follow one
+   global order, the same on every rank: longest first, ties by index (so the documents big
+   enough for dense kernel calls sit together, and the short ones form one varlen run).
+   ``contiguous``: the shard is one range of the global row in global order (crossing
+   documents are at most its first and last segment); padding last too (it only exists at
+   the row's end).
 
 Layouts (``local_len = L``, ``P`` ranks, padded row ``P·L``):
 
@@ -333,8 +335,8 @@ def _zigzag_segments(cu: tuple[int, ...], world: int, local_len: int,
     pad_at = cu[-1]
     out: list[list[Segment]] = []
     for r, ps in enumerate(pieces):
-        # crossing documents first (by document, pieces ascending), whole ones next
-        ps = sorted(ps, key=lambda p: (len(holders[p[0]]) == 1, p[0], p[1]))
+        # crossing documents first, whole ones next; longest first (invariant 2)
+        ps = sorted(ps, key=lambda p: (len(holders[p[0]]) == 1, -lengths[p[0]], p[0], p[1]))
         segs, pos = [], 0
         for d, off, m in ps:
             segs.append(Segment(cu[d] + off, m, d, pos))

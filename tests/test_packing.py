@@ -68,12 +68,13 @@ def check_invariants(plan: PackingPlan):
         docs = [s.doc for s in segs]
         if -1 in docs:
             assert docs.index(-1) == len(docs) - 1
-        if plan.layout == "zigzag":      # invariant 2: crossing docs first, ascending; whole next
+        if plan.layout == "zigzag":      # invariant 2: crossing docs first, whole next
             real = [s.doc for s in segs if s.doc >= 0]
             kinds = [plan.is_crossing(d) for d in real]
             assert kinds == sorted(kinds, reverse=True), f"rank {r}: crossing docs not first"
-            cross = [d for d in real if plan.is_crossing(d)]
-            whole = [d for d in real if not plan.is_crossing(d)]
+            key = [(-(cu[d + 1] - cu[d]), d) for d in real]      # longest first
+            cross = [x for x, d in zip(key, real) if plan.is_crossing(d)]
+            whole = [x for x, d in zip(key, real) if not plan.is_crossing(d)]
             assert cross == sorted(cross) and whole == sorted(whole)
         else:                            # contiguous: one global range in order
             assert [s.start for s in segs] == sorted(s.start for s in segs)

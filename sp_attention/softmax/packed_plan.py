@@ -147,7 +147,9 @@ def step_pairs(plan: PackingPlan, rank: int, src: int) -> tuple[Pair, ...]:
     mine, theirs = _doc_map(plan, rank), _doc_map(plan, src)
     k0 = travel(plan).starts[src]
     pairs = []
-    for d in sorted(set(mine) & set(theirs)):
+    for d in mine:            # the plan's document order, the same on both ranks
+        if d not in theirs:
+            continue
         ks = theirs[d]
         group: list = []                     # [q_start, q_len, visible key segments]
         for s in mine[d]:

@@ -136,6 +136,18 @@ def _isolation(ctx):
         assert not torch.equal(results[0][0][:, ~other], results[1][0][:, ~other])
 
 
+def _trivial(ctx):
+    """One document spanning the row is today's path: bit-identical to cu_seqlens=None."""
+    t = 2 * ctx.world_size * 3
+    x = [seeded((1, t, 4, 4), 5), seeded((1, t, 2, 4), 6), seeded((1, t, 2, 4), 7)]
+    plan = plan_packing([0, t], ctx)
+    assert plan.is_trivial
+    local = [plan.shard(a, ctx.rank) for a in x]
+    a = context_parallel_attention(*local, ctx=ctx, backend="math", cu_seqlens=plan)
+    b = context_parallel_attention(*local, ctx=ctx, backend="math")
+    assert torch.equal(a, b)
+
+
 def _errors(ctx):
     """Bad boundaries raise on every rank (the call check tells the others)."""
     t = 2 * ctx.world_size * 2
@@ -198,6 +210,7 @@ def _worker(rank, world):
                     tag = f"P={P} {layout} {name} {shape} {fwd}/{bwd} {kw}"
                     _run(ctx, plan, inputs, expected, fwd, bwd, kw, tag)
                     done.append((P, layout, name, fwd, bwd))
+            _trivial(ctx)
             if layout == "zigzag":
                 _errors(ctx)
                 if P == 3:
