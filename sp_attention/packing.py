@@ -55,13 +55,13 @@ import gc
 import hashlib
 import heapq
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Optional, Sequence, Union
 
 import torch
 
+from .caches import LRU
 from .context import DEFAULT_LAYOUT, LAYOUTS, SPContext
 from .layout import shard_ranges
 
@@ -71,9 +71,10 @@ __all__ = ["Segment", "PackingPlan", "plan_packing", "check_cu_seqlens", "resolv
 # The zigzag planner cuts the fewest long documents that bring max / mean per-rank causal work
 # to this (the issue's bar is 1.05; the margin absorbs the spills' rounding).
 BALANCE_TARGET = 1.04
-_PLAN_CACHE: "OrderedDict[tuple, PackingPlan]" = OrderedDict()
-_TENSOR_PLANS: "OrderedDict[int, tuple]" = OrderedDict()
-_MAX_CACHED = 64
+# Plans by boundary values (a batch's layers share one), and by tensor object (a tensor seen
+# before, unmodified, needs no device-to-host copy of its values).
+_PLAN_CACHE = LRU(64)
+_TENSOR_PLANS = LRU(64)
 
 
 @dataclass(frozen=True)
@@ -644,11 +645,11 @@ def plan_packing(cu_seqlens, ctx: Union[SPContext, int, None] = None, *,
     world, lay = _world_layout(ctx, layout)
     cu = check_cu_seqlens(cu_seqlens, row_len)
     row = cu[-1] if row_len is None else row_len
-    key = (cu, world, lay, row, balance_target)
-    plan = _PLAN_CACHE.get(key)
-    if plan is not None:
-        _PLAN_CACHE.move_to_end(key)
-        return plan
+    return _PLAN_CACHE.get((cu, world, lay, row, balance_target),
+                           lambda: _build(cu, world, lay, row, balance_target))
+
+
+def _build(cu: tuple[int, ...], world: int, lay: str, row: int, target: float) -> PackingPlan:
     local = _local_len(row, world, lay)
     # The planner allocates many small acyclic objects; with a large heap (torch imported)
     # the cyclic collector's passes would cost more than the planning (measured 3-6x).
@@ -658,15 +659,11 @@ def plan_packing(cu_seqlens, ctx: Union[SPContext, int, None] = None, *,
         if lay == "contiguous":
             segs = _contiguous_segments(cu, world, local)
         else:
-            segs = _zigzag_segments(cu, world, local, balance_target)
-        plan = PackingPlan(world, lay, row, local, cu, tuple(tuple(s) for s in segs))
+            segs = _zigzag_segments(cu, world, local, target)
+        return PackingPlan(world, lay, row, local, cu, tuple(tuple(s) for s in segs))
     finally:
         if gc_was_on:
             gc.enable()
-    _PLAN_CACHE[key] = plan
-    while len(_PLAN_CACHE) > _MAX_CACHED:
-        _PLAN_CACHE.popitem(last=False)
-    return plan
 
 
 def _world_layout(ctx, layout) -> tuple[int, str]:
@@ -716,15 +713,11 @@ def resolve_plan(cu_seqlens, ctx: SPContext, local_len: int, device=None) -> Pac
 
 
 def _plan_of_tensor(t: torch.Tensor, ctx: SPContext) -> PackingPlan:
-    entry = _TENSOR_PLANS.get(id(t))
-    if entry is not None:
-        ref, version, world, layout, plan = entry
-        if ref() is t and version == t._version and (world, layout) == (ctx.world_size,
-                                                                         ctx.layout):
-            _TENSOR_PLANS.move_to_end(id(t))
+    key = (id(t), ctx.world_size, ctx.layout)
+    if _TENSOR_PLANS.touch(key):
+        ref, version, plan = _TENSOR_PLANS.get(key, lambda: None)
+        if ref() is t and version == t._version:
             return plan
     plan = plan_packing(t, ctx)
-    _TENSOR_PLANS[id(t)] = (weakref.ref(t), t._version, ctx.world_size, ctx.layout, plan)
-    while len(_TENSOR_PLANS) > _MAX_CACHED:
-        _TENSOR_PLANS.popitem(last=False)
+    _TENSOR_PLANS.put(key, (weakref.ref(t), t._version, plan))
     return plan

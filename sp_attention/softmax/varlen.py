@@ -12,11 +12,11 @@ Paths:
 
 * **dense** (one pair covering both spans): the backend's own forward / backward (cuDNN on
   Hopper), the fastest kernels for long documents.
-* **math varlen** (``backend.name == "math"``, CPU / fp64): the math backend's formulas with
-  a block-diagonal (causal) mask built from the pairs.
+* **math varlen** (``backend.name == "math"``, CPU / fp64): the math backend
+  (:func:`.backend_math.math_forward`) with the pairs' block-diagonal (causal) mask.
 * **flash varlen** (CUDA backends): FlashAttention-2 inside torch
-  (``aten._flash_attention_forward`` / ``_backward`` with ``cum_seq_q/k``: the kernels of
-  ``torch.nn.attention.varlen.varlen_attn``, here with native GQA and the backward taking the
+  (:func:`.backend_cuda.flash_varlen_fwd`: the kernels of
+  ``torch.nn.attention.varlen.varlen_attn``, here with native GQA and a backward taking the
   merged LSE). Rows or keys between pairs become sequences with no keys / no queries; the
   kernel writes ``out = 0`` and ``lse = +inf`` for a query without keys, which is set to
   ``−inf`` here, and zero dK/dV for keys without queries.
@@ -28,12 +28,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..precision import acc_dtype
+from ..caches import LRU
+from .backend_common import default_scale
+from .backend_cuda import flash_varlen_bwd, flash_varlen_fwd
+from .backend_math import math_backward, math_forward
 from .packed_plan import PackedCall, Pair
 
-__all__ = ["call_forward", "call_backward", "pair_mask", "varlen_sequences",
-           "masked_math_forward", "masked_math_backward", "flash_varlen_forward",
-           "flash_varlen_backward"]
+__all__ = ["call_forward", "call_backward", "pair_mask", "varlen_sequences"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -82,87 +83,31 @@ def varlen_sequences(pairs: tuple[Pair, ...]) -> tuple[list[int], list[int], boo
 
 
 # --------------------------------------------------------------------------------------------
-# math: masked block attention (the reference and the CPU path)
-# --------------------------------------------------------------------------------------------
-
-def _grouped(x: Tensor, kv_heads: int, dt: torch.dtype) -> Tensor:
-    """[B, T, H, D] -> [B, Hkv, G, T, D] (head h = hkv·G + g)."""
-    b, t, h, d = x.shape
-    return x.to(dt).reshape(b, t, kv_heads, h // kv_heads, d).permute(0, 2, 3, 1, 4)
-
-
-def _ungroup(x: Tensor) -> Tensor:
-    b, hkv, g, t, d = x.shape
-    return x.permute(0, 3, 1, 2, 4).reshape(b, t, hkv * g, d)
-
-
-def _kv(x: Tensor, dt: torch.dtype) -> Tensor:
-    return x.to(dt).permute(0, 2, 1, 3).unsqueeze(2)               # [B, Hkv, 1, T, D]
-
-
-def _probs(s: Tensor, lse: Tensor) -> Tensor:
-    return torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1))
-
-
-def masked_math_forward(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor,
-                        scale: float) -> tuple[Tensor, Tensor]:
-    """Attention of q over k restricted to ``allowed [Tq, Tk]``; rows with no key: 0, −inf."""
-    dt = acc_dtype(q.dtype)
-    b, tq, h, _ = q.shape
-    hkv = k.shape[2]
-    s = (_grouped(q, hkv, dt) @ _kv(k, dt).transpose(-1, -2)) * scale
-    s = s.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)                                # [B, Hkv, G, Tq]
-    out = _probs(s, lse) @ _kv(v, dt)
-    return _ungroup(out).to(q.dtype), lse.reshape(b, h, tq)
-
-
-def masked_math_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                         lse: Tensor, allowed: Tensor, scale: float
-                         ) -> tuple[Tensor, Tensor, Tensor]:
-    """Analytic backward of :func:`masked_math_forward` (the math backend's formulas)."""
-    dt = acc_dtype(q.dtype)
-    b, tq, h, _ = q.shape
-    hkv = k.shape[2]
-    qg, kg, vg = _grouped(q, hkv, dt), _kv(k, dt), _kv(v, dt)
-    dog, og = _grouped(dout, hkv, dt), _grouped(out, hkv, dt)
-    s = ((qg @ kg.transpose(-1, -2)) * scale).masked_fill(~allowed, float("-inf"))
-    p = _probs(s, lse.to(dt).reshape(b, hkv, h // hkv, tq))
-    delta = (dog * og).sum(dim=-1, keepdim=True)
-    ds = p * (dog @ vg.transpose(-1, -2) - delta)
-    dq = _ungroup((ds @ kg) * scale)
-    dk = ((ds.transpose(-1, -2) @ qg) * scale).sum(dim=2).permute(0, 2, 1, 3)
-    dv = (p.transpose(-1, -2) @ dog).sum(dim=2).permute(0, 2, 1, 3)
-    return dq, dk, dv
-
-
-# --------------------------------------------------------------------------------------------
 # flash varlen (CUDA)
 # --------------------------------------------------------------------------------------------
 
-_CU_CACHE: dict = {}
+# Device cu_seqlens per (call object, batch, device): a host-to-device copy saved per call.
+_CU = LRU(4096)
 
 
 def _cu(call: PackedCall, batch: int, device) -> tuple:
     """Device ``cu_seqlens_q/k`` (int32) of ``call`` repeated over the batch, max lengths,
-    whether rows without keys exist; cached per call object and device."""
-    key = (id(call), batch, str(device))
-    hit = _CU_CACHE.get(key)
-    if hit is not None and hit[0] is call:
-        return hit[1]
-    seq_q, seq_k, q_gaps = varlen_sequences(call.relative())
-    seq_q, seq_k = seq_q * batch, seq_k * batch
-    cq, ck = [0], [0]
-    for a, b in zip(seq_q, seq_k):
-        cq.append(cq[-1] + a)
-        ck.append(ck[-1] + b)
-    val = (torch.tensor(cq, dtype=torch.int32).to(device, non_blocking=True),
-           torch.tensor(ck, dtype=torch.int32).to(device, non_blocking=True),
-           max(seq_q), max(seq_k), q_gaps)
-    if len(_CU_CACHE) > 4096:
-        _CU_CACHE.clear()
-    _CU_CACHE[key] = (call, val)
-    return val
+    whether rows without keys exist."""
+    def make():
+        seq_q, seq_k, q_gaps = varlen_sequences(call.relative())
+        seq_q, seq_k = seq_q * batch, seq_k * batch
+        cq, ck = [0], [0]
+        for a, b in zip(seq_q, seq_k):
+            cq.append(cq[-1] + a)
+            ck.append(ck[-1] + b)
+        return (call, torch.tensor(cq, dtype=torch.int32).to(device, non_blocking=True),
+                torch.tensor(ck, dtype=torch.int32).to(device, non_blocking=True),
+                max(seq_q), max(seq_k), q_gaps)
+    hit = _CU.get((id(call), batch, str(device)), make)
+    if hit[0] is not call:                 # an id reused by another call object
+        hit = make()
+        _CU.put((id(call), batch, str(device)), hit)
+    return hit[1:]
 
 
 def _flat(x: Tensor) -> Tensor:
@@ -171,36 +116,27 @@ def _flat(x: Tensor) -> Tensor:
     return x[0] if x.shape[0] == 1 else x.reshape(-1, x.shape[2], x.shape[3])
 
 
-def flash_varlen_forward(q: Tensor, k: Tensor, v: Tensor, call: PackedCall,
-                         scale: float) -> tuple[Tensor, Tensor]:
+def _flash_forward(q: Tensor, k: Tensor, v: Tensor, call: PackedCall,
+                   scale: float) -> tuple[Tensor, Tensor]:
     b, tq, h, d = q.shape
     cu_q, cu_k, max_q, max_k, q_gaps = _cu(call, b, q.device)
-    res = torch.ops.aten._flash_attention_forward(
-        _flat(q), _flat(k), _flat(v), cu_q, cu_k, max_q, max_k, 0.0, call.causal, False,
-        scale=scale)
-    out, lse = res[0], res[1]                                       # [B·Tq, H, D], [H, B·Tq]
-    if lse.dim() != 2:
-        raise RuntimeError(f"this torch's varlen flash kernel returned an lse of shape "
-                           f"{tuple(lse.shape)}; the packed path needs [H, total_q] (torch >= "
-                           "2.5); pass SoftmaxTuning(packed_dense_min=1) to use dense calls only")
-    lse = lse[:, :b * tq].float().view(h, b, tq).transpose(0, 1)
+    out, lse = flash_varlen_fwd(_flat(q), _flat(k), _flat(v), cu_q, cu_k, max_q, max_k,
+                                call.causal, scale)
+    lse = lse.view(h, b, tq).transpose(0, 1)                       # [B, H, Tq]
     if q_gaps:                      # rows with no key: the kernel's +inf, our -inf
         lse = lse.masked_fill(torch.isposinf(lse), float("-inf"))
     return out.reshape(b, tq, h, d), lse
 
 
-def flash_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                          lse: Tensor, call: PackedCall,
-                          scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def _flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    call: PackedCall, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     b, tq, h, d = q.shape
     cu_q, cu_k, max_q, max_k, _ = _cu(call, b, q.device)
-    seed = torch.empty((2,), dtype=torch.uint64, device=q.device)
-    offset = torch.empty((), dtype=torch.uint64, device=q.device)
     lse_h = lse.float().transpose(0, 1).reshape(h, b * tq).contiguous()
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+    dq, dk, dv = flash_varlen_bwd(
         _flat(dout.to(q.dtype)).contiguous(), _flat(q), _flat(k), _flat(v),
-        _flat(out.to(q.dtype)).contiguous(), lse_h, cu_q, cu_k, max_q, max_k, 0.0,
-        call.causal, seed, offset, scale=scale)
+        _flat(out.to(q.dtype)).contiguous(), lse_h, cu_q, cu_k, max_q, max_k, call.causal,
+        scale)
     return (dq.reshape(b, tq, h, d), dk.reshape(b, k.shape[1], *k.shape[2:]),
             dv.reshape(b, v.shape[1], *v.shape[2:]))
 
@@ -209,21 +145,17 @@ def flash_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
 # Dispatch
 # --------------------------------------------------------------------------------------------
 
-def _scale(scale: Optional[float], q: Tensor) -> float:
-    return q.shape[-1] ** -0.5 if scale is None else float(scale)
-
-
 def call_forward(backend, q: Tensor, k: Tensor, v: Tensor, call: PackedCall,
                  scale: Optional[float]) -> tuple[Tensor, Tensor]:
     """Forward of one packed call on the spans ``q = q_all[:, call.q_start:call.q_stop]``,
     ``k, v = block[:, call.k_start:call.k_stop]`` (module doc)."""
-    scale = _scale(scale, q)
+    scale = default_scale(scale, q)
     if call.dense:
         return backend.forward(q, k, v, call.causal, scale)
     if backend.name == "math":
         allowed = pair_mask(call.relative(), q.shape[1], k.shape[1], call.causal, q.device)
-        return masked_math_forward(q, k, v, allowed, scale)
-    return flash_varlen_forward(q, k, v, call, scale)
+        return math_forward(q, k, v, False, scale, allowed=allowed)
+    return _flash_forward(q, k, v, call, scale)
 
 
 def call_backward(backend, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
@@ -231,10 +163,10 @@ def call_backward(backend, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
                   scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
     """Backward of :func:`call_forward` with the final ``out`` and global ``lse`` of the
     span's rows."""
-    scale = _scale(scale, q)
+    scale = default_scale(scale, q)
     if call.dense:
         return backend.backward(dout, q, k, v, out, lse, call.causal, scale)
     if backend.name == "math":
         allowed = pair_mask(call.relative(), q.shape[1], k.shape[1], call.causal, q.device)
-        return masked_math_backward(dout, q, k, v, out, lse, allowed, scale)
-    return flash_varlen_backward(dout, q, k, v, out, lse, call, scale)
+        return math_backward(dout, q, k, v, out, lse, False, scale, allowed=allowed)
+    return _flash_backward(dout, q, k, v, out, lse, call, scale)
