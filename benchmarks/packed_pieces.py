@@ -44,8 +44,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import (base_parser, device_name, emit, parse_or_summarize,  # noqa: E402
-                               peak_mem_gb, time_ms)
+from benchmarks.common import (base_parser, device_name, emit, host_ahead_lost,  # noqa: E402
+                               parse_or_summarize, peak_mem_gb, time_ms)
 from benchmarks.softmax_pieces import fake_cp_group  # noqa: E402
 from sp_attention import SoftmaxTuning, SPContext, context_parallel_attention  # noqa: E402
 from sp_attention.packing import causal_work, plan_packing  # noqa: E402
@@ -359,7 +359,7 @@ def run_one(a, P: int, T_local: int) -> list[str]:
         tp = fl / P / tfb / 1e9
         emit(dict(base, impl=name, ms_fwd=tf, ms_fwd_bwd=tfb, tflops_per_gpu=tp,
                   ratio=tp / best, ratio_fwd=fl_fwd / P / tf / 1e9 / best_fwd,
-                  peak_mem_gb=peak, **extra), a.out, 0)
+                  peak_mem_gb=peak, host_ahead_lost=host_ahead_lost(), **extra), a.out, 0)
     # CP = 1: the public op on the whole row, per dense threshold
     plan1 = plan_packing(cu, 1)
     leaves = [plan1.shard(t, 0).requires_grad_(True) for t in (q, k, v)]
