@@ -56,6 +56,7 @@ def rows_for(P):
         ("single_tokens", _cu([1] * min(T, 12) + ([T - 12] if T > 12 else [])), T),
         ("pad_end", _cu([3, 2 * P + 1]), T + 2),
         ("pad_ranks", [0, 3], 2 * P * 2),
+        ("whole_docs", _cu([c] * (2 * P)), T),          # nothing crosses: no communication
     ]
     if P in (3, 8):
         rows.append(("tiny_docs", _cu([1, 2, 3] * (25 if P == 8 else 20)), None))
@@ -217,6 +218,22 @@ def _worker(rank, world):
                     _isolation(ctx)
     _tp_sharded_heads(mg)
     return done
+
+
+def test_rows_cover_the_named_cases():
+    """The rows above hold what their names promise, at every P (pure, no processes)."""
+    for P in GROUPS:
+        plans = {(lay, n): plan_packing(cu, P, layout=lay, row_len=r)
+                 for lay in ("zigzag", "contiguous") for n, cu, r in rows_for(P)}
+        if P > 1:
+            assert any(len({r for r, _ in p.doc_pieces[1]}) == P
+                       for (_, n), p in plans.items() if n == "span+short")
+        assert all(p.crossing_docs == () for (_, n), p in plans.items() if n == "whole_docs")
+        assert P == 1 or any(p.real_len(P - 1) == 0 for (_, n), p in plans.items()
+                             if n == "pad_ranks")
+        if P > 2:                       # a rank with only whole documents while others cross
+            assert any(p.crossing_docs and any(not p.crossing_segments(r) and p.real_len(r)
+                                               for r in range(P)) for p in plans.values())
 
 
 def test_packed_softmax_every_world_size():
