@@ -27,7 +27,7 @@ from ..precision import acc_dtype
 from .gather import KVGather, Unit, max_unit_numel
 from .merge import merge_blocks_
 from .packed_plan import CallPolicy, step_calls, travel
-from .packed_ring import own_backward, own_forward
+from .packed_ring import accumulator_dtype, own_backward, own_forward
 from .plan import stride_widths
 from .varlen import call_backward, call_forward
 
@@ -68,7 +68,8 @@ def packed_allgather_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       max_unit_numel(units, b, tr.length, d))
     sources = _sources(plan, rank, policy)
     gather.start(0, units[0])
-    out, lse = own_forward(q, k, v, plan, rank, backend, scale, policy, acc_dtype(q.dtype))
+    out, lse = own_forward(q, k, v, plan, rank, backend, scale, policy,
+                           accumulator_dtype(q.dtype, ctx.world_size))
     for i, u in enumerate(units):
         recv = gather.wait(i)                                   # [P, B, TL, 2, s, D]
         if i + 1 < len(units):
@@ -110,7 +111,8 @@ def packed_allgather_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     sources = _sources(plan, rank, policy)
     gather.start(0, units[0])
     dq, dk, dv = own_backward(dout, q, k, v, out, lse, plan, rank, backend, scale, policy,
-                              (acc,) * 3)
+                              tuple(accumulator_dtype(x.dtype, ctx.world_size)
+                                    for x in (q, k, v)))
     for i, u in enumerate(units):
         recv = gather.wait(i)
         if i + 1 < len(units):

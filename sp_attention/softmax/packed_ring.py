@@ -29,7 +29,8 @@ from .packed_plan import CallPolicy, active_steps, own_calls, step_calls, step_p
 from .ring_buffers import KVRing
 from .varlen import call_backward, call_forward
 
-__all__ = ["packed_ring_forward", "packed_ring_backward", "own_forward", "own_backward"]
+__all__ = ["packed_ring_forward", "packed_ring_backward", "own_forward", "own_backward",
+           "accumulator_dtype"]
 
 
 def own_forward(q, k, v, plan: PackingPlan, rank: int, backend, scale, policy: CallPolicy,
@@ -69,6 +70,14 @@ def own_backward(dout, q, k, v, out, lse, plan: PackingPlan, rank: int, backend,
     return tuple(grads)
 
 
+def accumulator_dtype(dtype: torch.dtype, world: int) -> torch.dtype:
+    """Accumulators of the packed schedules: with P = 2 a row (key) gets at most one
+    contribution besides its own block's, added in fp32 arithmetic into the input dtype and
+    rounded once (the numbers of an fp32 accumulator rounded at the end, without its passes);
+    beyond, fp32 (fp64 for fp64)."""
+    return dtype if world == 2 else acc_dtype(dtype)
+
+
 def _window(x: torch.Tensor, start: int, length: int) -> torch.Tensor:
     return x[:, start:start + length]
 
@@ -90,7 +99,7 @@ def packed_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: 
     kv = KVRing(_window(k, tr.starts[rank], tr.length), _window(v, tr.starts[rank], tr.length),
                 ctx, pack_kv)
     kv.post(0)                                      # the first hop overlaps the own block
-    out, lse = own_forward(q, k, v, plan, rank, backend, scale, policy, acc_dtype(q.dtype))
+    out, lse = own_forward(q, k, v, plan, rank, backend, scale, policy, accumulator_dtype(q.dtype, world))
     kv.wait()
     for step in range(1, steps + 1):
         if step < steps:
@@ -123,7 +132,7 @@ def packed_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     kv = KVRing(_window(k, ts, tr.length), _window(v, ts, tr.length), ctx, pack_kv)
     kv.post(0)
     dq, dk, dv = own_backward(dout, q, k, v, out, lse, plan, rank, backend, scale, policy,
-                              (acc,) * 3)
+                              tuple(accumulator_dtype(x.dtype, world) for x in (q, k, v)))
     kv.wait()
     shape = (k.shape[0], tr.length) + tuple(k.shape[2:])
     pending: list = []                    # (works, received, sent) of the previous step

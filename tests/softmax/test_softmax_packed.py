@@ -137,6 +137,23 @@ def _isolation(ctx):
         assert not torch.equal(results[0][0][:, ~other], results[1][0][:, ~other])
 
 
+def _bf16(ctx):
+    """bf16 inputs (math backend): P = 2 accumulates in the input dtype (one rounding per
+    row), P = 3 in fp32; both within bf16 error of the fp64 reference, every pair."""
+    cu = _cu([5, 30, 2, 11, 16])
+    plan = plan_packing(cu, ctx)
+    inputs, expected = _reference(cu, cu[-1], (1, 4, 2, 8), 31)
+    for fwd, bwd in PAIRS:
+        leaves = [plan.shard(t, ctx.rank).to(torch.bfloat16).requires_grad_(True)
+                  for t in inputs[:3]]
+        o = context_parallel_attention(*leaves, ctx=ctx, fwd=fwd, bwd=bwd, softmax_scale=SCALE,
+                                       backend="math", cu_seqlens=plan)
+        (o.float() * plan.shard(inputs[3], ctx.rank).float()).sum().backward()
+        assert o.dtype == torch.bfloat16 and leaves[1].grad.dtype == torch.bfloat16
+        for got, exp in zip([o] + [t.grad for t in leaves], [expected[0], *expected[2:]]):
+            assert_close(got, plan.shard(exp, ctx.rank), 2e-2, f"bf16 P={ctx.world_size}")
+
+
 def _trivial(ctx):
     """One document spanning the row is today's path: bit-identical to cu_seqlens=None."""
     t = 2 * ctx.world_size * 3
@@ -216,6 +233,8 @@ def _worker(rank, world):
                 _errors(ctx)
                 if P == 3:
                     _isolation(ctx)
+                if P in (2, 3):
+                    _bf16(ctx)
     _tp_sharded_heads(mg)
     return done
 
