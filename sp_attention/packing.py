@@ -458,6 +458,22 @@ class PackingPlan:
             out.append(start + n)
         return tuple(out)
 
+    def segment_cu_seqlens(self, rank: int) -> tuple[int, ...]:
+        """Boundaries of ``rank``'s segments in its shard (padding excluded), one sequence per
+        segment: what a local recurrence takes where state must not flow between a document's
+        segments on one rank (zigzag pieces ``j`` and ``2m−1−j`` are not adjacent globally).
+        Use :meth:`local_cu_seqlens` (per document) for softmax, :meth:`offset_in_doc` to find
+        segments that start their document."""
+        out = [0]
+        for s in self.segments[rank]:
+            if s.doc >= 0:
+                out.append(s.local_stop)
+        return tuple(out)
+
+    def offset_in_doc(self, seg: Segment) -> int:
+        """Tokens of ``seg``'s document before it (0: the segment starts its document)."""
+        return seg.start - self.cu_seqlens[seg.doc] if seg.doc >= 0 else 0
+
     def real_len(self, rank: int) -> int:
         """Tokens of ``rank`` that belong to a document (the rest, at the end, is padding)."""
         g = self._groups[rank]

@@ -85,6 +85,11 @@ def check_invariants(plan: PackingPlan):
         assert lcu[0] == 0 and lcu[-1] == plan.real_len(r)
         assert len(lcu) - 1 == len(set(d for d in seen_docs if d >= 0))
         assert L - plan.real_len(r) == sum(s.length for s in segs if s.doc < 0)
+        scu = plan.segment_cu_seqlens(r)
+        assert scu[-1] == plan.real_len(r) and len(scu) - 1 == sum(s.doc >= 0 for s in segs)
+        for s in segs:
+            if s.doc >= 0:
+                assert plan.offset_in_doc(s) == s.start - cu[s.doc]
     assert all(o is not None for o in owner), "a token of the padded row is held by no rank"
     # crossing documents and their pieces
     for d in range(plan.num_docs):
