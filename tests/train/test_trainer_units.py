@@ -36,11 +36,17 @@ def test_layout_errors_name_the_fix(argv, world, needle):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--data-path", "/nonexistent/corpus.jsonl"], "does not exist"),
-    (["--model-kind", "linear", "--context-parallel-impl", "ring_ag"], "does not fit"),
+    (["--model-kind", "linear", "--context-parallel-impl", "ring_ag"],
+     "the softmax schedule is --softmax-cp-preset"),
     (["--model-kind", "softmax", "--context-parallel-impl", "blelloch"], "does not fit"),
     (["--load", "/nonexistent/ckpt"], "is not a directory"),
     (["--hidden-size", "62"], "not divisible by --num-attention-heads"),
-    (["--model-kind", "hybrid", "--num-layers", "6", "--hybrid-pattern", "LLLS"], "divides"),
+    (["--model-kind", "hybrid", "--num-layers", "6", "--hybrid-pattern", "LLLS"],
+     "must divide 6: e.g. 'LLS'"),
+    (["--sp-model-kind", "hybrid", "--sp-hybrid-pattern", "LLLS"], "must divide 2: e.g. 'LS'"),
+    (["--context-parallel-impl", "megatron"], "Megatron-LM launcher"),
+    (["--sp-model-kind", "linear", "--softmax-cp-preset", "ring_ag"], "no softmax layer"),
+    (["--preset", "tiny-linear"], "invalid choice"),
 ])
 def test_argument_errors_name_the_fix(argv, needle):
     with pytest.raises(ValueError, match=needle):
@@ -49,7 +55,7 @@ def test_argument_errors_name_the_fix(argv, needle):
 
 def test_defaults_and_layout():
     a = parse_args([])
-    assert (a.model_kind, a.num_layers, a.hidden_size, a.seq_length) == ("softmax", 2, 64, 256)
+    assert (a.sp_model_kind, a.num_layers, a.hidden_size, a.seq_length) == ("softmax", 2, 64, 256)
     lay = a.layout(4)
     assert (lay.tp, lay.cp, lay.dp, lay.micro_batch_size, lay.num_micro_batches) == (1, 2, 2, 8, 1)
     assert a.layout(1).cp == 1          # plain `python train.py` runs as one process
