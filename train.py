@@ -199,8 +199,10 @@ if __name__ == "__main__":
     try:
         main(sys.argv[1:])
     except ValueError as e:              # bad input: the fix is in the message, on every rank
-        # a bad command line reads the same on every rank: rank 0 says it, once
-        if not isinstance(e, UsageError) or os.environ.get("RANK", "0") == "0":
+        # a bad command line (or a tokenizer the machine lacks) reads the same on every rank of
+        # a node: its first rank says it, once; other errors may differ per rank
+        local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+        if not isinstance(e, UsageError) or local == "0":
             print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:

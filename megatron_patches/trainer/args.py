@@ -26,8 +26,8 @@ __all__ = ["SHAPES", "PRESETS", "KIND_DEFAULTS", "KindDefaults", "MODEL_KINDS", 
 
 
 class UsageError(ValueError):
-    """A bad command line: the same on every rank (a function of the flags and the world size),
-    so train.py prints it once, from rank 0."""
+    """A bad command line: the same on every rank of a node (a function of the flags, the world
+    size and the machine), so train.py prints it once per node, from its first rank."""
 
 
 # Llama shapes (1b = Llama-3.2-1B, 8b = Llama-3-8B). "tiny" is per model kind (KIND_DEFAULTS).

@@ -83,7 +83,7 @@ def test_a_bad_command_line_prints_one_line_once(tmp_path):
     nothing (no usage block), all exit 2 before any process group exists."""
     outs = []
     for rank in ("0", "1"):
-        env = {"RANK": rank, "WORLD_SIZE": "2", "PATH": "/usr/bin:/bin"}
+        env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": "2", "PATH": "/usr/bin:/bin"}
         p = subprocess.run([sys.executable, "-c", "import runpy, sys; sys.argv = ['train.py', "
                             "'--preset', 'nope']; runpy.run_path('train.py', run_name='__main__')"],
                            capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
