@@ -14,6 +14,7 @@ checks and ``--help`` stay cheap.
 from __future__ import annotations
 
 import argparse
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -23,7 +24,7 @@ import sp_attention.softmax.schedule as _schedule
 from sp_attention import SoftmaxSchedule
 from sp_attention.layout import num_chunks
 from sp_attention.linear import IMPLS as LINEAR_IMPLS
-from sp_attention.linear.slopes import SLOPE_SCHEDULES
+from sp_attention.linear.slopes import SLOPE_SCHEDULES, decay_slopes
 from sp_attention.softmax import PRESETS
 
 __all__ = ["Option", "SP_OPTIONS", "add_sp_options", "option", "MODEL_KINDS", "LAYER_KINDS",
@@ -39,8 +40,9 @@ MODEL_KINDS = tuple(_KIND_LETTER)
 
 MEGATRON_IMPL = "megatron"           # launcher only: Megatron's own attention (TE)
 CP_IMPLS = LINEAR_IMPLS + (MEGATRON_IMPL,)
-# The adapters' default per-head decay schedule (sp_attention.linear.slopes).
-DEFAULT_SLOPE_SCHEDULE = "long_range"
+# The default per-head decay schedule: the library's (decay_slopes' default; the library has
+# no constant for it yet).
+DEFAULT_SLOPE_SCHEDULE = inspect.signature(decay_slopes).parameters["schedule"].default
 SOFTMAX_FLAGS = ("softmax_cp_preset", "softmax_heads_k_stride", "softmax_bwd_head_first_stride",
                  "softmax_bwd_head_last_stride")
 

@@ -63,7 +63,7 @@ class KindDefaults:
 _TINY = dict(num_layers=2, num_attention_heads=4, num_query_groups=4, seq_length=256)
 # Measured on CPU, copy task (chance ln 32 = 3.466), final loss of the default run; more in
 # megatron_patches/trainer/README.md. Linear attention needs head dim >= 32 to learn the copy
-# (DESIGN.md §8b) and learns it slowly: a plateau to ~100 steps, then 200 steps end at 2.10,
+# and learns it slowly: a plateau to ~100 steps, then 200 steps end at 2.10,
 # 300 at 1.10, 400 at 0.67 (lr 3e-3 / 4e-3 and head dim 64 were slower). The hybrid learns it
 # with its softmax layer first: SL ends 200 steps at 0.036, LS at 3.46 (it needs ~400).
 KIND_DEFAULTS: dict[str, KindDefaults] = {

@@ -25,6 +25,8 @@ right padding is harmless (causal), left padding is refused by the CP adapter.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from huggingface_hub.dataclasses import strict
 from torch import nn
@@ -41,6 +43,8 @@ __all__ = ["LinearLlamaConfig", "LinearLlamaAttention", "LinearLlamaForCausalLM"
            "hybrid_layer_kinds", "register_auto_classes", "LAYER_KINDS"]
 
 LAYER_KINDS = ("linear", "softmax")
+# the library's default schedule (decay_slopes' default), saved in every config
+_DEFAULT_SLOPE_SCHEDULE = inspect.signature(decay_slopes).parameters["schedule"].default
 
 
 def hybrid_layer_kinds(num_layers: int, softmax_every: int) -> list[str]:
@@ -62,7 +66,7 @@ class LinearLlamaConfig(LlamaConfig):
     model_type = "sp_linear_llama"
 
     layer_kinds: list[str] | None = None
-    slope_schedule: str = "long_range"
+    slope_schedule: str = _DEFAULT_SLOPE_SCHEDULE
 
     def __post_init__(self, **kwargs):
         old = kwargs.pop("decay_schedule", None)      # configs saved before the rename
