@@ -195,6 +195,13 @@ def test_tp_cut_honours_partition_stride():
 def test_launcher_imports_without_megatron_training():
     mod = importlib.import_module("megatron_patches.pretrain_gpt")
     assert callable(mod.main) and callable(mod.model_provider)
+    # batches are split with the model's own context, found inside Megatron's wrappers
+    inner = torch.nn.Module()
+    inner.sp_context = object()
+    wrapped = torch.nn.Module()
+    wrapped.module = torch.nn.Module()
+    wrapped.module.module = inner
+    assert mod.model_context([wrapped]) is inner.sp_context
 
 
 def test_prebuilt_spec_core_attention_follows_the_pattern(monkeypatch):
