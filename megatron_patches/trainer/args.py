@@ -160,10 +160,14 @@ class TrainArgs:
                                       "H100/H200/GH200 989, B200 2250, A100 312")
     no_progress_bar: bool = _f(False, "log lines instead of a progress bar")
     distributed_timeout_minutes: int = _f(10, "collective timeout")
-    # not a flag: which flags the command line set (errors name them, defaults can adapt)
-    set_by_user: tuple = field(default=(), repr=False)
+    # not a flag: which flags the command line set (errors name them, defaults can adapt);
+    # None (built in code): every field that differs from its default
+    set_by_user: Optional[tuple] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.set_by_user is None:
+            self.set_by_user = tuple(f.name for f in fields(self) if f.name != "set_by_user"
+                                     and getattr(self, f.name) != f.default)
         kind = self.sp_model_kind
         if kind not in KIND_DEFAULTS:
             raise UsageError(f"--sp-model-kind {kind!r}: use one of {MODEL_KINDS}")
