@@ -27,10 +27,15 @@ from sp_attention.linear import IMPLS as LINEAR_IMPLS
 from sp_attention.linear.slopes import SLOPE_SCHEDULES, decay_slopes
 from sp_attention.softmax import PRESETS
 
-__all__ = ["Option", "SP_OPTIONS", "add_sp_options", "option", "MODEL_KINDS", "LAYER_KINDS",
+__all__ = ["UsageError", "Option", "SP_OPTIONS", "add_sp_options", "option", "MODEL_KINDS", "LAYER_KINDS",
            "MEGATRON_IMPL", "CP_IMPLS", "DEFAULT_SLOPE_SCHEDULE", "SOFTMAX_FLAGS",
            "expand_pattern", "default_hybrid_pattern", "model_pattern", "check_sp_options",
            "softmax_schedule", "seq_multiple"]
+
+class UsageError(ValueError):
+    """A bad command line: the same on every rank of a node (a function of the flags, the world
+    size and the machine), so train.py prints it once per node, from its first rank."""
+
 
 # Layer letters of a pattern, and the model kinds made of them (a new layer kind adds a letter;
 # a new model kind adds a row: its letter, or None for a pattern of several).

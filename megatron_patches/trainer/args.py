@@ -19,15 +19,12 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Sequence
 
-from ..options import (MEGATRON_IMPL, MODEL_KINDS, check_sp_options, option, seq_multiple)
+from ..options import (MEGATRON_IMPL, MODEL_KINDS, UsageError, check_sp_options, option,
+                       seq_multiple)
+from .data import ENCODINGS as DATA_ENCODINGS
 
 __all__ = ["SHAPES", "PRESETS", "KIND_DEFAULTS", "KindDefaults", "MODEL_KINDS", "TrainArgs",
            "Layout", "UsageError", "build_parser", "parse_args", "default_context_parallel_size"]
-
-
-class UsageError(ValueError):
-    """A bad command line: the same on every rank of a node (a function of the flags, the world
-    size and the machine), so train.py prints it once per node, from its first rank."""
 
 
 # Llama shapes (1b = Llama-3.2-1B, 8b = Llama-3-8B). "tiny" is per model kind (KIND_DEFAULTS).
@@ -144,6 +141,9 @@ class TrainArgs:
                                   default_help="the generated copy task")
     tokenizer_model: Optional[str] = _f(help="HF tokenizer name or directory for --data-path "
                                         "(needs transformers)", default_help="UTF-8 bytes")
+    data_encoding: str = _f("utf-8", "--data-path's encoding: utf-8 (invalid text is an error "
+                            "naming file and line) or bytes (train on the raw bytes as they are)",
+                            choices=DATA_ENCODINGS)
     copy_vocab: int = _f(32, "copy task: distinct random tokens (chance loss = ln of this)")
     vocab_size: Optional[int] = _f(help="copy task: output-layer size (e.g. 128256 to time a "
                                    "Llama head)", default_help="just enough")
@@ -151,6 +151,10 @@ class TrainArgs:
     load: Optional[str] = _f(help="checkpoint directory to resume from (= --save may not exist "
                              "yet: requeue-friendly)", default_help="start fresh")
     save_interval: int = _f(0, "save every N steps (0: at the end and on SIGTERM only)")
+    ckpt_step: Optional[int] = _f(help="resume from this step's checkpoint under --load",
+                                  default_help="the newest")
+    no_checkpoint_checksums: bool = _f(False, "skip the CRC-32 of every checkpoint file at save "
+                                       "and its check at load (sizes are still checked)")
     log_interval: int = _f(10, "a log line every N steps when stdout is not a terminal")
     log_dir: str = _f("runs", "where log.jsonl, loss.png and tensorboard/ go")
     tensorboard_dir: Optional[str] = _f(help="TensorBoard logs", default_help="LOG_DIR/tensorboard")
@@ -234,6 +238,14 @@ class TrainArgs:
         if self.load is not None and not os.path.isdir(self.load) and not resume_own:
             raise UsageError(f"--load {self.load!r} is not a directory; point it at a --save "
                              "directory of an earlier run (or leave it out to start fresh)")
+        if self.ckpt_step is not None and self.load is None:
+            raise UsageError("--ckpt-step picks a checkpoint under --load: pass --load DIR too")
+        if self.data_encoding not in DATA_ENCODINGS:
+            raise UsageError(f"--data-encoding {self.data_encoding!r}: use one of "
+                             f"{DATA_ENCODINGS}")
+        if self.data_encoding == "bytes" and self.tokenizer_model:
+            raise UsageError("--data-encoding bytes trains on raw bytes; a --tokenizer-model "
+                             "needs text: leave one of them out")
         if self.copy_vocab < 2:
             raise UsageError("--copy-vocab must be >= 2")
         if self.save_interval < 0 or self.log_interval < 1:

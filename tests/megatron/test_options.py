@@ -93,3 +93,13 @@ def test_a_bad_command_line_prints_one_line_once(tmp_path):
     lines = [x for x in out0.splitlines() if x.strip()]
     assert len(lines) == 1 and "invalid choice: 'nope'" in lines[0], out0
     assert out1.strip() == "", out1
+
+
+def test_cli_modules_import_no_megatron():
+    """The option table, the launcher's arguments and train.py's argument checks (and so
+    ``--help`` and every command-line error) need no Megatron import."""
+    code = ("import sys, megatron_patches.options, megatron_patches.args, "
+            "megatron_patches.trainer.args; print(sorted(m for m in sys.modules "
+            "if m.startswith('megatron.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
