@@ -8,8 +8,9 @@ data × context × tensor parallelism (DP × CP × TP) on Megatron-Core models.
     sbatch scripts/slurm/train.sbatch --preset 8b ...     # many nodes
 
 One step: every DP rank takes its rows of the global batch (the labels are shifted on the whole
-sequence), keeps its CP rank's zigzag shard of each sequence, runs forward and backward over its
-micro-batches, sums the gradients over DP × CP and steps AdamW. The default data is a copy task
+sequence), keeps its CP rank's shard of each sequence (in the model's layout, zigzag by
+default), runs forward and backward over its micro-batches, sums the gradients over DP × CP and
+steps AdamW. The default data is a copy task
 that only a model whose attention crosses CP ranks can learn, so the run itself shows that
 context parallelism is correct. gloo on CPU, NCCL + bf16 on GPUs; nothing is patched globally.
 Reusable pieces live in ``megatron_patches/trainer/`` (see its README).
@@ -32,14 +33,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_patches.trainer import checkpoint as ckpt  # noqa: E402
-from megatron_patches.trainer.args import TrainArgs, parse_args
+from megatron_patches.trainer.args import TrainArgs, UsageError, parse_args
 from megatron_patches.trainer.data import build_dataset
 from megatron_patches.trainer.launch import (BAD_INPUT_EXIT_STATUS, STOP_SIGNALS, StopSignals,
                                              init_distributed)
 from megatron_patches.trainer.loss import check_loss_impl, micro_batch_loss
 from megatron_patches.trainer.optim import MasterAdamW, lr_at
-from megatron_patches.trainer.progress import (Progress, flops_per_token, peak_flops,
-                                               plot_losses, read_log)
+from megatron_patches.trainer.progress import (Progress, describe_attention, flops_per_token,
+                                               peak_flops, plot_losses, read_log)
 from megatron_patches.trainer.setup import build_model, check_memory, count_params, init_groups
 from sp_attention import build_sp_context, shard_position_ids, shard_sequence
 from sp_attention.reduce import all_reduce_gradients
@@ -123,6 +124,9 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
     args.recompute().check_device(device.type == "cuda")
     check_loss_impl(args.loss_impl, layout.tp, device)
     resume_from = checked_resume_point(args, layout)
+    if device.type != "cuda" or rank != 0:
+        # Megatron's TP layers advise a CUDA setting, once per process: moot on CPU, once is enough
+        warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
     bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
     data = build_dataset(args, layout.tp)
     # printed before anything is allocated; a layout that cannot fit stops here on every rank
@@ -132,8 +136,11 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
     rank0_print(f"memory estimate per rank: {estimate.summary(capacity)}")
 
     groups = init_groups(layout, local_attention_only=args.local_attention_only)
-    cp_ctx = build_sp_context(groups.cp, layout="zigzag")
     model = build_model(args, layout, groups, data.vocab_size, bf16=bf16, device=device)
+    # the data is split like the model's attention and RoPE expect: the model's one context (the
+    # baseline's model sees a CP group of one; its data is still split over the real group)
+    cp_ctx = (build_sp_context(groups.cp, layout=model.sp_context.layout)
+              if args.local_attention_only else model.sp_context)
     optimizer = MasterAdamW(list(model.named_parameters()), lr=args.lr,
                             betas=(args.adam_beta1, args.adam_beta2),
                             weight_decay=args.weight_decay, tp_group=groups.tp,
@@ -145,11 +152,9 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
                                      group=None)
 
     n_params = count_params(model, layout.tp)
-    attn = ("local shard only (baseline, no cross-rank attention)" if args.local_attention_only
-            else f"{args.context_parallel_impl} across CP (zigzag)".replace(
-                "auto", "ring" if args.model_kind == "softmax" else "auto"))
+    attn = describe_attention(args.model_options(), cp_ctx, args.local_attention_only)
     rank0_print(
-        f"train.py | {args.model_kind} {args.num_layers}L d{args.hidden_size} "
+        f"train.py | {args.sp_model_kind} {args.num_layers}L d{args.hidden_size} "
         f"{args.num_attention_heads}h ({n_params / 1e6:.2f}M params) | {layout.summary()} | "
         f"attention {attn} | {dist.get_backend()} on {device.type}, "
         f"{'bf16' if bf16 else 'fp32'} | {args.recompute().describe()}, {args.loss_impl} loss | "
@@ -193,7 +198,7 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
         if own_signals:
             signals.restore()
     if rank == 0 and progress.history:          # means of the steady steps, for benchmarks
-        summary = dict(progress.summary(), model_kind=args.model_kind, preset=args.preset,
+        summary = dict(progress.summary(), model_kind=args.sp_model_kind, preset=args.preset,
                        seq_length=args.seq_length, loss_impl=args.loss_impl,
                        recompute=args.recompute().describe(),
                        mem_estimate_gb=estimate.total / 2**30,
@@ -208,7 +213,7 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
         chance = getattr(data, "chance_loss", None) if args.data_path is None else None
         label = "local attention only" if args.local_attention_only else "CP attention"
         png = plot_losses({label: read_log(args.log_json)}, args.loss_png, chance=chance,
-                          title=f"{args.model_kind}, {layout.summary().split(' (')[0]}")
+                          title=f"{args.sp_model_kind}, {layout.summary().split(' (')[0]}")
     if stopped:                      # the last line of a preempted run: what and how to go on
         rank0_print(f"stopped by {signals.name} after step {step}"
                     + (f": checkpoint {ckpt.find_latest(args.save)}" if args.save else
@@ -229,7 +234,11 @@ if __name__ == "__main__":
             print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         sys.exit(BAD_INPUT_EXIT_STATUS)
     except ValueError as e:              # bad input: the fix is in the message, on every rank
-        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        # a bad command line (or a tokenizer the machine lacks) reads the same on every rank of
+        # a node: its first rank says it, once; other errors may differ per rank
+        local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+        if not isinstance(e, UsageError) or local == "0":
+            print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         sys.exit(BAD_INPUT_EXIT_STATUS)
     finally:
         if dist.is_initialized():

@@ -78,7 +78,7 @@ def longest_by_estimate(kind: str, capacity_gib: float, step: int = 32 * K) -> i
 
 def argv_of(row, log_dir: str) -> list:
     kind, seq, mode, mb, gbs, loss, steps = row
-    return ["--preset", "1b", "--model-kind", kind, "--context-parallel-size", "1",
+    return ["--preset", "1b", "--sp-model-kind", kind, "--context-parallel-size", "1",
             "--vocab-size", str(VOCAB), "--seq-length", str(seq), "--micro-batch-size", str(mb),
             "--global-batch-size", str(gbs), "--train-iters", str(steps),
             "--lr-warmup-iters", "1", "--log-interval", "1", "--no-progress-bar",

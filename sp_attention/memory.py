@@ -167,12 +167,12 @@ def layer_saved_bytes(m: ModelShape, kind: str, tp: int = 1, act_bytes: int = 2,
 
     Softmax core attention saves q, k (after RoPE), v — a view of the fused QKV projection's
     output, which it keeps alive whole — the output and the fp32 LSE. Linear core attention
-    saves q, K/V expanded to the query heads (GQA), and its fp32 per-head output norm's input,
+    saves the same q, k, v (grouped: ``lightning_attention`` expands K/V only inside its own
+    calls) and its fp32 per-head output norm's input,
     normalised value and inverse RMS. RoPE makes 16-bit cos/sin per call (q and k)."""
     h, f, d, t, e = m.hidden_size, m.ffn_hidden_size, m.head_dim, tp, act_bytes
     ad, gd, heads = m.num_attention_heads * d // t, m.num_query_groups * d // t, \
         m.num_attention_heads // t
-    expanded = m.num_attention_heads > m.num_query_groups
     out = {"norm1_in": e * h + 4, "qkv_in": e * h, "rope_cos_sin": 4 * e * d,
            "proj_in": e * ad, "norm2_in": e * h + 4, "fc1_in": e * h}
     # the checkpoint of core attention keeps its inputs q, k, v (v: the QKV output)
@@ -182,11 +182,7 @@ def layer_saved_bytes(m: ModelShape, kind: str, tp: int = 1, act_bytes: int = 2,
     elif kind == "S":
         out.update(qkv_inputs, attn_out=e * ad, lse=4 * heads)
     else:
-        out["q"] = e * ad
-        if expanded:
-            out.update(k_expanded=e * ad, v_expanded=e * ad)
-        else:
-            out.update(k=e * gd, **{"qkv_out(v)": e * (ad + 2 * gd)})
+        out.update(qkv_inputs)
         out.update(out_fp32=4 * ad, out_normed_fp32=4 * ad, inv_rms=4 * heads)
     if "mlp" not in drop:
         out.update(swiglu_in=2 * e * f // t, fc2_in=e * f // t)

@@ -82,7 +82,7 @@ def transformer_config(args: TrainArgs, layout: Layout, *, bf16: bool, on_gpu: b
 
 def build_model(args: TrainArgs, layout: Layout, groups: Groups, vocab_size: int, *,
                 bf16: bool, device: torch.device) -> torch.nn.Module:
-    """The model for ``args.model_kind`` on ``device`` (same seed on every rank: TP ranks draw
+    """The model for ``args.sp_model_kind`` on ``device`` (same seed on every rank: TP ranks draw
     the same full weights and keep their slices; CP/DP replicas are identical)."""
     from megatron_patches.model import build_gpt_model
     on_gpu = device.type == "cuda"
@@ -91,19 +91,13 @@ def build_model(args: TrainArgs, layout: Layout, groups: Groups, vocab_size: int
         from megatron.core import tensor_parallel
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     config = transformer_config(args, layout, bf16=bf16, on_gpu=on_gpu)
-    kw = {}
-    if args.model_kind == "softmax":
-        from megatron_patches.core_attention import SoftmaxOptions
-        preset = "ring" if args.context_parallel_impl == "auto" else args.context_parallel_impl
-        kw["softmax_options"] = SoftmaxOptions(preset=preset)
-    else:
-        kw["cp_impl"] = args.context_parallel_impl
-    if groups.model_pgs is not None:
-        kw["pg_collection"] = groups.model_pgs
-    model = build_gpt_model(config, kind=args.model_kind, vocab_size=vocab_size,
+    opts = args.model_options()
+    kw = {} if groups.model_pgs is None else {"pg_collection": groups.model_pgs}
+    model = build_gpt_model(config, kind=opts["kind"], vocab_size=vocab_size,
                             max_sequence_length=args.seq_length,
-                            hybrid_pattern=args.hybrid_pattern,
-                            slope_schedule=args.slope_schedule,
+                            hybrid_pattern=opts["pattern"], cp_impl=opts["cp_impl"],
+                            softmax_schedule=opts["softmax_schedule"],
+                            slope_schedule=opts["slope_schedule"],
                             return_hidden_states=args.loss_impl != "megatron", **kw)
     if bf16:
         # What Megatron's Float16Module does to the model: every parameter in bf16. Megatron's

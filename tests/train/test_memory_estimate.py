@@ -162,5 +162,5 @@ def test_train_memory_check_refuses_with_the_fixes():
     check_memory(forced, forced.layout(1), 128256, bf16=True, capacity=h200)
     with pytest.raises(ValueError, match="no tensor parallelism"):
         check_loss_impl("liger", 2, torch.device("cuda"))
-    with pytest.raises(SystemExit):                      # argparse's choices
+    with pytest.raises(ValueError, match="invalid choice"):   # argparse's choices
         parse_args(["--loss-impl", "plain"])

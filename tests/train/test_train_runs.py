@@ -35,7 +35,7 @@ STEPS = 4
 
 
 def _argv(kind, tp, cp, log_dir, steps=STEPS, extra=()):
-    return ["--model-kind", kind, "--tensor-model-parallel-size", str(tp),
+    return ["--sp-model-kind", kind, "--tensor-model-parallel-size", str(tp),
             "--context-parallel-size", str(cp), "--seq-length", "32", "--global-batch-size", "4",
             "--train-iters", str(steps), "--lr-warmup-iters", "1", "--no-progress-bar",
             "--log-interval", "100", *extra] + (["--log-dir", log_dir] if log_dir else [])
@@ -64,7 +64,7 @@ def _bf16_param_dtypes():
     import torch
     from megatron_patches.trainer.args import parse_args
     from megatron_patches.trainer.setup import build_model, init_groups
-    args = parse_args(["--preset", "tiny", "--model-kind", "hybrid"])
+    args = parse_args(["--preset", "tiny", "--sp-model-kind", "hybrid"])
     layout = args.layout(1)
     model = build_model(args, layout, init_groups(layout), 64, bf16=True,
                         device=torch.device("cpu"))
