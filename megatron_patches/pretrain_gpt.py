@@ -9,18 +9,64 @@ without Megatron-LM's root scripts): Megatron's own argument parsing (plus ours,
 :mod:`megatron_patches.args`), ``pretrain`` with its optimizer, schedules, DDP,
 checkpointing, logging and mock / indexed GPT datasets. Only the model provider is ours
 (:func:`megatron_patches.model.build_gpt_model`) and the batch's CP split uses the library's
-zigzag sharding (identical to Megatron's ``get_batch_on_this_cp_rank``).
+sharding in the model's layout (``sp_attention.DEFAULT_LAYOUT``, zigzag: identical to Megatron's
+``get_batch_on_this_cp_rank``).
 
 Importing this module imports nothing from ``megatron.training`` (so it is safe on
-megatron-core 0.16, which has none); :func:`main` needs it.
+megatron-core 0.16, which has none); :func:`main` needs it, and says so once (not once per
+rank) where it is missing: Python 3.11 resolves megatron-core 0.16.1, the last release for it.
 """
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import time
 from functools import partial
+from typing import Optional
 
 _PROGRAM_START = time.time()
+MIN_CORE = (0, 18)          # parse_and_validate_args(extra_args_provider=) arrived in 0.18
+
+
+def missing_requirement(python: tuple, core_version: Optional[str],
+                        has_training: bool) -> Optional[str]:
+    """What this launcher lacks (None: nothing), as one message with the fix; pure."""
+    try:
+        core = tuple(int(x) for x in (core_version or "0.0").split(".")[:2])
+    except ValueError:
+        core = (0, 0)
+    if has_training and core >= MIN_CORE:
+        return None
+    have = (f"this is Python {'.'.join(map(str, python[:3]))} with "
+            + (f"megatron-core {core_version}" if core_version else "no megatron-core"))
+    fix = ('pip install "megatron-core>=0.18" on Python >= 3.12' if python[:2] >= (3, 12) else
+           'a Python >= 3.12 environment, then pip install "megatron-core>=0.18" (on Python '
+           '3.11 pip stops at megatron-core 0.16.1, which has no megatron.training)')
+    return ("megatron_patches.pretrain_gpt runs Megatron-LM's trainer (megatron.training), "
+            f"which needs megatron-core >= 0.18 and Python >= 3.12; {have}. Install: {fix}. "
+            "On this Python, train.py trains the same models on megatron-core 0.16: "
+            "torchrun --nproc-per-node 4 train.py --sp-model-kind hybrid")
+
+
+def _exit_unless_supported() -> None:
+    """Exit 2 with one message (printed by rank 0 alone) if megatron.training is unusable."""
+    import importlib.metadata
+    import importlib.util
+    try:
+        version: Optional[str] = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    try:
+        has_training = importlib.util.find_spec("megatron.training") is not None
+    except ModuleNotFoundError:        # no megatron package at all
+        has_training = False
+    msg = missing_requirement(sys.version_info, version, has_training)
+    if msg is None:
+        return
+    if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None,
@@ -52,24 +98,36 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
             normalization=args.normalization), rotary_base=args.rotary_base,
             pg_collection=pg_collection, vp_stage=vp_stage, **common)
     print_rank_0(f"building {opts['kind']} GPT with --context-parallel-impl {opts['cp_impl']}, "
-                 f"pattern {opts['layer_pattern']}, softmax {opts['softmax_options']}")
+                 f"layers {opts['pattern']}, softmax {opts['softmax_schedule']}")
     return build_gpt_model(config, kind=opts["kind"], cp_impl=opts["cp_impl"],
-                           softmax_options=opts["softmax_options"],
-                           hybrid_pattern=opts["layer_pattern"],
+                           softmax_schedule=opts["softmax_schedule"],
+                           hybrid_pattern=opts["pattern"],
                            slope_schedule=opts["slope_schedule"], pg_collection=pg_collection,
                            rotary_base=args.rotary_base, vp_stage=vp_stage, **common)
 
 
-def get_batch(data_iterator):
-    """Next micro-batch, moved to the GPU and split zigzag over CP (every rank reads the
-    data itself; the datasets are built on every rank, see ``datasets_provider``)."""
+def model_context(model):
+    """The ``SPContext`` the model's attention and RoPE use (``build_gpt_model`` stores it as
+    ``sp_context`` on the GPTModel inside Megatron's wrappers); Megatron's own model (``megatron``
+    impl): Megatron's CP group in Megatron's layout."""
+    inner = model[0] if isinstance(model, list) else model
+    while not hasattr(inner, "sp_context") and hasattr(inner, "module"):
+        inner = inner.module
+    if hasattr(inner, "sp_context"):
+        return inner.sp_context
+    from .model import cp_context
+    from .specs import MEGATRON_LAYOUT
+    return cp_context(layout=MEGATRON_LAYOUT)
+
+
+def get_batch(data_iterator, ctx):
+    """Next micro-batch, moved to the GPU and split over CP by ``ctx`` (the model's context, so
+    data, attention and RoPE share one layout). Every rank reads the data itself; the datasets
+    are built on every rank, see ``datasets_provider``."""
     import torch
     from sp_attention import shard_sequence
 
-    from .model import cp_context
-
     batch = next(data_iterator)
-    ctx = cp_context()
     out = {}
     for key in ("tokens", "labels", "loss_mask", "position_ids"):
         out[key] = shard_sequence(batch[key].cuda(non_blocking=True), ctx, dim=1)
@@ -96,7 +154,7 @@ def forward_step(data_iterator, model):
     from megatron.training import get_timers
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
-    b = get_batch(data_iterator)
+    b = get_batch(data_iterator, model_context(model))
     timers("batch-generator").stop()
     out = model(b["tokens"], b["position_ids"], None, labels=b["labels"],
                 loss_mask=b["loss_mask"])
@@ -163,8 +221,7 @@ def _prebuilt_dataset_helpers():
 
 def main(argv=None) -> None:
     """Parse Megatron-LM's arguments plus ours and run Megatron's ``pretrain``."""
-    import sys
-
+    _exit_unless_supported()
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args

@@ -12,7 +12,12 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
+from .layout import leaves_of_rank
+
 LAYOUTS = ("contiguous", "zigzag")
+# The one default: Megatron's split (causal-balanced, what its RoPE and softmax layers assume).
+# Every builder and adapter that does not name a layout reads this constant.
+DEFAULT_LAYOUT = "zigzag"
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,7 @@ class SPContext:
     rank: int
     world_size: int
     global_ranks: tuple[int, ...] = field(default=())
-    layout: str = "zigzag"
+    layout: Optional[str] = None       # None: DEFAULT_LAYOUT, read when the context is built
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -42,6 +47,8 @@ class SPContext:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(
                 f"SPContext.rank={self.rank} is outside the group of size {self.world_size}")
+        if self.layout is None:
+            object.__setattr__(self, "layout", DEFAULT_LAYOUT)
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; use one of {LAYOUTS}")
         if self.world_size > 1 and self.group is None:
@@ -61,8 +68,6 @@ class SPContext:
     @property
     def leaves(self) -> tuple[int, ...]:
         """Global indices of the pieces this rank holds, in the order they sit in its shard."""
-        from .layout import leaves_of_rank
-
         return leaves_of_rank(self.rank, self.world_size, self.layout)
 
     def global_rank(self, group_rank: int) -> int:
@@ -70,7 +75,7 @@ class SPContext:
         return self.global_ranks[group_rank % self.world_size]
 
 
-def build_sp_context(group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag",
+def build_sp_context(group: Optional[dist.ProcessGroup] = None, layout: Optional[str] = None,
                      ) -> SPContext:
     """Build an :class:`SPContext` from a process group.
 
@@ -79,6 +84,7 @@ def build_sp_context(group: Optional[dist.ProcessGroup] = None, layout: str = "z
     ``dist.new_group`` returned ``GroupMember.NON_GROUP_MEMBER``) it raises ``ValueError``. ``group=None`` with an initialised default group is
     refused: the plugin never defaults to WORLD, pass the CP group explicitly.
     """
+    layout = DEFAULT_LAYOUT if layout is None else layout
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
     if group is None:

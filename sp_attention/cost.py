@@ -4,7 +4,7 @@ and schedule, and the choice ``impl="auto"`` / ``preset="auto"`` makes from it.
 Pure functions of the sizes, the CP size P, the layout, where the ranks sit
 (:class:`Topology`: which CP ranks share a node) and a :class:`~sp_attention.machine.Machine`
 (α, β per link class, kernel rates, overlap). Times are the slowest rank's GPU time in ms with
-the host ahead of the device (PERF.md's ``queued`` timing, a layer inside a model); on CPU the
+the host ahead of the device (the benchmarks' ``queued`` timing, a layer inside a model); on CPU the
 P processes time-share the machine's cores (``Machine.compute_share``): compute, and every
 communication round in which all ranks take part (tree rounds, collectives, softmax ring hops;
 ``Machine.comm_share``), take ``1 / share`` as long; a ring scan's hops are a chain between two
@@ -188,7 +188,8 @@ def linear_flops(shape: LinearShape) -> float:
 
 def softmax_flops(B: int, H: int, rows: int, keys: int, D: int, causal_diag: bool) -> float:
     """Forward FLOPs of one attention call, ``4·B·H·D·rows·keys``; a bottom-right causal call
-    skips the upper triangle of its last ``rows`` keys. Backward = 2.5 × forward (PERF.md)."""
+    skips the upper triangle of its last ``rows`` keys. Backward = 2.5 × forward (the benchmarks'
+    convention)."""
     pairs = rows * keys - (rows * (rows - 1) / 2 if causal_diag else 0)
     return 4.0 * B * H * D * pairs
 
@@ -485,7 +486,7 @@ def log_choice(kind: str, key: tuple, choice: Choice, machine: Machine) -> bool:
 
 def cp_efficiency(t: StepTime) -> float:
     """The step's kernel time ÷ its time: per-GPU throughput of the CP step relative to the
-    same kernels doing the same per-GPU work on one device (PERF.md's ratio)."""
+    same kernels doing the same per-GPU work on one device (the benchmarks' ratio)."""
     return t.compute_ms / t.total_ms if t.total_ms else 1.0
 
 
@@ -578,17 +579,20 @@ def softmax_memory(shape: SoftmaxShape, world: int, layout: str, fwd: str, bwd: 
 def rank_memory(attention_bytes: float, model=None) -> dict:
     """Per-rank total of a TP × CP × DP layout: the attention schedule's working memory (per
     layer, from :func:`linear_memory` / :func:`softmax_memory` with the rank's shapes: heads
-    ÷ TP, tokens ÷ CP, micro-batch; layers run one at a time) plus the model-level estimate
-    ``model`` (weights, gradients, optimizer states, activations by recompute setting: the
-    model-level estimate of ``sp_attention.memory``, issue 26), given as a number of bytes or
-    an object / mapping with ``total_bytes``. Returns ``{"attention", "model", "total"}`` in
-    bytes."""
+    ÷ TP, tokens ÷ CP, micro-batch; layers run one at a time) with the model-level estimate
+    ``model``: an :class:`sp_attention.memory.MemoryEstimate` (weights, gradients, optimizer
+    states, activations by recompute setting, loss, and ``workspace``, the largest transient
+    of one layer's backward), a mapping with ``total`` (and optionally ``workspace``), or a
+    number of bytes. The schedule's buffers are such a transient too, so the peak takes the
+    larger of the two rather than their sum. Returns ``{"attention", "model", "total"}``."""
     if model is None:
-        m = 0.0
+        total, workspace = 0.0, 0.0
     elif isinstance(model, (int, float)):
-        m = float(model)
+        total, workspace = float(model), 0.0
     elif isinstance(model, Mapping):
-        m = float(model["total_bytes"])
+        total, workspace = float(model["total"]), float(model.get("workspace", 0.0))
     else:
-        m = float(getattr(model, "total_bytes"))
-    return {"attention": float(attention_bytes), "model": m, "total": float(attention_bytes) + m}
+        total, workspace = float(model.total), float(getattr(model, "workspace", 0.0))
+    attention = float(attention_bytes)
+    return {"attention": attention, "model": total,
+            "total": total - workspace + max(workspace, attention)}

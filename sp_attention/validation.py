@@ -12,8 +12,29 @@ from .context import SPContext
 from .layout import PAD_HELPER
 
 __all__ = ["PAD_HELPER", "is_int", "resolve_ctx", "check_tensors", "check_local_length",
-           "sdpa_hint"]
+           "sdpa_hint", "autocast_inputs", "autocast_off"]
 
+
+def autocast_inputs(*tensors):
+    """SDPA's mixed-precision rule for both public ops: under ``torch.autocast`` for the
+    tensors' device type, floating inputs are cast to the autocast dtype (HF's RoPE hands
+    over q and k in fp32 with v in bf16 there); outside autocast they are returned as they
+    are (mismatched dtypes then stay an error of the op's checks). Casting here, outside the
+    autograd Function, sends the gradients back in each input's own dtype. Non-tensors pass
+    through (their type errors are reported by the checks)."""
+    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    if first is None or not torch.is_autocast_enabled(first.device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(first.device.type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                 for t in tensors)
+
+
+def autocast_off(device: torch.device):
+    """A context without autocast for ``device``'s type: the ops' kernels, states and merges
+    run in the dtypes the ops chose (inputs in the autocast dtype, cross-rank math fp32),
+    also when a caller runs backward inside an autocast region."""
+    return torch.autocast(device_type=device.type, enabled=False)
 
 
 def is_int(x) -> bool:

@@ -66,7 +66,7 @@ def _cases(rank, world):
     out["bhtd_softmax"] = _outcome(lambda: context_parallel_attention(qs, ks, ks, ctx=ctx))
     out["softmax_agree"] = _outcome(_soft(8, ctx=ctx))
     out["softmax_scale"] = _outcome(_soft(8, ctx=ctx, softmax_scale=0.5 if rank else 0.4))
-    out["softmax_local_error"] = _outcome(_soft(8, ctx=ctx, softmax_scale=0.3,
+    out["softmax_local_error"] = _outcome(_soft(8, ctx=ctx, softmax_scale=0.3, preset="ring_ag",
                                                 heads_k_stride=2 if rank else 3))
     out["softmax_every_call"] = _outcome(lambda: [_soft(8, ctx=ctx, tuning=SoftmaxTuning(
         check_every_call=True))() for _ in range(2)])

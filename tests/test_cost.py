@@ -226,8 +226,16 @@ def test_memory_model_matches_the_recorded_h200_peaks():
           for P in (2, 8, 64)]
     ring = [softmax_memory(SOFT, P, "zigzag", "ring", "ring", H200)["peak"] for P in (4, 8, 64)]
     assert ag[0] < ag[1] < ag[2] and ring[0] == ring[1] == ring[2]
-    total = cost.rank_memory(sm["peak"], {"total_bytes": 10.0})
-    assert total["total"] == sm["peak"] + 10.0
+    assert cost.rank_memory(sm["peak"], 10.0)["total"] == sm["peak"] + 10.0
+    # a transient like the model's largest workspace: the peak takes the larger of the two
+    assert cost.rank_memory(sm["peak"], {"total": 1e10, "workspace": 1.0})["total"] == (
+        1e10 - 1.0 + sm["peak"])
+    from sp_attention.memory import ModelShape, StepShape, estimate_memory
+    est = estimate_memory(ModelShape(4, 4096, 14336, 32, 8, 128256, "SSSS"),
+                          StepShape(cp=2, seq_length=16384))
+    r = cost.rank_memory(sm["peak"], est)
+    assert r["total"] == est.total - est.workspace + max(est.workspace, sm["peak"])
+    assert r["model"] == est.total
 
 
 def test_calibration_json_round_trip(tmp_path, monkeypatch):

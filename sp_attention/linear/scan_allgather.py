@@ -19,6 +19,7 @@ import functools
 
 import torch
 
+from ..caches import LRU
 from ..comm import all_gather_flat
 from ..context import SPContext
 from ..layout import leaves_of_rank, scan_position
@@ -27,11 +28,11 @@ from .scan_common import Element, check_elements, leaf_map
 _LOG_FLOOR = -1.0e4
 
 
-@functools.lru_cache(maxsize=64)
-def _fold_plan(rank: int, world: int, layout: str, reverse: bool, dtype: torch.dtype,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Index and band tensors of the fold, built once per (rank, group shape, direction,
-    device): a host-to-device copy per call would be a device sync per call.
+@functools.lru_cache(maxsize=256)
+def _host_plan(rank: int, world: int, layout: str, reverse: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Index and band tensors of the fold on the host (pure rank arithmetic, a few hundred
+    bytes each; bounded by the (rank, group shape, direction) keys a process meets).
 
     ``order[pos]`` is the row of the gathered buffer holding scan position ``pos``; for each
     local position p: ``between[p, q, r] = 1`` iff q < r < p (the A factors that carry b_q to
@@ -47,9 +48,26 @@ def _fold_plan(rank: int, world: int, layout: str, reverse: bool, dtype: torch.d
     p = torch.tensor(mine)[:, None, None]
     q = torch.arange(num)[None, :, None]
     r = torch.arange(num)[None, None, :]
-    between, before = ((q < r) & (r < p)), (q[..., 0] < p[..., 0])
-    return (torch.tensor(order).to(device), between.to(device=device, dtype=dtype),
-            before.to(device=device, dtype=dtype))
+    return torch.tensor(order), (q < r) & (r < p), q[..., 0] < p[..., 0]
+
+
+# The plan's copies on the devices that run the fold, made once per (rank, group shape,
+# direction, dtype, device): a host-to-device copy per call would be a device sync per call.
+# A training process folds on one device, in one dtype and in both directions per CP group:
+# a handful of entries; the bound keeps a process that meets many groups, devices or dtypes
+# from holding device memory for ever (a dropped plan is copied again on its next use).
+_DEVICE_PLANS = LRU(16)
+
+
+def _fold_plan(rank: int, world: int, layout: str, reverse: bool, dtype: torch.dtype,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(order, between, before)`` of :func:`_host_plan` on ``device`` (the bands in
+    ``dtype``)."""
+    def make():
+        order, between, before = _host_plan(rank, world, layout, reverse)
+        return (order.to(device), between.to(device=device, dtype=dtype),
+                before.to(device=device, dtype=dtype))
+    return _DEVICE_PLANS.get((rank, world, layout, reverse, dtype, device), make)
 
 
 def allgather_scan(A: list, b: list, ctx: SPContext, reverse: bool = False) -> list:

@@ -16,32 +16,19 @@ import torch
 from ..call_check import agree_across_ranks
 from ..context import SPContext
 from ..tuning import SoftmaxTuning
-from ..validation import check_local_length, check_tensors, is_int, resolve_ctx
+from ..validation import (autocast_inputs, autocast_off, check_local_length, check_tensors,
+                          resolve_ctx)
 from .bwd_allgather import allgather_backward
 from .bwd_ring import ring_backward
 from .fwd_allgather import allgather_forward
 from .fwd_ring import ring_forward
-from .backends import BACKEND_NAMES, KernelBackend, get_backend
+from .backends import KernelBackend, get_backend
+from .packed import PackedAttention, PackedConfig, packed_plan_for
+from .packed_plan import CallPolicy
+from .schedule import BWD_SCHEDULES, DEFAULT_PRESET, FWD_SCHEDULES, PRESETS, SoftmaxSchedule
 
 __all__ = ["context_parallel_attention", "PRESETS", "DEFAULT_PRESET", "FWD_SCHEDULES",
-           "BWD_SCHEDULES", "default_heads_k_stride"]
-
-FWD_SCHEDULES = ("ring", "allgather")
-BWD_SCHEDULES = ("ring", "allgather")
-
-PRESETS: dict[str, tuple[str, str]] = {
-    # ring forward + all-gather / async fp32 reduce-scatter backward with head strides: the
-    # product's "fwd-ring/bwd-flash". The forward overlaps P - 1 small hops with no exposed
-    # gather; the backward overlaps everything but one stride's gather and reduce-scatter.
-    "ring_ag": ("ring", "allgather"),
-    "ring": ("ring", "ring"),                 # ring-flash-attention: p2p only, O(1) buffers
-    "allgather": ("allgather", "allgather"),  # no LSE merge; best for small P within a node
-    "ag_ring": ("allgather", "ring"),
-}
-# Default by measurement (2x H200, Llama-3-8B attention, benchmarks/results): ring/ring was the
-# fastest pair at T_local 8K (0.76 of one GPU vs 0.66 for ring/allgather) and 32K (0.925 vs
-# 0.910). Revisit when the all-gather backward's per-stride overhead is fixed.
-DEFAULT_PRESET = "ring"
+           "BWD_SCHEDULES", "SoftmaxSchedule", "default_heads_k_stride"]
 
 _DEFAULT = SoftmaxTuning()
 
@@ -96,15 +83,16 @@ class _ContextParallelAttention(torch.autograd.Function):
     def backward(fctx, dout, *unused):
         q, k, v, out, lse = fctx.saved_tensors
         cfg: _Config = fctx.cfg
-        if cfg.bwd == "ring":
-            dq, dk, dv = ring_backward(dout, q, k, v, out, lse, cfg.ctx, cfg.backend,
-                                       causal=cfg.causal, scale=cfg.scale,
-                                       pack_kv=cfg.pack_kv)
-        else:
-            dq, dk, dv = allgather_backward(dout, q, k, v, out, lse, cfg.ctx, cfg.backend,
-                                            causal=cfg.causal, scale=cfg.scale,
-                                            heads_k_stride=cfg.stride, first=cfg.first,
-                                            last=cfg.last)
+        with autocast_off(q.device):
+            if cfg.bwd == "ring":
+                dq, dk, dv = ring_backward(dout, q, k, v, out, lse, cfg.ctx, cfg.backend,
+                                           causal=cfg.causal, scale=cfg.scale,
+                                           pack_kv=cfg.pack_kv)
+            else:
+                dq, dk, dv = allgather_backward(dout, q, k, v, out, lse, cfg.ctx, cfg.backend,
+                                                causal=cfg.causal, scale=cfg.scale,
+                                                heads_k_stride=cfg.stride, first=cfg.first,
+                                                last=cfg.last)
         return dq, dk, dv, None
 
 
@@ -133,60 +121,14 @@ def _check_tensors(q, k, v, ctx: SPContext) -> None:
                          "(GQA: query head h uses KV head h // (H / Hkv))")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them "
-                         "to one dtype")
+                         "to one dtype (under torch.autocast the op casts them to the autocast "
+                         "dtype itself, as SDPA does)")
     if not q.dtype.is_floating_point:
         raise ValueError(f"q, k, v must be floating point, got {q.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, "
                          f"{v.device})")
     check_local_length(q, ctx)
-
-
-def _check_strides(kv_heads: int, stride, first, last, bwd: str) -> None:
-    if not is_int(stride) or stride < 1 or kv_heads % stride:
-        divisors = [d for d in range(1, kv_heads + 1) if kv_heads % d == 0]
-        raise ValueError(f"heads_k_stride={stride!r} must be a positive divisor of the "
-                         f"{kv_heads} local KV heads; use one of {divisors} (or None)")
-    for name, val in (("bwd_head_first_stride", first), ("bwd_head_last_stride", last)):
-        if val is None:
-            continue
-        if bwd != "allgather":
-            raise ValueError(f"{name} only applies to bwd='allgather' (got bwd={bwd!r}); "
-                             "leave it None")
-        if kv_heads == 1:
-            raise ValueError(f"{name}={val!r}: with one local KV head the all-gather backward "
-                             "pipelines over the sequence instead of heads; leave it None")
-        if stride == 1:
-            raise ValueError(f"{name}={val!r}: heads_k_stride=1 leaves no stride to split (no "
-                             f"split is possible); use heads_k_stride >= 2 or leave {name} None")
-        if not is_int(val) or not 0 < val < stride:
-            raise ValueError(f"{name}={val!r} must satisfy 0 < {name} < heads_k_stride "
-                             f"({stride}); pick one of 1..{stride - 1} or None")
-    if kv_heads == stride and first is not None and last is not None and first + last > stride:
-        raise ValueError(f"with a single stride of {stride} KV heads, bwd_head_first_stride "
-                         f"({first}) + bwd_head_last_stride ({last}) must be <= {stride}; "
-                         "lower one of them or use a smaller heads_k_stride")
-
-
-def _resolve_schedules(fwd: Optional[str], bwd: Optional[str],
-                       preset: Optional[str]) -> tuple[str, str]:
-    if preset is not None:
-        if preset not in PRESETS:
-            raise ValueError(f"unknown preset {preset!r}; use one of {sorted(PRESETS)}")
-        pf, pb = PRESETS[preset]
-        for name, given, want in (("fwd", fwd, pf), ("bwd", bwd, pb)):
-            if given is not None and given != want:
-                raise ValueError(f"preset={preset!r} means {name}={want!r} but {name}={given!r} "
-                                 f"was passed; drop one of the two")
-        fwd, bwd = pf, pb
-    dflt_f, dflt_b = PRESETS[DEFAULT_PRESET]
-    fwd = dflt_f if fwd is None else fwd
-    bwd = dflt_b if bwd is None else bwd
-    if fwd not in FWD_SCHEDULES:
-        raise ValueError(f"unknown forward schedule fwd={fwd!r}; use one of {FWD_SCHEDULES}")
-    if bwd not in BWD_SCHEDULES:
-        raise ValueError(f"unknown backward schedule bwd={bwd!r}; use one of {BWD_SCHEDULES}")
-    return fwd, bwd
 
 
 def _check_scale(scale) -> None:
@@ -205,7 +147,7 @@ def context_parallel_attention(
         bwd_head_last_stride: Optional[int] = None, causal: bool = True,
         softmax_scale: Optional[float] = None, backend: Optional[str] = None,
         preset: Optional[str] = None, return_lse: bool = False,
-        tuning: Optional[SoftmaxTuning] = None,
+        tuning: Optional[SoftmaxTuning] = None, cu_seqlens=None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Softmax attention (causal, GQA) over a sequence split across a context-parallel group.
 
@@ -244,6 +186,14 @@ def context_parallel_attention(
             differentiable).
         tuning: :class:`~sp_attention.SoftmaxTuning` (None: the defaults); never changes the
             numbers.
+        cu_seqlens: packed documents: the GLOBAL row's document boundaries (``[N+1]`` int32 /
+            int64 tensor, 0 … row length, the same on every rank; on the CPU or q's device) or
+            the batch's :class:`~sp_attention.PackingPlan` (:func:`~sp_attention.plan_packing`;
+            pass the plan when the row ends in padding). A token then attends to earlier tokens
+            of its own document only; q, k, v are this rank's shard as the plan places it
+            (``plan.shard``); padding rows give 0 (lse −inf) and zero gradients. Needs
+            ``causal=True``. None (default), or one document laid out as the unpacked layout:
+            today's path.
 
     Returns:
         ``out [B, T_local, H, D]`` in ``q.dtype`` (and ``lse`` if ``return_lse``: fp32, fp64 for
@@ -264,22 +214,32 @@ def context_parallel_attention(
     """
     ctx = resolve_ctx(ctx)
     tuning = _DEFAULT if tuning is None else tuning
+    q, k, v = autocast_inputs(q, k, v)
     options = dict(fwd=fwd, bwd=bwd, preset=preset, heads_k_stride=heads_k_stride,
                    bwd_head_first_stride=bwd_head_first_stride,
                    bwd_head_last_stride=bwd_head_last_stride, causal=causal,
                    softmax_scale=softmax_scale, backend=backend, return_lse=return_lse)
-    cfg, error = None, None
+    cfg, error, plan = None, None, None
     try:
         cfg = _config(q, k, v, ctx, tuning, **options)
+        plan = packed_plan_for(cu_seqlens, q, ctx, causal)
     except (TypeError, ValueError) as e:
         error = e
     signature = (("tensors", tuple((n, _shape(x), getattr(x, "dtype", None))
                                    for n, x in (("q", q), ("k", k), ("v", v)))),
                  ("device", q.device.type if isinstance(q, torch.Tensor) else None),
                  ("layout", ctx.layout), ("tuning", tuning)) + tuple(options.items())
+    if cu_seqlens is not None:      # ranks disagreeing on the boundaries all raise
+        signature += (("cu_seqlens", plan.digest if plan is not None else "invalid"),)
     agree_across_ranks(ctx, "context_parallel_attention", signature, error,
                        isinstance(tuning, SoftmaxTuning) and tuning.check_every_call)
-    return _ContextParallelAttention.apply(q, k, v, cfg)
+    with autocast_off(q.device):
+        if plan is not None and not plan.is_trivial:
+            return PackedAttention.apply(q, k, v, PackedConfig(
+                cfg.ctx, plan, cfg.fwd, cfg.bwd, cfg.scale, cfg.backend, cfg.stride, cfg.first,
+                cfg.last, cfg.return_lse, cfg.pack_kv,
+                CallPolicy(tuning.packed_dense_min, tuning.packed_varlen_gaps)))
+        return _ContextParallelAttention.apply(q, k, v, cfg)
 
 
 def _shape(x) -> object:
@@ -293,18 +253,14 @@ def _config(q, k, v, ctx: SPContext, tuning, *, fwd, bwd, preset, heads_k_stride
     if not isinstance(tuning, SoftmaxTuning):
         raise TypeError(f"tuning must be a SoftmaxTuning or None, got {type(tuning).__name__}")
     _check_tensors(q, k, v, ctx)
-    fwd, bwd = _resolve_schedules(fwd, bwd, preset)
+    sched = SoftmaxSchedule(preset, fwd, bwd, heads_k_stride, bwd_head_first_stride,
+                            bwd_head_last_stride, backend)
     kv_heads, group = k.shape[2], q.shape[2] // k.shape[2]
-    stride = (default_heads_k_stride(kv_heads, group, tuning) if heads_k_stride is None
-              else heads_k_stride)
-    _check_strides(kv_heads, stride, bwd_head_first_stride, bwd_head_last_stride, bwd)
+    stride = sched.local_stride(kv_heads, default_heads_k_stride(kv_heads, group, tuning))
     _check_scale(softmax_scale)
     if not isinstance(causal, bool) or not isinstance(return_lse, bool):
         raise TypeError(f"causal and return_lse must be bools, got {causal!r}, {return_lse!r}")
-    if backend is not None and backend not in BACKEND_NAMES:
-        raise ValueError(f"unknown kernel backend {backend!r}; use one of {BACKEND_NAMES} or "
-                         "None (automatic)")
     kernel = get_backend(backend, q.device, q.dtype, q.shape[3])   # raises if it cannot run
     scale = q.shape[3] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    return _Config(ctx, fwd, bwd, causal, scale, kernel, stride, bwd_head_first_stride,
-                   bwd_head_last_stride, return_lse, tuning.pack_kv)
+    return _Config(ctx, sched.fwd, sched.bwd, causal, scale, kernel, stride,
+                   bwd_head_first_stride, bwd_head_last_stride, return_lse, tuning.pack_kv)

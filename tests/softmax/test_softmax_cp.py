@@ -182,7 +182,9 @@ def _qkv(B=1, T=8, H=8, Hkv=4, D=4, dtype=torch.float64):
 
 
 @pytest.mark.parametrize("kwargs,inputs,match", [
-    (dict(heads_k_stride=3), {}, "heads_k_stride=3 must be a positive divisor of the 4"),
+    (dict(preset="ring_ag", heads_k_stride=3), {},
+     "heads_k_stride=3 must be a positive divisor of the 4"),
+    (dict(heads_k_stride=2), {}, "only applies to the all-gather schedules"),
     (dict(heads_k_stride=0), {}, "positive divisor"),
     (dict(bwd="allgather", heads_k_stride=2, bwd_head_first_stride=2), {},
      "0 < bwd_head_first_stride < "),
@@ -373,6 +375,6 @@ def test_gpu_world_one_matches_fp32_math():
 def test_public_api_is_pinned():
     import sp_attention.softmax as sm
     assert sorted(sm.__all__) == sorted(["context_parallel_attention", "PRESETS",
-                                         "DEFAULT_PRESET", "SoftmaxTuning",
+                                         "DEFAULT_PRESET", "SoftmaxTuning", "SoftmaxSchedule",
                                          "attention_reference"])
     assert sm.DEFAULT_PRESET == "ring"

@@ -1,0 +1,143 @@
+"""The softmax schedule: which forward and backward schedules run, their head strides and the
+kernel backend — one validated dataclass, the one home of these knobs and their rules.
+
+``context_parallel_attention`` builds one from its keyword arguments; the adapters (Megatron's
+core attention, the launcher and train.py flags, the HF adapter) hold one and pass
+``**schedule.kwargs()``. Rules that need the tensors (a stride must divide the local KV heads)
+are checked by :meth:`SoftmaxSchedule.local_stride` when the op sees its inputs.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from ..validation import is_int
+from .backends import BACKEND_NAMES
+
+__all__ = ["SoftmaxSchedule", "PRESETS", "DEFAULT_PRESET", "FWD_SCHEDULES", "BWD_SCHEDULES",
+           "STRIDE_FIELDS"]
+
+FWD_SCHEDULES = ("ring", "allgather")
+BWD_SCHEDULES = ("ring", "allgather")
+
+PRESETS: dict[str, tuple[str, str]] = {
+    # ring forward + all-gather / async fp32 reduce-scatter backward with head strides: the
+    # product's "fwd-ring/bwd-flash". The forward overlaps P - 1 small hops with no exposed
+    # gather; the backward overlaps everything but one stride's gather and reduce-scatter.
+    "ring_ag": ("ring", "allgather"),
+    "ring": ("ring", "ring"),                 # ring-flash-attention: p2p only, O(1) buffers
+    "allgather": ("allgather", "allgather"),  # no LSE merge; best for small P within a node
+    "ag_ring": ("allgather", "ring"),
+}
+# Default by measurement (2x H200, Llama-3-8B attention, benchmarks/results): ring/ring was the
+# fastest pair at T_local 8K (0.76 of one GPU vs 0.66 for ring/allgather) and 32K (0.925 vs
+# 0.910). Revisit when the all-gather backward's per-stride overhead is fixed.
+DEFAULT_PRESET = "ring"
+
+STRIDE_FIELDS = ("heads_k_stride", "bwd_head_first_stride", "bwd_head_last_stride")
+
+
+@dataclass(frozen=True)
+class SoftmaxSchedule:
+    """How :func:`sp_attention.context_parallel_attention` splits a layer over the CP group.
+
+    Attributes:
+        preset: a name from :data:`PRESETS` setting ``fwd`` and ``bwd`` together (``"ring"``,
+            ``"ring_ag"``, ``"allgather"``, ``"ag_ring"``); None: ``fwd``/``bwd`` as given,
+            each defaulting to :data:`DEFAULT_PRESET`'s. A ``fwd``/``bwd`` contradicting the
+            preset raises.
+        fwd, bwd: forward / backward schedule, ``"ring"`` or ``"allgather"``; after
+            construction both hold the resolved schedules.
+        heads_k_stride: KV heads per all-gather step (only with an all-gather forward or
+            backward); must divide the local KV heads. None: the library's default
+            (:func:`sp_attention.softmax.attention.default_heads_k_stride`).
+        bwd_head_first_stride, bwd_head_last_stride: split the all-gather backward's first /
+            last stride into ``[f, stride − f]`` / ``[stride − l, l]`` heads (only with
+            ``bwd="allgather"``; ``0 < f, l < stride``).
+        backend: kernel backend (``"cudnn"``, ``"flash"``, ``"flash_attn"``, ``"math"``) or
+            None for the fastest that runs the inputs.
+    """
+
+    preset: Optional[str] = None
+    fwd: Optional[str] = None
+    bwd: Optional[str] = None
+    heads_k_stride: Optional[int] = None
+    bwd_head_first_stride: Optional[int] = None
+    bwd_head_last_stride: Optional[int] = None
+    backend: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        fwd, bwd = self.fwd, self.bwd
+        if self.preset is not None:
+            if self.preset not in PRESETS:
+                raise ValueError(f"unknown preset {self.preset!r}; use one of {sorted(PRESETS)}")
+            pf, pb = PRESETS[self.preset]
+            for name, given, want in (("fwd", fwd, pf), ("bwd", bwd, pb)):
+                if given is not None and given != want:
+                    raise ValueError(f"preset={self.preset!r} means {name}={want!r} but "
+                                     f"{name}={given!r} was passed; drop one of the two")
+            fwd, bwd = pf, pb
+        dflt_f, dflt_b = PRESETS[DEFAULT_PRESET]
+        fwd = dflt_f if fwd is None else fwd
+        bwd = dflt_b if bwd is None else bwd
+        if fwd not in FWD_SCHEDULES:
+            raise ValueError(f"unknown forward schedule fwd={fwd!r}; use one of {FWD_SCHEDULES}")
+        if bwd not in BWD_SCHEDULES:
+            raise ValueError(f"unknown backward schedule bwd={bwd!r}; use one of "
+                             f"{BWD_SCHEDULES}")
+        object.__setattr__(self, "fwd", fwd)
+        object.__setattr__(self, "bwd", bwd)
+        for name in STRIDE_FIELDS:
+            val = getattr(self, name)
+            if val is not None and (not is_int(val) or val < 1):
+                what = ("a positive divisor of the local KV heads" if name == "heads_k_stride"
+                        else f"0 < {name} < heads_k_stride")
+                raise ValueError(f"{name}={val!r} must be {what} (or None)")
+        for name in ("bwd_head_first_stride", "bwd_head_last_stride"):
+            if getattr(self, name) is not None and bwd != "allgather":
+                raise ValueError(f"{name} only applies to bwd='allgather' (got bwd={bwd!r}); "
+                                 "use preset 'ring_ag' or 'allgather', or leave it None")
+        if self.heads_k_stride is not None and "allgather" not in (fwd, bwd):
+            raise ValueError(f"heads_k_stride only applies to the all-gather schedules; fwd="
+                             f"{fwd!r}, bwd={bwd!r} would ignore it: use preset 'ring_ag', "
+                             "'allgather' or 'ag_ring', or leave heads_k_stride None")
+        if self.backend is not None and self.backend not in BACKEND_NAMES:
+            raise ValueError(f"unknown kernel backend {self.backend!r}; use one of "
+                             f"{BACKEND_NAMES} or None (automatic)")
+
+    def kwargs(self) -> dict:
+        """Keyword arguments of :func:`sp_attention.context_parallel_attention` (the resolved
+        ``fwd``/``bwd``, not the preset name)."""
+        out = asdict(self)
+        out.pop("preset")
+        return out
+
+    def local_stride(self, kv_heads: int, default: int) -> int:
+        """The KV-head stride for ``kv_heads`` local KV heads (``default`` when unset), after
+        every rule that needs the head count."""
+        stride = default if self.heads_k_stride is None else self.heads_k_stride
+        first, last = self.bwd_head_first_stride, self.bwd_head_last_stride
+        if kv_heads % stride:
+            divisors = [d for d in range(1, kv_heads + 1) if kv_heads % d == 0]
+            raise ValueError(f"heads_k_stride={stride!r} must be a positive divisor of the "
+                             f"{kv_heads} local KV heads; use one of {divisors} (or None)")
+        for name, val in (("bwd_head_first_stride", first), ("bwd_head_last_stride", last)):
+            if val is None:
+                continue
+            if kv_heads == 1:
+                raise ValueError(f"{name}={val!r}: with one local KV head the all-gather "
+                                 "backward pipelines over the sequence instead of heads; leave "
+                                 "it None")
+            if stride == 1:
+                raise ValueError(f"{name}={val!r}: heads_k_stride=1 leaves no stride to split "
+                                 f"(no split is possible); use heads_k_stride >= 2 or leave "
+                                 f"{name} None")
+            if not 0 < val < stride:
+                raise ValueError(f"{name}={val!r} must satisfy 0 < {name} < heads_k_stride "
+                                 f"({stride}); pick one of 1..{stride - 1} or None")
+        if kv_heads == stride and first is not None and last is not None \
+                and first + last > stride:
+            raise ValueError(f"with a single stride of {stride} KV heads, bwd_head_first_stride "
+                             f"({first}) + bwd_head_last_stride ({last}) must be <= {stride}; "
+                             "lower one of them or use a smaller heads_k_stride")
+        return stride

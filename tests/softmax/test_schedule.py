@@ -1,0 +1,49 @@
+"""``SoftmaxSchedule``: the one home of the softmax schedule knobs and their rules."""
+import pytest
+import torch
+
+from sp_attention import SoftmaxSchedule, context_parallel_attention
+from sp_attention.softmax import DEFAULT_PRESET, PRESETS
+
+
+def test_presets_resolve_and_default_comes_from_one_constant():
+    assert (SoftmaxSchedule().fwd, SoftmaxSchedule().bwd) == PRESETS[DEFAULT_PRESET]
+    for name, (f, b) in PRESETS.items():
+        s = SoftmaxSchedule(preset=name)
+        assert (s.fwd, s.bwd) == (f, b)
+        assert s.kwargs()["fwd"] == f and "preset" not in s.kwargs()
+    assert SoftmaxSchedule(fwd="allgather").bwd == PRESETS[DEFAULT_PRESET][1]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(preset="fast"), "unknown preset"),
+    (dict(preset="ring", bwd="allgather"), "drop one of the two"),
+    (dict(fwd="tree"), "unknown forward schedule"),
+    (dict(heads_k_stride=2), "only applies to the all-gather schedules"),
+    (dict(preset="ring_ag", heads_k_stride=0), "positive divisor"),
+    (dict(preset="ring_ag", heads_k_stride=True), "positive divisor"),
+    (dict(preset="ag_ring", heads_k_stride=2, bwd_head_first_stride=1), "only applies to"),
+    (dict(backend="cuda"), "unknown kernel backend"),
+])
+def test_bad_schedules_raise_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SoftmaxSchedule(**kwargs)
+
+
+def test_head_rules_need_the_local_kv_heads():
+    s = SoftmaxSchedule(preset="ring_ag", heads_k_stride=4, bwd_head_first_stride=3,
+                        bwd_head_last_stride=2)
+    with pytest.raises(ValueError, match="must be <= 4"):
+        s.local_stride(4, default=1)
+    with pytest.raises(ValueError, match="positive divisor of the 6"):
+        s.local_stride(6, default=1)
+    assert SoftmaxSchedule(preset="allgather").local_stride(8, default=2) == 2
+
+
+def test_kwargs_drive_the_op():
+    q, k = torch.randn(1, 8, 4, 4, dtype=torch.float64), torch.randn(1, 8, 2, 4,
+                                                                   dtype=torch.float64)
+    s = SoftmaxSchedule(preset="allgather", heads_k_stride=1, backend="math")
+    ref = context_parallel_attention(q, k, k, fwd="allgather", bwd="allgather",
+                                     heads_k_stride=1, backend="math")
+    assert torch.equal(context_parallel_attention(q, k, k, **s.kwargs()), ref)
