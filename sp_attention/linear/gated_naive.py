@@ -28,7 +28,8 @@ from ..precision import acc_dtype
 
 __all__ = ["recurrent_gated_attention", "chunked_gated_core", "chunked_gated_attention",
            "gated_chunk_states", "gated_output_from_states_ref", "gated_state_grad_ref",
-           "dqkdg_ref"]
+           "dqkdg_ref", "gate_from_chunk_sums", "fla_chunk_fwd_h", "fla_chunk_bwd_dh",
+           "fla_chunk_bwd_dv", "fla_chunk_fwd_o"]
 
 
 def _check(q, k, v, g) -> None:
@@ -197,3 +198,68 @@ def dqkdg_ref(q, k, v, do, h, dh, g, scale: float, chunk_size: int = 64):
         grads = torch.autograd.grad((o, S_end), (qr, kr, vr, gr),
                                     (rows(do), dh.to(dt).reshape(B * N, H, *dh.shape[3:])))
     return tuple(x.reshape(B, N * C, *x.shape[2:])[:, :T] for x in grads)
+
+
+# ------------------------------------------------------------------------------------------
+# fla 0.6's gated chunk kernels in pure torch, with their keyword signatures: they take the
+# gate as fla does (``g``: chunk-local inclusive log2 sums, :func:`.gates.gate_sums`). Used as
+# stand-ins where fla cannot run (CPU dry runs of the GPU path, orchestration tests).
+
+def gate_from_chunk_sums(gc: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """The natural-log per-token gate ``g [B, T, H]`` (fp64) whose chunk-local log2 sums are
+    ``gc`` (differences of consecutive sums inside each chunk, times ln 2)."""
+    import math
+    x = gc.to(torch.float64)
+    prev = torch.nn.functional.pad(x, (0, 0, 1, 0))[:, :-1]
+    starts = (torch.arange(x.shape[1], device=x.device) % chunk_size) == 0
+    return (x - torch.where(starts[None, :, None], torch.zeros_like(prev), prev)) * math.log(2.0)
+
+
+def fla_chunk_fwd_h(k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None,
+                    output_final_state=False, state_v_first=False, cu_seqlens=None,
+                    chunk_size=64, split_size=None, states_in_fp32=False):
+    """``(h [B, N, H, K, V], final state or None)`` as fla's ``chunk_fwd_h`` with ``g``."""
+    assert g is not None and g_gamma is None and cu_seqlens is None
+    nat = gate_from_chunk_sums(g, chunk_size)
+    h = gated_chunk_states(k, v, nat, chunk_size, h0)
+    ht = chunked_gated_core(k, k, v, nat, 1.0, h0, chunk_size)[1] if output_final_state else None
+    return h, ht
+
+
+def fla_chunk_bwd_dh(q, k, v, do, h0, dht, scale, g=None, g_gamma=None, gk=None, gv=None,
+                     state_v_first=False, cu_seqlens=None, chunk_size=64, split_size=None,
+                     states_in_fp32=False):
+    """``(dh [B, N, H, K, V], dh0 or None)`` as fla's ``chunk_bwd_dh`` with ``g``: the
+    gradient at each chunk's end (from ``dht`` and the later chunks' outputs)."""
+    assert g is not None and g_gamma is None and cu_seqlens is None
+    nat = gate_from_chunk_sums(g, chunk_size)
+    T, C = q.shape[1], chunk_size
+    N = max(1, -(-T // C))
+    dt = acc_dtype(q, do, nat, dht)
+    cur = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], do.shape[3], dtype=dt) \
+        if dht is None else dht.to(dt)
+    dh = []
+    for n in reversed(range(N)):
+        dh.insert(0, cur)
+        sl = slice(n * C, min((n + 1) * C, T))
+        cur = nat[:, sl].sum(1).exp()[..., None, None] * cur \
+            + gated_state_grad_ref(q[:, sl], do[:, sl], nat[:, sl], scale)
+    return torch.stack(dh, 1), (cur if h0 is not None else None)
+
+
+def fla_chunk_bwd_dv(q, k, do, dh, g=None, g_gamma=None, scale=None, state_v_first=False,
+                     cu_seqlens=None, chunk_size=64, chunk_indices=None):
+    """dv as fla's ``chunk_bwd_dv`` with ``g`` (from the chunk-end gradients ``dh``)."""
+    assert g is not None and g_gamma is None and cu_seqlens is None
+    nat = gate_from_chunk_sums(g, chunk_size)
+    h = torch.zeros_like(dh)            # dv does not depend on the chunk states
+    return dqkdg_ref(q, k, torch.zeros_like(do), do, h, dh, nat, scale, chunk_size)[2]
+
+
+def fla_chunk_fwd_o(q, k, v, h, g=None, g_gamma=None, scale=None, state_v_first=False,
+                    cu_seqlens=None, chunk_size=64, chunk_indices=None):
+    """o as fla's ``chunk_fwd_o`` with ``g`` from the states entering each chunk ``h``."""
+    assert g is not None and g_gamma is None and cu_seqlens is None
+    nat = gate_from_chunk_sums(g, chunk_size)
+    zero = h.new_zeros(h.shape[0], *h.shape[2:])
+    return gated_output_from_states_ref(q, k, v, h, zero, nat, scale, chunk_size)
