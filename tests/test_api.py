@@ -10,7 +10,8 @@ def test_top_level_api():
         "CPGroupOptions", "new_cp_group", "lightning_attention", "context_parallel_attention",
         "SoftmaxSchedule",
         "shard_sequence", "unshard_sequence", "shard_position_ids", "shift_labels",
-        "pad_to_multiple", "pad_for_layout", "LinearTuning", "SoftmaxTuning"])
+        "pad_to_multiple", "pad_for_layout", "LinearTuning", "SoftmaxTuning",
+        "PackingPlan", "plan_packing"])
     for name in sp_attention.__all__:
         assert hasattr(sp_attention, name), name
 
