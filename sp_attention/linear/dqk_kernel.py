@@ -34,23 +34,32 @@ __all__ = ["chunk_dqkdg", "DQK_CANDIDATES"]
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
-def _dqkdg_kernel(q, k, v, do, h, dh, gc, dq, dk, dg, scale, T, NT, BH_T,
-                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
+def _dqkdg_kernel(q, k, v, do, h, dh, gc, dq, dk, dg, cu_seqlens, chunk_indices, scale, T, NT,
+                  BH_T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+                  IS_VARLEN: tl.constexpr):
     i_k = tl.program_id(0)
     i_t = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
     i_b = i_bh // H
     i_h = i_bh % H
-    tok0 = i_b * T
+    if IS_VARLEN:       # one row of sequences (fla's layout): chunk i_t is (sequence, chunk)
+        i_tg = i_t.to(tl.int64)
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
+        i_t = tl.load(chunk_indices + i_t * 2 + 1)
+        tok0 = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1) - tok0).to(tl.int32)
+    else:
+        i_tg = i_b * NT + i_t
+        tok0 = i_b * T
     q += (tok0 * H + i_h) * K
     k += (tok0 * H + i_h) * K
     dq += (tok0 * H + i_h) * K
     dk += (tok0 * H + i_h) * K
     v += (tok0 * H + i_h) * V
     do += (tok0 * H + i_h) * V
-    h += ((i_b * NT + i_t) * H + i_h) * K * V
-    dh += ((i_b * NT + i_t) * H + i_h) * K * V
+    h += (i_tg * H + i_h) * K * V
+    dh += (i_tg * H + i_h) * K * V
     gc += tok0 * H + i_h
     dg += i_k * BH_T + tok0 * H + i_h                   # partial rows per K tile
 
@@ -120,12 +129,13 @@ DQK_CANDIDATES = [
                       (64, 8, 1))
 ]
 _dqkdg_tuned = triton.autotune(configs=DQK_CANDIDATES[:6],
-                               key=["H", "K", "V", "BT", "BK", "PRECISION"])(_dqkdg_kernel)
+                               key=["H", "K", "V", "BT", "BK", "PRECISION", "IS_VARLEN"])(_dqkdg_kernel)
 
 
 def chunk_dqkdg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
                 h: torch.Tensor, dh: torch.Tensor, gc: torch.Tensor, scale: float,
-                chunk_size: int = 64, config: int | None = None, block_k: int | None = None
+                chunk_size: int = 64, config: int | None = None, block_k: int | None = None,
+                cu_seqlens: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dg)`` of gated linear attention from the chunk states.
 
@@ -137,10 +147,17 @@ def chunk_dqkdg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
     fp32 inputs run IEEE fp32 dots. ``config``: index into :data:`DQK_CANDIDATES` (default:
     autotuned on the GPU, the first in Triton's CPU interpreter); ``block_k``: the K tile
     (default the whole K up to 128; more tiles write partial dg rows, added here).
+    ``cu_seqlens`` (int32 ``[N+1]``) with ``chunk_indices`` (int32 ``[NT, 2]``: (sequence,
+    chunk) per chunk, :func:`sp_attention.linear.varlen.chunk_indices`): B = 1 holds N
+    sequences (fla's varlen layout; ``h``, ``dh`` ``[1, NT, H, K, V]``, ``gc`` summed per
+    sequence; tokens past ``cu_seqlens[-1]`` are not written).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
-    N = triton.cdiv(T, chunk_size)
+    varlen = cu_seqlens is not None
+    N = chunk_indices.shape[0] if varlen else triton.cdiv(T, chunk_size)
+    if varlen and (B != 1 or chunk_indices.dim() != 2):
+        raise ValueError("chunk_dqkdg: varlen needs B = 1 and chunk_indices [NT, 2]")
     for name, t in (("q", q), ("k", k), ("v", v), ("do", do), ("h", h), ("dh", dh), ("gc", gc)):
         if not t.is_contiguous():
             raise ValueError(f"chunk_dqkdg: {name} must be contiguous")
@@ -157,14 +174,15 @@ def chunk_dqkdg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
     dg = torch.empty(nk, B, T, H, device=q.device, dtype=torch.float32)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
-    args = (q, k, v, do, h, dh, gc, dq, dk, dg, float(scale), T, N, B * T * H)
+    args = (q, k, v, do, h, dh, gc, dq, dk, dg, cu_seqlens, chunk_indices, float(scale), T, N,
+            B * T * H)
     with guard:
         if config is not None or os.environ.get("TRITON_INTERPRET") == "1":
             cfg = DQK_CANDIDATES[config or 0]
             _dqkdg_kernel[(nk, N, B * H)](
-                *args, H=H, K=K, V=V, BT=chunk_size, BK=BK, PRECISION=prec,
+                *args, H=H, K=K, V=V, BT=chunk_size, BK=BK, PRECISION=prec, IS_VARLEN=varlen,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)
         else:
             _dqkdg_tuned[(nk, N, B * H)](*args, H=H, K=K, V=V, BT=chunk_size, BK=BK,
-                                         PRECISION=prec)
+                                         PRECISION=prec, IS_VARLEN=varlen)
     return dq, dk, (dg[0] if nk == 1 else dg.sum(0))

@@ -181,6 +181,30 @@ for B, T, H, K, V, cfg, bk in ((1, 64, 1, 16, 16, 0, None), (2, 100, 3, 32, 16, 
                              0.3, 64, cfg, bk)
     assert dq.dtype == dk.dtype == dg.dtype == torch.float32
     err("dq", dq, ref[0]); err("dk", dk, ref[1]); err("dg", dg, ref[3])
+# varlen: several sequences in one row (fla's layout), one of length 1, padding after them
+from sp_attention.linear.gated_naive import fla_chunk_bwd_dh
+from sp_attention.linear.varlen import chunk_indices, cu_seqlens_tensor
+cu, H, K, V = (0, 30, 130, 131, 200), 2, 16, 16
+q, k, v, do = (torch.randn(1, 205, H, d) for d in (K, K, V, V))
+g = -torch.rand(1, 205, H) * torch.tensor([0.3, 5.0])
+hs, dhs, gcs, refs = [], [], [], []
+for n in range(len(cu) - 1):
+    sl = slice(cu[n], cu[n + 1])
+    qd, kd, vd, dod, gd = (x[:, sl].double() for x in (q, k, v, do, g))
+    S, D = torch.randn(1, H, K, V, dtype=torch.float64), torch.randn(1, H, K, V, dtype=torch.float64)
+    hs.append(gated_chunk_states(kd, vd, gd, 64, S))
+    dhs.append(fla_chunk_bwd_dh(qd, kd, vd, dod, None, D, 0.3, g=gate_sums_torch(gd, 64).gc)[0])
+    gcs.append(gate_sums(g[:, sl], 64).gc)
+    refs.append(dqkdg_ref(qd, kd, vd, dod, hs[-1], dhs[-1], gd, 0.3))
+cpu = torch.device("cpu")
+dq, dk, dg = chunk_dqkdg(q, k, v, do, torch.cat(hs, 1).float().contiguous(),
+                         torch.cat(dhs, 1).float().contiguous(),
+                         torch.cat(gcs + [torch.zeros(1, 5, H)], 1).contiguous(), 0.3,
+                         cu_seqlens=cu_seqlens_tensor(cu, cpu), chunk_indices=chunk_indices(cu, 64, cpu))
+for n in range(len(cu) - 1):
+    sl = slice(cu[n], cu[n + 1])
+    err("dq varlen", dq[:, sl], refs[n][0]); err("dk varlen", dk[:, sl], refs[n][1])
+    err("dg varlen", dg[:, sl], refs[n][3])
 print(worst)
 sys.exit(0 if max(worst.values()) < 1e-5 else 1)
 """
@@ -190,7 +214,8 @@ def test_gated_kernels_in_triton_interpreter():
     """Our Triton kernels with per-token gates on CPU (``TRITON_INTERPRET=1``, fp32, partial
     last chunks, 1 and 3 heads, K ≠ V, slow / medium / fast gates, three launch configs, one
     and two K tiles): the gate sums vs torch, the output and state-sum kernels vs the fp64
-    chunked form, and the dq/dk/dg kernel vs autograd through the fp64 chunk pieces."""
+    chunked form, and the dq/dk/dg kernel vs autograd through the fp64 chunk pieces, also in
+    fla's varlen layout (sequences of 30, 100, 1 and 69 tokens, padding after them)."""
     pytest.importorskip("triton", reason="triton is in the `test` extra; install it to run this")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_INTERPRET="1",
