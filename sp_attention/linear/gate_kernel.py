@@ -7,14 +7,23 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["T", "N"])
-def _gate_sums_kernel(g, gc, prefix, total, rcp_ln2, T, N, H: tl.constexpr, BT: tl.constexpr,
-                      NB: tl.constexpr):
+def _gate_sums_kernel(g, gc, prefix, total, cu_seqlens, chunk_offsets, rcp_ln2, T, N,
+                      H: tl.constexpr, BT: tl.constexpr, NB: tl.constexpr,
+                      IS_VARLEN: tl.constexpr):
     i_rh = tl.program_id(0).to(tl.int64)
     i_r = i_rh // H
     i_h = i_rh % H
-    g += i_r * T * H + i_h
-    gc += i_r * T * H + i_h
-    prefix += i_r * N * H + i_h
+    if IS_VARLEN:       # row i_r is sequence i_r of one varlen row (fla's layout)
+        tok0 = tl.load(cu_seqlens + i_r).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_r + 1) - tok0).to(tl.int32)
+        N = tl.cdiv(T, BT)
+        chunk0 = tl.load(chunk_offsets + i_r).to(tl.int64)
+    else:
+        tok0 = i_r * T
+        chunk0 = i_r * N
+    g += tok0 * H + i_h
+    gc += tok0 * H + i_h
+    prefix += chunk0 * H + i_h
     carry = tl.zeros([1], dtype=tl.float32)
     for blk in range(tl.cdiv(N, NB)):
         c = blk * NB + tl.arange(0, NB)                         # chunk ids [NB]

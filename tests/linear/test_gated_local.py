@@ -196,6 +196,8 @@ for n in range(len(cu) - 1):
     dhs.append(fla_chunk_bwd_dh(qd, kd, vd, dod, None, D, 0.3, g=gate_sums_torch(gd, 64).gc)[0])
     gcs.append(gate_sums(g[:, sl], 64).gc)
     refs.append(dqkdg_ref(qd, kd, vd, dod, hs[-1], dhs[-1], gd, 0.3))
+for a, b in zip(gate_sums(g, 64, cu), gate_sums_torch(g, 64, cu)):
+    err("gate_sums varlen", a, b)
 cpu = torch.device("cpu")
 dq, dk, dg = chunk_dqkdg(q, k, v, do, torch.cat(hs, 1).float().contiguous(),
                          torch.cat(dhs, 1).float().contiguous(),
