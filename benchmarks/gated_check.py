@@ -121,7 +121,7 @@ def leaf_forward(kern, q, k, v, g, S_in, scale):
 def leaf_backward(kern, q, k, v, gs, S_in, do, D, scale):
     """dq, dk, dv, dg of the leaf entered with ``S_in`` whose end receives ``D``, and its
     state-gradient contribution ``d`` (what the reverse scan carries)."""
-    d = kern.state_sum(q, do, None, 0, 0, None, scale, gates=gs)
+    d = kern.state_sum(q, do, None, 0, 1, None, scale, gates=gs)
     h, _ = kern.fwd_h(k=k, v=v, g=gs.gc, h0=S_in, output_final_state=False, chunk_size=64,
                       states_in_fp32=True)
     dh, _ = kern.bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=D, scale=scale, g=gs.gc,
@@ -160,8 +160,8 @@ def check_kernels(kern, shape, dtype, device, tag, configs):
     check("fla chunk_fwd_h(g) states", rel(h, h_ref), tol_fla, **kw)
     check("fla chunk_fwd_h(g) final state", rel(ht, S_end), tol_fla, **kw)
     h0, b = kern.fwd_h(k=k, v=v, g=gs.gc, h0=None, output_final_state=True, chunk_size=64)
-    check("fla chunk_fwd_h(g) zero start, final state = b",
-          rel(b, gn.chunked_gated_core(kd, kd, vd, gd, 1.0, None, 64)[1]), tol_fla, **kw)
+    S_end0 = gn.chunked_gated_core(kd, kd, vd, gd, 1.0, None, 64)[1]
+    check("fla chunk_fwd_h(g) zero start, final state = b", rel(b, S_end0), tol_fla, **kw)
     check("fla chunk_fwd_o(g)", rel(kern.fwd_o(q=q, k=k, v=v, h=h.to(q.dtype), g=gs.gc,
                                                 scale=scale, chunk_size=64), o_ref), tol_fla,
           **kw)
@@ -182,8 +182,11 @@ def check_kernels(kern, shape, dtype, device, tag, configs):
         check("ours output_from_states(gates)", rel(o, o_ref), tol_ours, config=cfg, **kw)
     d_ref = gn.gated_state_grad_ref(qd, dod, gd, scale)
     for cfg in configs["state"]:
-        d = kern.state_sum(q, do, None, 0, 0, None, scale, cfg, gates=gs)
+        d = kern.state_sum(q, do, None, 0, 1, None, scale, cfg, gates=gs)
         check("ours decayed_state_sum(gates)", rel(d, d_ref), tol_ours, config=cfg, **kw)
+        bb = kern.state_sum(k, v, None, 0, -1, None, 1.0, cfg, gates=gs)
+        check("ours decayed_state_sum(gates) end state", rel(bb, S_end0), tol_ours, config=cfg,
+              **kw)
     hf, dhf = h_ref.float().contiguous(), dh_ref.float().contiguous()
     for cfg in configs["dqk"]:
         dq, dk, dg = kern.dqkdg(q, k, v, do, hf, dhf, gs.gc, scale, 64, cfg)
@@ -274,7 +277,7 @@ def perf(kern, a, device, dtype):
         row("ours output_from_states(g_gamma)",
             lambda: kern.output(q, k, v, h0, S, gg, scale, 64))
     row("ours decayed_state_sum(gates)",
-        lambda: kern.state_sum(q, do, None, 0, 0, None, scale, gates=gs))
+        lambda: kern.state_sum(q, do, None, 0, 1, None, scale, gates=gs))
     dh, _ = kern.bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=D, scale=scale, g=gs.gc,
                         chunk_size=64, states_in_fp32=True)
     h, _ = kern.fwd_h(k=k, v=v, g=gs.gc, h0=S, output_final_state=False, chunk_size=64,

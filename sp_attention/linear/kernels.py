@@ -196,6 +196,8 @@ def _decayed_state_sum_kernel(x, y, g_gamma, gc, prefix, part, scale, T, n_per_s
     if USE_G:
         gc += i_b * sg + i_h
         prefix += i_b * sp + i_h
+        # step < 0: the leaf's end state, weights exp2(total − G_t) (total: the last prefix)
+        total = tl.load(prefix + (tl.cdiv(T, BT) - 1) * H)
     else:
         gamma = tl.load(g_gamma + i_h).to(tl.float32)
     o_k = i_k * BK + tl.arange(0, BK)
@@ -209,7 +211,9 @@ def _decayed_state_sum_kernel(x, y, g_gamma, gc, prefix, part, scale, T, n_per_s
         if USE_G:
             # exp2 of the leaf's inclusive sum at t: the chunk's local sum + all chunks before
             before = tl.load(prefix + (c - 1) * H, mask=(c > 0) & ((c - 1) * BT < T), other=0.0)
-            w = tl.exp2(tl.load(gc + o_t * H, mask=m_t, other=0.0) + before)
+            G = tl.load(gc + o_t * H, mask=m_t, other=0.0) + before
+            # exponent <= 0 inside the leaf; rows past T masked before exp2 (inf * 0)
+            w = tl.exp2(tl.where(m_t, tl.where(step < 0, total - G, G), 0.0))
         else:
             # exponent >= 0 inside the leaf (w <= 1); rows past T masked before exp2 (inf * 0)
             w = tl.exp2(gamma * tl.where(m_t, base + step * o_t, 0).to(tl.float32))
@@ -266,9 +270,10 @@ def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor | 
     ``config``: index into :data:`STATE_CANDIDATES` (default: autotuned over the offered
     :data:`_STATE_CONFIGS` on the GPU, their first in Triton's CPU interpreter).
     ``gates``: per-token decays in place of ``g_gamma`` (None then; rows ``gc[b]`` and
-    ``prefix[b]`` contiguous, strided like x's rows): the weights are ``exp2`` of the
-    row's inclusive sum at t, ``scale · Σ_t exp(G_t) x_tᵀ y_t`` (the state-gradient
-    contribution of a gated leaf; ``base``, ``step`` unused).
+    ``prefix[b]`` contiguous, strided like x's rows; ``base`` unused): ``step > 0`` weighs
+    by ``exp(G_t)`` with G the row's inclusive sum of g at t (the state-gradient
+    contribution of a gated leaf, x = q, y = dO), ``step < 0`` by ``exp(Γ − G_t)`` with Γ the
+    row's total (its end state from zero, x = k, y = v).
     """
     B, T, H, K = x.shape
     V = y.shape[-1]
