@@ -177,7 +177,7 @@ def _true_states(q, k, v, do, g, cu, scale, plan, r, lp):
         _, st = recurrent_gated_attention(q[:, a:s.start], k[:, a:s.start], v[:, a:s.start],
                                           g[:, a:s.start], scale=scale,
                                           output_final_state=True)
-        S_in.append(st.float() if st is not None else None)
+        S_in.append(st)
         # gradient at the segment's end: autograd of the rest of the document w.r.t. its
         # incoming state
         b = cu[s.doc + 1]
@@ -192,9 +192,9 @@ def _true_states(q, k, v, do, g, cu, scale, plan, r, lp):
             o, _ = recurrent_gated_attention(q[:, s.stop:b], k[:, s.stop:b], v[:, s.stop:b],
                                              g[:, s.stop:b], scale=scale, initial_state=S_end)
             (gr,) = torch.autograd.grad((o * do[:, s.stop:b]).sum(), S_end)
-            G.append(gr.float())
+            G.append(gr)
         else:
-            G.append(torch.zeros_like(st).float())
+            G.append(torch.zeros_like(st))
     return S_in, G
 
 
