@@ -34,7 +34,8 @@ import torch.distributed as dist  # noqa: E402
 from megatron_patches.trainer import checkpoint as ckpt  # noqa: E402
 from megatron_patches.trainer.args import TrainArgs, parse_args
 from megatron_patches.trainer.data import build_dataset
-from megatron_patches.trainer.launch import StopSignals, init_distributed
+from megatron_patches.trainer.launch import (BAD_INPUT_EXIT_STATUS, STOP_SIGNALS, StopSignals,
+                                             init_distributed)
 from megatron_patches.trainer.optim import MasterAdamW, lr_at
 from megatron_patches.trainer.progress import (Progress, flops_per_token, peak_flops,
                                                plot_losses, read_log)
@@ -49,12 +50,16 @@ def rank0_print(*a) -> None:
 
 
 def checked_resume_point(args: TrainArgs, layout) -> Optional[str]:
-    """The checkpoint to resume from (None: start fresh), refused now — on every rank, before
-    any collective — if it cannot be loaded into this run."""
-    path = ckpt.find_latest(args.load)
+    """The checkpoint to resume from (None: start fresh), refused now if it is damaged or
+    cannot be loaded into this run: on every rank, sizes and layout before any collective,
+    then the checksums (one all-gather, every rank alike)."""
+    path = ckpt.resume_path(args.load, args.ckpt_step)
     if path is not None:
-        ckpt.check_compatible(ckpt.read_meta(path), path, tp=layout.tp, cp=layout.cp,
-                              dp=layout.dp, model=args.model_signature())
+        meta = ckpt.verify_checkpoint(path)
+        ckpt.check_compatible(meta, path, tp=layout.tp, cp=layout.cp, dp=layout.dp,
+                              model=args.model_signature())
+        if not args.no_checkpoint_checksums:
+            ckpt.verify_checksums(path, meta)
     return path
 
 
@@ -87,26 +92,29 @@ def train_step(model, optimizer, micro_batches, groups, layout, lr: float, clip:
     return share, optimizer.step(lr, clip)
 
 
-def agree(share: torch.Tensor, stop: bool, tp: int) -> tuple[float, bool]:
+def agree(share: torch.Tensor, signum: Optional[int], tp: int) -> tuple[float, Optional[int]]:
     """One all-reduce over all ranks: the global mean loss (each DP×CP share is held by all TP
-    ranks) and whether any rank was asked to stop."""
+    ranks) and the signal that stops the run if any rank got one (SIGTERM before SIGINT)."""
     device = share.device if dist.get_backend() == "nccl" else torch.device("cpu")
-    v = torch.stack([share.to(device) / tp,
-                     torch.tensor(float(stop), dtype=torch.float64, device=device)])
+    flags = [float(signum == s) for s in STOP_SIGNALS]
+    v = torch.cat([(share.to(device) / tp).view(1),
+                   torch.tensor(flags, dtype=torch.float64, device=device)])
     dist.all_reduce(v)
-    return float(v[0]), bool(v[1] > 0)
+    return float(v[0]), next((s for s, n in zip(STOP_SIGNALS, v[1:]) if n > 0), None)
 
 
 def save(args, step, model, optimizer, groups, layout) -> None:
     meta = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "model": args.model_signature(),
             "args": {k: v for k, v in vars(args).items()}}
     path = ckpt.save_checkpoint(args.save, step, model, optimizer, tp_rank=groups.tp_rank,
-                                meta=meta, group=None)
+                                meta=meta, group=None,
+                                checksums=not args.no_checkpoint_checksums)
     rank0_print(f"saved checkpoint {path}")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> list:
-    """Run training; returns rank 0's per-step records (other ranks: [])."""
+def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = None) -> list:
+    """Run training; returns rank 0's per-step records (other ranks: []). ``signals``: the
+    SIGTERM/SIGINT flag (the caller's, to read its exit status; default: one of main's own)."""
     args = parse_args(argv)                       # bad flags fail here, on every rank
     rank, world, device = init_distributed(args.distributed_timeout_minutes)
     layout = args.layout(world)                   # world-size checks, still before collectives
@@ -151,7 +159,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list:
                         device=device, log_interval=args.log_interval,
                         log_json=args.log_json, tensorboard_dir=args.tensorboard_dir,
                         bar=not args.no_progress_bar)
-    signals = StopSignals()
+    own_signals = signals is None
+    signals = StopSignals() if own_signals else signals
     step, stopped = start, False
     model.train()
     try:
@@ -162,14 +171,16 @@ def main(argv: Optional[Sequence[str]] = None) -> list:
                                       args.clip_grad)
             step += 1
             signals.test_hook(step)
-            loss, stopped = agree(share, signals.requested, layout.tp)
+            loss, signals.stopped_by = agree(share, signals.signum, layout.tp)
+            stopped = signals.stopped_by is not None
             progress.step(step, loss, gnorm, lr)
             periodic = args.save_interval and step % args.save_interval == 0
             if args.save and (periodic or stopped or step == args.train_iters):
                 save(args, step, model, optimizer, groups, layout)
     finally:
         progress.close()
-        signals.restore()
+        if own_signals:
+            signals.restore()
     if rank == 0 and progress.history:          # means of the steady steps, for benchmarks
         summary = dict(progress.summary(), model_kind=args.model_kind, preset=args.preset,
                        layout=layout.summary(), params=n_params, device=str(device),
@@ -178,25 +189,35 @@ def main(argv: Optional[Sequence[str]] = None) -> list:
                                "summary.json"), "w") as f:
             json.dump(summary, f, indent=1, ensure_ascii=False)
         print("summary: " + json.dumps(summary, ensure_ascii=False), flush=True)
-    if stopped:
-        rank0_print(f"stopped by a signal after step {step}"
-                    + (f"; resume with --load {args.save}" if args.save else ""))
-    elif rank == 0 and os.path.exists(args.log_json):
+    png = None
+    if rank == 0 and os.path.exists(args.log_json):
         chance = getattr(data, "chance_loss", None) if args.data_path is None else None
         label = "local attention only" if args.local_attention_only else "CP attention"
         png = plot_losses({label: read_log(args.log_json)}, args.loss_png, chance=chance,
                           title=f"{args.model_kind}, {layout.summary().split(' (')[0]}")
-        if png:
-            print(f"loss curve: {png}", flush=True)
+    if stopped:                      # the last line of a preempted run: what and how to go on
+        rank0_print(f"stopped by {signals.name} after step {step}"
+                    + (f": checkpoint {ckpt.find_latest(args.save)}" if args.save else
+                       ": no checkpoint (no --save)")
+                    + (f", loss curve {png}" if png else "")
+                    + (f"; resume with --load {args.save}" if args.save else ""))
+    elif png:
+        rank0_print(f"loss curve: {png}")
     return progress.history
 
 
 if __name__ == "__main__":
+    stop = StopSignals()     # SIGTERM/SIGINT from the start: a stop, never a kill mid-save
     try:
-        main(sys.argv[1:])
+        main(sys.argv[1:], stop)
+    except ckpt.CheckpointError as e:    # raised alike on every rank: said once
+        if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))) == 0:
+            print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(BAD_INPUT_EXIT_STATUS)
     except ValueError as e:              # bad input: the fix is in the message, on every rank
         print(f"train.py: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(BAD_INPUT_EXIT_STATUS)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    sys.exit(stop.exit_status)           # 0, or 75 after SIGTERM (requeue), 130 after SIGINT

@@ -4,7 +4,8 @@ Modules (each imports megatron.core; nothing is imported here, so ``import megat
 stays cheap):
 
 - :mod:`.model`: ``build_gpt_model`` (softmax / linear / hybrid ``GPTModel`` over Megatron's
-  CP group), ``tp_shard_state_dict``, ``grad_reduce_group``, ``cp_context``;
+  CP group), ``global_loss_share`` (the loss over real targets), ``tp_shard_state_dict``,
+  ``grad_reduce_group``, ``cp_context``;
 - :mod:`.core_attention`: ``SoftmaxCoreAttention``, ``LinearCoreAttention``, ``SoftmaxOptions``;
 - :mod:`.specs`: ``patch_core_attention`` for any ModuleSpec tree, per-layer block specs,
   prebuilt specs for Megatron-LM's ``--spec megatron_patches.specs <name>``;

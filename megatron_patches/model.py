@@ -15,10 +15,13 @@ Contract of :func:`build_gpt_model` (megatron-core 0.16.1 on CPU/gloo in fp32 wi
   attention is causal on the global sequence.
 - Output: per-token loss ``[b, s/cp]`` (fp32) as Megatron returns it with labels, or logits
   ``[b, s/cp, vocab/tp]`` without.
-- Loss and gradients: the global token-mean loss is ``sp_attention.reduce.global_token_mean``
-  over Megatron's DP×CP group (:func:`grad_reduce_group`); after ``backward`` sum the gradients
-  over that group with ``sp_attention.reduce.all_reduce_gradients`` (no TP reduction is needed
-  without sequence parallelism). Megatron's own DDP/optimizer does the same on GPUs.
+- Loss and gradients: ``global_loss_share(loss, labels, grad_reduce_group())`` is this rank's
+  share of the mean cross entropy over the real targets of the global batch (labels
+  ``!= -100``; Megatron's per-token loss is *not* zero at the ``-100`` that ``shift_labels``
+  puts at each sequence's end, so an unmasked mean is off by ~1/T); backward it, then sum the
+  gradients over Megatron's DP×CP group (:func:`grad_reduce_group`) with
+  ``sp_attention.reduce.all_reduce_gradients`` (no TP reduction is needed without sequence
+  parallelism). Megatron's own DDP/optimizer does the same on GPUs.
 - Parallelism invariance: with ``use_cpu_initialization=True`` Megatron draws every weight's
   full master tensor from the torch RNG and keeps the TP slice, so equal seeds give the same
   model at every TP×CP×DP (checked by :func:`tp_shard_state_dict` tests). To start any layout
@@ -44,7 +47,7 @@ from .rotary import install_zigzag_rope
 from .specs import block_spec, expand_pattern
 
 __all__ = ["build_gpt_model", "KINDS", "POSITION_EMBEDDINGS", "tp_shard_state_dict",
-           "grad_reduce_group", "cp_context", "layer_pattern"]
+           "grad_reduce_group", "cp_context", "layer_pattern", "global_loss_share"]
 
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 
@@ -145,6 +148,28 @@ def grad_reduce_group(pg_collection=None):
         return pg_collection.dp_cp
     from megatron.core import parallel_state
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
+def global_loss_share(token_loss: torch.Tensor, labels: torch.Tensor, group, *,
+                      ignore_index: int = -100) -> torch.Tensor:
+    """This rank's share of the mean cross entropy over every real target of ``group``'s
+    ranks (Megatron's DP×CP group: :func:`grad_reduce_group`); the shares sum to the mean.
+
+    Megatron's cross entropy has no ignore index: where ``labels == ignore_index`` (the last
+    position of each sequence after ``sp_attention.shift_labels``, padding) it returns a
+    finite loss (logsumexp − max of the logits, ~ln V for a fresh model), so those tokens must
+    be left out of the sum *and* the count, which is what this does.
+
+    Args:
+        token_loss: the model's per-token loss ``[b, s/cp]`` (``model(..., labels=labels)``).
+        labels: the same shard of the shifted labels ``[b, s/cp]``.
+        group: the ranks whose tokens make up the global batch.
+    """
+    from sp_attention.reduce import global_token_mean
+    if labels.shape != token_loss.shape:
+        raise ValueError(f"labels {tuple(labels.shape)} must have the shape of the per-token "
+                         f"loss {tuple(token_loss.shape)}: pass the labels the model got")
+    return global_token_mean(token_loss, labels != ignore_index, group)
 
 
 def _tp_slice(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) -> torch.Tensor:

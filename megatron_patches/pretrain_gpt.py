@@ -12,15 +12,60 @@ checkpointing, logging and mock / indexed GPT datasets. Only the model provider 
 zigzag sharding (identical to Megatron's ``get_batch_on_this_cp_rank``).
 
 Importing this module imports nothing from ``megatron.training`` (so it is safe on
-megatron-core 0.16, which has none); :func:`main` needs it.
+megatron-core 0.16, which has none); :func:`main` needs it, and says so once (not once per
+rank) where it is missing: Python 3.11 resolves megatron-core 0.16.1, the last release for it.
 """
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import time
 from functools import partial
+from typing import Optional
 
 _PROGRAM_START = time.time()
+MIN_CORE = (0, 18)          # parse_and_validate_args(extra_args_provider=) arrived in 0.18
+
+
+def missing_requirement(python: tuple, core_version: Optional[str],
+                        has_training: bool) -> Optional[str]:
+    """What this launcher lacks (None: nothing), as one message with the fix; pure."""
+    try:
+        core = tuple(int(x) for x in (core_version or "0.0").split(".")[:2])
+    except ValueError:
+        core = (0, 0)
+    if has_training and core >= MIN_CORE:
+        return None
+    have = (f"this is Python {'.'.join(map(str, python[:3]))} with "
+            + (f"megatron-core {core_version}" if core_version else "no megatron-core"))
+    fix = ('pip install "megatron-core>=0.18" on Python >= 3.12' if python[:2] >= (3, 12) else
+           'a Python >= 3.12 environment, then pip install "megatron-core>=0.18" (on Python '
+           '3.11 pip stops at megatron-core 0.16.1, which has no megatron.training)')
+    return ("megatron_patches.pretrain_gpt runs Megatron-LM's trainer (megatron.training), "
+            f"which needs megatron-core >= 0.18 and Python >= 3.12; {have}. Install: {fix}. "
+            "On this Python, train.py trains the same models on megatron-core 0.16: "
+            "torchrun --nproc-per-node 4 train.py --model-kind hybrid")
+
+
+def _exit_unless_supported() -> None:
+    """Exit 2 with one message (printed by rank 0 alone) if megatron.training is unusable."""
+    import importlib.metadata
+    import importlib.util
+    try:
+        version: Optional[str] = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    try:
+        has_training = importlib.util.find_spec("megatron.training") is not None
+    except ModuleNotFoundError:        # no megatron package at all
+        has_training = False
+    msg = missing_requirement(sys.version_info, version, has_training)
+    if msg is None:
+        return
+    if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None,
@@ -163,8 +208,7 @@ def _prebuilt_dataset_helpers():
 
 def main(argv=None) -> None:
     """Parse Megatron-LM's arguments plus ours and run Megatron's ``pretrain``."""
-    import sys
-
+    _exit_unless_supported()
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args

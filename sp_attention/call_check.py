@@ -23,12 +23,12 @@ a signature before capturing it in a CUDA graph (warm-up steps do this anyway).
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from .caches import LRU
 from .comm import all_gather_flat
 from .context import SPContext
 
@@ -36,8 +36,8 @@ __all__ = ["agree_across_ranks", "clear_checked_calls"]
 
 _WIDTH = 512            # bytes per rank: status, digest, text length, text
 _HEAD = 1 + 8 + 2
-_MAX_CACHED = 1024      # remembered (context, signature) pairs, least recently used dropped
-_CHECKED: "OrderedDict[tuple, None]" = OrderedDict()
+# remembered (context, op, signature) keys, least recently used dropped
+_CHECKED = LRU(1024)
 
 
 def clear_checked_calls() -> None:
@@ -91,8 +91,7 @@ def agree_across_ranks(ctx: SPContext, op: str, signature: tuple,
             raise local_error
         return
     key = (ctx, op, signature)
-    if local_error is None and not always and key in _CHECKED:
-        _CHECKED.move_to_end(key)
+    if local_error is None and not always and _CHECKED.touch(key):
         return
     text = _describe(signature) if local_error is None else f"{type(local_error).__name__}: " \
         f"{local_error}"
@@ -118,6 +117,4 @@ def agree_across_ranks(ctx: SPContext, op: str, signature: tuple,
         raise ValueError(f"{op}: the ranks of the CP group called with different shapes or "
                          "options; every rank must make the same call (the schedules move "
                          f"fixed-shape buffers between ranks). {lines}")
-    _CHECKED[key] = None
-    while len(_CHECKED) > _MAX_CACHED:
-        _CHECKED.popitem(last=False)
+    _CHECKED.put(key, None)

@@ -12,6 +12,8 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
+from .layout import leaves_of_rank
+
 LAYOUTS = ("contiguous", "zigzag")
 # The one default: Megatron's split (causal-balanced, what its RoPE and softmax layers assume).
 # Every builder and adapter that does not name a layout reads this constant.
@@ -66,8 +68,6 @@ class SPContext:
     @property
     def leaves(self) -> tuple[int, ...]:
         """Global indices of the pieces this rank holds, in the order they sit in its shard."""
-        from .layout import leaves_of_rank
-
         return leaves_of_rank(self.rank, self.world_size, self.layout)
 
     def global_rank(self, group_rank: int) -> int:

@@ -1,4 +1,8 @@
-"""The README's quickstart test command is exactly what CI runs."""
+"""The README's quickstart test command is exactly what CI runs, and what the library's
+documents point at exists."""
+import fnmatch
+import glob
+import importlib
 import os
 import re
 
@@ -9,3 +13,77 @@ def test_ci_runs_the_readme_test_command():
     ci = open(os.path.join(ROOT, ".ci", "run")).read()
     cmd = re.search(r"^TEST_CMD='(.*)'$", ci, re.M).group(1)
     assert cmd in open(os.path.join(ROOT, "README.md")).read()
+
+
+# The library's documents: the top README, the package READMEs and the library's docstrings.
+# (Add the adapters' READMEs here once their pointers hold.)
+DOCS = (["README.md"] + sorted(glob.glob("sp_attention/**/README.md", root_dir=ROOT, recursive=True))
+        + sorted(glob.glob("sp_attention/**/*.py", root_dir=ROOT, recursive=True)))
+_REPO_DIRS = ("sp_attention/", "tests/", "benchmarks/", "megatron_patches/", "models/",
+              "scripts/", "examples/")
+_PATH = re.compile(r"(?<![\w./-])([\w*-]+(?:/[\w.*-]+)*\.(?:py|md|sh|sbatch))\b")
+_DOTTED = re.compile(r"(?<![\w/.])sp_attention(?:\.[A-Za-z_]\w*)+")
+
+
+def _repo_file_names() -> set:
+    names = set()
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        names.update(files)
+    return names
+
+
+def _exists(path: str, here: str, names: set) -> bool:
+    """``path`` (globs allowed) relative to the repo root or to the document's folder; a bare
+    file name anywhere in the repo (code maps name a package's files without their folder)."""
+    if any(glob.glob(os.path.join(base, path)) for base in (ROOT, os.path.join(ROOT, here))):
+        return True
+    return "/" not in path and bool(fnmatch.filter(names, path))
+
+
+def test_files_named_in_the_library_docs_exist():
+    missing, names = [], _repo_file_names()
+    for doc in DOCS:
+        here = os.path.dirname(doc)
+        for m in _PATH.finditer(open(os.path.join(ROOT, doc), encoding="utf-8").read()):
+            path = m.group(1)
+            if "/" in path and not path.startswith(_REPO_DIRS):
+                continue            # another project's file (fla/ops/..., torch/nn/...)
+            if not _exists(path, here, names):
+                missing.append(f"{doc}: {path}")
+    assert not missing, "files named but not in the repository:\n" + "\n".join(missing)
+
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError as e:
+            if e.name and not e.name.startswith("sp_attention"):
+                return True         # needs an optional dependency that is not installed
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_modules_and_names_in_the_library_docs_exist():
+    """``sp_attention.x.y`` in the docs and ``:mod:`.x``` / ``:func:`.x.f``` in docstrings
+    name a module or an attribute that exists."""
+    missing = []
+    for doc in DOCS:
+        text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
+        names = [m.group(0) for m in _DOTTED.finditer(text)]
+        if doc.endswith(".py"):
+            package = os.path.dirname(doc).replace("/", ".")
+            for m in re.finditer(r":(?:mod|func|class|data|meth|attr):`~?(\.[\w.]+)`", text):
+                rel = m.group(1)
+                up = len(rel) - len(rel.lstrip("."))
+                base = package.split(".")[:len(package.split(".")) - up + 1]
+                names.append(".".join(base + [rel.lstrip(".")]))
+        missing += [f"{doc}: {n}" for n in names if not _resolves(n)]
+    assert not missing, "names that do not resolve:\n" + "\n".join(missing)

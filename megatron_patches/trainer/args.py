@@ -17,6 +17,7 @@ from sp_attention.linear import IMPLS as _LINEAR_IMPLS
 from sp_attention.softmax import PRESETS as _SOFTMAX_PRESETS
 
 from ..args import MODEL_KINDS
+from .data import ENCODINGS as DATA_ENCODINGS
 
 __all__ = ["PRESETS", "MODEL_KINDS", "TrainArgs", "Layout", "build_parser", "parse_args",
            "impls_for_kind"]
@@ -93,12 +94,18 @@ class TrainArgs:
     bf16: Optional[bool] = None            # None: bf16 on GPU, fp32 on CPU
     data_path: Optional[str] = None        # text / jsonl; None = the generated copy task
     tokenizer_model: Optional[str] = None  # HF tokenizer name; None = bytes
+    data_encoding: str = "utf-8"           # utf-8: invalid text is an error naming file and
+    #                                        line; bytes: train on the raw bytes as they are
     copy_vocab: int = 32                   # copy task: distinct random tokens
     vocab_size: Optional[int] = None       # copy task: model vocabulary (e.g. 128256 to time
     #                                        a Llama output layer); None = just enough
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: int = 0                 # 0: save only at the end and on SIGTERM
+    ckpt_step: Optional[int] = None        # resume from this step's checkpoint under --load
+    #                                        (default: the newest)
+    no_checkpoint_checksums: bool = False  # skip the CRC-32 of every checkpoint file at save
+    #                                        and its check at load (sizes are still checked)
     log_interval: int = 10
     log_dir: str = "runs"                  # log.jsonl, loss.png, tensorboard/ unless given below
     tensorboard_dir: Optional[str] = None
@@ -157,6 +164,14 @@ class TrainArgs:
         if self.load is not None and not os.path.isdir(self.load) and not resume_own:
             raise ValueError(f"--load {self.load!r} is not a directory; point it at a --save "
                              "directory of an earlier run (or leave it out to start fresh)")
+        if self.ckpt_step is not None and self.load is None:
+            raise ValueError("--ckpt-step picks a checkpoint under --load: pass --load DIR too")
+        if self.data_encoding not in DATA_ENCODINGS:
+            raise ValueError(f"--data-encoding {self.data_encoding!r}: use one of "
+                             f"{DATA_ENCODINGS}")
+        if self.data_encoding == "bytes" and self.tokenizer_model:
+            raise ValueError("--data-encoding bytes trains on raw bytes; a --tokenizer-model "
+                             "needs text: leave one of them out")
         if self.copy_vocab < 2:
             raise ValueError("--copy-vocab must be >= 2")
         if self.save_interval < 0 or self.log_interval < 1:
@@ -227,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
                 kw["choices"] = MODEL_KINDS
             if f.name == "preset":
                 kw["choices"] = sorted(PRESETS)
+            if f.name == "data_encoding":
+                kw["choices"] = DATA_ENCODINGS
             p.add_argument(flag, type=typ, default=f.default, **kw)
     return p
 

@@ -16,7 +16,11 @@ from typing import Optional
 
 import torch
 
-__all__ = ["CopyTask", "TokenFile", "build_dataset", "pad_vocab", "dp_rows"]
+__all__ = ["CopyTask", "TokenFile", "build_dataset", "pad_vocab", "dp_rows", "ENCODINGS"]
+
+# How a --data-path file is read: "utf-8" (text; bytes that are not UTF-8 are an error naming
+# the file and line) or "bytes" (the file's raw bytes are the tokens, whatever they encode).
+ENCODINGS = ("utf-8", "bytes")
 
 
 def pad_vocab(n: int, tp: int, multiple: int = 128) -> int:
@@ -65,32 +69,67 @@ class CopyTask:
         return sample[:, :-1].contiguous(), sample[:, 1:].contiguous(), mask
 
 
-def _read_documents(path: str) -> list[str]:
-    if path.endswith(".jsonl"):
-        docs = []
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if line.strip():
-                    obj = json.loads(line)
-                    if not isinstance(obj, dict) or "text" not in obj:
-                        raise ValueError(f"{path}:{i + 1}: each jsonl line needs a \"text\" field")
-                    docs.append(str(obj["text"]))
-        return docs
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return [f.read()]
+def _not_utf8(path: str, raw: bytes, e: UnicodeDecodeError, line: Optional[int]) -> ValueError:
+    if line is None:                       # a whole .txt file: the line of the bad byte
+        line = raw.count(b"\n", 0, e.start) + 1
+    return ValueError(f"{path}:{line}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); fix the "
+                      "file, or pass --data-encoding bytes to train on its raw bytes")
+
+
+def _read_documents(path: str, encoding: str = "utf-8") -> list:
+    """The documents of a ``.txt`` (one) or ``.jsonl`` (one ``{"text": ...}`` per line) file:
+    ``str`` for ``encoding="utf-8"``, the raw ``bytes`` for ``"bytes"``. Every error names the
+    file and line."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    as_bytes = encoding == "bytes"
+    if not path.endswith(".jsonl"):
+        if as_bytes:
+            return [raw]
+        try:
+            return [raw.decode("utf-8")]
+        except UnicodeDecodeError as e:
+            raise _not_utf8(path, raw, e, None) from None
+    docs = []
+    for i, line in enumerate(raw.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line.decode("utf-8", "surrogateescape" if as_bytes else "strict"))
+        except UnicodeDecodeError as e:
+            raise _not_utf8(path, line, e, i) from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: not valid JSON ({e.msg}, column {e.colno}); each "
+                             "line must be one object like {\"text\": \"...\"}") from None
+        if not isinstance(obj, dict) or "text" not in obj:
+            raise ValueError(f"{path}:{i}: each jsonl line needs a \"text\" field")
+        text = str(obj["text"])
+        try:        # lone surrogates (JSON "\ud800") are not text either
+            data = text.encode("utf-8", "surrogateescape" if as_bytes else "strict")
+        except UnicodeEncodeError:
+            raise ValueError(f"{path}:{i}: \"text\" holds an unpaired surrogate escape, "
+                             "which is not UTF-8 text") from None
+        docs.append(data if as_bytes else text)
+    return docs
 
 
 class TokenFile:
     """A text (``.txt``: one document) or ``.jsonl`` (one ``{"text": …}`` per line) file,
-    tokenized (UTF-8 bytes + an end-of-document token by default, or an HF tokenizer), packed
+    tokenized (UTF-8 bytes + an end-of-document token by default, or an HF tokenizer; with
+    ``encoding="bytes"`` the raw bytes, valid UTF-8 or not), packed
     into one stream and cut into ``T + 1``-token samples. Each epoch visits the samples in a
     seeded random order; every rank tokenizes the whole file (meant for small and medium
     corpora; use Megatron's indexed datasets for large ones)."""
 
     def __init__(self, path: str, seq_length: int, seed: int, tp: int = 1,
-                 tokenizer_model: Optional[str] = None):
+                 tokenizer_model: Optional[str] = None, encoding: str = "utf-8"):
+        if encoding not in ENCODINGS:
+            raise ValueError(f"encoding {encoding!r}: use one of {ENCODINGS}")
         self.seq_length, self.seed = seq_length, seed
-        docs = _read_documents(path)
+        docs = _read_documents(path, encoding)
+        if not any(docs):
+            raise ValueError(f"{path} holds no text (an empty file, or only empty lines or "
+                             "\"text\" fields); give a file with text")
         if tokenizer_model:
             try:
                 from transformers import AutoTokenizer
@@ -102,7 +141,8 @@ class TokenFile:
             ids = [t for d in docs for t in tok.encode(d, add_special_tokens=False) + [eos]]
             n_vocab = len(tok)
         else:
-            ids = [t for d in docs for t in list(d.encode("utf-8")) + [256]]
+            ids = [t for d in docs for t in list(d if encoding == "bytes" else
+                                                 d.encode("utf-8")) + [256]]
             n_vocab = 257
         self.vocab_size = pad_vocab(n_vocab, tp)
         self.tokens = torch.tensor(ids, dtype=torch.int64)
@@ -111,7 +151,8 @@ class TokenFile:
             raise ValueError(f"{path} has {len(ids)} tokens, fewer than --seq-length + 1 = "
                              f"{seq_length + 1}; use a shorter --seq-length or more text")
         self.chance_loss = math.log(n_vocab)
-        self.description = (f"{os.path.basename(path)} ({len(ids):,} tokens, "
+        self.description = (f"{os.path.basename(path)} ({len(ids):,} tokens"
+                            f"{' of raw bytes' if encoding == 'bytes' else ''}, "
                             f"{self.num_samples:,} samples of {seq_length})")
 
     def _sample_index(self, i: int) -> int:
@@ -134,4 +175,5 @@ def build_dataset(args, tp: int):
     """The dataset ``args`` asks for (``args.data_path`` None = the copy task)."""
     if args.data_path is None:
         return CopyTask(args.seq_length, args.copy_vocab, args.seed, tp, args.vocab_size)
-    return TokenFile(args.data_path, args.seq_length, args.seed, tp, args.tokenizer_model)
+    return TokenFile(args.data_path, args.seq_length, args.seed, tp, args.tokenizer_model,
+                     args.data_encoding)

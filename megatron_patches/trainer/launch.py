@@ -17,7 +17,15 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["map_slurm_env", "first_host", "init_distributed", "StopSignals"]
+__all__ = ["map_slurm_env", "first_host", "init_distributed", "StopSignals", "STOP_SIGNALS",
+           "STOP_EXIT_STATUS", "BAD_INPUT_EXIT_STATUS"]
+
+# The signals that stop a run cleanly (agreed across ranks, checkpoint saved), in the order
+# one wins over the other, and the exit status of a run they stopped: 75 (EX_TEMPFAIL, "try
+# again": preempted, requeue it) for SIGTERM, 130 (128 + SIGINT, a user's Ctrl-C) for SIGINT.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_EXIT_STATUS = {signal.SIGTERM: 75, signal.SIGINT: 130}
+BAD_INPUT_EXIT_STATUS = 2   # flags, data or checkpoint refused, with the fix in the message
 
 
 def first_host(nodelist: str) -> str:
@@ -94,11 +102,13 @@ def init_distributed(timeout_minutes: int = 10) -> tuple[int, int, torch.device]
 
 class StopSignals:
     """SIGTERM/SIGINT set a flag instead of killing the process; the training loop agrees on it
-    across ranks (one all-reduce it already does), saves a checkpoint and exits cleanly. A
-    second SIGINT (Ctrl-C twice) interrupts at once."""
+    across ranks (one all-reduce it already does, which also sets ``signum`` on the ranks that
+    got no signal) into ``stopped_by``, saves a checkpoint and exits with
+    :attr:`exit_status`. A second SIGINT (Ctrl-C twice) interrupts at once."""
 
     def __init__(self) -> None:
-        self.signum: Optional[int] = None
+        self.signum: Optional[int] = None       # the signal this process received
+        self.stopped_by: Optional[int] = None   # the signal all ranks agreed to stop on
         self._old = {}
         for s in (signal.SIGTERM, signal.SIGINT):
             try:
@@ -120,6 +130,20 @@ class StopSignals:
     @property
     def requested(self) -> bool:
         return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.stopped_by).name if self.stopped_by else "no signal"
+
+    @property
+    def exit_status(self) -> int:
+        """0, or :data:`STOP_EXIT_STATUS` of the signal the run stopped on. Under torchrun a
+        worker exits 0 (torchrun's agent reads any other status as a crash and reports it as
+        one); the launcher ``python -m megatron_patches.trainer.torchrun`` returns the stop's
+        status instead."""
+        if self.stopped_by is None or "TORCHELASTIC_RUN_ID" in os.environ:
+            return 0
+        return STOP_EXIT_STATUS[self.stopped_by]
 
     def restore(self) -> None:
         for s, h in self._old.items():

@@ -1,7 +1,8 @@
 """Linear attention with per-head decay, split across a CP group by a parallel prefix scan."""
 from ..tuning import LinearTuning
 from .attention import DEFAULT_IMPL, IMPLS, lightning_attention
-from .naive import chunked_linear_attention, recurrent_linear_attention
+from .naive import recurrent_linear_attention
+from .torch_ops import chunked_linear_attention
 
 __all__ = ["lightning_attention", "IMPLS", "DEFAULT_IMPL", "LinearTuning", "recurrent_linear_attention",
            "chunked_linear_attention"]

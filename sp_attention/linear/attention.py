@@ -23,7 +23,8 @@ from ..tuning import LinearTuning
 from ..precision import acc_dtype
 from ..validation import (autocast_inputs, autocast_off, check_local_length, check_tensors,
                           resolve_ctx, sdpa_hint)
-from .fla_ops import BACKENDS, FlaKernels, resolve_kernels
+from .fla_ops import BACKENDS
+from .kernel_set import FlaKernels, resolve_kernels
 from .leaf import leaf_backward, leaf_output
 from .leaves import leaves_backward, leaves_output
 from .scan_allgather import allgather_scan
@@ -194,19 +195,21 @@ def _shape(x) -> object:
     return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
 
 
-def _signature(q, k, v, slopes, impl, scale, backend, tuning, ctx: SPContext) -> tuple:
+def _signature(q, k, v, slopes, impl, scale, backend, kernels, tuning, ctx: SPContext) -> tuple:
     """What every rank must pass alike (checked across ranks once per new signature)."""
     tensors = tuple((n, _shape(x), getattr(x, "dtype", None)) for n, x in
                     (("q", q), ("k", k), ("v", v), ("slopes", slopes)))
     dev = q.device.type if isinstance(q, torch.Tensor) else None
     kind = backend if backend is None or isinstance(backend, str) else type(backend).__name__
+    if kernels is not None:
+        kind = f"kernels {type(kernels).__name__}"
     return (("tensors", tensors), ("device", dev), ("layout", ctx.layout), ("impl", impl),
             ("scale", scale), ("backend", kind), ("tuning", tuning))
 
 
 def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
                         *, ctx: Optional[SPContext] = None, impl: Optional[str] = None,
-                        scale: float = 1.0, backend: Union[None, str, FlaKernels] = None,
+                        scale: float = 1.0, backend: Optional[str] = None,
                         tuning: Optional[LinearTuning] = None) -> torch.Tensor:
     """Causal linear attention with per-head decay over a context-parallel group.
 
@@ -237,9 +240,7 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope
         scale: multiplies ``q`` (default 1.0, unlike softmax attention's ``D ** -0.5``; pass
             ``K ** -0.5`` for softmax-like scaling).
         backend: local kernel, ``"fla"`` (fla-core Triton, CUDA) or ``"torch"`` (chunked pure
-            torch, any device, fp64 capable); ``None`` picks fla when it can run; a
-            :class:`~sp_attention.linear.fla_ops.FlaKernels` runs the fla path with those
-            kernels (tests use pure-torch stand-ins).
+            torch, any device, fp64 capable); ``None`` picks fla when it can run.
         tuning: :class:`~sp_attention.LinearTuning` (None: the defaults); never changes the
             numbers.
 
@@ -253,6 +254,28 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope
     dtypes, options: checked by one small all-gather the first time each call signature is
     seen, see :mod:`sp_attention.call_check`).
     """
+    return _attend(q, k, v, slopes, ctx, impl, scale, backend, None, tuning)
+
+
+def lightning_attention_with_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                     slopes: torch.Tensor, kernels: FlaKernels, *,
+                                     ctx: Optional[SPContext] = None, impl: Optional[str] = None,
+                                     scale: float = 1.0, tuning: Optional[LinearTuning] = None
+                                     ) -> torch.Tensor:
+    """:func:`lightning_attention` through the fla path's orchestration (the multi-leaf path,
+    its streams and scans) with ``kernels`` in place of fla's, whatever the device: the CPU
+    tests run it with pure-torch stand-ins (``tests/linear/test_fla_orchestration.py``). Not
+    public API. The same input checks and cross-rank call check run as for
+    :func:`lightning_attention`.
+    """
+    return _attend(q, k, v, slopes, ctx, impl, scale, None, kernels, tuning)
+
+
+def _attend(q, k, v, slopes, ctx: Optional[SPContext], impl: Optional[str], scale,
+            backend: Optional[str], kernels: Optional[FlaKernels],
+            tuning: Optional[LinearTuning]) -> torch.Tensor:
+    """Checks (on every rank, before any collective), then the autograd Function. ``kernels``:
+    a kernel set for the fla path (None: the ``backend`` name decides)."""
     ctx = resolve_ctx(ctx)
     tuning = _DEFAULT if tuning is None else tuning
     q, k, v = autocast_inputs(q, k, v)
@@ -262,11 +285,15 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope
             raise TypeError(f"tuning must be a LinearTuning or None, got {type(tuning).__name__}")
         _check_inputs(q, k, v, slopes, ctx, scale)
         resolved = resolve_impl(impl, ctx, tuning)
-        if isinstance(backend, FlaKernels):
-            local = backend
+        if kernels is not None:
+            if not isinstance(kernels, FlaKernels):
+                raise TypeError(f"kernels must be a FlaKernels, got {type(kernels).__name__}")
+            local = kernels
+        elif backend is not None and not isinstance(backend, str):
+            raise TypeError(f"backend must be a name in {BACKENDS} or None, got "
+                            f"{type(backend).__name__}")
         elif backend is not None and backend not in BACKENDS:
-            raise ValueError(f"unknown local backend {backend!r}; use one of {BACKENDS}, None "
-                             "or a FlaKernels")
+            raise ValueError(f"unknown local backend {backend!r}; use one of {BACKENDS} or None")
         else:
             local = "torch" if resolve_kernels(backend, q, k, v) is None else "fla"
     except (TypeError, ValueError) as e:
@@ -274,7 +301,7 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope
     check_all = isinstance(tuning, LinearTuning) and tuning.check_every_call
     agree_across_ranks(ctx, "lightning_attention",
                        _signature(q, k, v, slopes, DEFAULT_IMPL if impl is None else impl, scale,
-                                  backend, tuning, ctx), error,
+                                  backend, kernels, tuning, ctx), error,
                        check_all)
     slopes = slopes.to(device=q.device)
     with autocast_off(q.device):

@@ -55,7 +55,7 @@ def _cache_dir() -> Path:
         return Path.home() / ".triton" / "cache"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=1)
 def install_once() -> int:
     """:func:`install_autotune_seeds` for this machine, once per process (the fla path calls
     it before its first kernel)."""

@@ -63,7 +63,7 @@ class Decay:
         if self.gated:
             from .gated_naive import chunked_gated_core
             return chunked_gated_core(q, k, v, self.g, scale, S_in, chunk)
-        from .naive import chunked_core
+        from .torch_ops import chunked_core
         return chunked_core(q, k, v, self.slopes, scale, S_in, chunk)
 
     def state_grad(self, q: torch.Tensor, do: torch.Tensor, scale: float) -> torch.Tensor:

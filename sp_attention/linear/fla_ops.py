@@ -1,5 +1,5 @@
-"""fla-core glue: which local backend runs, fla's conventions, and the fla kernels the CP step
-calls (as a :class:`FlaKernels` set, so a test can run the fla path with stand-ins).
+"""fla-core glue: which local backend runs (``resolve_backend``) and fla's conventions. The
+kernel set the multi-leaf fla path calls is :mod:`.kernel_set`.
 
 fla-core 0.6.0 convention (fla/ops/simple_gla/{naive,chunk}.py, fla/ops/common/chunk_{h,o}.py):
 its recurrence is S_t = exp(g_t) S_{t-1} + k_t^T v_t, o_t = scale q_t S_t, i.e. the decay is
@@ -17,14 +17,11 @@ S_in term) and dk, dv (incl. the G terms) complete, plus dg=None and dh0 = dL/dS
 from __future__ import annotations
 
 import functools
-import inspect
-from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Optional
 
 import torch
 
-__all__ = ["BACKENDS", "CHUNK", "FlaKernels", "fla_kernels", "fla_import_error",
-           "resolve_backend", "resolve_kernels"]
+__all__ = ["BACKENDS", "CHUNK", "fla_import_error", "resolve_backend"]
 
 BACKENDS = ("torch", "fla")
 _FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -39,50 +36,6 @@ def fla_import_error() -> Optional[str]:
     except Exception as e:  # ImportError, or triton failing to initialise without a GPU
         return f"{type(e).__name__}: {e}"
     return None
-
-
-@dataclass(frozen=True)
-class FlaKernels:
-    """The kernels the multi-leaf fla path runs, with fla 0.6's keyword signatures.
-
-    ``chunk_fwd_h`` … ``chunk_bwd_dv``: fla's internal chunk kernels. ``output_from_states``:
-    :func:`sp_attention.linear.kernels.output_from_states`. ``state_sum(x, y, slopes, base,
-    step, scale)``: ``scale · Σ_t λ^(base + step·t) x_tᵀ y_t`` in fp32
-    (:func:`sp_attention.linear.leaf.decayed_sum`). :func:`fla_kernels` gives the real set;
-    pass another as ``lightning_attention(backend=...)`` to run the fla path's orchestration
-    with other implementations (the CPU tests use pure-torch stand-ins).
-    """
-
-    chunk_fwd_h: Callable
-    chunk_fwd_o: Callable
-    chunk_bwd_dh: Callable
-    chunk_bwd_dqkwg: Callable
-    chunk_bwd_dv: Callable
-    output_from_states: Callable
-    state_sum: Callable
-
-
-@functools.lru_cache(maxsize=1)
-def fla_kernels() -> FlaKernels:
-    """fla's internal chunk kernels without fla's backend-dispatch wrapper, and ours.
-
-    fla 0.6 wraps its kernels in a run-time backend selector (``fla.backends.dispatch``, itself
-    under ``torch.compiler.disable``): per call it walks its backend registry before falling
-    back to the Triton implementation. The conventions above were checked against that Triton
-    implementation, so it is the one we call, directly (``inspect.unwrap``): no other backend
-    can be swapped in underneath us, and the layer's host time, which bounds a lone layer's
-    step, loses the selector's per-call cost.
-    """
-    from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
-    from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv, chunk_fwd_o
-
-    from .autotune_seeds import install_once
-    from .kernels import output_from_states
-    from .leaf import decayed_sum
-    install_once()      # shipped autotune results: a fresh machine's first step in seconds
-    return FlaKernels(*(inspect.unwrap(f) for f in (chunk_fwd_h, chunk_fwd_o, chunk_bwd_dh,
-                                                    chunk_bwd_dqkwg, chunk_bwd_dv)),
-                      output_from_states=output_from_states, state_sum=decayed_sum)
 
 
 def _fla_unusable_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
@@ -106,8 +59,8 @@ def resolve_backend(backend: Optional[str], q: torch.Tensor, k: Optional[torch.T
     if backend is None:
         return "fla" if _fla_unusable_reason(q, k, v) is None else "torch"
     if backend not in BACKENDS:
-        raise ValueError(f"unknown linear-attention backend {backend!r}; valid: {BACKENDS}, "
-                         "None (auto) or a FlaKernels")
+        raise ValueError(f"unknown linear-attention backend {backend!r}; valid: {BACKENDS} or None "
+                         "(auto)")
     if backend == "fla":
         reason = _fla_unusable_reason(q, k, v)
         if reason is not None:
@@ -116,13 +69,3 @@ def resolve_backend(backend: Optional[str], q: torch.Tensor, k: Optional[torch.T
                 f"(pip install 'sp_attention[gpu]', i.e. fla-core) on a CUDA machine, "
                 f"or use backend='torch'.")
     return backend
-
-
-def resolve_kernels(backend: Union[None, str, FlaKernels], q: torch.Tensor,
-                    k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None
-                    ) -> Optional[FlaKernels]:
-    """The kernel set of the fla path, or None for the pure-torch path: a :class:`FlaKernels`
-    as given, ``"fla"`` (or None where fla can run) as :func:`fla_kernels`."""
-    if isinstance(backend, FlaKernels):
-        return backend
-    return fla_kernels() if resolve_backend(backend, q, k, v) == "fla" else None

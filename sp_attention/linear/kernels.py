@@ -252,7 +252,7 @@ _decayed_state_sum_tuned = triton.autotune(configs=_STATE_CONFIGS, key=["H", "K"
     _decayed_state_sum_kernel)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=64)      # one entry per CUDA device index
 def _sm_count(index) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

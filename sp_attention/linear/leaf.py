@@ -9,35 +9,31 @@ position -1) and lam = exp(-s) per head, unrolling S_i = lam S_{i-1} + k_i^T v_i
 
 Backward with do = dL/do and G = dL/dS_end (from later leaves):
 
-    dL/dS_in = scale sum_i lam^(i+1) q_i^T do_i  +  lam^C G        -> state_grad_local, chunk_decay
+    dL/dS_in = scale sum_i lam^(i+1) q_i^T do_i  +  lam^C G        -> state_grad_local
     dq_i = intra + scale lam^(i+1) do_i S_in^T
     dk_j, dv_j = intra + lam^(C-1-j) (v_j G^T, k_j G)              -> leaf_backward
 
 All decays are exp(-s * n) in fp32 (fp64 for fp64 inputs); nothing divides by lam^C.
 
-Backends: "torch" (chunked pure torch, any device/dtype, backward by autograd on a recomputed
-forward that lives only inside the call) and "fla" (fla-core's Triton chunk_simple_gla
-kernels, CUDA, fp16/bf16/fp32; conventions in :mod:`.fla_ops`). None picks fla when it can run.
+Backends: "torch" (chunked pure torch, :mod:`.torch_ops`, any device/dtype, backward by
+autograd on a recomputed forward that lives only inside the call) and "fla" (fla-core's Triton
+chunk_simple_gla kernels, CUDA, fp16/bf16/fp32; conventions in :mod:`.fla_ops`). None picks
+fla when it can run. Several leaves at once, overlapped with the scans: :mod:`.leaves`.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
 
 from ..precision import acc_dtype
+from ..validation import autocast_off
 from .fla_ops import CHUNK, fla_import_error, resolve_backend
-from .naive import chunked_core, decay_powers
 from .slope_constants import decay_weights, fla_g_gamma
+from .torch_ops import chunked_core, decay_powers
 
 __all__ = ["leaf_forward", "inter_output", "leaf_state", "leaf_output", "state_grad_local",
-           "leaf_backward", "torch_leaf_backward", "decayed_sum", "no_autocast"]
-
-
-def no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """States and decays must stay fp32 even when the caller runs under autocast."""
-    return torch.autocast(device_type=device.type, enabled=False)
+           "leaf_backward", "torch_leaf_backward", "decayed_sum"]
 
 
 def _state_or_none(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -72,7 +68,7 @@ def leaf_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torc
                 initial_state=None, output_final_state=True, chunk_size=CHUNK,
             )
         return o[:, pad:], b
-    with no_autocast(q.device):
+    with autocast_off(q.device):
         return chunked_core(q, k, v, slopes, scale, None, CHUNK)
 
 
@@ -82,7 +78,7 @@ def inter_output(q: torch.Tensor, slopes: torch.Tensor, scale: float, S_in: torc
     Local position i = 0 sees S_in decayed once (S_0 = lam S_in + k_0^T v_0), hence i + 1.
     """
     dt = acc_dtype(q, S_in)
-    with no_autocast(q.device):
+    with autocast_off(q.device):
         dec = decay_powers(slopes, q.shape[1], 1, dtype=dt, device=q.device)  # [H, C]
         qd = q.to(dt) * dec.t()[None, :, :, None]  # [B, C, H, K]
         return scale * torch.einsum("bchk,bhkv->bchv", qd, S_in.to(dt))
@@ -106,7 +102,7 @@ def decayed_sum(x: torch.Tensor, y: torch.Tensor, slopes: torch.Tensor, base: in
                                  scale=scale)
     dt = acc_dtype(x, y)
     w = decay_weights(slopes, x.shape[1], base, step, dt, x.device)        # [H, C]
-    with no_autocast(x.device):
+    with autocast_off(x.device):
         out = torch.einsum("bchk,bchv->bhkv", x.to(dt) * w.t()[None, :, :, None], y.to(dt))
     return out if scale == 1.0 else scale * out
 
@@ -123,8 +119,7 @@ def leaf_state(k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor) -> torch.
 def state_grad_local(q: torch.Tensor, do: torch.Tensor, slopes: torch.Tensor, scale: float) -> torch.Tensor:
     """dL/dS_in through this leaf's outputs only: scale sum_i lam^(i+1) q_i^T do_i -> [B, H, K, V].
 
-    fp32 (fp64 for fp64 inputs); one pass over q and do. The full dL/dS_in adds
-    chunk_decay(slopes, C) * G.
+    fp32 (fp64 for fp64 inputs); one pass over q and do. The full dL/dS_in adds lam^C * G.
     """
     return decayed_sum(q, do, slopes, 1, 1, scale)
 
@@ -151,7 +146,7 @@ def leaf_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch
                 initial_state=_state_or_none(S_in), output_final_state=False, chunk_size=CHUNK,
             )
         return o
-    with no_autocast(q.device):
+    with autocast_off(q.device):
         s_in = None if S_in is None else S_in.to(acc_dtype(q, k, v, S_in))
         return chunked_core(q, k, v, slopes, scale, s_in, CHUNK)[0]
 
@@ -164,7 +159,7 @@ def torch_leaf_backward(
     under autograd and pull (do, G) back through it. The graph (and its per-chunk states) is
     freed when this call returns."""
     dt = acc_dtype(q, k, v, S_in)
-    with torch.enable_grad(), no_autocast(q.device):
+    with torch.enable_grad(), autocast_off(q.device):
         qd, kd, vd = (x.detach().to(dt).requires_grad_(True) for x in (q, k, v))
         s_in = None if S_in is None else S_in.detach().to(dt)
         o, S_end = chunked_core(qd, kd, vd, slopes.detach(), scale, s_in, CHUNK)

@@ -18,26 +18,30 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from ..caches import LRU
 from ..precision import acc_dtype
 from ..tuning import LinearTuning
-from .fla_ops import CHUNK, FlaKernels, resolve_kernels
+from .fla_ops import CHUNK
+from .kernel_set import FlaKernels, resolve_kernels
 from .leaf import decayed_sum, leaf_backward, leaf_output, leaf_state
 from .slope_constants import fla_g_gamma
 
 __all__ = ["leaves_output", "leaves_backward"]
 
 _DEFAULT = LinearTuning()
-# Streams made once per (stream factory, device, role, priority); the factory is part of the
-# key so that streams made by a stand-in of torch.cuda.Stream (CPU tests) are never reused.
-_STREAMS: dict = {}
+# Streams made once per (stream factory, device, role, priority), not per call; the factory is
+# part of the key so that streams made by a stand-in of torch.cuda.Stream (CPU tests) are never
+# reused. Bounded: a process uses at most devices × 2 roles × 2 priorities of them (32 on an
+# 8-GPU node); stand-ins churn through the rest. A dropped stream is only made again (torch
+# hands out pooled streams, so nothing queued on it is lost).
+_STREAMS = LRU(64)
 
 
 def _stream(device: torch.device, role: str, priority: int = 0) -> "torch.cuda.Stream":
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (torch.cuda.Stream, idx, role, priority)
-    if key not in _STREAMS:
-        _STREAMS[key] = torch.cuda.Stream(device=idx, priority=priority)
-    return _STREAMS[key]
+    factory = torch.cuda.Stream
+    return _STREAMS.get((factory, idx, role, priority),
+                        lambda: factory(device=idx, priority=priority))
 
 
 def _scan_on_side_stream(scan: Callable, x, device: torch.device, priority: int) -> tuple:
@@ -71,6 +75,8 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: tor
     sequence's first leaf): the zero-start states are the states, fla's own output kernel runs
     at once and the scan (this rank only sends) is joined afterwards. torch: ``b``, the scan,
     then the chunked form. ``tuning.side_stream_priority``: the scan stream's priority.
+    ``backend``: ``"torch"``, ``"fla"``, None (fla where it can run) or a
+    :class:`~sp_attention.linear.kernel_set.FlaKernels` set the fla path runs instead of fla's.
     """
     kern = resolve_kernels(backend, q, k, v)
     if kern is None:

@@ -1,7 +1,7 @@
-"""Pure-torch references for linear attention with a constant per-head decay.
+"""Pure-torch references for linear attention with a constant per-head decay (tests only).
 
-Recurrence (the spec, DESIGN §4), per batch b and head h with slope s_h >= 0 and
-decay lam_h = exp(-s_h):
+Recurrence (the spec; the math is in ``sp_attention/linear/README.md``), per batch b and head
+h with slope s_h >= 0 and decay lam_h = exp(-s_h):
 
     S_t = lam_h * S_{t-1} + k_t^T v_t          # state [K, V], S_{-1} = initial_state (or 0)
     o_t = scale * q_t @ S_t                     # scale defaults to 1.0 (no 1/sqrt(K))
@@ -12,6 +12,13 @@ Shapes: q, k [B, T, H, K]; v [B, T, H, V]; slopes [H]; states [B, H, K, V].
 Everything is computed in fp32 (fp64 when any input is fp64); outputs are cast back to
 q.dtype once, states stay in the compute dtype.
 
+Here: the token-by-token recurrence, and the references of the fast ops that are not
+themselves checked against it directly: fla's chunk recurrence (:func:`chunk_start_states`)
+and our two Triton kernels (:func:`output_from_states_ref`, :func:`decayed_state_sum_ref`).
+The torch backend's production kernel is :mod:`.torch_ops` (``chunked_core``); the two
+chunk-form references here are built from its pieces, which ``tests/linear/test_torch_ops.py``
+holds to the recurrence.
+
 Every power of lam is formed as exp(-s * n) with n an integer held in the compute dtype:
 never as lam**n, never by dividing by lam^C (which underflows to 0 for fast heads).
 """
@@ -21,11 +28,10 @@ from __future__ import annotations
 import torch
 
 from ..precision import acc_dtype
+from .torch_ops import check_shapes, chunk_layout, chunk_outputs, chunk_starts
 
 __all__ = [
     "recurrent_linear_attention",
-    "chunked_linear_attention",
-    "decay_powers",
     "chunk_decay",
     "compute_dtype",
     "chunk_start_states",
@@ -37,21 +43,6 @@ __all__ = [
 # The library's one precision rule (sp_attention.precision), under the name this module's
 # docstrings use: fp64 if any given tensor is fp64, else fp32.
 compute_dtype = acc_dtype
-
-
-def decay_powers(
-    slopes: torch.Tensor,
-    n: int,
-    offset: int = 0,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | None = None,
-) -> torch.Tensor:
-    """lam^(offset + i) for i in [0, n) as exp(-s * (offset + i)): [H, n] in `dtype`."""
-    device = slopes.device if device is None else device
-    s = slopes.to(device=device, dtype=dtype)
-    idx = torch.arange(n, device=device, dtype=dtype) + offset
-    return torch.exp(-s[:, None] * idx[None, :])
 
 
 def chunk_decay(
@@ -66,16 +57,6 @@ def chunk_decay(
     return torch.exp(-slopes.to(device=device, dtype=dtype) * C)
 
 
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor) -> None:
-    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(
-            f"expected q, k [B, T, H, K] and v [B, T, H, V] with equal B, T, H; got "
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if slopes.shape != (q.shape[2],):
-        raise ValueError(f"slopes must have shape [H] = [{q.shape[2]}], got {tuple(slopes.shape)}")
-
-
 def recurrent_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                slopes: torch.Tensor, *, scale: float = 1.0,
                                initial_state: torch.Tensor | None = None,
@@ -86,7 +67,7 @@ def recurrent_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     Returns (o [B, T, H, V] in q.dtype, final state [B, H, K, V] in fp32/fp64 or None).
     Slow (a Python loop over T); for tests and as the spec.
     """
-    _check_shapes(q, k, v, slopes)
+    check_shapes(q, k, v, slopes)
     dt = compute_dtype(q, k, v, initial_state)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -104,88 +85,6 @@ def recurrent_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return o.to(q.dtype), (S if output_final_state else None)
 
 
-def _chunk_layout(x: torch.Tensor, C: int, dt: torch.dtype) -> torch.Tensor:
-    """[B, T, H, D] -> [B, H, N, C, D] in `dt`, zero-padded at the end of the
-    last chunk (zero k/v add nothing to any state; padded q rows are dropped)."""
-    B, T, H, D = x.shape
-    N = max(1, -(-T // C))
-    x = x.to(dt).transpose(1, 2)
-    if N * C - T:
-        x = torch.nn.functional.pad(x, (0, 0, 0, N * C - T))
-    return x.reshape(B, H, N, C, D)
-
-
-def _chunk_starts(kc: torch.Tensor, vc: torch.Tensor, s: torch.Tensor, T: int,
-                  initial_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """States entering each chunk ``[B, H, N, K, V]`` and the final state ``[B, H, K, V]``.
-
-    Chunk n of true length L_n: S_{n+1} = lam^(L_n) S_n + sum_j lam^(L_n-1-j) k_j^T v_j.
-    """
-    B, H, N, C, K = kc.shape
-    dt, dev = kc.dtype, kc.device
-    idx = torch.arange(C, device=dev, dtype=dt)
-    lengths = torch.full((N,), C, device=dev, dtype=dt)
-    lengths[-1] = T - (N - 1) * C
-    k_exp = (lengths[:, None] - 1 - idx[None, :]).clamp(min=0)  # [N, C]; padded rows have k = 0
-    k_dec = torch.exp(-s[:, None, None] * k_exp[None])  # [H, N, C]
-    b = torch.einsum("bhnjk,bhnjv->bhnkv", kc * k_dec[None, ..., None], vc)  # zero-start chunk states
-    A = torch.exp(-s[:, None] * lengths[None, :])  # [H, N]
-    # Sequential scan over chunks (N is small); a list keeps it autograd-friendly.
-    S = kc.new_zeros(B, H, K, vc.shape[-1]) if initial_state is None else initial_state.to(dt)
-    starts = []
-    for n in range(N):
-        starts.append(S)
-        S = A[None, :, n, None, None] * S + b[:, :, n]
-    return torch.stack(starts, dim=2), S
-
-
-def _chunk_outputs(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, s: torch.Tensor,
-                   S_start: torch.Tensor, scale: float, T: int) -> torch.Tensor:
-    """o [B, T, H, V] from chunked q, k, v and the state entering each chunk ``S_start``:
-    intra ``scale Σ_{j<=i} lam^(i-j) (q_i.k_j) v_j`` + inter ``scale lam^(i+1) q_i S_n``."""
-    B, H, N, C, _ = qc.shape
-    idx = torch.arange(C, device=qc.device, dtype=qc.dtype)
-    # Intra-chunk decay mask lam^(i-j) for j <= i; the exponent is clamped at 0 before exp
-    # so the masked-out upper triangle never holds inf (inf * 0 = NaN for fast heads).
-    diff = idx[:, None] - idx[None, :]
-    D = torch.exp(-s[:, None, None] * diff.clamp(min=0)) * (diff >= 0)  # [H, C, C]
-    scores = torch.einsum("bhnik,bhnjk->bhnij", qc, kc) * D[None, :, None]
-    o = torch.einsum("bhnij,bhnjv->bhniv", scores, vc)
-    q_dec = torch.exp(-s[:, None] * (idx + 1)[None, :])  # [H, C]: lam^(i+1)
-    o = o + torch.einsum("bhnik,bhnkv->bhniv", qc * q_dec[None, :, None, :, None], S_start)
-    return (scale * o).reshape(B, H, N * C, -1)[:, :, :T].transpose(1, 2)
-
-
-def chunked_core(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slopes: torch.Tensor,
-    scale: float,
-    initial_state: torch.Tensor | None,
-    chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked form; returns (o [B, T, H, V], final state [B, H, K, V]) both in fp32/fp64.
-
-    The sequence is cut into N chunks of chunk_size (the last one possibly shorter; it is
-    zero-padded, and zero k/v add nothing to any state). Within chunk n, with local index
-    i, j and true chunk length L_n:
-        intra   o_i += scale * sum_{j<=i} lam^(i-j) (q_i . k_j) v_j
-        inter   o_i += scale * lam^(i+1) q_i @ S_n                (S_n: state before chunk n)
-        state   S_{n+1} = lam^(L_n) S_n + sum_j lam^(L_n-1-j) k_j^T v_j
-    Differentiable by autograd (also w.r.t. initial_state and, in principle, slopes).
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    _check_shapes(q, k, v, slopes)
-    dt = compute_dtype(q, k, v, initial_state)
-    T = q.shape[1]
-    qc, kc, vc = (_chunk_layout(x, chunk_size, dt) for x in (q, k, v))
-    s = slopes.to(device=q.device, dtype=dt)
-    S_start, S = _chunk_starts(kc, vc, s, T, initial_state)
-    return _chunk_outputs(qc, kc, vc, s, S_start, scale, T), S
-
-
 def chunk_start_states(k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
                        chunk_size: int = 64,
                        initial_state: torch.Tensor | None = None) -> torch.Tensor:
@@ -193,11 +92,11 @@ def chunk_start_states(k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
 
     Reference for the chunk recurrence that fla's ``chunk_fwd_h`` runs (N = ceil(T / chunk)).
     """
-    _check_shapes(k, k, v, slopes)
+    check_shapes(k, k, v, slopes)
     dt = compute_dtype(k, v, initial_state)
-    kc, vc = _chunk_layout(k, chunk_size, dt), _chunk_layout(v, chunk_size, dt)
+    kc, vc = chunk_layout(k, chunk_size, dt), chunk_layout(v, chunk_size, dt)
     s = slopes.to(device=k.device, dtype=dt)
-    return _chunk_starts(kc, vc, s, k.shape[1], initial_state)[0].transpose(1, 2)
+    return chunk_starts(kc, vc, s, k.shape[1], initial_state)[0].transpose(1, 2)
 
 
 def output_from_states_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor,
@@ -207,40 +106,19 @@ def output_from_states_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h:
 
     ``h [B, N, H, K, V]`` are the states entering each chunk when the leaf starts from zero;
     by linearity the true ones are ``h_n + lam^(n·chunk) S_in``, and ``o`` follows as in
-    :func:`chunked_core`. Pure-torch reference of the Triton kernel
-    :func:`sp_attention.linear.kernels.output_from_states`. Returns ``[B, T, H, V]`` in
-    fp32/fp64.
+    :func:`sp_attention.linear.torch_ops.chunked_core`. Pure-torch reference of the Triton
+    kernel :func:`sp_attention.linear.kernels.output_from_states`. Returns ``[B, T, H, V]``
+    in fp32/fp64.
     """
-    _check_shapes(q, k, v, slopes)
+    check_shapes(q, k, v, slopes)
     dt = compute_dtype(q, k, v, S_in)
     T, C = q.shape[1], chunk_size
-    qc, kc, vc = (_chunk_layout(x, C, dt) for x in (q, k, v))
+    qc, kc, vc = (chunk_layout(x, C, dt) for x in (q, k, v))
     s = slopes.to(device=q.device, dtype=dt)
     N = qc.shape[2]
     carry = torch.exp(-s[:, None] * (torch.arange(N, device=q.device, dtype=dt) * C))  # [H, N]
     S_start = h.to(dt).transpose(1, 2) + carry[None, :, :, None, None] * S_in.to(dt)[:, :, None]
-    return _chunk_outputs(qc, kc, vc, s, S_start, scale, T)
-
-
-def chunked_linear_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slopes: torch.Tensor,
-    *,
-    scale: float = 1.0,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunked pure-torch form of S_t = lam S_{t-1} + k_t^T v_t, o_t = scale q_t S_t.
-
-    Any T (not only multiples of chunk_size). Returns (o [B, T, H, V] in q.dtype, final
-    state [B, H, K, V] in fp32/fp64 or None). Differentiable by torch autograd, including
-    w.r.t. initial_state.
-    """
-    o, S = chunked_core(q, k, v, slopes, scale, initial_state, chunk_size)
-    return o.to(q.dtype), (S if output_final_state else None)
+    return chunk_outputs(qc, kc, vc, s, S_start, scale, T)
 
 
 def decayed_state_sum_ref(x: torch.Tensor, y: torch.Tensor, slopes: torch.Tensor, base: int,

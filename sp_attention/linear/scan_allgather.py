@@ -2,7 +2,9 @@
 rank forms the prefix of its own leaves locally.
 
 One collective instead of 2⌈log2 L⌉ dependent rounds: the lowest latency for small P within a
-node; it moves (P−1)·(per-rank elements) into every rank.
+node; it moves (P−1)·(per-rank elements) into every rank. Where ranks hold different numbers
+of elements (packed documents: one per crossing segment), every rank sends as many as the rank
+holding the most, zero rows padding the rest.
 
 The local fold is vectorised rather than a Horner loop over up to L−1 elements (one small op
 each, host-bound on a GPU): the prefix entering scan position p is
@@ -20,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from ..caches import LRU
 from ..comm import all_gather_flat
 from ..context import SPContext
 from .scan_common import Element, ScanMap, check_elements, scan_map
@@ -27,11 +30,10 @@ from .scan_common import Element, ScanMap, check_elements, scan_map
 _LOG_FLOOR = -1.0e4
 
 
-@functools.lru_cache(maxsize=64)
-def _fold_plan(leaves: ScanMap, dtype: torch.dtype, device: torch.device
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Index and band tensors of the fold, built once per (element map, dtype, device): a
-    host-to-device copy per call would be a device sync per call.
+@functools.lru_cache(maxsize=256)
+def _host_plan(leaves: ScanMap) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Index and band tensors of the fold on the host (pure rank arithmetic, a few hundred
+    bytes each; bounded by the element maps a process meets, compared by content).
 
     ``order[pos]`` is the row of the gathered buffer holding scan position ``pos``; for each
     local position p: ``between[p, q, r] = 1`` iff q < r < p (the A factors that carry b_q to
@@ -41,17 +43,35 @@ def _fold_plan(leaves: ScanMap, dtype: torch.dtype, device: torch.device
     p = torch.tensor(leaves.local_positions, dtype=torch.int64)[:, None, None]
     q = torch.arange(num)[None, :, None]
     r = torch.arange(num)[None, None, :]
-    between, before = ((q < r) & (r < p)), (q[..., 0] < p[..., 0])
-    return (torch.tensor([leaves.row(i) for i in range(num)]).to(device),
-            between.to(device=device, dtype=dtype), before.to(device=device, dtype=dtype))
+    order = torch.tensor([leaves.row(i) for i in range(num)], dtype=torch.int64)
+    return order, (q < r) & (r < p), q[..., 0] < p[..., 0]
+
+
+# The plan's copies on the devices that run the fold, made once per (element map, dtype,
+# device): a host-to-device copy per call would be a device sync per call. A training process
+# folds on one device, in one dtype and in both directions per CP group: a handful of entries
+# (packed documents: a few per batch's plan); the bound keeps a process that meets many
+# groups, plans, devices or dtypes from holding device memory for ever (a dropped plan is
+# copied again on its next use).
+_DEVICE_PLANS = LRU(16)
+
+
+def _fold_plan(leaves: ScanMap, dtype: torch.dtype, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(order, between, before)`` of :func:`_host_plan` on ``device`` (the bands in
+    ``dtype``)."""
+    def make():
+        order, between, before = _host_plan(leaves)
+        return (order.to(device), between.to(device=device, dtype=dtype),
+                before.to(device=device, dtype=dtype))
+    return _DEVICE_PLANS.get((leaves, dtype, device), make)
 
 
 def allgather_scan(A: list, b: list, ctx: SPContext, reverse: bool = False,
                    holders: Optional[tuple] = None, like: Optional[torch.Tensor] = None) -> list:
     """Exclusive prefix (suffix if ``reverse``) ``b`` state for each of this rank's leaves
-    (``holders``: the elements' holders in scan order, default the layout's leaves). Every
-    rank sends as many elements as the rank holding the most (zero rows pad the others); a
-    rank holding none passes ``like`` (a tensor shaped as one ``b``) for the element size."""
+    (``holders``: the elements' holders in scan order, default the layout's leaves). A rank
+    holding no element passes ``like`` (a tensor shaped as one ``b``) for the element size."""
     leaves = scan_map(ctx, reverse, holders)
     check_elements(A, b, ctx, leaves)
     mine = [Element(a, s) for a, s in zip(A, b)]

@@ -16,11 +16,18 @@ from typing import Callable
 
 import torch
 
+from ..caches import LRU
+
 __all__ = ["fla_g_gamma", "decay_weights", "leaf_transition", "check_slope_values",
            "cached_constants", "num_cached_slopes"]
 
-# id(slopes) -> (weakref to it, its _version, {(constant name, *args): derived value})
+# id(slopes) -> (weakref to it, its _version, LRU {(constant name, *args): derived value}).
+# One entry per live slopes tensor (a finalizer drops it with the tensor); within an entry at
+# most _PER_SLOPES constants, least recently used dropped first: a model meets a few shapes
+# (about six constants per local length), but variable lengths would otherwise grow it for as
+# long as the slopes live (a model buffer: the whole run).
 _CACHE: dict = {}
+_PER_SLOPES = 32
 
 
 def _cached(slopes: torch.Tensor, key: tuple, make: Callable):
@@ -32,10 +39,8 @@ def _cached(slopes: torch.Tensor, key: tuple, make: Callable):
             return make()
         if entry is None or entry[0]() is not slopes:
             weakref.finalize(slopes, _CACHE.pop, id(slopes), None)
-        entry = _CACHE[id(slopes)] = (ref, slopes._version, {})
-    if key not in entry[2]:
-        entry[2][key] = make()
-    return entry[2][key]
+        entry = _CACHE[id(slopes)] = (ref, slopes._version, LRU(_PER_SLOPES))
+    return entry[2].get(key, make)
 
 
 def fla_g_gamma(slopes: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -77,7 +82,7 @@ def cached_constants(slopes: torch.Tensor) -> tuple[str, ...]:
     entry = _CACHE.get(id(slopes))
     if entry is None or entry[0]() is not slopes or entry[1] != slopes._version:
         return ()
-    return tuple(sorted({key[0] for key in entry[2]}))
+    return tuple(sorted({key[0] for key in entry[2].keys()}))
 
 
 def num_cached_slopes() -> int:

@@ -52,7 +52,7 @@ from .ring_buffers import KVRing
 __all__ = ["ring_backward", "hop_dtypes", "hop_chunks"]
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=256)     # per (group size, layout, causal) a process meets
 def _acc_hops(world: int, layout: str, causal: bool) -> tuple[tuple[tuple[bool, int], ...], ...]:
     """``hops[r][s - 1] = (single, chunks)`` of the accumulator rank ``r`` sends after step
     ``s``: whether it holds at most one kernel output (this rank's one call on a block nobody

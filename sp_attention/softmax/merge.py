@@ -7,7 +7,7 @@ the union is
     out' = (exp(lse) out + exp(lse_b) out_b) / exp(lse')
          = out - sigmoid(lse_b - lse) (out - out_b)
 
-The sigmoid form (DESIGN §5, as in ring-flash-attention and torch's context parallel) never
+The sigmoid form (as in ring-flash-attention and torch's context parallel) never
 exponentiates an lse, so it cannot overflow. Rows whose lse is -inf (no key seen yet, e.g. an
 accumulator initialised to (0, -inf)) are handled exactly: merging into them copies the other
 block, merging an empty block (lse_b = -inf) leaves the accumulator unchanged, and no NaN is

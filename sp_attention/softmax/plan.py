@@ -112,7 +112,7 @@ def _merge_calls(calls: list[Call]) -> tuple[Call, ...]:
     return tuple(out)
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=1024)    # pure rank arithmetic: a few entries per layer shape
 def gather_plan(rank: int, world: int, layout: str, split: int, key_start: int, key_stop: int,
                 causal: bool) -> GatherPlan:
     """Arrangement of the gathered key pieces ``pos in [key_start, key_stop)`` of every rank.
@@ -149,7 +149,7 @@ def gather_plan(rank: int, world: int, layout: str, split: int, key_start: int, 
                       len({r for r, _ in order}) <= 1)
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=1024)    # pure rank arithmetic: P entries per (P, layout, causal)
 def ring_calls(rank: int, src: int, world: int, layout: str, causal: bool) -> tuple[Call, ...]:
     """Calls of one ring step: this rank's query chunks against the K/V block of ``src``.
 

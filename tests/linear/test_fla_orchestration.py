@@ -1,6 +1,8 @@
-"""The fla path's orchestration on CPU, in fp64: ``leaves_output`` / ``leaves_backward`` with
-a :class:`FlaKernels` set of pure-torch stand-ins that have fla 0.6's signatures (passed as the
-backend, nothing in the library is patched), and ``torch.cuda``'s stream calls by recorders.
+"""The fla path's orchestration on CPU, in fp64: ``leaves_output`` / ``leaves_backward`` and a
+whole CP step (``lightning_attention_with_kernels``) with a :class:`FlaKernels` set of
+pure-torch stand-ins that have fla 0.6's signatures (passed in explicitly, nothing in the
+library is patched; the public ``lightning_attention`` takes backend names only), and
+``torch.cuda``'s stream calls by recorders.
 
 The fla path only runs on a GPU, and GPU time is scarce; these tests prove on every CI run what
 does not need one: which tensors flow into which kernel call (a wrong argument, keyword or
@@ -16,11 +18,12 @@ import pytest
 import torch
 
 from sp_attention import LinearTuning
-from sp_attention.linear.fla_ops import FlaKernels
+from sp_attention.linear.kernel_set import FlaKernels
 from sp_attention.linear.leaf import decayed_sum, torch_leaf_backward
 from sp_attention.linear.leaves import leaves_backward, leaves_output
-from sp_attention.linear.naive import (chunk_start_states, chunked_core, decayed_state_sum_ref,
+from sp_attention.linear.naive import (chunk_start_states, decayed_state_sum_ref,
                                        output_from_states_ref)
+from sp_attention.linear.torch_ops import chunked_core
 from sp_attention.testing import assert_close, run_distributed
 
 TOL = 1e-10
@@ -126,7 +129,7 @@ def _fake_fla(slopes: torch.Tensor) -> FlaKernels:
 
 def _install(setattr_, slopes: torch.Tensor) -> FlaKernels:
     """Recorder streams in ``torch.cuda`` (``setattr_``: monkeypatch.setattr or a plain setattr
-    in a spawned worker) and the stand-in kernel set to pass as the backend."""
+    in a spawned worker) and the stand-in kernel set to pass in."""
     _fake_cuda(setattr_)
     LOG.clear()
     return _fake_fla(slopes)
@@ -233,7 +236,7 @@ def _cp_world(rank, world):
     import torch.distributed as dist
 
     from sp_attention import build_sp_context, shard_sequence
-    from sp_attention.linear import lightning_attention
+    from sp_attention.linear.attention import lightning_attention_with_kernels
     from sp_attention.linear.naive import recurrent_linear_attention
 
     def setattr_(obj, name, value):
@@ -254,8 +257,8 @@ def _cp_world(rank, world):
             for concurrent in (True, False):
                 tuning = LinearTuning(concurrent_recurrences=concurrent)
                 loc = [shard_sequence(t, ctx, 1).clone().requires_grad_(True) for t in (q, k, v)]
-                out = lightning_attention(*loc, SLOPES, ctx=ctx, impl=impl, scale=0.5,
-                                          backend=fake, tuning=tuning)
+                out = lightning_attention_with_kernels(*loc, SLOPES, fake, ctx=ctx, impl=impl,
+                                                       scale=0.5, tuning=tuning)
                 (out * shard_sequence(w, ctx, 1)).sum().backward()
                 for got, exp, what in zip((out, *(t.grad for t in loc)), want, ("o", "dq", "dk",
                                                                                  "dv")):

@@ -8,6 +8,7 @@ import torch
 
 from sp_attention import SPContext
 from sp_attention.linear import lightning_attention
+from sp_attention.linear.kernel_set import FlaKernels
 from sp_attention.linear.slope_constants import cached_constants, num_cached_slopes
 
 FAKE = SPContext(object(), 0, 2, (0, 1), "zigzag")
@@ -31,6 +32,8 @@ def _qkv(B=1, T=8, H=2, K=4, V=3, dtype=torch.float64):
     (dict(impl="tree"), "unknown linear-attention scan impl", ValueError),
     (dict(backend="cuda"), "unknown local backend", ValueError),
     (dict(backend="fla"), "backend='fla' cannot run", ValueError),
+    # a kernel set is not public input (tests pass theirs to lightning_attention_with_kernels)
+    (dict(backend=FlaKernels(*[print] * 7)), "backend must be a name", TypeError),
     (dict(scale=0.0), "scale must be a positive", ValueError),
     (dict(ctx="group"), "ctx must be an SPContext", TypeError),
 ])

@@ -1,5 +1,6 @@
 """Validation errors (arguments, core-attention options), RoPE positions, the TP cut rule and
-the launcher's importability. One process, no process group."""
+the launcher's importability and its message where megatron.training is missing. One process,
+no process group (and one torchrun of the launcher where megatron.training is absent)."""
 import argparse
 import importlib
 
@@ -183,6 +184,33 @@ def test_launcher_imports_without_megatron_training():
     assert callable(mod.main) and callable(mod.model_provider)
 
 
+def test_launcher_names_what_it_needs_once():
+    """Python 3.11 resolves megatron-core 0.16.1, which has no megatron.training: the launcher
+    says so once (rank 0), with the fix, and every rank exits non-zero (not a
+    ModuleNotFoundError per rank)."""
+    import os
+    import subprocess
+    import sys
+    from importlib.util import find_spec
+    from megatron_patches.pretrain_gpt import missing_requirement
+    msg = missing_requirement((3, 11, 7), "0.16.1", False)
+    for text in ("megatron-core >= 0.18", "Python >= 3.12", 'pip install "megatron-core>=0.18"',
+                 "Python 3.11.7 with megatron-core 0.16.1", "train.py"):
+        assert text in msg, (text, msg)
+    assert "megatron-core 0.17.0" in missing_requirement((3, 12, 1), "0.17.0", True)
+    assert missing_requirement((3, 12, 1), "0.19.2", True) is None
+    if find_spec("megatron.training") is not None:
+        return      # a machine that has it (the GPU one): nothing more to refuse here
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", "-m", "megatron_patches.pretrain_gpt",
+                          "--help"], cwd=root, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "ModuleNotFoundError" not in text, text[-3000:]
+    assert text.count("needs megatron-core >= 0.18 and Python >= 3.12") == 1, text[-3000:]
+
+
 def test_prebuilt_spec_core_attention_follows_the_pattern(monkeypatch):
     """``--spec megatron_patches.specs hybrid_layer_spec``: each layer's kind from the pattern."""
     import megatron_patches.args as margs
@@ -207,7 +235,7 @@ def test_public_api_is_pinned():
     import megatron_patches.specs as s
     assert set(m.__all__) == {"build_gpt_model", "KINDS", "POSITION_EMBEDDINGS",
                               "tp_shard_state_dict", "grad_reduce_group", "cp_context",
-                              "layer_pattern"}
+                              "layer_pattern", "global_loss_share"}
     assert {"SoftmaxOptions", "SoftmaxCoreAttention", "LinearCoreAttention"} <= set(c.__all__)
     assert {"patch_core_attention", "layer_spec", "block_spec", "softmax_layer_spec",
             "linear_layer_spec", "hybrid_layer_spec"} <= set(s.__all__)

@@ -2,16 +2,22 @@
 
 One spawn per world size; inside it every model kind is built at 1×1×1 (the reference, full
 global batch) and at the tested layout (Megatron's parallel_state groups, zigzag CP shards,
-global position ids, DP batch split), and the per-token loss (1e-6 relative) and every
-parameter gradient after the DP×CP reduction (1e-5 relative) are compared at every rank.
+global position ids, DP batch split). The reference loss is independent of Megatron's loss:
+``F.cross_entropy(ignore_index=-100)`` on the 1×1×1 model's full logits. The tested side is
+the README's recipe (``global_loss_share`` over the DP×CP group, ``all_reduce_gradients``);
+the per-token loss at real targets (1e-6 relative), the global mean loss (1e-6) and every
+parameter gradient (1e-5 relative) are compared at every rank.
 """
 import warnings
 
 import pytest
 import torch
 
+import torch.distributed as dist
+import torch.nn.functional as F
+
 from sp_attention import shard_position_ids, shard_sequence, shift_labels
-from sp_attention.reduce import all_reduce_gradients, global_token_mean
+from sp_attention.reduce import all_reduce_gradients
 from sp_attention.testing import rel_rms, run_distributed
 
 pytest.importorskip("megatron.core")
@@ -39,14 +45,19 @@ def _build(tp, cp, kind, pos, seed=1234):
 
 
 def _reference(kind, pos, tokens):
-    """1×1×1 model on the full global batch: (state dict, per-token loss, grads by name)."""
+    """1×1×1 model on the full global batch, loss by torch's cross entropy on its logits:
+    (state dict, per-token loss (0 at ignored targets), mean loss, grads by name)."""
     model = _build(1, 1, kind, pos)
-    labels = shift_labels(tokens)
+    labels = shift_labels(tokens)                             # -100 at each sequence's end
     positions = torch.arange(SEQ)[None].expand(BATCH, -1)
-    loss = model(tokens, positions, None, labels=labels)
-    global_token_mean(loss).backward()
+    logits = model(tokens, positions, None)                   # [b, s, vocab]
+    flat = dict(input=logits.reshape(-1, VOCAB).double(), target=labels.reshape(-1),
+                ignore_index=-100)
+    token_loss = F.cross_entropy(**flat, reduction="none").view(BATCH, SEQ)
+    mean = F.cross_entropy(**flat)
+    mean.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return model.state_dict(), loss.detach(), grads
+    return model.state_dict(), token_loss.detach(), mean.item(), grads
 
 
 def _check_slopes(model, tp_rank, tp):
@@ -69,7 +80,8 @@ def _check_slopes(model, tp_rank, tp):
 def _worker(rank, world, tp, cp):
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state as ps
-    from megatron_patches.model import cp_context, grad_reduce_group, tp_shard_state_dict
+    from megatron_patches.model import (cp_context, global_loss_share, grad_reduce_group,
+                                        tp_shard_state_dict)
     from megatron_patches.model import _tp_slice
     dp = world // (tp * cp)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
@@ -85,7 +97,7 @@ def _worker(rank, world, tp, cp):
     rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
     report = {}
     for kind, pos in cases:
-        ref_sd, ref_loss, ref_grads = refs[kind, pos]
+        ref_sd, ref_loss, ref_mean, ref_grads = refs[kind, pos]
         model = _build(tp, cp, kind, pos)
         cut = tp_shard_state_dict(ref_sd, model, tp_rank, tp)
         # equal seeds + use_cpu_initialization give the same weights at every layout
@@ -97,10 +109,17 @@ def _worker(rank, world, tp, cp):
         labels = shard_sequence(shift_labels(tokens)[rows], ctx)
         positions = shard_position_ids(SEQ, ctx)[None].expand(ids.shape[0], -1)
         loss = model(ids, positions, None, labels=labels)
-        err_loss = rel_rms(loss, shard_sequence(ref_loss[rows], ctx))
+        real = labels != -100
+        err_loss = rel_rms(loss * real, shard_sequence(ref_loss[rows], ctx))
         assert err_loss <= 1e-6, (kind, pos, "loss", err_loss)
-        global_token_mean(loss, group=grad_reduce_group()).backward()
+        # the README's recipe, word for word
+        share = global_loss_share(loss, labels, grad_reduce_group())
+        share.backward()
         all_reduce_gradients(model.parameters(), grad_reduce_group())
+        total = share.detach().double().clone()
+        dist.all_reduce(total, group=grad_reduce_group())
+        err_mean = abs(total.item() - ref_mean) / ref_mean
+        assert err_mean <= 1e-6, (kind, pos, "mean loss", total.item(), ref_mean)
         params = dict(model.named_parameters())
         worst = 0.0
         for name, p in params.items():
@@ -113,7 +132,7 @@ def _worker(rank, world, tp, cp):
             worst = max(worst, err)
         if tp > 1 and kind != "softmax":
             assert _check_slopes(model, tp_rank, tp) > 0
-        report[kind, pos] = (err_loss, worst)
+        report[kind, pos] = (err_loss, err_mean, worst)
     ps.destroy_model_parallel()
     return report
 

@@ -1,12 +1,16 @@
-"""LSE merge: fp64 exactness against the closed form, -inf rows, a low-precision ``out``
-accumulator rounded once, strided views updated in place, clear errors."""
+"""LSE merge: fp64 exactness against the closed form and of blocks of keys merged into full
+attention, -inf rows, a low-precision ``out`` accumulator rounded once, strided views updated
+in place, clear errors; the Triton merge in the interpreter and on the GPU."""
 from __future__ import annotations
 
 
 import pytest
 import torch
 
+from backend_cases import qkv
+from sp_attention.softmax.backend_math import math_forward
 from sp_attention.softmax.merge import merge_blocks, merge_blocks_
+from sp_attention.softmax.naive import attention_reference
 from sp_attention.testing import assert_close
 
 F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
@@ -220,6 +224,70 @@ def test_merge_errors_are_clear():
         merge_blocks_(out, torch.zeros(1, 2, 3), out.int(), torch.zeros(1, 2, 3))
     with pytest.raises(ValueError, match="one device"):
         merge_blocks_(out, torch.zeros(1, 2, 3), out.to("meta"), torch.zeros(1, 2, 3))
+
+
+# --------------------------------------------- merging blocks of keys (math backend blocks)
+
+def _key_blocks(causal, tq, tk, n_blocks):
+    """Split [0, Tk) into blocks; with causal the last block (size >= Tq) is causal and every
+    earlier block is fully visible to all queries (non-causal)."""
+    last = tq + 2 if causal else 0
+    cuts = torch.linspace(0, tk - last, n_blocks if causal else n_blocks + 1).round().long()
+    bounds = [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+    if causal:
+        bounds.append((tk - last, tk))
+    return bounds
+
+
+@pytest.mark.parametrize("n_blocks", [2, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_merge_of_key_blocks_equals_full_attention(causal, n_blocks):
+    tq, tk, h, hkv = 5, 17, 8, 2
+    q, k, v, _ = qkv(2, tq, tk, h, hkv, 6, seed=11 + n_blocks)
+    ref_out, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=0.3)
+    bounds = _key_blocks(causal, tq, tk, n_blocks)
+    assert len(bounds) == n_blocks
+    # Start from the empty accumulator (0, -inf) to exercise the -inf path as a ring does.
+    acc_out = torch.zeros(q.shape, dtype=F64)
+    acc_lse = torch.full((2, h, tq), float("-inf"), dtype=F64)
+    for i, (a, b) in enumerate(bounds):
+        blk_causal = causal and i == len(bounds) - 1
+        o, l = math_forward(q, k[:, a:b], v[:, a:b], blk_causal, 0.3)
+        merge_blocks_(acc_out, acc_lse, o, l)
+    assert_close(acc_out, ref_out, 1e-12, "merged out")
+    assert_close(acc_lse, ref_lse, 1e-12, "merged lse")
+    # The out-of-place variant, merging in the opposite order, agrees too.
+    o1, l1 = math_forward(q, k[:, bounds[-1][0]:], v[:, bounds[-1][0]:], causal, 0.3)
+    o0, l0 = math_forward(q, k[:, :bounds[-1][0]], v[:, :bounds[-1][0]], False, 0.3)
+    mo, ml = merge_blocks(o1, l1, o0, l0)
+    assert_close(mo, ref_out, 1e-12, "merge_blocks out")
+    assert_close(ml, ref_lse, 1e-12, "merge_blocks lse")
+
+
+def test_merge_handles_empty_rows_without_nan():
+    b, t, h, d = 1, 3, 2, 4
+    out = torch.zeros(b, t, h, d, dtype=torch.float32)
+    lse = torch.full((b, h, t), float("-inf"))
+    blk = torch.randn(b, t, h, d)
+    blk_lse = torch.randn(b, h, t)
+    blk_lse[:, :, 0] = float("-inf")       # row 0: both sides empty
+    blk[:, 0] = 0.0
+    merge_blocks_(out, lse, blk, blk_lse)
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    assert torch.equal(out[:, 1:], blk[:, 1:]) and torch.equal(lse[:, :, 1:], blk_lse[:, :, 1:])
+    assert torch.isneginf(lse[:, :, 0]).all() and (out[:, 0] == 0).all()
+    # Merging an empty block leaves the accumulator exactly unchanged.
+    before_out, before_lse = out.clone(), lse.clone()
+    merge_blocks_(out, lse, torch.zeros_like(out), torch.full_like(lse, float("-inf")))
+    assert torch.equal(out, before_out) and torch.equal(lse, before_lse)
+
+
+def test_merge_rejects_bad_layouts():
+    out = torch.zeros(1, 3, 2, 4)
+    with pytest.raises(ValueError, match="lse"):
+        merge_blocks_(out, torch.zeros(1, 3, 2), out.clone(), torch.zeros(1, 3, 2))
+    with pytest.raises(ValueError, match="fp32"):
+        merge_blocks_(out.half(), torch.zeros(1, 2, 3).half(), out, torch.zeros(1, 2, 3))
 
 
 # ------------------------------------------------------------------ Triton kernel

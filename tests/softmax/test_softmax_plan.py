@@ -5,9 +5,7 @@ when the call is causal; every (query, key) pair must be computed exactly once a
 schedule; the arrangement runs must rebuild the arrangement; zigzag must balance the ring.
 """
 import pytest
-import torch
 
-from sp_attention.softmax.bwd_allgather import backward_units
 from sp_attention.softmax.plan import Call, gather_plan, piece_ids, ring_calls, stride_widths
 
 WORLDS = [1, 2, 3, 4, 5, 7, 8, 16, 64]
@@ -109,7 +107,7 @@ def test_ring_calls_cover_each_pair_once_and_step_zero_every_row(world, layout, 
             assert len({w[step] for w in work}) == 1, [w[step] for w in work]
 
 
-def test_stride_widths_and_units():
+def test_stride_widths():
     assert stride_widths(8, 2, 1, 1) == [1, 1, 2, 2, 1, 1]
     assert stride_widths(8, 2) == [2, 2, 2, 2]
     assert stride_widths(8, 4, 1, 3) == [1, 3, 1, 3]
@@ -117,63 +115,3 @@ def test_stride_widths_and_units():
     assert stride_widths(4, 4, 2, 2) == [2, 2]
     assert stride_widths(2, 2, 1, None) == [1, 1]
     assert stride_widths(6, 1) == [1] * 6
-    units, split = backward_units(8, 2, 16, 2, 1, 1)
-    assert split == 1 and [u.heads for u in units] == [1, 1, 2, 2, 1, 1]
-    assert units[-1].h1 == 8 and all(u.pieces == 2 for u in units)
-    # one KV head: sequence units
-    units, split = backward_units(1, 2, 6, 1, None, None)
-    assert split == 1 and [(u.p0, u.p1) for u in units] == [(0, 1), (1, 2)]
-    units, split = backward_units(1, 1, 6, 1, None, None)
-    assert split == 2 and [(u.p0, u.p1) for u in units] == [(0, 1), (1, 2)]
-    units, split = backward_units(1, 1, 5, 1, None, None)
-    assert split == 1 and [(u.p0, u.p1) for u in units] == [(0, 1)]
-
-
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-@pytest.mark.parametrize("causal", [True, False])
-def test_ring_backward_hop_dtypes(layout, causal):
-    """Pure rank arithmetic of the ring backward's accumulator hops, P = 2 … 16: both ends of
-    every hop agree on its dtype; a 16-bit hop carries at most one kernel output (simulated by
-    counting contributions along each block's path); P = 2 zigzag causal sends 16-bit."""
-    from sp_attention.softmax.bwd_ring import hop_dtypes
-    from sp_attention.softmax.plan import ring_calls
-    lo, hi = torch.bfloat16, torch.float32
-    for P in range(2, 17):
-        table = [hop_dtypes(r, P, layout, causal, lo, hi) for r in range(P)]
-        for r in range(P):
-            sent, got = table[r]
-            assert len(sent) == len(got) == P - 1
-            assert got == table[(r - 1) % P][0]       # what r receives is what r - 1 sends
-        for blk in range(P):                          # follow block blk's accumulator
-            outputs = 0
-            for s in range(1, P):
-                r = (blk + s) % P                     # its visitor at step s
-                outputs += len(ring_calls(r, blk, P, layout, causal))
-                if table[r][0][s - 1] == lo:
-                    assert outputs <= 1, (P, blk, s)
-    assert hop_dtypes(0, 2, "zigzag", True, lo, hi) == ([lo], [lo])
-
-
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-@pytest.mark.parametrize("causal", [True, False])
-def test_ring_backward_hop_chunks(layout, causal):
-    """The rows each accumulator hop carries, P = 2 … 16: both ends agree; a hop covers exactly
-    the longest key prefix any visitor of its block has read so far (0: nothing read, no
-    message); P = 2 zigzag causal: rank 1 returns one chunk, rank 0 both; contiguous causal:
-    rank 0 sends nothing."""
-    from sp_attention.softmax.bwd_ring import hop_chunks
-    from sp_attention.softmax.plan import ring_calls
-    for P in range(2, 17):
-        table = [hop_chunks(r, P, layout, causal) for r in range(P)]
-        for r in range(P):
-            sent, got = table[r]
-            assert len(sent) == len(got) == P - 1 and got == table[(r - 1) % P][0]
-        for blk in range(P):
-            covered = 0
-            for s in range(1, P):
-                r = (blk + s) % P
-                covered = max([covered] + [c.keys for c in ring_calls(r, blk, P, layout, causal)])
-                assert table[r][0][s - 1] == covered, (P, blk, s)
-    if causal:
-        want = {"zigzag": ([2], [1]), "contiguous": ([0], [1])}[layout]
-        assert hop_chunks(0, 2, layout, True) == want

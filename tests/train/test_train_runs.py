@@ -4,16 +4,26 @@
   (1,2,2) agree within 1e-5 for every model kind (three spawns: worlds 1, 2, 4).
 - In the world-4 spawn: bad input fails on every rank before training; a checkpoint resumes
   under another CP/DP layout and is refused under another TP layout.
+- In the world-4 spawn also: a checkpoint with a flipped byte is refused on every rank with
+  the same error (checksums verified across ranks); ``--ckpt-step`` picks a step.
 - Real launches (torchrun): two ``--nnodes 2`` launches rendezvous on localhost (c10d) and
-  train; a SIGTERM at step k saves and exits; a kill in the middle of a later save leaves the
-  last complete checkpoint in charge; the resumed losses equal the uninterrupted run's bit for
-  bit.
+  train; a SLURM-like preemption through scripts/slurm/train.sbatch (stand-in srun/scontrol,
+  our torchrun launcher, a real SIGTERM to the job's processes) saves, writes the plot and
+  summary, ends with one line, exits 75 and requeues; a kill in the middle of a later save
+  leaves the last complete checkpoint in charge; the resumed losses equal the uninterrupted
+  run's bit for bit; a truncated shard of the newest checkpoint gives one error naming it.
+- A plain ``python train.py`` stopped by SIGTERM exits 75 with its plot and summary.
 """
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
+
+import shutil
 
 import pytest
 
@@ -89,10 +99,23 @@ def _extra_checks(rank, tmp):
     finally:
         del os.environ["SP_TRAIN_TEST_SIGTERM_AT"]
     # same TP, CP 2 -> 4 and DP 2 -> 1: loads and continues
-    resumed = _losses(train.main(_argv("softmax", 1, 4, f"{tmp}/r", extra=["--load", ck])))
+    resumed = _losses(train.main(_argv("softmax", 1, 4, f"{tmp}/r",
+                                       extra=["--load", ck, "--ckpt-step", str(STEPS - 1)])))
     msg = _expect_error(_argv("softmax", 2, 2, f"{tmp}/t", extra=["--load", ck]),
                         "saved with layout TP1·CP2·DP2; this run is TP2·CP2·DP1")
-    return {"resumed": resumed, "msg": msg}
+    bad = f"{tmp}/bad_ck"
+    if rank == 0:               # one byte of one shard flipped: same size, other checksum
+        shutil.copytree(ck, bad)
+        shard = max((os.path.join(root, n) for root, _, names in os.walk(bad)
+                     for n in names if n.endswith(".distcp")), key=os.path.getsize)
+        data = bytearray(open(shard, "rb").read())
+        data[len(data) // 2] ^= 1
+        open(shard, "wb").write(bytes(data))
+    import torch.distributed as dist
+    dist.barrier()
+    damaged = _expect_error(_argv("softmax", 1, 2, f"{tmp}/d", extra=["--load", bad]),
+                            "does not match its checksum")
+    return {"resumed": resumed, "msg": msg, "damaged": damaged}
 
 
 def _rel(a, b):
@@ -114,6 +137,7 @@ def test_parallelism_invariance_errors_and_layout_changes(tmp_path):
             assert max(_rel(a, b) for a, b in zip(got, want)) < 1e-5, (kind, got, want)
     extra = [w["extra"] for w in w4]
     assert len({e["msg"] for e in extra}) == 1                          # every rank, same error
+    assert len({e["damaged"] for e in extra}) == 1
     resumed = extra[0]["resumed"]
     assert len(resumed) == 1 and _rel(resumed[0], ref[("softmax", 1, 1)][STEPS - 1]) < 1e-5
 
@@ -125,8 +149,8 @@ def _port():
         return s.getsockname()[1]
 
 
-def _torchrun(args, env=None, nnodes=1, nproc=2, port=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+def _torchrun(args, env=None, nnodes=1, nproc=2, port=None, module="torch.distributed.run"):
+    cmd = [sys.executable, "-m", module, "--nproc-per-node", str(nproc)]
     if nnodes > 1:
         cmd += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "sp-test"]
@@ -147,8 +171,59 @@ def _log(path):
         return {r["step"]: r["loss"] for r in map(json.loads, f)}
 
 
+def _tree(pid):
+    """``pid`` and every process below it."""
+    from megatron_patches.trainer.torchrun import children
+    out = [pid]
+    for c in children(pid):
+        out += _tree(c)
+    return out
+
+
+def _wait_for_steps(path, k, proc, timeout=240):
+    end = time.time() + timeout
+    while time.time() < end and proc.poll() is None:
+        if os.path.exists(path) and sum(1 for _ in open(path)) >= k:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no {k} steps in {path} (process status {proc.poll()})")
+
+
+def _fake_slurm(tmp_path, port):
+    """scontrol and srun stand-ins: the node list is this host; srun runs its command here."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "scontrol").write_text(
+        '#!/bin/sh\nif [ "$1" = requeue ]; then echo "$@" > ' + str(tmp_path / "requeue.txt")
+        + '; exit 0; fi\necho localhost\n')
+    (bindir / "srun").write_text('#!/bin/sh\nwhile [ "${1#--}" != "$1" ]; do shift; done\n'
+                                 'exec "$@"\n')        # drop srun's options, run the task
+    for f in bindir.iterdir():
+        f.chmod(0o755)
+    return dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", OMP_NUM_THREADS="1",
+                SLURM_JOB_NODELIST="localhost", SLURM_JOB_NUM_NODES="1", SLURM_JOB_ID="4242",
+                SLURM_GPUS_ON_NODE="2", RDZV_PORT=str(port), PYTHON=sys.executable,
+                TRAIN_PY=os.path.join(ROOT, "train.py"), REQUEUE="1")
+
+
+def _preempt_through_sbatch(tmp_path, argv):
+    """scripts/slurm/train.sbatch with our torchrun launcher; once 3 steps are logged, SIGTERM
+    to every process of the job, as SLURM's preemption sends it. Returns (status, output)."""
+    env = _fake_slurm(tmp_path, _port())
+    p = subprocess.Popen(["bash", os.path.join(ROOT, "scripts", "slurm", "train.sbatch"), *argv],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True)
+    _wait_for_steps(argv[argv.index("--log-dir") + 1] + "/log.jsonl", 3, p)
+    for pid in _tree(p.pid):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    return _finish(p)
+
+
 def test_torchrun_two_nodes_sigterm_resume_and_kill_mid_save(tmp_path):
-    n = 8
+    n = 30
     common = _argv("softmax", 1, 2, None, steps=n)
 
     def args(name, *extra):
@@ -163,19 +238,59 @@ def test_torchrun_two_nodes_sigterm_resume_and_kill_mid_save(tmp_path):
     ref = _log(tmp_path / "ref" / "log.jsonl")
     assert sorted(ref) == list(range(1, n + 1)) and ref[n] < ref[1]
 
+    # preemption: saves, plot + summary, one last line, status 75, the job requeued
     ck = str(tmp_path / "ck")
-    rc, out = _finish(_torchrun(args("a", "--save", ck, "--save-interval", "2"),
-                                env={"SP_TRAIN_TEST_SIGTERM_AT": "3"}))
-    assert rc == 0 and "stopped by a signal after step 3" in out, out[-3000:]
-    assert sorted(os.listdir(ck)) == ["iter_0000002", "iter_0000003", "latest"]
-    rc, out = _finish(_torchrun(args("b", "--load", ck, "--save", ck, "--save-interval", "2"),
-                                env={"SP_TRAIN_TEST_DIE_IN_SAVE": "4"}))
-    assert rc != 0 and os.path.isdir(os.path.join(ck, "iter_0000004.tmp")), out[-3000:]
-    assert open(os.path.join(ck, "latest")).read().strip() == "3"
+    rc, out = _preempt_through_sbatch(tmp_path, args("a", "--save", ck, "--save-interval", "2"))
+    m = re.search(r"\nstopped by SIGTERM after step (\d+): checkpoint (\S+), loss curve (\S+); "
+                  rf"resume with --load {ck}\n", out)
+    assert rc == 75 and m and "Traceback" not in out, (rc, out[-3000:])
+    stop = int(m.group(1))
+    assert m.group(2) == os.path.join(ck, f"iter_{stop:07d}") and 3 <= stop < n
+    assert m.group(3) == str(tmp_path / "a" / "loss.png") and os.path.getsize(m.group(3)) > 0
+    assert json.load(open(tmp_path / "a" / "summary.json"))["loss_last"] == _log(
+        tmp_path / "a" / "log.jsonl")[stop]
+    assert out.rstrip().splitlines()[-1].startswith("sp-train: train.py saved a checkpoint "
+                                                    "and stopped (status 75): requeueing")
+    assert (tmp_path / "requeue.txt").read_text().split() == ["requeue", "4242"]
+    assert open(os.path.join(ck, "latest")).read().strip() == str(stop)
+
+    # a kill in the middle of the next save: the previous checkpoint stays in charge
+    rc, out = _finish(_torchrun(args("b", "--load", ck, "--save", ck, "--save-interval", "1"),
+                                env={"SP_TRAIN_TEST_DIE_IN_SAVE": str(stop + 1)}))
+    assert rc != 0 and os.path.isdir(os.path.join(ck, f"iter_{stop + 1:07d}.tmp")), out[-3000:]
+    assert open(os.path.join(ck, "latest")).read().strip() == str(stop)
     rc, out = _finish(_torchrun(args("c", "--load", ck, "--save", ck)))
-    assert rc == 0 and "resumed from" in out and "iter_0000003" in out, out[-3000:]
+    assert rc == 0 and f"resumed from {ck}/iter_{stop:07d}" in out, out[-3000:]
     a, b, c = (_log(tmp_path / x / "log.jsonl") for x in "abc")
-    assert sorted(c) == list(range(4, n + 1))
-    assert [a[s] for s in (1, 2, 3)] == [ref[s] for s in (1, 2, 3)]    # bit-identical
-    assert b[4] == ref[4] and [c[s] for s in range(4, n + 1)] == [ref[s] for s in range(4, n + 1)]
-    assert not os.path.exists(os.path.join(ck, "iter_0000004.tmp"))     # cleaned by a later save
+    assert sorted(c) == list(range(stop + 1, n + 1))
+    assert [a[s] for s in range(1, stop + 1)] == [ref[s] for s in range(1, stop + 1)]
+    assert b[stop + 1] == ref[stop + 1]                                 # bit-identical
+    assert [c[s] for s in range(stop + 1, n + 1)] == [ref[s] for s in range(stop + 1, n + 1)]
+    assert not os.path.exists(os.path.join(ck, f"iter_{stop + 1:07d}.tmp"))  # cleaned up
+
+    # the newest checkpoint damaged: one error naming it, the file and the way back
+    newest = os.path.join(ck, f"iter_{n:07d}")
+    shard = max((os.path.join(newest, f) for f in os.listdir(newest) if f.endswith(".distcp")),
+                key=os.path.getsize)
+    open(shard, "r+b").truncate(os.path.getsize(shard) // 2)
+    rc, out = _finish(_torchrun(args("d", "--load", ck),
+                                module="megatron_patches.trainer.torchrun"))
+    assert rc == 2 and out.count(f"checkpoint {newest} is damaged") == 1, out[-3000:]
+    assert os.path.basename(shard) in out and f"--ckpt-step {stop}" in out, out[-3000:]
+    assert "Traceback" not in out and "EOFError" not in out, out[-3000:]
+
+
+def test_plain_python_sigterm_saves_plots_and_exits_75(tmp_path):
+    log_dir = str(tmp_path / "run")
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"),
+                          *_argv("softmax", 1, 1, log_dir, steps=400),
+                          "--save", str(tmp_path / "ck")], cwd=ROOT,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    _wait_for_steps(f"{log_dir}/log.jsonl", 2, p)
+    p.send_signal(signal.SIGTERM)
+    rc, out = _finish(p)
+    last = out.rstrip().splitlines()[-1]
+    assert rc == 75 and last.startswith("stopped by SIGTERM after step "), (rc, out[-3000:])
+    assert f"loss curve {log_dir}/loss.png" in last and "Traceback" not in out
+    assert os.path.exists(f"{log_dir}/loss.png") and os.path.exists(f"{log_dir}/summary.json")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_patches.trainer import checkpoint as ckpt
-from megatron_patches.trainer.args import parse_args
+from megatron_patches.trainer.args import TrainArgs, parse_args
 from megatron_patches.trainer.data import CopyTask, TokenFile, pad_vocab
 from megatron_patches.trainer.launch import first_host, map_slurm_env
 from megatron_patches.trainer.optim import MasterAdamW, lr_at
@@ -97,6 +97,36 @@ def test_text_and_jsonl_data(tmp_path):
         TokenFile(str(txt), 100000, seed=0)
 
 
+def test_data_errors_name_file_and_line_and_bytes_are_explicit(tmp_path):
+    """Invalid text is an error naming the file and line unless --data-encoding bytes."""
+    import random
+    junk = tmp_path / "junk.txt"
+    junk.write_bytes(b"line one\nline two \xff\n" + random.Random(0).randbytes(20000))
+    with pytest.raises(ValueError, match=rf"{junk}:2: not valid UTF-8 .*--data-encoding bytes"):
+        TokenFile(str(junk), 16, seed=0)
+    raw = TokenFile(str(junk), 16, seed=0, encoding="bytes")        # asked for: raw bytes
+    assert raw.tokens.numel() == junk.stat().st_size + 1 and "raw bytes" in raw.description
+    js = tmp_path / "bad.jsonl"
+    js.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=rf"{js}:2: not valid UTF-8"):
+        TokenFile(str(js), 2, seed=0)
+    assert TokenFile(str(js), 2, seed=0, encoding="bytes").tokens.tolist() == (
+        list(b"fine") + [256] + list(b"caf\xe9") + [256])
+    js.write_text('{"text": "fine"}\n{"text": "unterminated\n')
+    with pytest.raises(ValueError, match=rf"{js}:2: not valid JSON \(Unterminated string"):
+        TokenFile(str(js), 2, seed=0)
+    for body in ("", "\n\n", '{"text": ""}\n'):
+        empty = tmp_path / ("empty.jsonl" if body else "empty.txt")
+        empty.write_text(body)
+        with pytest.raises(ValueError, match=f"{empty} holds no text"):
+            TokenFile(str(empty), 2, seed=0)
+    with pytest.raises(ValueError, match="--data-encoding 'latin-1'"):
+        TrainArgs(data_encoding="latin-1")
+    with pytest.raises(ValueError, match="needs text"):
+        parse_args(["--data-encoding", "bytes", "--tokenizer-model", "gpt2"])
+    assert parse_args(["--data-encoding", "bytes"]).data_encoding == "bytes"
+
+
 # --- launch / SLURM -------------------------------------------------------------------------
 def test_slurm_env_mapping():
     env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
@@ -111,30 +141,69 @@ def test_slurm_env_mapping():
     assert first_host("node1") == "node1" and first_host("a[3-5,9],b2") == "a3"
 
 
-def test_sbatch_script_with_fake_slurm(tmp_path):
-    """Runs the real sbatch script with stand-in scontrol/srun that record their arguments."""
+def test_stop_exit_statuses(monkeypatch):
+    """75 after SIGTERM (requeue), 130 after Ctrl-C, 0 otherwise; 0 under torchrun, whose
+    agent reads any other worker status as a crash (our launcher returns the stop's)."""
+    import signal
+    from megatron_patches.trainer.launch import StopSignals
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    s = StopSignals()
+    s.restore()
+    assert s.exit_status == 0 and s.name == "no signal"
+    s.stopped_by = signal.SIGTERM
+    assert s.exit_status == 75 and s.name == "SIGTERM"
+    s.stopped_by = signal.SIGINT
+    assert s.exit_status == 130
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert s.exit_status == 0
+
+
+def _fake_slurm(tmp_path, hostnames='echo nodeA\necho nodeB'):
+    """Stand-in scontrol/srun that record their arguments; the environment to run with."""
     bindir = tmp_path / "bin"
-    bindir.mkdir()
+    bindir.mkdir(exist_ok=True)
     (bindir / "scontrol").write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] || exit 1\n'
-                                     'echo nodeA\necho nodeB\n')
+                                     f'{hostnames}\n')
     (bindir / "srun").write_text('#!/bin/sh\necho "MASTER=$MASTER_ADDR:$MASTER_PORT" '
                                  f'> {tmp_path}/srun.txt\necho "$@" >> {tmp_path}/srun.txt\n')
     for f in bindir.iterdir():
         f.chmod(0o755)
-    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node[A-B]",
-               SLURM_JOB_NUM_NODES="2", SLURM_JOB_ID="4242", SLURM_GPUS_ON_NODE="4",
-               SLURM_SUBMIT_DIR="/repo")
-    script = os.path.join(ROOT, "scripts", "slurm", "train.sbatch")
-    subprocess.run(["bash", script, "--preset", "1b"], env=env, check=True, capture_output=True)
+    return dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node[A-B]",
+                SLURM_JOB_NUM_NODES="2", SLURM_JOB_ID="4242", SLURM_GPUS_ON_NODE="4",
+                SLURM_SUBMIT_DIR="/repo")
+
+
+SBATCH = os.path.join(ROOT, "scripts", "slurm", "train.sbatch")
+
+
+def test_sbatch_script_with_fake_slurm(tmp_path):
+    """Runs the real sbatch script with stand-in scontrol/srun that record their arguments."""
+    env = _fake_slurm(tmp_path)
+    subprocess.run(["bash", SBATCH, "--preset", "1b"], env=env, check=True, capture_output=True)
     lines = (tmp_path / "srun.txt").read_text().splitlines()
-    assert lines[1] == ("--ntasks-per-node=1 --kill-on-bad-exit=1 torchrun --nnodes 2 "
+    assert lines[1] == ("--ntasks-per-node=1 --kill-on-bad-exit=1 python -m "
+                        "megatron_patches.trainer.torchrun --nnodes 2 "
                         "--nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint nodeA:24242 "
                         "--rdzv-id 4242 /repo/train.py --preset 1b")
-    subprocess.run(["bash", script], env=dict(env, LAUNCHER="srun"), check=True,
+    subprocess.run(["bash", SBATCH], env=dict(env, LAUNCHER="srun"), check=True,
                    capture_output=True)
     lines = (tmp_path / "srun.txt").read_text().splitlines()
     assert lines == ["MASTER=nodeA:24242",
                      "--ntasks-per-node=4 --kill-on-bad-exit=1 python /repo/train.py"]
+
+
+def test_sbatch_head_node_does_not_depend_on_pipe_timing(tmp_path):
+    """The head node comes from scontrol's whole output: `scontrol | head -n 1` under
+    pipefail failed with SIGPIPE (141) now and then for two hosts, and always for many."""
+    many = _fake_slurm(tmp_path, hostnames='seq -f "node%g" 1 20000')
+    for _ in range(3):
+        out = subprocess.run(["bash", SBATCH], env=many, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert "--rdzv-endpoint node1:24242" in (tmp_path / "srun.txt").read_text()
+    env = _fake_slurm(tmp_path)     # two hosts, the head-node logic 100 times in one shell
+    loop = f'for i in $(seq 100); do bash "{SBATCH}" > /dev/null || exit $?; done'
+    out = subprocess.run(["bash", "-c", loop], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
 
 
 # --- checkpoints (one process; the multi-process kill/resume runs in test_train_runs) -------
@@ -165,13 +234,8 @@ def test_checkpoint_atomic_resume_and_half_written(tmp_path):
     _steps(m, o, 3)
     root = str(tmp_path / "ck")
     ckpt.save_checkpoint(root, 3, m, o, tp_rank=0, meta=meta, group=None)
-    # a save killed after writing its shards: a .tmp dir; and a complete-looking dir
-    # without meta.json (killed between DCP's metadata and ours) — both ignored
+    # a save killed after writing its shards leaves a .tmp dir: ignored
     os.makedirs(os.path.join(root, "iter_0000005.tmp"))
-    os.makedirs(os.path.join(root, "iter_0000004"))
-    open(os.path.join(root, "iter_0000004", ".metadata"), "w").close()
-    assert ckpt.find_latest(root).endswith("iter_0000003")
-    open(os.path.join(root, "latest"), "w").write("4\n")              # pointer to a broken one
     assert ckpt.find_latest(root).endswith("iter_0000003")
     m2, o2 = _model_and_opt(1)                                        # different init
     assert ckpt.load_checkpoint(ckpt.find_latest(root), m2, o2, tp_rank=0, group=None) == 3
@@ -184,6 +248,62 @@ def test_checkpoint_atomic_resume_and_half_written(tmp_path):
         ckpt.check_compatible(info, "p", tp=2, cp=2, dp=1, model={"hidden_size": 8})
     with pytest.raises(ValueError, match="different model"):
         ckpt.check_compatible(info, "p", tp=1, cp=2, dp=1, model={"hidden_size": 16})
+
+
+def _largest_shard(path):
+    return max((os.path.join(path, n) for n in os.listdir(path) if n.endswith(".distcp")),
+               key=os.path.getsize)
+
+
+def test_damaged_checkpoint_is_named_with_the_way_back(tmp_path):
+    """Every save records its files' sizes and CRC-32s; a damaged checkpoint raises one
+    CheckpointError naming the directory, the file and --ckpt-step of the previous one."""
+    meta = {"tp": 1, "cp": 1, "dp": 1, "model": {}}
+    m, o = _model_and_opt(0)
+    root = str(tmp_path / "ck")
+    for step in (2, 3):
+        _steps(m, o, 1)
+        ckpt.save_checkpoint(root, step, m, o, tp_rank=0, meta=meta, group=None)
+    newest, older = ckpt.find_latest(root), os.path.join(root, "iter_0000002")
+    files = ckpt.verify_checkpoint(newest)["files"]
+    assert ".metadata" in files and any(n.endswith(".distcp") for n in files)
+    assert all(set(r) == {"bytes", "crc32"} for r in files.values())
+    ckpt.verify_checksums(newest, ckpt.read_meta(newest))              # intact: passes
+    assert ckpt.resume_path(root) == newest and ckpt.resume_path(root, 2) == older
+    assert ckpt.resume_path(older) == older                            # --load DIR/iter_N
+    with pytest.raises(ckpt.CheckpointError, match=r"--ckpt-step 7: there is no .*steps in "
+                                                   r".*: 2, 3\)"):
+        ckpt.resume_path(root, 7)
+    shard = _largest_shard(newest)
+    data = open(shard, "rb").read()
+    open(shard, "r+b").truncate(len(data) // 2)                        # truncated shard
+    way_back = (rf"checkpoint {newest} is damaged: {os.path.basename(shard)} has "
+                rf"{len(data) // 2:,} bytes, the save wrote {len(data):,} .*--ckpt-step 2 "
+                rf"\({older}\)")
+    with pytest.raises(ckpt.CheckpointError, match=way_back):
+        ckpt.verify_checkpoint(newest)
+    m2, o2 = _model_and_opt(1)
+    with pytest.raises(ckpt.CheckpointError, match=rf"checkpoint {newest} is damaged: reading"):
+        ckpt.load_checkpoint(newest, m2, o2, tp_rank=0, group=None)   # DCP's error, named
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF
+    open(shard, "wb").write(bytes(flipped))                            # same size, one bit off
+    ckpt.verify_checkpoint(newest)
+    with pytest.raises(ckpt.CheckpointError, match=r"does not match its checksum.*--ckpt-step"):
+        ckpt.verify_checksums(newest, ckpt.read_meta(newest))
+    text = open(os.path.join(newest, "meta.json")).read()
+    open(os.path.join(newest, "meta.json"), "w").write(text[:len(text) // 2])
+    with pytest.raises(ckpt.CheckpointError, match=r"meta.json is not valid JSON.*--ckpt-step 2"):
+        ckpt.verify_checkpoint(ckpt.find_latest(root))                 # never iter 2 silently
+    os.remove(os.path.join(older, ".metadata"))
+    with pytest.raises(ckpt.CheckpointError, match=r"\.metadata is missing.*no earlier "
+                                                   r"checkpoint in .*move .* away to start"):
+        ckpt.verify_checkpoint(older)
+    with pytest.raises(ValueError, match="--ckpt-step picks a checkpoint under --load"):
+        parse_args(["--ckpt-step", "2"])
+    fast = ckpt.save_checkpoint(str(tmp_path / "fast"), 1, m, o, tp_rank=0, meta=meta,
+                                group=None, checksums=False)
+    assert all(set(r) == {"bytes"} for r in ckpt.read_meta(fast)["files"].values())
 
 
 def test_bf16_masters_and_lr():
