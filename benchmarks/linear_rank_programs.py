@@ -61,10 +61,10 @@ def rank_program(rank: int, world: int, layout: str, q, k, v, do, slopes, backen
     G[[j for j, leaf in enumerate(leaves) if leaf == L - 1]] = 0    # nor leaves the last one
     if world == 1:
         ctx = SPContext(None, 0, 1, layout=layout)
-        fscan = lambda b: scan_rows(b, q, slopes, ctx, scan, False)  # noqa: E731
-        bscan = lambda d: scan_rows(d, q, slopes, ctx, scan, True)  # noqa: E731
+        fscan = lambda b, A: scan_rows(b, A, ctx, scan, False)  # noqa: E731
+        bscan = lambda d, A: scan_rows(d, A, ctx, scan, True)  # noqa: E731
     else:
-        fscan, bscan = (lambda b: S), (lambda d: G)
+        fscan, bscan = (lambda b, A: S), (lambda d, A: G)
 
     def fwd():
         return leaves_output(qb, kb, vb, slopes, 1.0, fscan, backend, zero_in, tuning=tuning)
@@ -98,11 +98,11 @@ def ab_rows(q, k, v, do, slopes, backend: str, tuning: LinearTuning) -> dict:
     Z = torch.zeros_like(S)
 
     def out(zero_in, S_in):
-        return lambda: leaves_output(q, k, v, slopes, 1.0, lambda b: S_in, backend,
+        return lambda: leaves_output(q, k, v, slopes, 1.0, lambda b, A: S_in, backend,
                                      zero_in=zero_in, tuning=tuning)
 
     def back(S_in, G, **kw):
-        return lambda: leaves_backward(q, k, v, slopes, 1.0, S_in, do, lambda d: G, backend,
+        return lambda: leaves_backward(q, k, v, slopes, 1.0, S_in, do, lambda d, A: G, backend,
                                        tuning=tuning, **kw)
     return {"rank0 fwd, shortcut": out(True, Z), "rank0 fwd, no shortcut": out(False, Z),
             "rank1 fwd": out(False, S), "rank0 bwd": back(Z, S, needed=(False,)),

@@ -57,7 +57,7 @@ def test_linear_rank_program_is_the_library_step():
             fwd, bwd, fb = lrp.rank_program(rank, P, layout, q, k, v, do, slopes, "torch",
                                             lrp.LinearTuning())
             assert fwd()[0].numel() == q.numel()
-            assert all(g.numel() == q.numel() for g in fb())
+            assert all(g.numel() == q.numel() for g in fb()[:3])
 
 
 def test_softmax_pieces_rows(capsys, monkeypatch):

@@ -7,8 +7,9 @@ the leaf's incoming state to chunk n is ``exp2(prefix_{n−1})``) and over the w
 scan transition ``A = exp2(total)``). :func:`gate_sums` makes all three in one kernel launch on
 a GPU (a pure-torch form elsewhere, and as the reference).
 
-Sums are fp32 (a 16-bit ``g`` is read as it is and summed in fp32), taken inside a chunk and
-then across chunks, never differences of a long running sum.
+Sums are fp32 (a 16-bit ``g`` is read as it is and summed in fp32; the torch form keeps fp64
+for fp64 gates), taken inside a chunk and then across chunks, never differences of a long
+running sum.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import math
 from typing import NamedTuple, Optional
 
 import torch
+
+from ..precision import acc_dtype
 
 __all__ = ["GateSums", "gate_sums", "gate_sums_torch", "RCP_LN2"]
 
@@ -25,9 +28,15 @@ RCP_LN2 = 1.0 / math.log(2.0)
 class GateSums(NamedTuple):
     """Sums of ``g / ln 2`` over leaf rows ``[R, T, H]`` cut in chunks of ``chunk`` tokens."""
 
-    gc: torch.Tensor        #: ``[R, T, H]`` fp32: chunk-local inclusive sums (fla's ``g``)
-    prefix: torch.Tensor    #: ``[R, N, H]`` fp32: inclusive sums over chunks 0 … n
-    total: torch.Tensor     #: ``[R, H]`` fp32: the row's sum (the scan's ``A = exp2(total)``)
+    gc: torch.Tensor        #: ``[R, T, H]``: chunk-local inclusive sums (fla's ``g``)
+    prefix: torch.Tensor    #: ``[R, N, H]``: inclusive sums over chunks 0 … n
+    total: torch.Tensor     #: ``[R, H]``: the row's sum (the scan's ``A = exp2(total)``)
+
+    def leaf(self, n: int, j: int) -> "GateSums":
+        """Rows of leaf ``j`` of ``n`` per batch row (rows are batch-major): strided views."""
+        if n == 1:
+            return self
+        return GateSums(*(x.view(x.shape[0] // n, n, *x.shape[1:])[:, j] for x in self))
 
 
 def gate_sums_torch(g: torch.Tensor, chunk: int, cu_seqlens: Optional[tuple] = None
@@ -36,12 +45,12 @@ def gate_sums_torch(g: torch.Tensor, chunk: int, cu_seqlens: Optional[tuple] = N
     if cu_seqlens is not None:
         parts = [gate_sums_torch(g[:, a:b], chunk) for a, b in zip(cu_seqlens, cu_seqlens[1:])]
         gc = torch.cat([p.gc for p in parts] + [g.new_zeros(1, g.shape[1] - cu_seqlens[-1],
-                                                            g.shape[2], dtype=torch.float32)], 1)
+                                                            g.shape[2], dtype=acc_dtype(g))], 1)
         return GateSums(gc, torch.cat([p.prefix for p in parts], 1),
                         torch.cat([p.total for p in parts], 0))
     R, T, H = g.shape
     N = max(1, -(-T // chunk))
-    x = g.to(torch.float32) * RCP_LN2
+    x = g.to(acc_dtype(g)) * RCP_LN2
     if N * chunk - T:
         x = torch.nn.functional.pad(x, (0, 0, 0, N * chunk - T))
     x = x.view(R, N, chunk, H)

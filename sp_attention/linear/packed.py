@@ -19,45 +19,40 @@ from typing import Callable, Optional
 import torch
 
 from ..precision import acc_dtype
-from .decay import Decay
+from .decay import CHUNK, Decay
+from .leaf import decayed_sum
 from .packed_plan import LinearPacking
 from .varlen import chunk_indices, cu_seqlens_tensor
 
 __all__ = ["packed_output", "packed_grads", "varlen_layout"]
-
-CHUNK = 64
 
 
 def _piece(x: Optional[torch.Tensor], p) -> Optional[torch.Tensor]:
     return None if x is None else x[:, p.local_start:p.local_stop]
 
 
-def crossing_elements(q, k, v, decay: Decay, lp: LinearPacking, kern) -> tuple[list, list]:
-    """``(A, b)`` of this rank's crossing segments (fp32/fp64), local order."""
-    dt = acc_dtype(q, k, v, decay.g)
-    A, b = [], []
+def _dtype(q, k, v, decay: Decay, kern) -> torch.Tensor:
+    """The dtype of states and transitions: fp32 on the fla path, fp32/fp64 on torch."""
+    return acc_dtype(q, k, v, decay.g) if kern is None else torch.float32
+
+
+def _transitions(q, decay: Decay, lp: LinearPacking, dt) -> list:
+    """``A [B, H]`` of this rank's crossing segments: 0 where a segment starts its document."""
+    out = []
     for p in lp.crossing:
-        dp = decay.tokens(p.local_start, p.local_stop)
-        kp, vp = _piece(k, p), _piece(v, p)
-        if kern is None:
-            b.append(dp.core(kp, kp, vp, 1.0, None, CHUNK)[1])
-        else:
-            b.append(_state_sum(kern, kp, vp, dp, 1.0, end_state=True))
-        a = dp.transition(q.shape[0], p.length, dt if kern is None else torch.float32)
-        A.append(torch.zeros_like(a) if p.first else a)
-    return A, b
+        a = decay.tokens(p.local_start, p.local_stop).transition(q.shape[0], p.length, dt,
+                                                                 q.device)
+        out.append(torch.zeros_like(a) if p.first else a)
+    return out
 
 
-def _state_sum(kern, x, y, dp: Decay, scale: float, end_state: bool) -> torch.Tensor:
-    """fla path: our one-pass state kernel over one piece (strided rows read in place)."""
-    rows = (lambda t: t if t[0].is_contiguous() else t.contiguous())
-    x, y = rows(x), rows(y)
-    step = -1 if end_state else 1
-    if dp.gated:
-        from .gates import gate_sums
-        return kern.state_sum_gated(x, y, gate_sums(dp.g, CHUNK), step, scale)
-    base = x.shape[1] - 1 if end_state else 1
-    return kern.state_sum(x, y, dp.slopes, base, step, scale)
+def crossing_elements(q, k, v, decay: Decay, lp: LinearPacking, kern) -> tuple[list, list]:
+    """``(A, b)`` of this rank's crossing segments (fp32/fp64), local order: ``b`` by the
+    one-pass state sum over each segment (the kernel for 16-bit CUDA inputs)."""
+    state_sum = decayed_sum if kern is None else kern.state_sum
+    b = [state_sum(_piece(k, p), _piece(v, p), decay.tokens(p.local_start, p.local_stop),
+                   p.length - 1, -1, 1.0) for p in lp.crossing]
+    return _transitions(q, decay, lp, _dtype(q, k, v, decay, kern)), b
 
 
 def _scan(A: list, x: list, lp: LinearPacking, scan: Callable, reverse: bool, like):
@@ -94,20 +89,13 @@ def packed_grads(q, k, v, decay: Decay, scale: float, lp: LinearPacking, S_in: l
     """``(dq, dk, dv, dg or None)`` of one rank's shard entered with ``S_in`` (per crossing
     segment, as :func:`packed_output` returned it)."""
     B, T, H, K = q.shape
-    dt = acc_dtype(q, k, v, decay.g) if kern is None else torch.float32
-    A = [torch.zeros_like(a) if p.first else a
-         for p, a in zip(lp.crossing, (decay.tokens(p.local_start, p.local_stop).transition(
-             B, p.length, dt) for p in lp.crossing))]
-    d = []
-    for p in lp.crossing:
-        dp = decay.tokens(p.local_start, p.local_stop)
-        if p.first:
-            d.append(q.new_zeros(B, H, K, do.shape[-1], dtype=dt))
-        elif kern is None:
-            d.append(dp.state_grad(_piece(q, p), _piece(do, p), scale))
-        else:
-            d.append(_state_sum(kern, _piece(q, p), _piece(do, p).to(v.dtype), dp, scale,
-                                end_state=False))
+    dt = _dtype(q, k, v, decay, kern)
+    A = _transitions(q, decay, lp, dt)
+    state_sum = decayed_sum if kern is None else kern.state_sum
+    d = [q.new_zeros(B, H, K, do.shape[-1], dtype=dt) if p.first else
+         state_sum(_piece(q, p), _piece(do, p).to(q.dtype),
+                   decay.tokens(p.local_start, p.local_stop), 1, 1, scale)
+         for p in lp.crossing]
     G = _scan(A, d, lp, scan, True, q.new_zeros(B, H, K, do.shape[-1], dtype=dt))
     entering = {p.position: s for p, s in zip(lp.crossing, S_in) if not p.first}
     arriving = {p.position: g for p, g in zip(lp.crossing, G)}
