@@ -28,7 +28,7 @@ from ..precision import acc_dtype
 
 __all__ = ["recurrent_gated_attention", "chunked_gated_core", "chunked_gated_attention",
            "gated_chunk_states", "gated_output_from_states_ref", "gated_state_grad_ref",
-           "dqkdg_ref", "gate_from_chunk_sums", "fla_chunk_fwd_h", "fla_chunk_bwd_dh",
+           "dqkdg_ref", "gate_from_chunk_sums", "chunk_end_grads", "fla_chunk_fwd_h", "fla_chunk_bwd_dh",
            "fla_chunk_bwd_dv", "fla_chunk_fwd_o"]
 
 
@@ -226,25 +226,32 @@ def fla_chunk_fwd_h(k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None,
     return h, ht
 
 
-def fla_chunk_bwd_dh(q, k, v, do, h0, dht, scale, g=None, g_gamma=None, gk=None, gv=None,
-                     state_v_first=False, cu_seqlens=None, chunk_size=64, split_size=None,
-                     states_in_fp32=False):
-    """``(dh [B, N, H, K, V], dh0 or None)`` as fla's ``chunk_bwd_dh`` with ``g``: the
-    gradient at each chunk's end (from ``dht`` and the later chunks' outputs)."""
-    assert g is not None and g_gamma is None and cu_seqlens is None
-    nat = gate_from_chunk_sums(g, chunk_size)
+def chunk_end_grads(q, do, g, dht, scale: float, chunk_size: int = 64):
+    """``(dh [B, N, H, K, V], dh0)``: the gradient at each chunk's end (from ``dht`` at the
+    sequence's end and the later chunks' outputs) and at the sequence's start; fp32/fp64."""
     T, C = q.shape[1], chunk_size
     N = max(1, -(-T // C))
-    dt = acc_dtype(q, do, nat, dht)
+    dt = acc_dtype(q, do, g, dht)
     cur = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], do.shape[3], dtype=dt) \
         if dht is None else dht.to(dt)
     dh = []
     for n in reversed(range(N)):
         dh.insert(0, cur)
         sl = slice(n * C, min((n + 1) * C, T))
-        cur = nat[:, sl].sum(1).exp()[..., None, None] * cur \
-            + gated_state_grad_ref(q[:, sl], do[:, sl], nat[:, sl], scale)
-    return torch.stack(dh, 1), (cur if h0 is not None else None)
+        cur = g[:, sl].to(dt).sum(1).exp()[..., None, None] * cur \
+            + gated_state_grad_ref(q[:, sl], do[:, sl], g[:, sl], scale)
+    return torch.stack(dh, 1), cur
+
+
+def fla_chunk_bwd_dh(q, k, v, do, h0, dht, scale, g=None, g_gamma=None, gk=None, gv=None,
+                     state_v_first=False, cu_seqlens=None, chunk_size=64, split_size=None,
+                     states_in_fp32=False):
+    """``(dh [B, N, H, K, V], dh0 or None)`` as fla's ``chunk_bwd_dh`` with ``g``: the
+    gradient at each chunk's end (from ``dht`` and the later chunks' outputs)."""
+    assert g is not None and g_gamma is None and cu_seqlens is None
+    dh, dh0 = chunk_end_grads(q, do, gate_from_chunk_sums(g, chunk_size), dht, scale,
+                              chunk_size)
+    return dh, (dh0 if h0 is not None else None)
 
 
 def fla_chunk_bwd_dv(q, k, do, dh, g=None, g_gamma=None, scale=None, state_v_first=False,

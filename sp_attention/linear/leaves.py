@@ -29,7 +29,7 @@ from .kernel_set import FlaKernels, resolve_kernels
 from .decay import Decay, as_decay
 from .leaf import decayed_sum, leaf_backward, leaf_output, leaf_state
 
-__all__ = ["leaves_output", "leaves_backward"]
+__all__ = ["leaves_output", "leaves_backward", "state_dtype"]
 
 _DEFAULT = LinearTuning()
 # Streams made once per (stream factory, device, role, priority), not per call; the factory is
@@ -86,13 +86,14 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes,
     kern = resolve_kernels(backend, q, k, v)
     N, C = q.shape[:2]
     if kern is None:
-        b = leaf_state(k, v, decay)
+        b = leaf_state(k, v, decay).to(state_dtype(q, decay, False))
         S_in = scan(b, decay.transition(N, C, b.dtype, q.device))
         return leaf_output(q, k, v, decay, scale, S_in, "torch"), S_in
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     fkw = decay.fla_kw(q.device)
 
     def with_A(x):          # the transitions in the states' dtype (fp32 on a GPU)
+        x = x.to(state_dtype(q, decay, True))
         return scan(x, decay.fla_transition(N, C, x.dtype, q.device))
     main = torch.cuda.current_stream(q.device)
     prio = tuning.side_stream_priority
@@ -123,6 +124,13 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes,
         return kern.output_from_states(q, k, v, h, S_in, fkw["g_gamma"], scale, CHUNK), S_in
 
 
+def state_dtype(q: torch.Tensor, decay: Decay, fla: bool) -> torch.dtype:
+    """The one dtype of the states a scan carries on this path, the same on every rank (the
+    all-gather moves fixed-size buffers): fp32, fp64 for fp64 inputs; the torch path also
+    follows fp64 gates (it sums them in their dtype), the fla path's kernels write fp32."""
+    return acc_dtype(q) if fla else acc_dtype(q, decay.g)
+
+
 def _state_grads(q: torch.Tensor, do: torch.Tensor, decay: Decay, scale: float,
                  needed: Optional[tuple], state_sum: Callable, fla: bool) -> torch.Tensor:
     """Per-row state-gradient contributions ``[N, H, K, V]`` (fp32) of ``N = B·n`` rows (batch
@@ -130,11 +138,11 @@ def _state_grads(q: torch.Tensor, do: torch.Tensor, decay: Decay, scale: float,
     ``needed`` (None: all). The others are read by nobody (the sequence's first leaf has no
     earlier leaf to send its contribution to); they are zeros, which keeps every scan's
     arithmetic finite. ``fla``: gates go to the kernel as their sums (strided per leaf)."""
+    dt = state_dtype(q, decay, fla)
     if needed is None or all(needed):
-        return state_sum(q, do, decay, 1, 1, scale)
+        return state_sum(q, do, decay, 1, 1, scale).to(dt)
     n = len(needed)
-    d = q.new_zeros((q.shape[0], q.shape[2], q.shape[3], do.shape[3]),
-                    dtype=acc_dtype(q, do, decay.g))
+    d = q.new_zeros((q.shape[0], q.shape[2], q.shape[3], do.shape[3]), dtype=dt)
     per_leaf = d.view(d.shape[0] // n, n, *d.shape[1:])
     for j in (j for j, keep in enumerate(needed) if keep):
         # leaf j of every batch row: a strided view of the rows, no copy

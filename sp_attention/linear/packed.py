@@ -21,6 +21,7 @@ import torch
 from ..precision import acc_dtype
 from .decay import CHUNK, Decay
 from .leaf import decayed_sum
+from .leaves import state_dtype
 from .packed_plan import LinearPacking
 from .varlen import chunk_indices, cu_seqlens_tensor
 
@@ -31,9 +32,9 @@ def _piece(x: Optional[torch.Tensor], p) -> Optional[torch.Tensor]:
     return None if x is None else x[:, p.local_start:p.local_stop]
 
 
-def _dtype(q, k, v, decay: Decay, kern) -> torch.Tensor:
-    """The dtype of states and transitions: fp32 on the fla path, fp32/fp64 on torch."""
-    return acc_dtype(q, k, v, decay.g) if kern is None else torch.float32
+def _dtype(q, k, v, decay: Decay, kern) -> torch.dtype:
+    """The dtype of the scanned states and transitions (the same on every rank)."""
+    return state_dtype(q, decay, kern is not None)
 
 
 def _transitions(q, decay: Decay, lp: LinearPacking, dt) -> list:
@@ -50,9 +51,10 @@ def crossing_elements(q, k, v, decay: Decay, lp: LinearPacking, kern) -> tuple[l
     """``(A, b)`` of this rank's crossing segments (fp32/fp64), local order: ``b`` by the
     one-pass state sum over each segment (the kernel for 16-bit CUDA inputs)."""
     state_sum = decayed_sum if kern is None else kern.state_sum
+    dt = _dtype(q, k, v, decay, kern)
     b = [state_sum(_piece(k, p), _piece(v, p), decay.tokens(p.local_start, p.local_stop),
-                   p.length - 1, -1, 1.0) for p in lp.crossing]
-    return _transitions(q, decay, lp, _dtype(q, k, v, decay, kern)), b
+                   p.length - 1, -1, 1.0).to(dt) for p in lp.crossing]
+    return _transitions(q, decay, lp, dt), b
 
 
 def _scan(A: list, x: list, lp: LinearPacking, scan: Callable, reverse: bool, like):
@@ -70,8 +72,7 @@ def packed_output(q, k, v, decay: Decay, scale: float, lp: LinearPacking, scan: 
     B, T, H, _ = q.shape
     V = v.shape[-1]
     A, b = crossing_elements(q, k, v, decay, lp, kern)
-    like = q.new_zeros(B, H, q.shape[-1], V, dtype=acc_dtype(q, k, v) if kern is None
-                       else torch.float32)
+    like = q.new_zeros(B, H, q.shape[-1], V, dtype=_dtype(q, k, v, decay, kern))
     S_in = _scan(A, b, lp, scan, False, like)
     entering = {p.position: s for p, s in zip(lp.crossing, S_in) if not p.first}
     if kern is not None:
@@ -94,7 +95,7 @@ def packed_grads(q, k, v, decay: Decay, scale: float, lp: LinearPacking, S_in: l
     state_sum = decayed_sum if kern is None else kern.state_sum
     d = [q.new_zeros(B, H, K, do.shape[-1], dtype=dt) if p.first else
          state_sum(_piece(q, p), _piece(do, p).to(q.dtype),
-                   decay.tokens(p.local_start, p.local_stop), 1, 1, scale)
+                   decay.tokens(p.local_start, p.local_stop), 1, 1, scale).to(dt)
          for p in lp.crossing]
     G = _scan(A, d, lp, scan, True, q.new_zeros(B, H, K, do.shape[-1], dtype=dt))
     entering = {p.position: s for p, s in zip(lp.crossing, S_in) if not p.first}
@@ -143,12 +144,13 @@ def varlen_layout(lp: LinearPacking, batch: int) -> tuple:
 
 
 def _states(per_piece: dict, lp: LinearPacking, batch: int, n_seq: int, like: torch.Tensor):
-    """``[N, H, K, V]`` fp32 per local sequence: the given states of crossing pieces, zeros
+    """``[N, H, K, V]`` per local sequence: the given states of crossing pieces, zeros
     elsewhere (None when none is given)."""
     if not per_piece:
         return None
     _, seq_of = varlen_layout(lp, batch)
-    out = like.new_zeros(n_seq, *like.shape[1:], dtype=torch.float32)
+    dt = next(iter(per_piece.values())).dtype          # fp32 (fp64 only for fp64 inputs)
+    out = like.new_zeros(n_seq, *like.shape[1:], dtype=dt)
     for pos, s in per_piece.items():
         for b in range(batch):
             out[seq_of[(b, pos)]] = s[b]

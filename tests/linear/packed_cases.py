@@ -80,3 +80,128 @@ def check_shard(got, want, q_shard, name: str, tol: float = 1e-10) -> None:
         assert_close(x, y, tol, f"{name} {what}")
     if len(got) > 4 and got[4] is not None:
         assert_dg_close(got[4], want[4], q_shard, want[1], tol, f"{name} dg")
+
+
+IMPLS = ("blelloch", "allgather", "ring", "auto")
+
+
+def _gated_unpacked(group, world: int, rank: int, full: bool) -> int:
+    """Per-token gates on the unpacked path: every schedule, both layouts, GQA (Hkv = 1),
+    gates that underflow and that keep A near 1."""
+    from sp_attention import build_sp_context, shard_sequence
+    from sp_attention.linear import lightning_attention
+    n = 0
+    kinds = ("mixed", "underflow", "near_one") if full else ("mixed",)
+    for i, kind in enumerate(kinds):
+        T = 2 * world * (7 if kind == "mixed" else 5)
+        q, k, v, do, g = make_inputs(2, T, 3, 4, 5, kind, 11)
+        kv_heads = 1 if kind == "mixed" else 3             # GQA: one K/V head for three
+        k1, v1 = k[:, :, :kv_heads], v[:, :, :kv_heads]
+        ke, ve = (x.repeat_interleave(3 // kv_heads, 2) for x in (k1, v1))
+        ref = per_document_reference(q, ke, ve, do, g, [0, T], 0.6)
+        for j, layout in enumerate(("contiguous", "zigzag")):
+            ctx = build_sp_context(group, layout=layout)
+            sh = lambda t: shard_sequence(t, ctx, 1)        # noqa: E731
+            want = [sh(t) for t in ref]
+            if kv_heads != 3:        # GQA: the reference's K/V gradients summed per group
+                want[2], want[3] = (w.view(*w.shape[:2], kv_heads, -1, w.shape[-1]).sum(3)
+                                    for w in want[2:4])
+            for impl in IMPLS if i == 0 else IMPLS[j::2]:
+                xs = [sh(t).clone().requires_grad_(True) for t in (q, k1, v1, g)]
+                o = lightning_attention(*xs[:3], g=xs[3], ctx=ctx, impl=impl, scale=0.6,
+                                        backend="torch")
+                (o * sh(do)).sum().backward()
+                check_shard((o,) + tuple(x.grad for x in xs), want, xs[0].detach(),
+                            f"gated {kind} {layout} {impl} P{world} r{rank}")
+                n += 1
+    return n
+
+
+def packed_rows(world: int, full: bool) -> dict:
+    """Named packed rows: the boundary cases of :func:`named_rows`, long documents (pieces of
+    several chunks) and, at small P, hundreds of tiny documents."""
+    rows = named_rows(world)
+    if not full:
+        return {k: rows[k] for k in ("boundary at shard edges", "short docs, single tokens")}
+    L = 80
+    cut = int(0.6 * world * L)
+    rows["long docs over chunks"] = ([0, cut, cut + 1, world * L - 5], world * L)
+    rows["boundaries at leaf edges"] = (list(range(0, world * 12 + 1, 6)), world * 12)
+    if world in (2, 3):
+        rows["hundreds of tiny docs"] = (list(range(0, 360, 2)) + [361], 362)
+    return rows
+
+
+def _packed(group, world: int, rank: int, full: bool) -> int:
+    """Packed documents: every named row × both layouts, gates and fixed slopes, against the
+    per-document reference; every schedule on the first rows, one each (in turn) on the rest
+    (the spawn's time)."""
+    from sp_attention import build_sp_context, plan_packing
+    from sp_attention.linear import lightning_attention
+    n = 0
+    slopes = torch.tensor([0.02, 0.7, 40.0], dtype=F64)
+    for i, (name, (cu, row)) in enumerate(packed_rows(world, full).items()):
+        q, k, v, do, g = make_inputs(2 if row < 300 else 1, row, 3, 4, 5,
+                                     "underflow" if "tiny" in name else "mixed", 7)
+        refs = {"g": per_document_reference(q, k, v, do, g, cu, 0.6)}
+        if full and i < 3:
+            fixed = -slopes.expand_as(g)
+            refs["slopes"] = per_document_reference(q, k, v, do, fixed, cu, 0.6)
+        for j, layout in enumerate(("contiguous", "zigzag")):
+            ctx = build_sp_context(group, layout=layout)
+            plan = plan_packing(cu, ctx, row_len=row)
+            sh = lambda t: plan.shard(t, ctx.rank, 1)       # noqa: E731
+            for kind, ref in refs.items():
+                for impl in IMPLS if i < 2 else (IMPLS[(i + j) % len(IMPLS)],):
+                    xs = [sh(t).clone().requires_grad_(True) for t in (q, k, v, g)]
+                    dec = {"g": xs[3]} if kind == "g" else {"slopes": slopes}
+                    o = lightning_attention(*xs[:3], **dec, cu_seqlens=plan, ctx=ctx, impl=impl,
+                                            scale=0.6, backend="torch")
+                    (o * sh(do)).sum().backward()
+                    got = (o,) + tuple(x.grad for x in xs[:3]) + \
+                        ((xs[3].grad,) if kind == "g" else ())
+                    check_shard(got, [sh(t) for t in ref], xs[0].detach(),
+                                f"packed {name} {kind} {layout} {impl} P{world} r{rank}")
+                    n += 1
+    return n
+
+
+def _isolation(group, world: int, rank: int) -> int:
+    """Changing one document's tokens leaves every other document's outputs and gradients
+    bit-identical (both layouts, every schedule)."""
+    from sp_attention import build_sp_context, plan_packing
+    from sp_attention.linear import lightning_attention
+    cu, row = [0, 9, 30, 31, 50, 72], 72
+    q, k, v, do, g = make_inputs(1, row, 3, 4, 5, "mixed", 21)
+    changed = [t.clone() for t in (q, k, v, g)]
+    for t in changed:                 # document 2 (its one token, 30)
+        t[:, 30:31] = t[:, 30:31] * 1.5 + 0.25
+    changed[3] = changed[3].clamp(max=0.0)
+    n = 0
+    for layout in ("contiguous", "zigzag"):
+        ctx = build_sp_context(group, layout=layout)
+        plan = plan_packing(cu, ctx, row_len=row)
+        doc = plan.doc_ids(ctx.rank)
+        keep = (doc != 2)
+        for impl in IMPLS:
+            outs = []
+            for inputs in ((q, k, v, g), tuple(changed)):
+                xs = [plan.shard(t, ctx.rank, 1).clone().requires_grad_(True) for t in inputs]
+                o = lightning_attention(*xs[:3], g=xs[3], cu_seqlens=plan, ctx=ctx, impl=impl,
+                                        scale=0.6, backend="torch")
+                (o * plan.shard(do, ctx.rank, 1)).sum().backward()
+                outs.append([o.detach()] + [x.grad for x in xs])
+            for a, b, what in zip(*outs, ("o", "dq", "dk", "dv", "dg")):
+                assert torch.equal(a[:, keep], b[:, keep]), \
+                    f"isolation {layout} {impl} r{rank} {what}: another document changed"
+            n += 1
+    return n
+
+
+def gated_and_packed(group, world: int, rank: int) -> int:
+    """Everything above at this world size (fewer cases at P ≥ 5: the spawn's time)."""
+    full = world <= 4
+    n = _gated_unpacked(group, world, rank, full) + _packed(group, world, rank, full)
+    if world == 3:
+        n += _isolation(group, world, rank)
+    return n

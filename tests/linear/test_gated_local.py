@@ -129,17 +129,18 @@ def test_leaf_pieces(kind):
 
 
 def test_gate_sums_torch():
-    """Chunk-local sums, inclusive chunk prefixes and totals of g / ln 2 (fp32) against fp64
-    sums, a partial last chunk included."""
+    """Chunk-local sums, inclusive chunk prefixes and totals of g / ln 2 (fp32; fp64 for fp64
+    gates) against fp64 sums, a partial last chunk included."""
     import math
     g = gates("mixed", 2, 150, 4)
-    s = gate_sums_torch(g, 64)
-    assert s.gc.dtype == s.prefix.dtype == s.total.dtype == torch.float32
     G = g / math.log(2.0)
-    for n, (a, b) in enumerate(((0, 64), (64, 128), (128, 150))):
-        assert_close(s.gc[:, a:b].double(), G[:, a:b].cumsum(1), 1e-6)
-        assert_close(s.prefix[:, n].double(), G[:, :b].sum(1), 1e-6)
-    assert_close(s.total.double(), G.sum(1), 1e-6)
+    for dt, tol in ((torch.float32, 1e-6), (torch.float64, 1e-13)):
+        s = gate_sums_torch(g.to(dt), 64)      # fp32 sums, fp64 for fp64 gates
+        assert s.gc.dtype == s.prefix.dtype == s.total.dtype == dt
+        for n, (a, b) in enumerate(((0, 64), (64, 128), (128, 150))):
+            assert_close(s.gc[:, a:b].double(), G[:, a:b].cumsum(1), tol)
+            assert_close(s.prefix[:, n].double(), G[:, :b].sum(1), tol)
+        assert_close(s.total.double(), G.sum(1), tol)
 
 
 _INTERPRETER_CHECK = r"""
