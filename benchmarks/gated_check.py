@@ -107,28 +107,45 @@ class Kernels:
         self.output, self.state_sum = output_from_states, decayed_state_sum
 
 
+def library_kernels(real: bool):
+    """The kernel set the library's fla path runs: fla's and ours, or (dry run) the pure-torch
+    stand-ins of ``tests/linear/test_fla_gated_packed.py``."""
+    if real:
+        from sp_attention.linear.kernel_set import fla_kernels
+        return fla_kernels()
+    sys.path.insert(0, os.path.join(ROOT, "tests", "linear"))
+    import test_fla_gated_packed as standins
+    standins._no_streams(setattr)
+    return standins.fake_kernels()
+
+
 def leaf_forward(kern, q, k, v, g, S_in, scale):
-    """One gated leaf entered with ``S_in`` as the CP forward runs it: gate sums, the chunk
-    recurrence from zero (its final state is the leaf's ``b``), our output kernel adding
-    ``exp2(prefix) S_in`` to every chunk state. Returns (o, b, A, gate sums)."""
-    import torch
-    gs = kern.gate_sums(g, 64)
-    h, b = kern.fwd_h(k=k, v=v, g=gs.gc, h0=None, output_final_state=True, chunk_size=64)
-    o = kern.output(q, k, v, h.contiguous(), S_in, None, scale, 64, gates=gs)
-    return o, b, torch.exp2(gs.total), gs
+    """One gated leaf entered with ``S_in`` through the library's multi-leaf fla path
+    (:func:`sp_attention.linear.leaves.leaves_output`, the scan replaced by ``S_in``):
+    returns (o, b, A) — the end state and transition the scan was handed."""
+    from sp_attention.linear.decay import Decay
+    from sp_attention.linear.leaves import leaves_output
+    seen = {}
+
+    def scan(b, A):
+        seen["b"], seen["A"] = b, A
+        return S_in
+    o, _ = leaves_output(q, k, v, Decay(g=g), scale, scan, kern)
+    return o, seen["b"], seen["A"]
 
 
-def leaf_backward(kern, q, k, v, gs, S_in, do, D, scale):
-    """dq, dk, dv, dg of the leaf entered with ``S_in`` whose end receives ``D``, and its
-    state-gradient contribution ``d`` (what the reverse scan carries)."""
-    d = kern.state_sum(q, do, None, 0, 1, None, scale, gates=gs)
-    h, _ = kern.fwd_h(k=k, v=v, g=gs.gc, h0=S_in, output_final_state=False, chunk_size=64,
-                      states_in_fp32=True)
-    dh, _ = kern.bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=D, scale=scale, g=gs.gc,
-                        chunk_size=64, states_in_fp32=True)
-    dv = kern.bwd_dv(q=q, k=k, do=do, dh=dh, g=gs.gc, scale=scale, chunk_size=64)
-    dq, dk, dg = kern.dqkdg(q, k, v, do, h.contiguous(), dh.contiguous(), gs.gc, scale)
-    return dq, dk, dv, dg, d
+def leaf_backward(kern, q, k, v, g, S_in, do, D, scale):
+    """(dq, dk, dv, dg, d) of the leaf entered with ``S_in`` whose end receives ``D``, through
+    :func:`sp_attention.linear.leaves.leaves_backward` (``d``: what its reverse scan got)."""
+    from sp_attention.linear.decay import Decay
+    from sp_attention.linear.leaves import leaves_backward
+    seen = {}
+
+    def scan(d, A):
+        seen["d"] = d
+        return D
+    grads = leaves_backward(q, k, v, Decay(g=g), scale, S_in, do, scan, kern)
+    return (*grads, seen["d"])
 
 
 def inputs(B, T, H, K, V, dtype, device, seed=0):
@@ -197,8 +214,9 @@ def check_kernels(kern, shape, dtype, device, tag, configs):
 
 
 def check_leaf(kern, shape, dtype, device, tag):
-    """The assembled one-leaf gated step vs fla's naive recurrent simple_gla (fp32 autograd):
-    o, the end state, dq, dk, dv, dg and dS_in (= d + A·D)."""
+    """The library's one-leaf gated step (multi-leaf fla path) and the public op at world size
+    1 vs fla's naive recurrent simple_gla (fp32 autograd): o, the end state, dq, dk, dv, dg
+    and dS_in (= d + A·D)."""
     import torch
     B, T, H, K, V = shape
     q, k, v, do, g, S, D = inputs(B, T, H, K, V, dtype, device, seed=1)
@@ -214,8 +232,9 @@ def check_leaf(kern, shape, dtype, device, tag):
     xs = [x.detach().float().requires_grad_(True) for x in (q, k, v, g, S)]
     o_r, S_r = naive(*xs[:4], scale=scale, initial_state=xs[4], output_final_state=True)
     grads = torch.autograd.grad((o_r * do.float()).sum() + (S_r * D).sum(), xs)
-    o, b, A, gs = leaf_forward(kern, q, k, v, g, S, scale)
-    dq, dk, dv, dg, d = leaf_backward(kern, q, k, v, gs, S, do, D, scale)
+    lib = library_kernels(kern.real)
+    o, b, A = leaf_forward(lib, q, k, v, g, S, scale)
+    dq, dk, dv, dg, d = leaf_backward(lib, q, k, v, g, S, do, D, scale)
     kw = dict(phase=tag, dtype=str(dtype).replace("torch.", ""), shape=list(shape))
     tol = 2e-3 if dtype == torch.float32 else 1.5e-2
     check("leaf o vs fla naive fp32", rel(o, o_r), tol, **kw)
@@ -226,6 +245,18 @@ def check_leaf(kern, shape, dtype, device, tag):
     check("leaf dg vs fla naive fp32", rel_dg(dg, grads[3], xs[0].detach(), grads[0]), tol, **kw)
     check("leaf dS_in = d + A·D vs fla naive", rel(d + A[..., None, None] * D, grads[4]), tol,
           **kw)
+    if kern.real:      # the public op, one leaf (fla's forward, our gated backward)
+        from sp_attention.linear import lightning_attention
+        ys = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g)]
+        o_r0, _ = naive(*xs[:4], scale=scale, initial_state=None, output_final_state=False)
+        g0 = torch.autograd.grad((o_r0 * do.float()).sum(), xs[:4])
+        o1 = lightning_attention(*ys[:3], g=ys[3], scale=scale)
+        o1.backward(do.to(o1.dtype))
+        check("op o vs fla naive fp32", rel(o1, o_r0), tol, **kw)
+        for name, x, r in zip(("dq", "dk", "dv"), ys[:3], g0[:3]):
+            check(f"op {name} vs fla naive fp32", rel(x.grad, r), tol, **kw)
+        check("op dg vs fla naive fp32", rel_dg(ys[3].grad, g0[3], xs[0].detach(), g0[0]), tol,
+              **kw)
 
 
 def timer(fn, device, a):
@@ -291,16 +322,25 @@ def perf(kern, a, device, dtype):
     if kern.real:      # the kernel ours stands in for, as fla runs it with fixed slopes
         row("fla chunk_bwd_dqkwg(g_gamma)", lambda: chunk_bwd_dqkwg(
             q=q, k=k, v=v, do=do, h=h, dh=dh, g_gamma=gg, scale=scale, chunk_size=64))
-    row("ours leaf fwd", lambda: leaf_forward(kern, q, k, v, g, S, scale))
-
-    def fb():
-        _, _, _, gs2 = leaf_forward(kern, q, k, v, g, S, scale)
-        return leaf_backward(kern, q, k, v, gs2, S, do, D, scale)
-    row("ours leaf fwd+bwd", fb)
+    from sp_attention.linear import lightning_attention
+    backend = "fla" if kern.real else "torch"
+    ys = [x.clone().requires_grad_(True) for x in (q, k, v, g)]
+    row("ours P=1 fwd g", lambda: lightning_attention(q, k, v, g=g, scale=scale,
+                                                      backend=backend))
+    row("ours P=1 fwd+bwd g", lambda: lightning_attention(
+        *ys[:3], g=ys[3], scale=scale, backend=backend).backward(do))
+    row("ours P=1 fwd slopes", lambda: lightning_attention(q, k, v, slopes, scale=scale,
+                                                           backend=backend))
+    row("ours P=1 fwd+bwd slopes", lambda: lightning_attention(
+        *ys[:3], slopes, scale=scale, backend=backend).backward(do))
     if kern.real:
-        emit(dict(base, impl="summary", fwd_ratio_vs_fla_g=rows["ours leaf fwd"] /
-                  rows["fla fwd g"], fwd_bwd_ratio_vs_fla_g_gamma=rows["ours leaf fwd+bwd"] /
-                  rows["fla fwd+bwd g_gamma"]))
+        emit(dict(base, impl="summary",
+                  p1_fwd_g_vs_fla=rows["ours P=1 fwd g"] / rows["fla fwd g"],
+                  p1_fwd_slopes_vs_fla=rows["ours P=1 fwd slopes"] / rows["fla fwd g_gamma"],
+                  p1_fwd_bwd_slopes_vs_fla=rows["ours P=1 fwd+bwd slopes"]
+                  / rows["fla fwd+bwd g_gamma"],
+                  p1_fwd_bwd_g_vs_fla_g_gamma=rows["ours P=1 fwd+bwd g"]
+                  / rows["fla fwd+bwd g_gamma"]))
 
 
 def export_seeds(out_dir: str, since: float) -> None:
