@@ -295,7 +295,9 @@ def perf(kern, a, device, dtype):
                                                            scale=scale)[0].backward(do))
         row("fla chunk_local_cumsum", lambda: chunk_local_cumsum(g, 64, scale=1 / math.log(2)))
     gs = kern.gate_sums(g, 64)
-    row("ours gate_sums", lambda: kern.gate_sums(g, 64))
+    from sp_attention.linear.gates import chunk_local_sums
+    row("ours chunk_local_sums", lambda: chunk_local_sums(g, 64))     # all one leaf needs
+    row("ours gate_sums", lambda: kern.gate_sums(g, 64))              # + prefixes, totals
     h0, _ = kern.fwd_h(k=k, v=v, g=gs.gc, h0=None, output_final_state=True, chunk_size=64)
     h0 = h0.contiguous()
     row("fla chunk_fwd_h(g)", lambda: kern.fwd_h(k=k, v=v, g=gs.gc, h0=None,

@@ -16,7 +16,7 @@ from typing import Optional, Union
 import torch
 
 from ..precision import acc_dtype
-from .gates import GateSums, gate_sums
+from .gates import GateSums, chunk_local_sums
 from .slope_constants import fla_g_gamma, leaf_transition
 
 __all__ = ["Decay", "as_decay", "CHUNK"]
@@ -88,14 +88,22 @@ class Decay:
 
     # ----------------------------------------------------------------------------- fla path
     @functools.cached_property
+    def _local(self) -> tuple:
+        return chunk_local_sums(self.g, CHUNK)
+
+    @functools.cached_property
     def sums(self) -> GateSums:
-        """The gates in the kernels' units (:func:`.gates.gate_sums`, chunks of 64)."""
-        return gate_sums(self.g, CHUNK)
+        """The gates in the kernels' units (chunks of 64): the chunk-local log2 sums (one
+        launch, all fla's kernels need), then their prefixes over chunks and the row's total
+        (one cumulative sum; the multi-leaf path's carry and transition)."""
+        gc, tot = self._local
+        prefix = tot.cumsum(1)
+        return GateSums(gc, prefix, prefix[:, -1])
 
     def fla_kw(self, device: torch.device) -> dict:
         """fla's decay keywords: ``g`` = the chunk-local log2 sums, or ``g_gamma``."""
         if self.gated:
-            return {"g": self.sums.gc, "g_gamma": None}
+            return {"g": self._local[0], "g_gamma": None}
         return {"g": None, "g_gamma": fla_g_gamma(self.slopes, device)}
 
     def fla_transition(self, batch: int, length: int, dtype: torch.dtype,

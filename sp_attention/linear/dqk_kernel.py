@@ -14,8 +14,9 @@ Per (K tile, chunk n, batch·head) program, with ``gc`` the chunk-local log2 sum
     ds_ij = scale · (do_i·v_j) · exp2(gc_i − gc_j) · [j ≤ i]
     dq_i  = scale · exp2(gc_i) · do_i h_nᵀ + Σ_j ds_ij k_j
     dk_j  = exp2(gc_last − gc_j) · v_j dh_nᵀ + Σ_i ds_ij q_i
-    dG_i  = q_i·dq_i − k_i·dk_i  (+ exp2(gc_last)·⟨h_n, dh_n⟩ + Σ_j k_j·(v_j dh_nᵀ)exp2(gc_last − gc_j)
-                                   at the chunk's last token: the chunk's ⟨dh_n, S_end⟩)
+    dG_i  = q_i·dq_i − k_i·dk_i
+            (+ exp2(gc_last)·⟨h_n, dh_n⟩ + Σ_j exp2(gc_last − gc_j)·k_j·(v_j dh_nᵀ) at the
+               chunk's last token: the chunk's ⟨dh_n, S_end⟩)
     dg_i  = Σ_{i' ≥ i in the chunk} dG_i'    (the gradient of the natural-log gate g_i)
 
 The reverse sum runs in the kernel (``tl.cumsum(reverse=True)``); K tiles (``K > BK``) write
@@ -129,7 +130,8 @@ DQK_CANDIDATES = [
                       (64, 8, 1))
 ]
 _dqkdg_tuned = triton.autotune(configs=DQK_CANDIDATES[:6],
-                               key=["H", "K", "V", "BT", "BK", "PRECISION", "IS_VARLEN"])(_dqkdg_kernel)
+                               key=["H", "K", "V", "BT", "BK", "PRECISION", "IS_VARLEN"])(
+    _dqkdg_kernel)
 
 
 def chunk_dqkdg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,

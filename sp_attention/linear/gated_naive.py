@@ -28,8 +28,8 @@ from ..precision import acc_dtype
 
 __all__ = ["recurrent_gated_attention", "chunked_gated_core", "chunked_gated_attention",
            "gated_chunk_states", "gated_output_from_states_ref", "gated_state_grad_ref",
-           "dqkdg_ref", "gate_from_chunk_sums", "chunk_end_grads", "fla_chunk_fwd_h", "fla_chunk_bwd_dh",
-           "fla_chunk_bwd_dv", "fla_chunk_fwd_o"]
+           "dqkdg_ref", "gate_from_chunk_sums", "chunk_end_grads", "fla_chunk_fwd_h",
+           "fla_chunk_bwd_dh", "fla_chunk_bwd_dv", "fla_chunk_fwd_o"]
 
 
 def _check(q, k, v, g) -> None:

@@ -256,7 +256,7 @@ def _fla_gated_backward(q, k, v, decay: Decay, scale: float, S_in, do, G) -> tup
 
     from .dqk_kernel import chunk_dqkdg
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.to(v.dtype).contiguous()
-    gc = decay.sums.gc
+    gc = decay.fla_kw(q.device)["g"]
     with torch.cuda.device(q.device):
         h, _ = chunk_fwd_h(k=k, v=v, g=gc, h0=_state_or_none(S_in), output_final_state=False,
                            chunk_size=CHUNK, states_in_fp32=True)

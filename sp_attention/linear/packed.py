@@ -14,6 +14,7 @@ crossing segment is saved for backward.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -126,11 +127,12 @@ def packed_grads(q, k, v, decay: Decay, scale: float, lp: LinearPacking, S_in: l
 
 # ---------------------------------------------------------------------------------- fla path
 
+@functools.lru_cache(maxsize=64)
 def varlen_layout(lp: LinearPacking, batch: int) -> tuple:
     """Boundaries of the local sequences of ``batch`` rows flattened into one row (fla's
     varlen layout; each row's padding, if any, is one more sequence) and, per (row, piece),
     the sequence index: ``(cu, seq_of)`` with ``seq_of[(b, position)]`` for crossing
-    pieces."""
+    pieces. Cached per (rank's view of the plan, batch): every layer of a batch shares it."""
     cu, seq_of = [0], {}
     for b in range(batch):
         off = b * lp.local_len
@@ -166,8 +168,8 @@ def _varlen_args(q, decay: Decay, lp: LinearPacking, kern):
     cu, _ = varlen_layout(lp, B)
     cu_t, ci = cu_seqlens_tensor(cu, q.device), chunk_indices(cu, CHUNK, q.device)
     if decay.gated:
-        from .gates import gate_sums
-        gates = dict(g=gate_sums(_flat(decay.g), CHUNK, cu).gc, g_gamma=None)
+        from .gates import chunk_local_sums
+        gates = dict(g=chunk_local_sums(_flat(decay.g), CHUNK, cu)[0], g_gamma=None)
     else:
         from .slope_constants import fla_g_gamma
         gates = dict(g=None, g_gamma=fla_g_gamma(decay.slopes, q.device))

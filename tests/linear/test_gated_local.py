@@ -199,8 +199,14 @@ for n in range(len(cu) - 1):
     dhs.append(fla_chunk_bwd_dh(qd, kd, vd, dod, None, D, 0.3, g=gate_sums_torch(gd, 64).gc)[0])
     gcs.append(gate_sums(g[:, sl], 64).gc)
     refs.append(dqkdg_ref(qd, kd, vd, dod, hs[-1], dhs[-1], gd, 0.3))
-for a, b in zip(gate_sums(g, 64, cu), gate_sums_torch(g, 64, cu)):
-    err("gate_sums varlen", a, b)
+from sp_attention.linear.gates import chunk_local_sums
+gc_v, tot_v = chunk_local_sums(g, 64, cu)
+ref_gc = torch.cat([gate_sums_torch(g[:, a:b], 64).gc for a, b in zip(cu, cu[1:])], 1)
+err("chunk sums varlen", gc_v[:, :cu[-1]], ref_gc)
+assert float(gc_v[:, cu[-1]:].abs().max()) == 0.0
+ref_tot = torch.cat([gate_sums_torch(g[:, a:b], 64).prefix.diff(dim=1, prepend=torch.zeros(
+    1, 1, 2)) for a, b in zip(cu, cu[1:])], 1)
+err("chunk totals varlen", tot_v, ref_tot)
 cpu = torch.device("cpu")
 dq, dk, dg = chunk_dqkdg(q, k, v, do, torch.cat(hs, 1).float().contiguous(),
                          torch.cat(dhs, 1).float().contiguous(),
