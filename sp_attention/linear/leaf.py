@@ -251,10 +251,15 @@ def _fla_gated_backward(q, k, v, decay: Decay, scale: float, S_in, do, G) -> tup
     """fla's gated chunk kernels (chunk states, state gradients, dv) and our dq/dk/dg kernel
     in place of fla's ``chunk_bwd_dqkwg``, which fla 0.6.0 refuses with gates on Hopper with
     Triton < 3.7.1 (fla #640; see :mod:`.dqk_kernel`)."""
+    import inspect
+
     from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
     from fla.ops.common.chunk_o import chunk_bwd_dv
 
     from .dqk_kernel import chunk_dqkdg
+    # the Triton implementations, without fla's run-time backend selector (as kernel_set)
+    chunk_fwd_h, chunk_bwd_dh, chunk_bwd_dv = (inspect.unwrap(f) for f in (
+        chunk_fwd_h, chunk_bwd_dh, chunk_bwd_dv))
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.to(v.dtype).contiguous()
     gc = decay.fla_kw(q.device)["g"]
     with torch.cuda.device(q.device):
