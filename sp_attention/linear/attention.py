@@ -115,6 +115,9 @@ class _LightningAttention(torch.autograd.Function):
         # checks; the kernels see as many K/V heads as query heads; backward expands again
         k, v = expand_kv(k, q.shape[2]), expand_kv(v, q.shape[2])
         decay = Decay(slopes=slopes) if g is None else Decay(g=g)
+        n = len(ctx.leaves)
+        # the backward reuses the gate sums this decay makes (derived, never differentiated)
+        fctx.decay = decay if n == 1 else decay.rows(n)
         if ctx.num_leaves == 1 and isinstance(local, str):
             # the whole sequence is one leaf: nothing enters it; one kernel call
             S = torch.zeros(())
@@ -124,11 +127,10 @@ class _LightningAttention(torch.autograd.Function):
             # scanned across ranks into the state S_in entering it (on GPU a side stream; the
             # end states come from the zero-start chunk recurrence), and the output kernel adds
             # S_in to every chunk state. The sequence's first leaf gets S_in = 0 (exact).
-            n = len(ctx.leaves)
             qb, kb, vb = leaf_rows(q, n), leaf_rows(k, n), leaf_rows(v, n)
             # a rank holding only the sequence's first leaf receives nothing (S_in = 0)
             zero_in = tuning.static_zero_paths and all(leaf == 0 for leaf in ctx.leaves)
-            o, S = leaves_output(qb, kb, vb, decay.rows(n), scale,
+            o, S = leaves_output(qb, kb, vb, fctx.decay, scale,
                                  lambda b, A: scan_rows(b, A, ctx, impl, False), local,
                                  zero_in, tuning=tuning)
             out = o.reshape(*q.shape[:3], v.shape[-1])
@@ -146,7 +148,7 @@ class _LightningAttention(torch.autograd.Function):
         q, k_in, v_in, g, slopes, S = fctx.saved_tensors
         k, v = expand_kv(k_in, q.shape[2]), expand_kv(v_in, q.shape[2])
         ctx, scale, local, tuning = fctx.sp, fctx.scale, fctx.local, fctx.tuning
-        decay = Decay(slopes=slopes) if g is None else Decay(g=g)
+        decay = fctx.decay
         if ctx.num_leaves == 1 and isinstance(local, str):
             # one leaf: no state enters, no gradient arrives
             dq, dk, dv, dg = leaf_backward(q, k, v, decay, scale, None, do, None, local)
@@ -162,7 +164,7 @@ class _LightningAttention(torch.autograd.Function):
             zero_grad = tuning.static_zero_paths and all(leaf == ctx.num_leaves - 1
                                                          for leaf in ctx.leaves)
             grads = leaves_backward(
-                qb, kb, vb, decay.rows(n), scale, S, dob,
+                qb, kb, vb, decay, scale, S, dob,
                 lambda d, A: scan_rows(d, A, ctx, fctx.impl, True), local, needed,
                 zero_grad, tuning=tuning)
             dq, dk, dv = (x.reshape(t.shape) for x, t in zip(grads[:3], (q, k, v)))
