@@ -24,18 +24,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a chec
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from models.hf import (CPSchedule, LinearLlamaConfig, LinearLlamaForCausalLM, causal_lm_loss,
+from models.hf import (LinearLlamaConfig, LinearLlamaForCausalLM, causal_lm_loss,
                        global_loss_value, hybrid_layer_kinds, prepare_cp_batch,
                        prepare_model_for_cp)  # noqa: E402
+from sp_attention import SoftmaxSchedule  # noqa: E402
+from sp_attention.linear import IMPLS  # noqa: E402
+from sp_attention.linear.attention import resolve_impl  # noqa: E402
 from sp_attention.reduce import all_reduce_gradients  # noqa: E402
+from sp_attention.softmax import PRESETS  # noqa: E402
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cp", type=int, default=2, help="context-parallel size (divides world)")
     p.add_argument("--model", choices=("llama", "linear", "hybrid"), default="llama")
-    p.add_argument("--preset", default="ring", help="softmax preset: ring ring_ag allgather ag_ring")
-    p.add_argument("--linear-impl", default="auto", help="linear scan: auto blelloch allgather ring")
+    p.add_argument("--softmax-cp-preset", choices=tuple(PRESETS), default=None,
+                   help="softmax layers' schedule (default: the library's DEFAULT_PRESET)")
+    p.add_argument("--context-parallel-impl", choices=IMPLS, default=None,
+                   help="linear layers' scan (default: the library's DEFAULT_IMPL)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--copy-len", type=int, default=31, help="tokens to copy (T = 2 * this + 1)")
     p.add_argument("--vocab", type=int, default=32)
@@ -88,14 +94,19 @@ def main():
 
     torch.manual_seed(0)                               # same initial weights on every rank
     model = build_model(args).to(device)
-    handle = prepare_model_for_cp(model, cp_group, schedule=CPSchedule(
-        preset=args.preset, linear_impl=args.linear_impl))
+    schedule = SoftmaxSchedule(preset=args.softmax_cp_preset)
+    handle = prepare_model_for_cp(model, cp_group, schedule=schedule,
+                                  linear_impl=args.context_parallel_impl)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     data = torch.Generator().manual_seed(1000 + dp_index)   # CP ranks share their DP row's data
     if rank == 0:
+        attention = []
+        if args.model in ("llama", "hybrid"):
+            attention.append(f"softmax {schedule.fwd}/{schedule.bwd}")
+        if args.model in ("linear", "hybrid"):
+            attention.append(f"linear scan {resolve_impl(args.context_parallel_impl, handle.ctx)}")
         print(f"world {world} = DP {world // args.cp} x CP {args.cp}, model {args.model}, "
-              f"preset {args.preset}, attention '{handle.name}', chance {math.log(args.vocab):.3f}",
-              flush=True)
+              f"{' + '.join(attention)}, chance {math.log(args.vocab):.3f}", flush=True)
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         ids, labels = copy_batch(args, data)

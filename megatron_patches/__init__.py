@@ -4,13 +4,16 @@ Modules (each imports megatron.core; nothing is imported here, so ``import megat
 stays cheap):
 
 - :mod:`.model`: ``build_gpt_model`` (softmax / linear / hybrid ``GPTModel`` over Megatron's
-  CP group), ``global_loss_share`` (the loss over real targets), ``tp_shard_state_dict``,
-  ``grad_reduce_group``, ``cp_context``;
-- :mod:`.core_attention`: ``SoftmaxCoreAttention``, ``LinearCoreAttention``, ``SoftmaxOptions``;
+  CP group, one ``SPContext`` for its layers, RoPE and data), ``global_loss_share`` (the
+  loss over real targets), ``tp_shard_state_dict``, ``grad_reduce_group``, ``cp_context``;
+- :mod:`.core_attention`: ``SoftmaxCoreAttention`` (an ``sp_attention.SoftmaxSchedule``),
+  ``LinearCoreAttention``;
 - :mod:`.specs`: ``patch_core_attention`` for any ModuleSpec tree, per-layer block specs,
   prebuilt specs for Megatron-LM's ``--spec megatron_patches.specs <name>``;
-- :mod:`.rotary`: zigzag-aware RoPE that runs on any device;
-- :mod:`.args`: ``--context-parallel-impl`` and friends (``extra_args_provider``) + validation;
+- :mod:`.rotary`: RoPE in the model's CP layout, on any device;
+- :mod:`.options` (no Megatron import): the table of our command-line options that builds both
+  CLIs (train.py and the launcher), the layer-pattern rules and shared checks;
+- :mod:`.args`: the options as Megatron-LM's ``extra_args_provider`` + validation;
 - :mod:`.pretrain_gpt`: ``torchrun -m megatron_patches.pretrain_gpt`` on megatron.training.
 
 See megatron_patches/README.md.

@@ -9,7 +9,9 @@ core_attention`` of GPT and hybrid layer specs), megatron-core 0.16 and 0.19 ali
   ``params``;
 - ``forward(query [sq, b, np, hn], key/value [sk, b, ng, hn], attention_mask,
   attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> [sq, b, np·hn]``,
-  where ``sq`` is this CP rank's zigzag shard (Megatron's ``get_batch_on_this_cp_rank``).
+  where ``sq`` is this CP rank's shard in the layout of the module's ``SPContext`` (spec param
+  ``sp_context``: ``build_gpt_model`` passes the model's one context; None builds one over the
+  CP group in ``sp_attention.DEFAULT_LAYOUT``, zigzag = Megatron's ``get_batch_on_this_cp_rank``).
 
 Groups come from ``pg_collection`` (``.cp``, ``.tp``) or Megatron's ``parallel_state`` getters,
 never our own. Options the modules cannot honour (packed sequences, attention bias, dropout > 0,
@@ -19,9 +21,7 @@ every rank alike, before any collective.
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -29,56 +29,27 @@ import torch.distributed as dist
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from sp_attention import build_sp_context, context_parallel_attention, lightning_attention
+from sp_attention import (SoftmaxSchedule, SPContext, build_sp_context,
+                          context_parallel_attention, lightning_attention)
 from sp_attention.linear import IMPLS as LINEAR_IMPLS
-from sp_attention.softmax import PRESETS
 from sp_attention.linear.slopes import SLOPE_SCHEDULES, decay_slopes
 
-__all__ = ["SoftmaxOptions", "SoftmaxCoreAttention", "LinearCoreAttention", "LINEAR_IMPLS",
-           "SOFTMAX_PRESETS", "resolve_groups"]
+from .options import DEFAULT_SLOPE_SCHEDULE
 
-SOFTMAX_PRESETS = tuple(PRESETS)
+__all__ = ["SoftmaxCoreAttention", "LinearCoreAttention", "resolve_groups", "softmax_schedule_of"]
 
 
-@dataclass(frozen=True)
-class SoftmaxOptions:
-    """How softmax layers split attention over CP (see ``sp_attention.context_parallel_attention``).
-
-    Attributes:
-        preset: forward/backward schedule pair: ``"ring"`` (ring fwd + ring bwd, default),
-            ``"ring_ag"`` (ring fwd + head-strided all-gather / fp32 reduce-scatter bwd),
-            ``"allgather"``, ``"ag_ring"``.
-        heads_k_stride: KV heads per all-gather step (all-gather schedules); must divide the
-            local KV heads (``num_query_groups / TP``). None: the library's default.
-        bwd_head_first_stride, bwd_head_last_stride: split the all-gather backward's first /
-            last stride (``0 < value < heads_k_stride``); only with an all-gather backward.
-    """
-
-    preset: str = "ring"
-    heads_k_stride: Optional[int] = None
-    bwd_head_first_stride: Optional[int] = None
-    bwd_head_last_stride: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        if self.preset not in SOFTMAX_PRESETS:
-            raise ValueError(f"SoftmaxOptions.preset={self.preset!r}: use one of "
-                             f"{SOFTMAX_PRESETS} (--softmax-cp-preset)")
-        for f in ("heads_k_stride", "bwd_head_first_stride", "bwd_head_last_stride"):
-            v = getattr(self, f)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"SoftmaxOptions.{f}={v!r} must be a positive int or None")
-        split = self.bwd_head_first_stride is not None or self.bwd_head_last_stride is not None
-        if split and self.preset not in ("ring_ag", "allgather"):
-            raise ValueError(f"bwd_head_first/last_stride only apply to an all-gather backward; "
-                             f"preset {self.preset!r} has a ring backward: use preset 'ring_ag' or "
-                             "'allgather', or drop the stride split")
-        if self.heads_k_stride is not None and self.preset == "ring":
-            raise ValueError("heads_k_stride only applies to all-gather schedules; preset 'ring' "
-                             "would ignore it: use preset 'ring_ag'/'allgather'/'ag_ring' or drop "
-                             "heads_k_stride")
-
-    def kwargs(self) -> dict:
-        return dataclasses.asdict(self)
+def softmax_schedule_of(schedule: Union[SoftmaxSchedule, dict, None]) -> SoftmaxSchedule:
+    """A :class:`~sp_attention.SoftmaxSchedule` from a spec param (the schedule, a dict of its
+    fields, or None for the library's default, read now)."""
+    if schedule is None:
+        return SoftmaxSchedule()
+    if isinstance(schedule, dict):
+        return SoftmaxSchedule(**schedule)
+    if not isinstance(schedule, SoftmaxSchedule):
+        raise TypeError(f"softmax_schedule must be a sp_attention.SoftmaxSchedule, a dict of its "
+                        f"fields or None, got {type(schedule).__name__}")
+    return schedule
 
 
 def resolve_groups(pg_collection) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
@@ -136,12 +107,27 @@ def _to_bshd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1)    # [s, b, h, d] -> [b, s, h, d] (a view; kernels take strides)
 
 
+def _layer_context(sp_context: Optional[SPContext], cp_group, cp_size: int) -> SPContext:
+    """The layer's SPContext: the given one (checked against the CP group's size), else one
+    over the CP group in the default layout (rank arithmetic only, no collective)."""
+    if sp_context is None:
+        return build_sp_context(cp_group)
+    if not isinstance(sp_context, SPContext):
+        raise TypeError(f"sp_context must be an sp_attention.SPContext, got "
+                        f"{type(sp_context).__name__}")
+    if sp_context.world_size != cp_size:
+        raise ValueError(f"sp_context spans {sp_context.world_size} ranks but the layer's CP group "
+                         f"has {cp_size}; build it from the same group (pg_collection.cp)")
+    return sp_context
+
+
 class _CPCoreAttention(MegatronModule):
     """Shared constructor: groups, SP context, head counts, checks."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None, **kwargs):
+                 cp_comm_type: Optional[str] = None, pg_collection=None,
+                 sp_context: Optional[SPContext] = None, **kwargs):
         super().__init__(config=config)
         _check_config(config, attn_mask_type, attention_type, attention_dropout)
         self.layer_number = max(1, layer_number)
@@ -158,8 +144,7 @@ class _CPCoreAttention(MegatronModule):
         self.heads_per_rank = heads // self.tp_size
         self.head_dim = config.kv_channels
         self.softmax_scale = self.head_dim ** -0.5 if softmax_scale is None else softmax_scale
-        # Built once: rank arithmetic only, no collective.
-        self.sp_ctx = build_sp_context(cp_group, layout="zigzag")
+        self.sp_ctx = _layer_context(sp_context, cp_group, cp_size)
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         # [b, s, np, hn] -> [s, b, np*hn]
@@ -170,32 +155,28 @@ class _CPCoreAttention(MegatronModule):
 class SoftmaxCoreAttention(_CPCoreAttention):
     """Causal GQA softmax attention over Megatron's CP group (ring / head-strided all-gather).
 
-    Spec params: ``softmax_options`` (:class:`SoftmaxOptions` or a dict of its fields).
+    Spec params: ``softmax_schedule`` (:class:`sp_attention.SoftmaxSchedule`, a dict of its
+    fields, or None: the library's default, read when the layer is built), ``sp_context``.
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None, softmax_options=None,
-                 **kwargs):
+                 cp_comm_type: Optional[str] = None, pg_collection=None,
+                 sp_context: Optional[SPContext] = None, softmax_schedule=None, **kwargs):
         super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout,
-                         softmax_scale, cp_comm_type, pg_collection)
-        if softmax_options is None:
-            softmax_options = SoftmaxOptions()
-        elif isinstance(softmax_options, dict):
-            softmax_options = SoftmaxOptions(**softmax_options)
-        stride = softmax_options.heads_k_stride
-        local_groups = (config.num_query_groups or config.num_attention_heads) // self.tp_size
-        if stride is not None and local_groups % stride:
-            raise ValueError(f"heads_k_stride={stride} must divide the {local_groups} KV heads per "
-                             "TP rank (num_query_groups / tensor_model_parallel_size)")
-        self.softmax_options = softmax_options
+                         softmax_scale, cp_comm_type, pg_collection, sp_context)
+        schedule = softmax_schedule_of(softmax_schedule)
+        if schedule.heads_k_stride is not None:     # the head-count rules, now, on every rank
+            local_groups = (config.num_query_groups or config.num_attention_heads) // self.tp_size
+            schedule.local_stride(local_groups, schedule.heads_k_stride)
+        self.softmax_schedule = schedule
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
         _check_call(attention_mask, attn_mask_type, attention_bias, packed_seq_params)
         out = context_parallel_attention(
             _to_bshd(query), _to_bshd(key), _to_bshd(value), ctx=self.sp_ctx, causal=True,
-            softmax_scale=self.softmax_scale, **self.softmax_options.kwargs())
+            softmax_scale=self.softmax_scale, **self.softmax_schedule.kwargs())
         return self._output(out)
 
 
@@ -208,18 +189,22 @@ class LinearCoreAttention(_CPCoreAttention):
     norm: linear attention's output scale grows with the sequence). The norm is per head so a
     TP rank normalises only its own heads; its weight is TP-sharded like the heads.
 
-    Spec params: ``cp_impl`` (scan: blelloch / allgather / ring / auto), ``slope_schedule``
-    (``sp_attention.linear.slopes``). GQA: K/V are expanded to the query heads with Megatron's
-    mapping (query head i uses group ``i // (np / ng)``).
+    Spec params: ``cp_impl`` (scan: blelloch / allgather / ring / auto; None: the library's
+    ``DEFAULT_IMPL``, read at each call), ``slope_schedule`` (``sp_attention.linear.slopes``;
+    None: :data:`~megatron_patches.options.DEFAULT_SLOPE_SCHEDULE`), ``sp_context``. GQA: K/V
+    go to ``lightning_attention`` with their ``ng`` heads; it maps query head i to group
+    ``i // (np / ng)``, Megatron's mapping.
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None, cp_impl: str = "auto",
-                 slope_schedule: str = "long_range", **kwargs):
+                 cp_comm_type: Optional[str] = None, pg_collection=None,
+                 sp_context: Optional[SPContext] = None, cp_impl: Optional[str] = None,
+                 slope_schedule: Optional[str] = None, **kwargs):
         super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout,
-                         softmax_scale, cp_comm_type, pg_collection)
-        if cp_impl not in LINEAR_IMPLS:
+                         softmax_scale, cp_comm_type, pg_collection, sp_context)
+        slope_schedule = DEFAULT_SLOPE_SCHEDULE if slope_schedule is None else slope_schedule
+        if cp_impl is not None and cp_impl not in LINEAR_IMPLS:
             raise ValueError(f"cp_impl={cp_impl!r}: linear layers scan with one of {LINEAR_IMPLS} "
                              "(--context-parallel-impl)")
         if slope_schedule not in SLOPE_SCHEDULES:
@@ -256,11 +241,7 @@ class LinearCoreAttention(_CPCoreAttention):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
         _check_call(attention_mask, attn_mask_type, attention_bias, packed_seq_params)
-        q, k, v = _to_bshd(query), _to_bshd(key), _to_bshd(value)
-        group = q.shape[2] // k.shape[2]
-        if group > 1:       # Megatron's GQA mapping: query head i uses KV group i // group
-            k = k.repeat_interleave(group, dim=2)
-            v = v.repeat_interleave(group, dim=2)
+        q, k, v = _to_bshd(query), _to_bshd(key), _to_bshd(value)     # k, v: ng heads (GQA)
         o = lightning_attention(q, k, v, self._slopes_for(q.device), ctx=self.sp_ctx,
                                 impl=self.cp_impl, scale=float(self.softmax_scale))
         # per-head RMS norm in fp32

@@ -6,10 +6,13 @@ Contract of :func:`build_gpt_model` (megatron-core 0.16.1 on CPU/gloo in fp32 wi
 - Groups: Megatron's own (``parallel_state.initialize_model_parallel(tp, pp=1, cp=cp)`` before
   building, or an explicit ``pg_collection`` with ``.tp``/``.cp``/``.pp``/...). The plugin never
   creates groups.
+- Layout: the model holds one ``SPContext`` (``model.sp_context``: Megatron's CP group in
+  ``layout``, default ``sp_attention.DEFAULT_LAYOUT`` = zigzag, Megatron's own split), which
+  every attention layer and the RoPE use; shard the data with it.
 - Inputs: ``model(input_ids, position_ids, attention_mask=None, labels=labels)`` with
-  ``input_ids [b, s/cp]`` this CP rank's **zigzag** shard (Megatron's
-  ``get_batch_on_this_cp_rank``, = ``sp_attention.shard_sequence(x, ctx)`` with a zigzag
-  context), ``position_ids [b, s/cp]`` the **global** positions of those tokens
+  ``input_ids [b, s/cp]`` this CP rank's shard (``sp_attention.shard_sequence(x,
+  model.sp_context)``; for zigzag the same as Megatron's ``get_batch_on_this_cp_rank``),
+  ``position_ids [b, s/cp]`` the **global** positions of those tokens
   (``sp_attention.shard_position_ids``), ``labels [b, s/cp]`` shifted on the global sequence
   *before* sharding (``sp_attention.shift_labels``). ``attention_mask`` must be None: every
   attention is causal on the global sequence.
@@ -27,10 +30,10 @@ Contract of :func:`build_gpt_model` (megatron-core 0.16.1 on CPU/gloo in fp32 wi
   model at every TP×CP×DP (checked by :func:`tp_shard_state_dict` tests). To start any layout
   from a 1×1×1 state dict explicitly, load ``tp_shard_state_dict(full_sd, model, tp_rank,
   tp_size)`` (it honours ``partition_stride``, e.g. SwiGLU's interleaved fc1).
-- RoPE: our :class:`~megatron_patches.rotary.ZigzagRotaryEmbedding` replaces Megatron's (CUDA
+- RoPE: our :class:`~megatron_patches.rotary.CPRotaryEmbedding` replaces Megatron's (CUDA
   only, slices positions itself): it uses the ``position_ids`` the model is called with.
-- Linear layers' decay slopes are the TP rank's heads' slice of the global schedule; K/V of GQA
-  configs are expanded with Megatron's head-to-group mapping.
+- Linear layers' decay slopes are the TP rank's heads' slice of the global schedule; GQA K/V
+  reach ``lightning_attention`` grouped (Megatron's head-to-group mapping).
 """
 from __future__ import annotations
 
@@ -41,30 +44,56 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from .args import MODEL_KINDS as KINDS
-from .core_attention import LINEAR_IMPLS, SoftmaxOptions
-from .rotary import install_zigzag_rope
-from .specs import block_spec, expand_pattern
+from sp_attention import SoftmaxSchedule, build_sp_context
+from sp_attention.linear import IMPLS as LINEAR_IMPLS
+
+from .core_attention import resolve_groups
+from .options import MODEL_KINDS as KINDS
+from .options import model_pattern
+from .rotary import install_cp_rope
+from .specs import block_spec
 
 __all__ = ["build_gpt_model", "KINDS", "POSITION_EMBEDDINGS", "tp_shard_state_dict",
-           "grad_reduce_group", "cp_context", "layer_pattern", "global_loss_share"]
+           "grad_reduce_group", "cp_context", "layer_pattern", "global_loss_share",
+           "HiddenStatesGPTModel", "output_weight"]
 
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 
 
-def layer_pattern(kind: str, num_layers: int, hybrid_pattern: str = "LLLS") -> str:
-    """The expanded per-layer pattern (``L``/``S`` per layer) of a model ``kind``."""
-    if kind not in KINDS:
-        raise ValueError(f"kind={kind!r}: use one of {KINDS}")
-    pattern = {"softmax": "S", "linear": "L"}.get(kind, hybrid_pattern)
-    return expand_pattern(pattern, num_layers)
+def layer_pattern(kind: str, num_layers: int, hybrid_pattern: Optional[str] = None) -> str:
+    """The expanded per-layer pattern (``L``/``S`` per layer) of a model ``kind`` (hybrid:
+    ``hybrid_pattern``, None = ``options.default_hybrid_pattern``)."""
+    return model_pattern(kind, num_layers, hybrid_pattern)
+
+
+class HiddenStatesGPTModel(GPTModel):
+    """A ``GPTModel`` whose forward returns the final hidden states ``[s, b, h]`` (after the
+    final norm) instead of logits or per-token losses.
+
+    For a loss that applies the output layer itself without ever holding ``[s, b, V]`` logits
+    (``megatron_patches.trainer.loss.linear_cross_entropy`` with :func:`output_weight`).
+    Everything else — parameters, output layer, state dict, checkpoints — is ``GPTModel``'s;
+    only the step after the decoder (``_postprocess``, called with keywords by megatron-core
+    0.16 and 0.19 alike) hands back its input. Multi-token prediction is not supported.
+    """
+
+    def _postprocess(self, *args, **kwargs):
+        return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+
+def output_weight(model: GPTModel) -> torch.Tensor:
+    """The output layer's weight ``[V/TP, h]`` of this TP rank (the word embedding's when
+    input and output embeddings are shared)."""
+    if getattr(model, "share_embeddings_and_output_weights", False):
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
 
 
 def _check(config: TransformerConfig, kind, cp_impl, position_embedding_type, pg_collection):
     if not isinstance(config, TransformerConfig):
         raise TypeError(f"config must be a megatron.core TransformerConfig, got "
                         f"{type(config).__name__}")
-    if cp_impl not in LINEAR_IMPLS:
+    if cp_impl is not None and cp_impl not in LINEAR_IMPLS:
         raise ValueError(f"cp_impl={cp_impl!r}: use one of {LINEAR_IMPLS}")
     if position_embedding_type not in POSITION_EMBEDDINGS:
         raise ValueError(f"position_embedding_type={position_embedding_type!r}: use one of "
@@ -84,11 +113,12 @@ def _check(config: TransformerConfig, kind, cp_impl, position_embedding_type, pg
 
 
 def build_gpt_model(config: TransformerConfig, *, kind: str, vocab_size: int,
-                    max_sequence_length: int, cp_impl: str = "auto",
-                    softmax_options: Optional[SoftmaxOptions] = None,
-                    hybrid_pattern: str = "LLLS", slope_schedule: str = "long_range",
-                    position_embedding_type: str = "rope", pg_collection=None,
-                    rotary_base: float = 10000, **gpt_kwargs) -> GPTModel:
+                    max_sequence_length: int, cp_impl: Optional[str] = None,
+                    softmax_schedule: Optional[SoftmaxSchedule] = None,
+                    hybrid_pattern: Optional[str] = None, slope_schedule: Optional[str] = None,
+                    layout: Optional[str] = None, position_embedding_type: str = "rope",
+                    pg_collection=None, rotary_base: float = 10000,
+                    return_hidden_states: bool = False, **gpt_kwargs) -> GPTModel:
     """A Megatron ``GPTModel`` whose attention layers run over Megatron's CP group.
 
     Args:
@@ -97,21 +127,33 @@ def build_gpt_model(config: TransformerConfig, *, kind: str, vocab_size: int,
         kind: ``"softmax"`` (Llama-style), ``"linear"`` (linear attention with decay) or
             ``"hybrid"`` (``hybrid_pattern``).
         vocab_size, max_sequence_length: as for ``GPTModel``.
-        cp_impl: the linear layers' cross-rank scan: blelloch / allgather / ring / auto.
-        softmax_options: :class:`SoftmaxOptions` (preset and head strides) for softmax layers.
+        cp_impl: the linear layers' cross-rank scan: blelloch / allgather / ring / auto; None:
+            the library's ``sp_attention.linear.DEFAULT_IMPL``, read at each call.
+        softmax_schedule: :class:`sp_attention.SoftmaxSchedule` (preset, head strides, backend)
+            of softmax layers; None: the library's default, read when the layers are built.
         hybrid_pattern: ``L`` (linear) / ``S`` (softmax) per layer, repeated to ``num_layers``
-            (must divide it); ``"LLLS"``: three linear layers to one softmax layer.
-        slope_schedule: linear layers' decay schedule (``sp_attention.linear.slopes``).
-        position_embedding_type: ``"rope"`` (our zigzag-aware RoPE) or ``"learned_absolute"``.
+            (must divide it); ``"LLLS"``: three linear layers to one softmax layer. None:
+            ``megatron_patches.options.default_hybrid_pattern(num_layers)``.
+        slope_schedule: linear layers' decay schedule (``sp_attention.linear.slopes``); None:
+            ``megatron_patches.options.DEFAULT_SLOPE_SCHEDULE``.
+        layout: how sequences lie over the CP group (``"zigzag"``, ``"contiguous"``); None:
+            ``sp_attention.DEFAULT_LAYOUT``, read now. The model's one ``SPContext``
+            (``model.sp_context``) carries it to every layer and the RoPE; shard data with it.
+        position_embedding_type: ``"rope"`` (our RoPE, in the model's layout) or
+            ``"learned_absolute"``.
         pg_collection: Megatron ``ProcessGroupCollection``; None uses ``parallel_state``'s.
         rotary_base, **gpt_kwargs: passed on (``share_embeddings_and_output_weights``, ...).
+        return_hidden_states: build a :class:`HiddenStatesGPTModel` (forward returns the final
+            hidden states; apply the output layer in the loss with :func:`output_weight`).
 
     See the module docstring for the input/output and gradient contract.
     """
     _check(config, kind, cp_impl, position_embedding_type, pg_collection)
     pattern = layer_pattern(kind, config.num_layers, hybrid_pattern)
+    ctx = cp_context(pg_collection, layout=layout)
     spec = block_spec(pattern, config.num_layers, cp_impl=cp_impl,
-                      softmax_options=softmax_options, slope_schedule=slope_schedule)
+                      softmax_schedule=softmax_schedule, slope_schedule=slope_schedule,
+                      sp_context=ctx)
     if pg_collection is not None:
         gpt_kwargs["pg_collection"] = pg_collection
     if len(set(pattern)) > 1:
@@ -120,26 +162,31 @@ def build_gpt_model(config: TransformerConfig, *, kind: str, vocab_size: int,
         # all layers ("Invalid access pattern", seen saving a hybrid on 0.19.2): its own switch
         # for such blocks keys every layer's tensors by the layer's number.
         config.hetereogenous_dist_checkpoint = True
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
-                     max_sequence_length=max_sequence_length,
-                     position_embedding_type=position_embedding_type, rotary_base=rotary_base,
-                     **gpt_kwargs)
+    if return_hidden_states and config.mtp_num_layers:
+        raise ValueError("return_hidden_states does not support multi-token prediction; set "
+                         "mtp_num_layers=None or use the model's own loss")
+    cls = HiddenStatesGPTModel if return_hidden_states else GPTModel
+    model = cls(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
+                max_sequence_length=max_sequence_length,
+                position_embedding_type=position_embedding_type, rotary_base=rotary_base,
+                **gpt_kwargs)
     if position_embedding_type == "rope":
-        install_zigzag_rope(model, config, model.pg_collection.cp, rotary_base=rotary_base,
-                            rotary_percent=gpt_kwargs.get("rotary_percent", 1.0),
-                            seq_len_interpolation_factor=gpt_kwargs.get(
-                                "seq_len_interpolation_factor"))
+        install_cp_rope(model, config, ctx, rotary_base=rotary_base,
+                        rotary_percent=gpt_kwargs.get("rotary_percent", 1.0),
+                        seq_len_interpolation_factor=gpt_kwargs.get(
+                            "seq_len_interpolation_factor"))
     model.sp_layer_pattern = pattern
+    model.sp_context = ctx
     return model
 
 
-def cp_context(pg_collection=None):
-    """The zigzag ``SPContext`` of Megatron's CP group: shard batches with it
+def cp_context(pg_collection=None, layout: Optional[str] = None):
+    """The ``SPContext`` of Megatron's CP group (``pg_collection.cp`` or ``parallel_state``'s)
+    in ``layout`` (None: ``sp_attention.DEFAULT_LAYOUT``, read now). A model built by
+    :func:`build_gpt_model` holds its own as ``model.sp_context``; shard batches with that
     (``shard_sequence(x, ctx)``, ``shard_position_ids(seq_len, ctx)``)."""
-    from sp_attention import build_sp_context
-    from .core_attention import resolve_groups
     _, cp = resolve_groups(pg_collection)
-    return build_sp_context(cp, layout="zigzag")
+    return build_sp_context(cp, layout=layout)
 
 
 def grad_reduce_group(pg_collection=None):

@@ -9,7 +9,8 @@ without Megatron-LM's root scripts): Megatron's own argument parsing (plus ours,
 :mod:`megatron_patches.args`), ``pretrain`` with its optimizer, schedules, DDP,
 checkpointing, logging and mock / indexed GPT datasets. Only the model provider is ours
 (:func:`megatron_patches.model.build_gpt_model`) and the batch's CP split uses the library's
-zigzag sharding (identical to Megatron's ``get_batch_on_this_cp_rank``).
+sharding in the model's layout (``sp_attention.DEFAULT_LAYOUT``, zigzag: identical to Megatron's
+``get_batch_on_this_cp_rank``).
 
 Importing this module imports nothing from ``megatron.training`` (so it is safe on
 megatron-core 0.16, which has none); :func:`main` needs it, and says so once (not once per
@@ -45,7 +46,7 @@ def missing_requirement(python: tuple, core_version: Optional[str],
     return ("megatron_patches.pretrain_gpt runs Megatron-LM's trainer (megatron.training), "
             f"which needs megatron-core >= 0.18 and Python >= 3.12; {have}. Install: {fix}. "
             "On this Python, train.py trains the same models on megatron-core 0.16: "
-            "torchrun --nproc-per-node 4 train.py --model-kind hybrid")
+            "torchrun --nproc-per-node 4 train.py --sp-model-kind hybrid")
 
 
 def _exit_unless_supported() -> None:
@@ -97,24 +98,36 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
             normalization=args.normalization), rotary_base=args.rotary_base,
             pg_collection=pg_collection, vp_stage=vp_stage, **common)
     print_rank_0(f"building {opts['kind']} GPT with --context-parallel-impl {opts['cp_impl']}, "
-                 f"pattern {opts['layer_pattern']}, softmax {opts['softmax_options']}")
+                 f"layers {opts['pattern']}, softmax {opts['softmax_schedule']}")
     return build_gpt_model(config, kind=opts["kind"], cp_impl=opts["cp_impl"],
-                           softmax_options=opts["softmax_options"],
-                           hybrid_pattern=opts["layer_pattern"],
+                           softmax_schedule=opts["softmax_schedule"],
+                           hybrid_pattern=opts["pattern"],
                            slope_schedule=opts["slope_schedule"], pg_collection=pg_collection,
                            rotary_base=args.rotary_base, vp_stage=vp_stage, **common)
 
 
-def get_batch(data_iterator):
-    """Next micro-batch, moved to the GPU and split zigzag over CP (every rank reads the
-    data itself; the datasets are built on every rank, see ``datasets_provider``)."""
+def model_context(model):
+    """The ``SPContext`` the model's attention and RoPE use (``build_gpt_model`` stores it as
+    ``sp_context`` on the GPTModel inside Megatron's wrappers); Megatron's own model (``megatron``
+    impl): Megatron's CP group in Megatron's layout."""
+    inner = model[0] if isinstance(model, list) else model
+    while not hasattr(inner, "sp_context") and hasattr(inner, "module"):
+        inner = inner.module
+    if hasattr(inner, "sp_context"):
+        return inner.sp_context
+    from .model import cp_context
+    from .specs import MEGATRON_LAYOUT
+    return cp_context(layout=MEGATRON_LAYOUT)
+
+
+def get_batch(data_iterator, ctx):
+    """Next micro-batch, moved to the GPU and split over CP by ``ctx`` (the model's context, so
+    data, attention and RoPE share one layout). Every rank reads the data itself; the datasets
+    are built on every rank, see ``datasets_provider``."""
     import torch
     from sp_attention import shard_sequence
 
-    from .model import cp_context
-
     batch = next(data_iterator)
-    ctx = cp_context()
     out = {}
     for key in ("tokens", "labels", "loss_mask", "position_ids"):
         out[key] = shard_sequence(batch[key].cuda(non_blocking=True), ctx, dim=1)
@@ -141,7 +154,7 @@ def forward_step(data_iterator, model):
     from megatron.training import get_timers
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
-    b = get_batch(data_iterator)
+    b = get_batch(data_iterator, model_context(model))
     timers("batch-generator").stop()
     out = model(b["tokens"], b["position_ids"], None, labels=b["labels"],
                 loss_mask=b["loss_mask"])

@@ -1,14 +1,14 @@
-"""RoPE for Megatron models whose sequence is split zigzag over CP, on any device.
+"""RoPE for Megatron models whose sequence is split over CP, in any layout, on any device.
 
 Megatron's ``RotaryEmbedding`` moves its frequencies to CUDA unconditionally and cuts the
-rank's zigzag slice itself (with a CUDA index tensor). :class:`ZigzagRotaryEmbedding` takes its
+rank's zigzag slice itself (with a CUDA index tensor). :class:`CPRotaryEmbedding` takes its
 slot (``model.rotary_pos_emb``) with the same call signature, and
 
 - uses the *global* ``position_ids`` the model was called with (captured by a forward
   pre-hook on the model: GPTModel does not pass them to its rotary module), so any position
-  scheme the caller uses (zigzag shards, reset positions) is honoured exactly;
-- without position ids, uses the rank's zigzag positions from the CP group
-  (``sp_attention.shard_position_ids``), which is what Megatron's own slicing gives;
+  scheme the caller uses (the layout's shards, reset positions) is honoured exactly;
+- without position ids, uses the rank's positions in the model's ``SPContext``
+  (``sp_attention.shard_position_ids``; for zigzag what Megatron's own slicing gives);
 - runs on whatever device the model lives on (a zero-size buffer tracks it).
 
 Output: ``[s_local, 1, 1, d]`` (or ``[s_local, b, 1, d]`` for per-sample position ids), the
@@ -20,25 +20,26 @@ from typing import Optional
 
 import torch
 
-from sp_attention import build_sp_context, shard_position_ids
+from sp_attention import SPContext, build_sp_context, shard_position_ids
 
-__all__ = ["ZigzagRotaryEmbedding", "install_zigzag_rope"]
+__all__ = ["CPRotaryEmbedding", "install_cp_rope"]
 
 
-class ZigzagRotaryEmbedding(torch.nn.Module):
-    """Drop-in for ``model.rotary_pos_emb`` (see the module docstring)."""
+class CPRotaryEmbedding(torch.nn.Module):
+    """Drop-in for ``model.rotary_pos_emb`` (see the module docstring). ``sp_context``: the
+    model's CP context (None: a single rank)."""
 
     def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: float = 10000,
-                 cp_group=None, rotary_interleaved: bool = False,
+                 sp_context: Optional[SPContext] = None, rotary_interleaved: bool = False,
                  seq_len_interpolation_factor: Optional[float] = None):
         super().__init__()
         if rotary_interleaved:
-            raise ValueError("rotary_interleaved=True is not supported by ZigzagRotaryEmbedding; "
+            raise ValueError("rotary_interleaved=True is not supported by CPRotaryEmbedding; "
                              "use the default (non-interleaved) RoPE")
         dim = int(kv_channels * rotary_percent) if rotary_percent < 1.0 else kv_channels
         self.inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         self.interpolation = seq_len_interpolation_factor
-        self.sp_ctx = build_sp_context(cp_group, layout="zigzag")
+        self.sp_ctx = build_sp_context(None) if sp_context is None else sp_context
         # tracks the model's device through .cuda()/.to(); a float tensor of size 0 is harmless
         # under Float16Module's casts
         self.register_buffer("_anchor", torch.zeros(0), persistent=False)
@@ -71,7 +72,7 @@ class ZigzagRotaryEmbedding(torch.nn.Module):
         else:
             if pos.dim() != 2 or pos.shape[1] * self.sp_ctx.world_size != max_seq_len:
                 raise ValueError(f"position_ids {tuple(pos.shape)} must be [b, s_local] with "
-                                 f"s_local x CP = {max_seq_len}: pass this rank's (zigzag) "
+                                 f"s_local x CP = {max_seq_len}: pass this rank's "
                                  "global positions, sharded like input_ids")
             pos = pos.to(device).t()                                             # [s, b]
         pos = pos.to(torch.float32) + offset
@@ -81,24 +82,25 @@ class ZigzagRotaryEmbedding(torch.nn.Module):
         return torch.cat((freqs, freqs), dim=-1)[:, :, None, :]                 # [s, b, 1, d]
 
 
-def _capture_positions(rope: ZigzagRotaryEmbedding):
+def _capture_positions(rope: CPRotaryEmbedding):
     def hook(module, args, kwargs):
         pos = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
         rope.position_ids = pos
     return hook
 
 
-def install_zigzag_rope(model: torch.nn.Module, config, cp_group, *, rotary_percent: float = 1.0,
-                        rotary_base: float = 10000,
-                        seq_len_interpolation_factor: Optional[float] = None) -> None:
-    """Put a :class:`ZigzagRotaryEmbedding` in ``model.rotary_pos_emb`` (GPTModel or
-    HybridModel) and make the model hand it the position ids of each call."""
+def install_cp_rope(model: torch.nn.Module, config, sp_context: SPContext, *,
+                    rotary_percent: float = 1.0, rotary_base: float = 10000,
+                    seq_len_interpolation_factor: Optional[float] = None) -> None:
+    """Put a :class:`CPRotaryEmbedding` over ``sp_context`` (the model's) in
+    ``model.rotary_pos_emb`` (GPTModel or HybridModel) and make the model hand it the position
+    ids of each call."""
     if not hasattr(model, "rotary_pos_emb"):
         raise ValueError(f"{type(model).__name__} has no rotary_pos_emb slot; build it with "
                          "position_embedding_type='rope'")
-    rope = ZigzagRotaryEmbedding(config.kv_channels, rotary_percent, rotary_base, cp_group,
-                                 getattr(config, "rotary_interleaved", False),
-                                 seq_len_interpolation_factor)
+    rope = CPRotaryEmbedding(config.kv_channels, rotary_percent, rotary_base, sp_context,
+                             getattr(config, "rotary_interleaved", False),
+                             seq_len_interpolation_factor)
     anchor = next(model.parameters())
     rope.to(anchor.device)
     model.rotary_pos_emb = rope

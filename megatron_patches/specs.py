@@ -11,7 +11,7 @@
   ``softmax_layer_spec``, ``linear_layer_spec``, ``hybrid_layer_spec`` — layer specs whose core
   attention reads ``--context-parallel-impl`` and our other arguments from Megatron-LM's parsed
   args when the model is built (one layer spec serves every layer; the hybrid one picks each
-  layer's kind from ``--sp-layer-pattern`` and its layer number).
+  layer's kind from ``--sp-hybrid-pattern`` and its layer number).
 """
 from __future__ import annotations
 
@@ -21,13 +21,19 @@ from typing import Any, Callable, Optional
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from .core_attention import LinearCoreAttention, SoftmaxCoreAttention, SoftmaxOptions
+from .core_attention import LinearCoreAttention, SoftmaxCoreAttention, resolve_groups
+from .options import LAYER_KINDS, expand_pattern
 
 __all__ = ["patch_core_attention", "find_core_attention_slots", "layer_kind", "expand_pattern",
            "core_attention_spec", "layer_spec", "block_spec", "ArgsCoreAttention",
-           "softmax_layer_spec", "linear_layer_spec", "hybrid_layer_spec", "LAYER_KINDS"]
+           "softmax_layer_spec", "linear_layer_spec", "hybrid_layer_spec", "LAYER_KINDS",
+           "MEGATRON_LAYOUT"]
 
-LAYER_KINDS = {"L": "linear", "S": "softmax"}
+# How Megatron-LM's own batch split (get_batch_on_this_cp_rank) and RoPE lay a sequence out over
+# CP. The prebuilt specs serve Megatron-LM's pretrain_gpt.py, whose data and RoPE are Megatron's,
+# so their layers use this layout whatever sp_attention.DEFAULT_LAYOUT says; everything built by
+# build_gpt_model (our RoPE, our launcher's batches, train.py) follows the model's one context.
+MEGATRON_LAYOUT = "zigzag"
 
 
 def _walk(node: Any, path: str, visit: Callable[[str, Any], Optional[Any]], seen: set) -> Any:
@@ -93,34 +99,24 @@ def patch_core_attention(spec: Any, core_attention: Any, *, require: bool = True
     return out
 
 
-def expand_pattern(pattern: str, num_layers: int) -> str:
-    """``pattern`` repeated to ``num_layers`` symbols (``L`` linear, ``S`` softmax); a pattern
-    longer than ``num_layers`` must equal it in length."""
-    if not pattern or set(pattern) - set(LAYER_KINDS):
-        raise ValueError(f"layer pattern {pattern!r} must be a non-empty string of "
-                         f"{sorted(LAYER_KINDS)} (L linear, S softmax), e.g. 'LLLS'")
-    if len(pattern) > num_layers or num_layers % len(pattern):
-        raise ValueError(f"layer pattern {pattern!r} (length {len(pattern)}) must divide "
-                         f"num_layers={num_layers} (it is repeated); give num_layers a multiple "
-                         f"of {len(pattern)} or a pattern of length {num_layers}")
-    return pattern * (num_layers // len(pattern))
-
-
 def layer_kind(pattern: str, layer_number: int, num_layers: int) -> str:
     """``"linear"`` or ``"softmax"`` for 1-based global ``layer_number``."""
     return LAYER_KINDS[expand_pattern(pattern, num_layers)[layer_number - 1]]
 
 
-def core_attention_spec(kind: str, *, cp_impl: str = "auto", softmax_options=None,
-                        slope_schedule: str = "long_range") -> ModuleSpec:
-    """The core-attention ModuleSpec for one layer kind."""
+def core_attention_spec(kind: str, *, cp_impl: Optional[str] = None, softmax_schedule=None,
+                        slope_schedule: Optional[str] = None, sp_context=None) -> ModuleSpec:
+    """The core-attention ModuleSpec for one layer kind. None: the library's / adapters'
+    defaults, read when the layer is built; ``sp_context`` None: one over the layer's CP group
+    in ``sp_attention.DEFAULT_LAYOUT``."""
     if kind == "softmax":
-        opts = softmax_options if softmax_options is not None else SoftmaxOptions()
-        return ModuleSpec(module=SoftmaxCoreAttention, params={"softmax_options": opts})
+        return ModuleSpec(module=SoftmaxCoreAttention,
+                          params={"softmax_schedule": softmax_schedule, "sp_context": sp_context})
     if kind == "linear":
         return ModuleSpec(module=LinearCoreAttention,
-                          params={"cp_impl": cp_impl, "slope_schedule": slope_schedule})
-    raise ValueError(f"unknown layer kind {kind!r}; use 'softmax' or 'linear'")
+                          params={"cp_impl": cp_impl, "slope_schedule": slope_schedule,
+                                  "sp_context": sp_context})
+    raise ValueError(f"unknown layer kind {kind!r}; use one of {sorted(LAYER_KINDS.values())}")
 
 
 def _local_gpt_layer_spec() -> ModuleSpec:
@@ -149,23 +145,29 @@ def block_spec(pattern: str, num_layers: int, *, base: Optional[ModuleSpec] = No
 
 class ArgsCoreAttention:
     """Core attention configured from Megatron-LM's parsed arguments (``--context-parallel-impl``,
-    ``--sp-layer-pattern``, the softmax schedule options; see :mod:`megatron_patches.args`).
+    ``--sp-hybrid-pattern``, the softmax schedule options; see :mod:`megatron_patches.args`),
+    in :data:`MEGATRON_LAYOUT` (Megatron-LM's batches and RoPE).
 
     Constructing it returns a :class:`SoftmaxCoreAttention` or :class:`LinearCoreAttention`
     for the layer: what ``--spec megatron_patches.specs <name>`` puts in every layer.
-    ``kind``: ``"softmax"``, ``"linear"`` or ``"pattern"`` (the layer's symbol in the pattern).
+    ``kind``: ``"softmax"``, ``"linear"`` or ``"pattern"`` (the layer's letter in the pattern).
     """
 
     def __new__(cls, *args, kind: str = "pattern", **kwargs):
+        from sp_attention import build_sp_context
+
         from .args import options_from_megatron_args
         opts = options_from_megatron_args()
         config = kwargs.get("config", args[0] if args else None)
         layer_number = kwargs.get("layer_number", args[1] if len(args) > 1 else 1)
         if kind == "pattern":
-            kind = layer_kind(opts["layer_pattern"], layer_number, config.num_layers)
+            kind = LAYER_KINDS[opts["pattern"][layer_number - 1]]
+        _, cp_group = resolve_groups(kwargs.get("pg_collection"))
+        ctx = build_sp_context(cp_group, MEGATRON_LAYOUT)
         if kind == "softmax":
-            return SoftmaxCoreAttention(*args, softmax_options=opts["softmax_options"], **kwargs)
-        return LinearCoreAttention(*args, cp_impl=opts["cp_impl"],
+            return SoftmaxCoreAttention(*args, softmax_schedule=opts["softmax_schedule"],
+                                        sp_context=ctx, **kwargs)
+        return LinearCoreAttention(*args, cp_impl=opts["cp_impl"], sp_context=ctx,
                                    slope_schedule=opts["slope_schedule"], **kwargs)
 
 

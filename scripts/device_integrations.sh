@@ -15,7 +15,7 @@ for step in ${*:-first_call train_1b checks}; do
       ;;
     train_1b)
       for k in softmax hybrid; do
-        OMP_NUM_THREADS=8 timeout 200 python3 train.py --preset 1b --model-kind $k \
+        OMP_NUM_THREADS=8 timeout 200 python3 train.py --preset 1b --sp-model-kind $k \
           --context-parallel-size 1 --vocab-size 128256 --micro-batch-size 4 \
           --global-batch-size 16 --train-iters 20 --lr-warmup-iters 2 --log-interval 5 \
           --no-progress-bar --log-dir "$OUT/train_1b_$k" > "$OUT/train_1b_$k.log" 2>&1 \

@@ -19,10 +19,12 @@ Invariants every consumer may rely on (tested for many random rows, P = 1 … 16
    global order, so a square causal mask over their concatenation is the document's causal
    mask restricted to the rank's tokens (one local varlen causal call per rank).
 2. ``zigzag``: segments of **crossing** documents (documents with tokens on more than one rank)
-   come first, grouped by document in ascending document order; then whole documents
-   (ascending); padding last. ``contiguous``: the shard is one range of the global row in
-   global order (crossing documents are at most its first and last segment); padding last too
-   (it only exists at the row's end).
+   come first, then whole documents, then padding; within each part documents follow one
+   global order, the same on every rank: longest first, ties by index (so the documents big
+   enough for dense kernel calls sit together, and the short ones form one varlen run).
+   ``contiguous``: the shard is one range of the global row in global order (crossing
+   documents are at most its first and last segment); padding last too (it only exists at
+   the row's end).
 
 Layouts (``local_len = L``, ``P`` ranks, padded row ``P·L``):
 
@@ -53,13 +55,13 @@ import gc
 import hashlib
 import heapq
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Optional, Sequence, Union
 
 import torch
 
+from .caches import LRU
 from .context import DEFAULT_LAYOUT, LAYOUTS, SPContext
 from .layout import shard_ranges
 
@@ -69,9 +71,10 @@ __all__ = ["Segment", "PackingPlan", "plan_packing", "check_cu_seqlens", "resolv
 # The zigzag planner cuts the fewest long documents that bring max / mean per-rank causal work
 # to this (the issue's bar is 1.05; the margin absorbs the spills' rounding).
 BALANCE_TARGET = 1.04
-_PLAN_CACHE: "OrderedDict[tuple, PackingPlan]" = OrderedDict()
-_TENSOR_PLANS: "OrderedDict[int, tuple]" = OrderedDict()
-_MAX_CACHED = 64
+# Plans by boundary values (a batch's layers share one), and by tensor object (a tensor seen
+# before, unmodified, needs no device-to-host copy of its values).
+_PLAN_CACHE = LRU(64)
+_TENSOR_PLANS = LRU(64)
 
 
 @dataclass(frozen=True)
@@ -333,8 +336,8 @@ def _zigzag_segments(cu: tuple[int, ...], world: int, local_len: int,
     pad_at = cu[-1]
     out: list[list[Segment]] = []
     for r, ps in enumerate(pieces):
-        # crossing documents first (by document, pieces ascending), whole ones next
-        ps = sorted(ps, key=lambda p: (len(holders[p[0]]) == 1, p[0], p[1]))
+        # crossing documents first, whole ones next; longest first (invariant 2)
+        ps = sorted(ps, key=lambda p: (len(holders[p[0]]) == 1, -lengths[p[0]], p[0], p[1]))
         segs, pos = [], 0
         for d, off, m in ps:
             segs.append(Segment(cu[d] + off, m, d, pos))
@@ -454,6 +457,22 @@ class PackingPlan:
         for _, start, n in self._groups[rank]:
             out.append(start + n)
         return tuple(out)
+
+    def segment_cu_seqlens(self, rank: int) -> tuple[int, ...]:
+        """Boundaries of ``rank``'s segments in its shard (padding excluded), one sequence per
+        segment: what a local recurrence takes where state must not flow between a document's
+        segments on one rank (zigzag pieces ``j`` and ``2m−1−j`` are not adjacent globally).
+        Use :meth:`local_cu_seqlens` (per document) for softmax, :meth:`offset_in_doc` to find
+        segments that start their document."""
+        out = [0]
+        for s in self.segments[rank]:
+            if s.doc >= 0:
+                out.append(s.local_stop)
+        return tuple(out)
+
+    def offset_in_doc(self, seg: Segment) -> int:
+        """Tokens of ``seg``'s document before it (0: the segment starts its document)."""
+        return seg.start - self.cu_seqlens[seg.doc] if seg.doc >= 0 else 0
 
     def real_len(self, rank: int) -> int:
         """Tokens of ``rank`` that belong to a document (the rest, at the end, is padding)."""
@@ -642,11 +661,11 @@ def plan_packing(cu_seqlens, ctx: Union[SPContext, int, None] = None, *,
     world, lay = _world_layout(ctx, layout)
     cu = check_cu_seqlens(cu_seqlens, row_len)
     row = cu[-1] if row_len is None else row_len
-    key = (cu, world, lay, row, balance_target)
-    plan = _PLAN_CACHE.get(key)
-    if plan is not None:
-        _PLAN_CACHE.move_to_end(key)
-        return plan
+    return _PLAN_CACHE.get((cu, world, lay, row, balance_target),
+                           lambda: _build(cu, world, lay, row, balance_target))
+
+
+def _build(cu: tuple[int, ...], world: int, lay: str, row: int, target: float) -> PackingPlan:
     local = _local_len(row, world, lay)
     # The planner allocates many small acyclic objects; with a large heap (torch imported)
     # the cyclic collector's passes would cost more than the planning (measured 3-6x).
@@ -656,15 +675,11 @@ def plan_packing(cu_seqlens, ctx: Union[SPContext, int, None] = None, *,
         if lay == "contiguous":
             segs = _contiguous_segments(cu, world, local)
         else:
-            segs = _zigzag_segments(cu, world, local, balance_target)
-        plan = PackingPlan(world, lay, row, local, cu, tuple(tuple(s) for s in segs))
+            segs = _zigzag_segments(cu, world, local, target)
+        return PackingPlan(world, lay, row, local, cu, tuple(tuple(s) for s in segs))
     finally:
         if gc_was_on:
             gc.enable()
-    _PLAN_CACHE[key] = plan
-    while len(_PLAN_CACHE) > _MAX_CACHED:
-        _PLAN_CACHE.popitem(last=False)
-    return plan
 
 
 def _world_layout(ctx, layout) -> tuple[int, str]:
@@ -689,7 +704,8 @@ def resolve_plan(cu_seqlens, ctx: SPContext, local_len: int, device=None) -> Pac
     object seen before, unmodified, costs no device→host copy). Raises naming the fix."""
     if isinstance(cu_seqlens, PackingPlan):
         plan = cu_seqlens
-        if plan.world_size != ctx.world_size or plan.layout != ctx.layout:
+        if plan.world_size != ctx.world_size or (plan.layout != ctx.layout
+                                                 and ctx.world_size > 1):
             raise ValueError(f"the PackingPlan was built for {plan.world_size} ranks, layout "
                              f"{plan.layout!r}; this op runs on {ctx.world_size} ranks, layout "
                              f"{ctx.layout!r}: build it with plan_packing(cu_seqlens, ctx)")
@@ -713,15 +729,11 @@ def resolve_plan(cu_seqlens, ctx: SPContext, local_len: int, device=None) -> Pac
 
 
 def _plan_of_tensor(t: torch.Tensor, ctx: SPContext) -> PackingPlan:
-    entry = _TENSOR_PLANS.get(id(t))
-    if entry is not None:
-        ref, version, world, layout, plan = entry
-        if ref() is t and version == t._version and (world, layout) == (ctx.world_size,
-                                                                         ctx.layout):
-            _TENSOR_PLANS.move_to_end(id(t))
+    key = (id(t), ctx.world_size, ctx.layout)
+    if _TENSOR_PLANS.touch(key):
+        ref, version, plan = _TENSOR_PLANS.get(key, lambda: None)
+        if ref() is t and version == t._version:
             return plan
     plan = plan_packing(t, ctx)
-    _TENSOR_PLANS[id(t)] = (weakref.ref(t), t._version, ctx.world_size, ctx.layout, plan)
-    while len(_TENSOR_PLANS) > _MAX_CACHED:
-        _TENSOR_PLANS.popitem(last=False)
+    _TENSOR_PLANS.put(key, (weakref.ref(t), t._version, plan))
     return plan

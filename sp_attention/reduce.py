@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .precision import acc_dtype
 
-__all__ = ["global_token_mean", "all_reduce_gradients"]
+__all__ = ["global_token_mean", "global_token_count", "all_reduce_gradients"]
 
 
 def _group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -49,13 +49,23 @@ def global_token_mean(token_loss: torch.Tensor, mask: Optional[torch.Tensor] = N
         if mask.shape != token_loss.shape:
             raise ValueError(f"mask {tuple(mask.shape)} must have the shape of token_loss "
                              f"{tuple(token_loss.shape)}")
-        mask = mask.to(token_loss.dtype)
-        local_sum = (token_loss * mask).sum()
-        count = mask.detach().sum().to(torch.float64)
+        local_sum = (token_loss * mask.to(token_loss.dtype)).sum()
     else:
         local_sum = token_loss.sum()
-        count = torch.tensor(float(token_loss.numel()), dtype=torch.float64,
-                             device=token_loss.device)
+    total = global_token_count(token_loss if mask is None else mask, group,
+                               all_real=mask is None)
+    return local_sum / total
+
+
+def global_token_count(mask: torch.Tensor, group: Optional[dist.ProcessGroup] = None, *,
+                       all_real: bool = False) -> float:
+    """Real tokens over every rank of ``group``: ``Σ_group Σ mask`` (``all_real``: every element
+    of ``mask`` counts). Divide a local loss *sum* by it for this rank's share of the global
+    mean (:func:`global_token_mean` does). Raises when no rank has a real token."""
+    if all_real:
+        count = torch.tensor(float(mask.numel()), dtype=torch.float64, device=mask.device)
+    else:
+        count = mask.detach().to(torch.float64).sum()
     if _group_size(group) > 1:
         count = count.clone()
         dist.all_reduce(count, group=group)
@@ -63,7 +73,7 @@ def global_token_mean(token_loss: torch.Tensor, mask: Optional[torch.Tensor] = N
     if total <= 0:
         raise ValueError("no real token in the global batch (every label is masked); check the "
                          "labels, the padding mask and ignore_index")
-    return local_sum / total
+    return total
 
 
 def all_reduce_gradients(parameters: Iterable[torch.nn.Parameter],

@@ -89,14 +89,26 @@ class SoftmaxTuning:
             attention, one H200, 2026-11-23) took 1.727 / 1.779 ms unpacked vs 1.751 / 1.802
             packed, with 34 MB less peak memory. The A/B: ``benchmarks/softmax_pieces.py
             --pack-kv``.
+        packed_dense_min: packed documents (``cu_seqlens``): a document pair of at least this
+            many query × key tokens runs as a dense kernel call of its own (cuDNN on Hopper);
+            smaller ones are batched into varlen calls (:mod:`sp_attention.softmax.
+            packed_plan`).
+        packed_varlen_gaps: packed documents: one varlen call may skip query rows and keys
+            between its document pairs (they become sequences without keys / queries, fewer
+            calls); False starts a new call at every gap instead.
     """
 
     min_query_heads_per_call: int = 8
     check_every_call: bool = False
     pack_kv: bool = False
+    packed_dense_min: int = 1 << 20
+    packed_varlen_gaps: bool = True
 
     def __post_init__(self) -> None:
-        _check_bools(self, "check_every_call", "pack_kv")
+        _check_bools(self, "check_every_call", "pack_kv", "packed_varlen_gaps")
         if not is_int(self.min_query_heads_per_call) or self.min_query_heads_per_call < 1:
             raise ValueError("SoftmaxTuning.min_query_heads_per_call must be a positive int, "
                              f"got {self.min_query_heads_per_call!r}")
+        if not is_int(self.packed_dense_min) or self.packed_dense_min < 1:
+            raise ValueError("SoftmaxTuning.packed_dense_min must be a positive int, got "
+                             f"{self.packed_dense_min!r}")

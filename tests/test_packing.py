@@ -11,7 +11,7 @@ import torch
 
 from sp_attention import SPContext, plan_packing, shard_sequence
 from sp_attention.layout import shard_ranges
-from sp_attention.packing import (PackingPlan, causal_work, check_cu_seqlens, resolve_plan)
+from sp_attention.packing import PackingPlan, causal_work, resolve_plan
 
 
 def _cu(lengths):
@@ -68,12 +68,13 @@ def check_invariants(plan: PackingPlan):
         docs = [s.doc for s in segs]
         if -1 in docs:
             assert docs.index(-1) == len(docs) - 1
-        if plan.layout == "zigzag":      # invariant 2: crossing docs first, ascending; whole next
+        if plan.layout == "zigzag":      # invariant 2: crossing docs first, whole next
             real = [s.doc for s in segs if s.doc >= 0]
             kinds = [plan.is_crossing(d) for d in real]
             assert kinds == sorted(kinds, reverse=True), f"rank {r}: crossing docs not first"
-            cross = [d for d in real if plan.is_crossing(d)]
-            whole = [d for d in real if not plan.is_crossing(d)]
+            key = [(-(cu[d + 1] - cu[d]), d) for d in real]      # longest first
+            cross = [x for x, d in zip(key, real) if plan.is_crossing(d)]
+            whole = [x for x, d in zip(key, real) if not plan.is_crossing(d)]
             assert cross == sorted(cross) and whole == sorted(whole)
         else:                            # contiguous: one global range in order
             assert [s.start for s in segs] == sorted(s.start for s in segs)
@@ -84,6 +85,11 @@ def check_invariants(plan: PackingPlan):
         assert lcu[0] == 0 and lcu[-1] == plan.real_len(r)
         assert len(lcu) - 1 == len(set(d for d in seen_docs if d >= 0))
         assert L - plan.real_len(r) == sum(s.length for s in segs if s.doc < 0)
+        scu = plan.segment_cu_seqlens(r)
+        assert scu[-1] == plan.real_len(r) and len(scu) - 1 == sum(s.doc >= 0 for s in segs)
+        for s in segs:
+            if s.doc >= 0:
+                assert plan.offset_in_doc(s) == s.start - cu[s.doc]
     assert all(o is not None for o in owner), "a token of the padded row is held by no rank"
     # crossing documents and their pieces
     for d in range(plan.num_docs):

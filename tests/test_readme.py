@@ -15,10 +15,15 @@ def test_ci_runs_the_readme_test_command():
     assert cmd in open(os.path.join(ROOT, "README.md")).read()
 
 
-# The library's documents: the top README, the package READMEs and the library's docstrings.
-# (Add the adapters' READMEs here once their pointers hold.)
-DOCS = (["README.md"] + sorted(glob.glob("sp_attention/**/README.md", root_dir=ROOT, recursive=True))
-        + sorted(glob.glob("sp_attention/**/*.py", root_dir=ROOT, recursive=True)))
+# The documents: the top README, the package READMEs and the docstrings of the library, its
+# adapters (megatron_patches, models), train.py and the example.
+_PACKAGES = ("sp_attention", "megatron_patches", "models")
+DOCS = (["README.md"]
+        + [f for pkg in _PACKAGES
+           for f in sorted(glob.glob(f"{pkg}/**/README.md", root_dir=ROOT, recursive=True))]
+        + [f for pkg in _PACKAGES
+           for f in sorted(glob.glob(f"{pkg}/**/*.py", root_dir=ROOT, recursive=True))]
+        + ["train.py", "examples/hf_llama_cp.py"])
 _REPO_DIRS = ("sp_attention/", "tests/", "benchmarks/", "megatron_patches/", "models/",
               "scripts/", "examples/")
 _PATH = re.compile(r"(?<![\w./-])([\w*-]+(?:/[\w.*-]+)*\.(?:py|md|sh|sbatch))\b")

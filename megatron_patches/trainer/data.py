@@ -16,7 +16,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["CopyTask", "TokenFile", "build_dataset", "pad_vocab", "dp_rows", "ENCODINGS"]
+from ..options import UsageError
+
+__all__ = ["CopyTask", "TokenFile", "build_dataset", "pad_vocab", "dp_rows", "ENCODINGS",
+           "load_tokenizer"]
 
 # How a --data-path file is read: "utf-8" (text; bytes that are not UTF-8 are an error naming
 # the file and line) or "bytes" (the file's raw bytes are the tokens, whatever they encode).
@@ -113,6 +116,47 @@ def _read_documents(path: str, encoding: str = "utf-8") -> list:
     return docs
 
 
+def load_tokenizer(name: str):
+    """The HF tokenizer ``name`` (a hub name or a directory): the local cache first; the hub
+    only when it answers, so an unreachable one fails at once, in one line, instead of
+    retrying for a minute on every rank."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ValueError("--tokenizer-model needs transformers: pip install -e '.[hf]'") from None
+    try:
+        return AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError):
+        pass
+    if os.path.isdir(name) or not _hub_reachable():
+        raise UsageError(f"--tokenizer-model {name!r}: not a tokenizer directory nor in this "
+                         "machine's HF cache, and the hub is unreachable; download it where "
+                         f"there is network (hf download {name}) or pass a local directory")
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"--tokenizer-model {name!r}: {first}") from None
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the HF hub's host accepts a TCP connection (offline mode: no)."""
+    import socket
+    from urllib.parse import urlparse
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return False
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 class TokenFile:
     """A text (``.txt``: one document) or ``.jsonl`` (one ``{"text": …}`` per line) file,
     tokenized (UTF-8 bytes + an end-of-document token by default, or an HF tokenizer; with
@@ -131,12 +175,7 @@ class TokenFile:
             raise ValueError(f"{path} holds no text (an empty file, or only empty lines or "
                              "\"text\" fields); give a file with text")
         if tokenizer_model:
-            try:
-                from transformers import AutoTokenizer
-            except ImportError as e:
-                raise ValueError("--tokenizer-model needs transformers: pip install -e '.[hf]'"
-                                 ) from e
-            tok = AutoTokenizer.from_pretrained(tokenizer_model)
+            tok = load_tokenizer(tokenizer_model)
             eos = tok.eos_token_id if tok.eos_token_id is not None else 0
             ids = [t for d in docs for t in tok.encode(d, add_special_tokens=False) + [eos]]
             n_vocab = len(tok)

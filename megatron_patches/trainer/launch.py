@@ -2,7 +2,7 @@
 process group (gloo on CPU, NCCL on GPUs); clean stops on SIGTERM/SIGINT.
 
 ``map_slurm_env`` and ``first_host`` are pure functions of an environment dict, tested with
-fake SLURM variables (tests/train/test_launch.py).
+fake SLURM variables (tests/train/test_trainer_units.py).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import torch
 
 __all__ = ["flops_per_token", "peak_flops", "memory_gb", "Progress", "plot_losses",
-           "read_log"]
+           "read_log", "describe_attention"]
 
 # Dense bf16 tensor-core peak (no sparsity), FLOP/s.
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "GH200": 989e12, "B200": 2250e12,
@@ -189,3 +189,23 @@ def plot_losses(curves: dict, path: str, *, chance: Optional[float] = None,
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def describe_attention(options: dict, ctx, local_only: bool = False) -> str:
+    """The header's attention part: each layer kind's schedule as it will run over ``ctx``
+    (``options``: ``TrainArgs.model_options()``)."""
+    from sp_attention.linear.attention import resolve_impl
+    from sp_attention.softmax import PRESETS
+    if local_only:
+        return "local shard only (baseline, no cross-rank attention)"
+    pattern, parts = options["pattern"], []
+    if "S" in pattern:
+        s = options["softmax_schedule"]
+        name = next((n for n, pair in PRESETS.items() if pair == (s.fwd, s.bwd)),
+                    f"{s.fwd}/{s.bwd}")
+        parts.append(f"softmax {name}")
+    if "L" in pattern:
+        parts.append(f"linear scan {resolve_impl(options['cp_impl'], ctx)}")
+    if ctx.world_size == 1:
+        return " + ".join(p.split(" ")[0] for p in parts) + " on one rank (CP 1)"
+    return f"{' + '.join(parts)} across CP {ctx.world_size} ({ctx.layout})"

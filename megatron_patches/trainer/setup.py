@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from .args import Layout, TrainArgs
 
-__all__ = ["Groups", "init_groups", "transformer_config", "build_model", "count_params"]
+__all__ = ["Groups", "init_groups", "transformer_config", "build_model", "count_params",
+           "memory_estimate", "check_memory"]
 
 
 @dataclass
@@ -75,12 +76,13 @@ def transformer_config(args: TrainArgs, layout: Layout, *, bf16: bool, on_gpu: b
         use_cpu_initialization=not on_gpu, perform_initialization=True,
         bias_activation_fusion=on_gpu, masked_softmax_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
-        cross_entropy_loss_fusion=on_gpu)   # Megatron's native fused CE on GPUs
+        cross_entropy_loss_fusion=on_gpu,   # Megatron's native fused CE (--loss-impl megatron)
+        **args.recompute().config_kwargs())
 
 
 def build_model(args: TrainArgs, layout: Layout, groups: Groups, vocab_size: int, *,
                 bf16: bool, device: torch.device) -> torch.nn.Module:
-    """The model for ``args.model_kind`` on ``device`` (same seed on every rank: TP ranks draw
+    """The model for ``args.sp_model_kind`` on ``device`` (same seed on every rank: TP ranks draw
     the same full weights and keep their slices; CP/DP replicas are identical)."""
     from megatron_patches.model import build_gpt_model
     on_gpu = device.type == "cuda"
@@ -89,19 +91,14 @@ def build_model(args: TrainArgs, layout: Layout, groups: Groups, vocab_size: int
         from megatron.core import tensor_parallel
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     config = transformer_config(args, layout, bf16=bf16, on_gpu=on_gpu)
-    kw = {}
-    if args.model_kind == "softmax":
-        from megatron_patches.core_attention import SoftmaxOptions
-        preset = "ring" if args.context_parallel_impl == "auto" else args.context_parallel_impl
-        kw["softmax_options"] = SoftmaxOptions(preset=preset)
-    else:
-        kw["cp_impl"] = args.context_parallel_impl
-    if groups.model_pgs is not None:
-        kw["pg_collection"] = groups.model_pgs
-    model = build_gpt_model(config, kind=args.model_kind, vocab_size=vocab_size,
+    opts = args.model_options()
+    kw = {} if groups.model_pgs is None else {"pg_collection": groups.model_pgs}
+    model = build_gpt_model(config, kind=opts["kind"], vocab_size=vocab_size,
                             max_sequence_length=args.seq_length,
-                            hybrid_pattern=args.hybrid_pattern,
-                            slope_schedule=args.slope_schedule, **kw)
+                            hybrid_pattern=opts["pattern"], cp_impl=opts["cp_impl"],
+                            softmax_schedule=opts["softmax_schedule"],
+                            slope_schedule=opts["slope_schedule"],
+                            return_hidden_states=args.loss_impl != "megatron", **kw)
     if bf16:
         # What Megatron's Float16Module does to the model: every parameter in bf16. Megatron's
         # torch norms ignore params_dtype, and an fp32 norm weight on bf16 activations keeps
@@ -114,3 +111,57 @@ def count_params(model: torch.nn.Module, tp: int) -> int:
     """Parameters of the whole model (TP-split ones counted over all TP ranks)."""
     return sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
                for p in model.parameters())
+
+
+def memory_estimate(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: bool):
+    """``sp_attention.memory.estimate_memory`` for this run (pure: no device, no collective)."""
+    from sp_attention.memory import ModelShape, StepShape, estimate_memory
+    from .loss import default_chunk_tokens
+    rc = args.recompute()
+    model = ModelShape(args.num_layers, args.hidden_size, args.ffn_hidden_size,
+                       args.num_attention_heads, args.num_query_groups, vocab_size,
+                       args.layer_kinds())
+    step = StepShape(tp=layout.tp, cp=layout.cp, dp=layout.dp,
+                     micro_batch_size=layout.micro_batch_size,
+                     num_micro_batches=layout.num_micro_batches, seq_length=args.seq_length,
+                     param_bytes=2 if bf16 else 4, recompute=rc.granularity,
+                     recompute_method=rc.method, recompute_num_layers=rc.num_layers,
+                     recompute_modules=rc.modules or ("core_attn",), loss=args.loss_impl,
+                     loss_chunk_tokens=default_chunk_tokens(vocab_size // layout.tp))
+    return model, step, estimate_memory(model, step)
+
+
+def check_memory(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: bool,
+                 capacity: Optional[float]):
+    """The run's :class:`~sp_attention.memory.MemoryEstimate`; raises ``ValueError`` naming
+    the fixes (more CP, recompute, a smaller micro-batch, each with its own estimate) when it
+    exceeds
+    ``capacity`` bytes (None: no limit, e.g. on CPU) and ``--no-memory-check`` is not given."""
+    import dataclasses
+    from sp_attention.memory import GIB, estimate_memory
+    model, step, est = memory_estimate(args, layout, vocab_size, bf16=bf16)
+    line = f"memory estimate per rank: {est.summary(capacity)}"
+    if capacity is None or est.total <= capacity or args.no_memory_check:
+        return est
+    fixes = []
+    cp = 2 * layout.cp            # the smallest CP (doubling) that fits, or the last tried
+    while cp < 64 and estimate_memory(model, dataclasses.replace(step, cp=cp)).total > capacity:
+        cp *= 2
+    options = [(f"--context-parallel-size {cp} ({cp // layout.cp}x the GPUs)", dict(cp=cp))]
+    if step.recompute != "full":
+        options.append(("--recompute-granularity full",
+                        dict(recompute="full", recompute_method=None,
+                             recompute_num_layers=None)))
+    if step.recompute is None:
+        options.append(("--recompute-granularity selective --recompute-modules core_attn mlp",
+                        dict(recompute="selective", recompute_modules=("core_attn", "mlp"))))
+    if layout.micro_batch_size > 1:
+        options.append((f"--micro-batch-size {layout.micro_batch_size // 2}",
+                        dict(micro_batch_size=layout.micro_batch_size // 2)))
+    for flag, change in options:
+        if args.seq_length % (2 * change.get("cp", 1)):
+            continue
+        alt = estimate_memory(model, dataclasses.replace(step, **change))
+        fixes.append(f"{flag}: {alt.total / GIB:.1f} GiB")
+    raise ValueError(f"the {line}: more than the device holds. Fixes (their estimates): "
+                     + "; ".join(fixes) + ". (--no-memory-check starts anyway.)")

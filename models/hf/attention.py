@@ -3,8 +3,9 @@
 ``prepare_model_for_cp(model, cp_group)`` registers one attention function per call under a
 fresh name (``AttentionInterface.register``) and switches the model to it with the public
 ``model.set_attn_implementation``. The function is a closure over the model's
-:class:`~sp_attention.SPContext` and :class:`CPSchedule`: no module globals, so two models with
-different CP groups (or schedules) live in one process, each under its own name.
+:class:`~sp_attention.SPContext`, its softmax :class:`~sp_attention.SoftmaxSchedule` and its
+linear scan: no module globals, so two models with different CP groups (or schedules) live in
+one process, each under its own name.
 
 What HF hands a custom attention function (transformers 5.17 and 5.23, checked in the source):
 ``(module, query [b, h, s, d], key/value [b, hkv, s, d], attention_mask, scaling=, dropout=,
@@ -31,50 +32,19 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from sp_attention import SPContext, build_sp_context, context_parallel_attention, lightning_attention
+from sp_attention import (SoftmaxSchedule, SPContext, build_sp_context,
+                          context_parallel_attention, lightning_attention)
 from sp_attention.linear import IMPLS as LINEAR_IMPLS
-from sp_attention.softmax import PRESETS
 
 __all__ = ["CPSchedule", "CPHandle", "prepare_model_for_cp", "make_cp_attention", "LINEAR_IMPLS"]
+
+# The softmax schedule is the library's one dataclass; CPSchedule is another name for it (the
+# linear layers' scan is prepare_model_for_cp's linear_impl=).
+CPSchedule = SoftmaxSchedule
 
 # HF's names for packed-sequence (varlen) arguments; we cannot honour them.
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
                   "cu_seqlens_q", "cu_seqlens_k")
-
-
-@dataclass(frozen=True)
-class CPSchedule:
-    """How the CP attention of one model runs.
-
-    Attributes:
-        preset: softmax schedule pair, one of ``sp_attention.softmax.PRESETS`` (``"ring"``,
-            ``"ring_ag"``, ``"allgather"``, ``"ag_ring"``).
-        heads_k_stride, bwd_head_first_stride, bwd_head_last_stride: all-gather schedule knobs
-            passed to ``context_parallel_attention`` (None = its defaults).
-        backend: softmax kernel backend (None = fastest that runs: cuDNN on Hopper, math on CPU).
-        linear_impl: cross-rank scan of the linear-attention layers, one of
-            :data:`LINEAR_IMPLS`.
-    """
-
-    preset: str = "ring"
-    heads_k_stride: Optional[int] = None
-    bwd_head_first_stride: Optional[int] = None
-    bwd_head_last_stride: Optional[int] = None
-    backend: Optional[str] = None
-    linear_impl: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            raise ValueError(f"CPSchedule.preset={self.preset!r} is unknown; use one of "
-                             f"{tuple(PRESETS)}")
-        if self.linear_impl not in LINEAR_IMPLS:
-            raise ValueError(f"CPSchedule.linear_impl={self.linear_impl!r} is unknown; use one "
-                             f"of {LINEAR_IMPLS}")
-
-    def softmax_kwargs(self) -> dict:
-        return {"preset": self.preset, "heads_k_stride": self.heads_k_stride,
-                "bwd_head_first_stride": self.bwd_head_first_stride,
-                "bwd_head_last_stride": self.bwd_head_last_stride, "backend": self.backend}
 
 
 def _check_attention_call(ctx: SPContext, query, key, attention_mask, dropout, kwargs) -> None:
@@ -112,13 +82,23 @@ def _decode_attention(query, key, value, scaling: float) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-def make_cp_attention(ctx: SPContext, schedule: CPSchedule) -> Callable:
-    """The attention function to register: a closure over ``ctx`` and ``schedule``."""
+def _check_schedule(schedule, linear_impl) -> None:
+    if not isinstance(schedule, SoftmaxSchedule):
+        raise TypeError(f"schedule must be an sp_attention.SoftmaxSchedule (models.hf.CPSchedule),"
+                        f" got {type(schedule).__name__}")
+    if linear_impl is not None and linear_impl not in LINEAR_IMPLS:
+        raise ValueError(f"linear_impl={linear_impl!r} is unknown; use one of {LINEAR_IMPLS} "
+                         "(None: the library's default)")
+
+
+def make_cp_attention(ctx: SPContext, schedule: SoftmaxSchedule,
+                      linear_impl: Optional[str] = None) -> Callable:
+    """The attention function to register: a closure over ``ctx``, the softmax ``schedule``
+    and the linear layers' scan ``linear_impl`` (None: the library's default, read per call)."""
     if not isinstance(ctx, SPContext):
         raise TypeError(f"ctx must be an SPContext, got {type(ctx).__name__}")
-    if not isinstance(schedule, CPSchedule):
-        raise TypeError(f"schedule must be a CPSchedule, got {type(schedule).__name__}")
-    softmax_kwargs = schedule.softmax_kwargs()
+    _check_schedule(schedule, linear_impl)
+    softmax_kwargs = schedule.kwargs()
     # One rank holds the whole sequence in either layout; contiguous takes any length (odd
     # prompts in generate()), zigzag would demand an even one.
     run_ctx = replace(ctx, layout="contiguous") if ctx.world_size == 1 else ctx
@@ -131,13 +111,10 @@ def make_cp_attention(ctx: SPContext, schedule: CPSchedule) -> Callable:
         if query.shape[2] != key.shape[2]:          # CP = 1 decoding from a cache
             return _decode_attention(query, key, value, scale), None
         q = query.transpose(1, 2)                   # [B, T_local, H, D]
-        if getattr(module, "is_linear_attention", False):
-            group = query.shape[1] // key.shape[1]
-            # lightning_attention wants as many K/V heads as query heads
-            k = key.repeat_interleave(group, dim=1).transpose(1, 2)
-            v = value.repeat_interleave(group, dim=1).transpose(1, 2)
-            out = lightning_attention(q, k, v, module.decay_slopes(), ctx=run_ctx,
-                                      impl=schedule.linear_impl, scale=scale)
+        if getattr(module, "is_linear_attention", False):     # K/V with their Hkv heads (GQA)
+            out = lightning_attention(q, key.transpose(1, 2), value.transpose(1, 2),
+                                      module.decay_slopes(), ctx=run_ctx, impl=linear_impl,
+                                      scale=scale)
         else:
             out = context_parallel_attention(q, key.transpose(1, 2), value.transpose(1, 2),
                                              ctx=run_ctx, causal=True, softmax_scale=scale,
@@ -146,6 +123,7 @@ def make_cp_attention(ctx: SPContext, schedule: CPSchedule) -> Callable:
 
     sp_cp_attention.sp_context = ctx                # lets our linear layers recognise it
     sp_cp_attention.sp_schedule = schedule
+    sp_cp_attention.sp_linear_impl = linear_impl
     return sp_cp_attention
 
 
@@ -155,7 +133,8 @@ class CPHandle:
 
     name: str
     ctx: SPContext
-    schedule: CPSchedule
+    schedule: SoftmaxSchedule
+    linear_impl: Optional[str]
     previous_implementation: Optional[str]
     model: Any = field(repr=False)
     hook: Any = field(repr=False)
@@ -174,7 +153,7 @@ def _resolve_ctx(cp: Union[SPContext, dist.ProcessGroup, None], layout: Optional
             raise ValueError(f"layout={layout!r} contradicts the SPContext's layout "
                              f"{cp.layout!r}; pass one of them")
         return cp
-    return build_sp_context(cp, layout=layout or "zigzag")
+    return build_sp_context(cp, layout=layout)
 
 
 def _check_model(model) -> None:
@@ -190,7 +169,8 @@ def _check_model(model) -> None:
 
 
 def prepare_model_for_cp(model, cp: Union[SPContext, dist.ProcessGroup, None], *,
-                         schedule: Optional[CPSchedule] = None, name: Optional[str] = None,
+                         schedule: Optional[SoftmaxSchedule] = None,
+                         linear_impl: Optional[str] = None, name: Optional[str] = None,
                          layout: Optional[str] = None) -> CPHandle:
     """Make ``model`` run its attention split over the CP group ``cp``.
 
@@ -199,12 +179,16 @@ def prepare_model_for_cp(model, cp: Union[SPContext, dist.ProcessGroup, None], *
             (Llama, and :class:`models.hf.LinearLlamaForCausalLM` linear / hybrid variants).
         cp: the CP process group (never WORLD by default), an :class:`~sp_attention.SPContext`,
             or None for a single process (CP = 1: same code path, no communication).
-        schedule: :class:`CPSchedule` (default: preset ``"ring"``, linear scan ``"auto"``).
+        schedule: the softmax layers' :class:`~sp_attention.SoftmaxSchedule` (``CPSchedule``
+            is the same class; None: the library's default preset, read now).
+        linear_impl: the linear-attention layers' scan (``blelloch``, ``allgather``, ``ring``,
+            ``auto``; None: the library's ``DEFAULT_IMPL``, read at each call).
         name: the ``attn_implementation`` name to register; default a fresh
             ``"sp_cp_<id of the model>_<n>"``. A name already registered raises, and so does
             preparing a model that is already prepared.
-        layout: sequence layout when ``cp`` is a group (default ``"zigzag"``); must match how the
-            batch is sharded (:func:`models.hf.prepare_cp_batch` uses the same context).
+        layout: sequence layout when ``cp`` is a group (None: ``sp_attention.DEFAULT_LAYOUT``,
+            zigzag); must match how the batch is sharded (:func:`models.hf.prepare_cp_batch`
+            takes ``handle.ctx``, the same context).
 
     Returns:
         a :class:`CPHandle` (``.ctx`` is the SPContext to shard batches with).
@@ -216,9 +200,8 @@ def prepare_model_for_cp(model, cp: Union[SPContext, dist.ProcessGroup, None], *
     """
     _check_model(model)
     ctx = _resolve_ctx(cp, layout)
-    schedule = CPSchedule() if schedule is None else schedule
-    if not isinstance(schedule, CPSchedule):
-        raise TypeError(f"schedule must be a CPSchedule, got {type(schedule).__name__}")
+    schedule = SoftmaxSchedule() if schedule is None else schedule
+    _check_schedule(schedule, linear_impl)
     previous = model.config._attn_implementation
     if _registered_cp_attention(previous) is not None:
         raise ValueError(f"this model is already prepared for CP (attention {previous!r}); call "
@@ -232,13 +215,13 @@ def prepare_model_for_cp(model, cp: Union[SPContext, dist.ProcessGroup, None], *
     if name in registered:
         raise ValueError(f"attention implementation {name!r} is already registered; pass an "
                          "unused name= (or leave it None for a fresh one)")
-    AttentionInterface.register(name, make_cp_attention(ctx, schedule))
+    AttentionInterface.register(name, make_cp_attention(ctx, schedule, linear_impl))
     model.set_attn_implementation(name)
     if model.config._attn_implementation != name:
         raise RuntimeError(f"{type(model).__name__} did not switch to attention {name!r}: it does "
                            "not dispatch through AttentionInterface")
     hook = model.register_forward_pre_hook(_input_checker(model, ctx), with_kwargs=True)
-    return CPHandle(name, ctx, schedule, previous, model, hook)
+    return CPHandle(name, ctx, schedule, linear_impl, previous, model, hook)
 
 
 def _registered_cp_attention(name: Optional[str]) -> Optional[Callable]:

@@ -2,7 +2,9 @@
 
 ``LinearLlamaConfig`` is a ``LlamaConfig`` with two more fields: ``layer_kinds`` (one of
 ``"linear"`` / ``"softmax"`` per layer; all ``"linear"`` is the linear variant, a mix is the
-hybrid) and ``decay_schedule`` (``sp_attention.linear.slopes.decay_slopes``). A linear layer
+hybrid) and ``slope_schedule`` (``sp_attention.linear.slopes.decay_slopes``; train.py's and the
+launcher's ``--sp-slope-schedule``; configs saved with its old name ``decay_schedule`` still
+load). A linear layer
 keeps Llama's q/k/v/o projections, GQA and RoPE on q and k (train.py's trials: linear attention
 with decay learned long-range copying only with RoPE), replaces softmax by
 ``sp_attention.lightning_attention`` with scale ``head_dim ** -0.5``, and normalises each
@@ -23,6 +25,8 @@ right padding is harmless (causal), left padding is refused by the CP adapter.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from huggingface_hub.dataclasses import strict
 from torch import nn
@@ -39,6 +43,8 @@ __all__ = ["LinearLlamaConfig", "LinearLlamaAttention", "LinearLlamaForCausalLM"
            "hybrid_layer_kinds", "register_auto_classes", "LAYER_KINDS"]
 
 LAYER_KINDS = ("linear", "softmax")
+# the library's default schedule (decay_slopes' default), saved in every config
+_DEFAULT_SLOPE_SCHEDULE = inspect.signature(decay_slopes).parameters["schedule"].default
 
 
 def hybrid_layer_kinds(num_layers: int, softmax_every: int) -> list[str]:
@@ -53,15 +59,19 @@ def hybrid_layer_kinds(num_layers: int, softmax_every: int) -> list[str]:
 
 @strict
 class LinearLlamaConfig(LlamaConfig):
-    """``LlamaConfig`` plus ``layer_kinds`` (None: every layer linear) and ``decay_schedule``
-    (``"long_range"`` or ``"lightning"``, see ``sp_attention.linear.slopes``)."""
+    """``LlamaConfig`` plus ``layer_kinds`` (None: every layer linear) and ``slope_schedule``
+    (``"long_range"`` or ``"lightning"``, see ``sp_attention.linear.slopes``; the old name
+    ``decay_schedule`` is read from saved configs)."""
 
     model_type = "sp_linear_llama"
 
     layer_kinds: list[str] | None = None
-    decay_schedule: str = "long_range"
+    slope_schedule: str = _DEFAULT_SLOPE_SCHEDULE
 
     def __post_init__(self, **kwargs):
+        old = kwargs.pop("decay_schedule", None)      # configs saved before the rename
+        if old is not None:
+            self.slope_schedule = old
         if self.layer_kinds is None:
             self.layer_kinds = ["linear"] * self.num_hidden_layers
         super().__post_init__(**kwargs)
@@ -75,21 +85,19 @@ class LinearLlamaConfig(LlamaConfig):
         bad = sorted(set(self.layer_kinds) - set(LAYER_KINDS))
         if bad:
             raise ValueError(f"layer_kinds entries {bad} are unknown; use {LAYER_KINDS}")
-        if self.decay_schedule not in SLOPE_SCHEDULES:
-            raise ValueError(f"decay_schedule={self.decay_schedule!r} is unknown; use one of "
+        if self.slope_schedule not in SLOPE_SCHEDULES:
+            raise ValueError(f"slope_schedule={self.slope_schedule!r} is unknown; use one of "
                              f"{SLOPE_SCHEDULES}")
 
 
 def local_linear_attention(module, query, key, value, attention_mask, scaling=None,
                            dropout=0.0, **kwargs):
     """Single-device linear attention in HF's attention-function form (``[b, h, s, d]`` in,
-    ``[b, s, h, d]`` out); used when the model is not prepared for CP."""
-    group = query.shape[1] // key.shape[1]
-    q = query.transpose(1, 2)
-    k = key.repeat_interleave(group, dim=1).transpose(1, 2)
-    v = value.repeat_interleave(group, dim=1).transpose(1, 2)
+    ``[b, s, h, d]`` out; K/V keep their Hkv heads); used when the model is not prepared for
+    CP."""
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    return lightning_attention(q, k, v, module.decay_slopes(), ctx=None, scale=scale), None
+    return lightning_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                               module.decay_slopes(), ctx=None, scale=scale), None
 
 
 class LinearLlamaAttention(nn.Module):
@@ -117,7 +125,7 @@ class LinearLlamaAttention(nn.Module):
     def decay_slopes(self) -> torch.Tensor:
         """``[H]`` fp32 slopes of this layer (computed, not stored: from_pretrained builds
         modules on the meta device, where a stored tensor would be lost)."""
-        return decay_slopes(self.num_heads, self.config.decay_schedule,
+        return decay_slopes(self.num_heads, self.config.slope_schedule,
                             layer_number=self.layer_idx + 1,
                             num_layers=self.config.num_hidden_layers)
 

@@ -49,7 +49,7 @@ def _transitions(q, decay: Decay, lp: LinearPacking, dt) -> list:
 
 
 def crossing_elements(q, k, v, decay: Decay, lp: LinearPacking, kern) -> tuple[list, list]:
-    """``(A, b)`` of this rank's crossing segments (fp32/fp64), local order: ``b`` by the
+    """``(A, b)`` of this rank's crossing segments (fp32/fp64), scan order: ``b`` by the
     one-pass state sum over each segment (the kernel for 16-bit CUDA inputs)."""
     state_sum = decayed_sum if kern is None else kern.state_sum
     dt = _dtype(q, k, v, decay, kern)

@@ -77,8 +77,9 @@ class LinearPacking:
 
     @functools.cached_property
     def crossing(self) -> tuple[Piece, ...]:
-        """This rank's crossing pieces (its scan elements), in local (= global) order."""
-        return tuple(p for p in self.pieces if p.crossing)
+        """This rank's crossing pieces (its scan elements) in global (scan) order, the order
+        the scans take a rank's elements in (the plan's local order may differ)."""
+        return tuple(sorted((p for p in self.pieces if p.crossing), key=lambda p: p.position))
 
     @property
     def real_len(self) -> int:

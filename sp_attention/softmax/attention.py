@@ -23,6 +23,8 @@ from .bwd_ring import ring_backward
 from .fwd_allgather import allgather_forward
 from .fwd_ring import ring_forward
 from .backends import KernelBackend, get_backend
+from .packed import PackedAttention, PackedConfig, packed_plan_for
+from .packed_plan import CallPolicy
 from .schedule import BWD_SCHEDULES, DEFAULT_PRESET, FWD_SCHEDULES, PRESETS, SoftmaxSchedule
 
 __all__ = ["context_parallel_attention", "PRESETS", "DEFAULT_PRESET", "FWD_SCHEDULES",
@@ -145,7 +147,7 @@ def context_parallel_attention(
         bwd_head_last_stride: Optional[int] = None, causal: bool = True,
         softmax_scale: Optional[float] = None, backend: Optional[str] = None,
         preset: Optional[str] = None, return_lse: bool = False,
-        tuning: Optional[SoftmaxTuning] = None,
+        tuning: Optional[SoftmaxTuning] = None, cu_seqlens=None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Softmax attention (causal, GQA) over a sequence split across a context-parallel group.
 
@@ -184,6 +186,14 @@ def context_parallel_attention(
             differentiable).
         tuning: :class:`~sp_attention.SoftmaxTuning` (None: the defaults); never changes the
             numbers.
+        cu_seqlens: packed documents: the GLOBAL row's document boundaries (``[N+1]`` int32 /
+            int64 tensor, 0 … row length, the same on every rank; on the CPU or q's device) or
+            the batch's :class:`~sp_attention.PackingPlan` (:func:`~sp_attention.plan_packing`;
+            pass the plan when the row ends in padding). A token then attends to earlier tokens
+            of its own document only; q, k, v are this rank's shard as the plan places it
+            (``plan.shard``); padding rows give 0 (lse −inf) and zero gradients. Needs
+            ``causal=True``. None (default), or one document laid out as the unpacked layout:
+            today's path.
 
     Returns:
         ``out [B, T_local, H, D]`` in ``q.dtype`` (and ``lse`` if ``return_lse``: fp32, fp64 for
@@ -209,18 +219,26 @@ def context_parallel_attention(
                    bwd_head_first_stride=bwd_head_first_stride,
                    bwd_head_last_stride=bwd_head_last_stride, causal=causal,
                    softmax_scale=softmax_scale, backend=backend, return_lse=return_lse)
-    cfg, error = None, None
+    cfg, error, plan = None, None, None
     try:
         cfg = _config(q, k, v, ctx, tuning, **options)
+        plan = packed_plan_for(cu_seqlens, q, ctx, causal)
     except (TypeError, ValueError) as e:
         error = e
     signature = (("tensors", tuple((n, _shape(x), getattr(x, "dtype", None))
                                    for n, x in (("q", q), ("k", k), ("v", v)))),
                  ("device", q.device.type if isinstance(q, torch.Tensor) else None),
                  ("layout", ctx.layout), ("tuning", tuning)) + tuple(options.items())
+    if cu_seqlens is not None:      # ranks disagreeing on the boundaries all raise
+        signature += (("cu_seqlens", plan.digest if plan is not None else "invalid"),)
     agree_across_ranks(ctx, "context_parallel_attention", signature, error,
                        isinstance(tuning, SoftmaxTuning) and tuning.check_every_call)
     with autocast_off(q.device):
+        if plan is not None and not plan.is_trivial:
+            return PackedAttention.apply(q, k, v, PackedConfig(
+                cfg.ctx, plan, cfg.fwd, cfg.bwd, cfg.scale, cfg.backend, cfg.stride, cfg.first,
+                cfg.last, cfg.return_lse, cfg.pack_kv,
+                CallPolicy(tuning.packed_dense_min, tuning.packed_varlen_gaps)))
         return _ContextParallelAttention.apply(q, k, v, cfg)
 
 

@@ -13,6 +13,9 @@ expansion and the bottom-right causal split where a kernel needs them (:data:`NA
     ``aten._scaled_dot_product_flash_attention`` wraps, minus its [B, H, T, D] transposes),
     fp16/bf16, sm80+, D % 8 == 0 and D <= 256, bottom-right causal natively.
   * ``flash_attn``: the optional ``flash_attn`` package (>= 2.3), imported lazily.
+
+Packed documents' varlen calls (:mod:`.varlen`) use :func:`flash_varlen_fwd` /
+:func:`flash_varlen_bwd` (the ``flash`` ops with ``cum_seq_q/k``) whatever the backend.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from torch import Tensor
 from .backend_common import BackwardFn, ForwardFn, WhyNotFn
 
 __all__ = ["NATIVE_BOTTOM_RIGHT", "NATIVE_GQA", "HALF", "RAW_CALLS", "raw_calls",
-           "flash_attn_version", "capability"]
+           "flash_attn_version", "capability", "flash_varlen_fwd", "flash_varlen_bwd"]
 
 # Whether causal=True with Tq < Tk is bottom-right aligned inside the kernel. When False the
 # backend uses the exact two-call split instead. torch's flash kernel is FlashAttention-2,
@@ -168,6 +171,34 @@ def _flash_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
     seed, offset = _dead_rng(q.device, torch.uint64, 2)
     return torch.ops.aten._flash_attention_backward(
         dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], 0.0, causal, seed, offset,
+        scale=scale)
+
+
+def flash_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,
+                     max_k: int, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """FlashAttention-2 varlen (``aten._flash_attention_forward`` with ``cum_seq_q/k``, the
+    kernels of ``torch.nn.attention.varlen.varlen_attn``, GQA native): q ``[Tq, H, D]``,
+    k, v ``[Tk, Hkv, D]`` (unit stride in D), ``cu_q/cu_k`` int32 ``[N+1]`` on the device;
+    returns ``(out [Tq, H, D], lse [H, Tq] fp32)``. Causal is bottom-right per sequence; a
+    sequence without keys gets out 0 and lse ``+inf`` (the kernel's convention)."""
+    res = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
+    lse = res[1]
+    if lse.dim() != 2:
+        raise RuntimeError(f"this torch's varlen flash kernel returned an lse of shape "
+                           f"{tuple(lse.shape)}; the packed path needs [H, total_q] (torch >= "
+                           "2.5); pass SoftmaxTuning(packed_dense_min=1) to use dense calls only")
+    return res[0], lse[:, :q.shape[0]].float()
+
+
+def flash_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                     cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool,
+                     scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward of :func:`flash_varlen_fwd` given ``out``/``dout`` (contiguous, q's dtype) and
+    ``lse [H, Tq]`` fp32 contiguous; keys of a sequence without queries get dk = dv = 0."""
+    seed, offset = _dead_rng(q.device, torch.uint64, 2)
+    return torch.ops.aten._flash_attention_backward(
+        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, seed, offset,
         scale=scale)
 
 

@@ -42,10 +42,13 @@ def _ungroup(x: Tensor) -> Tensor:
     return x.permute(0, 3, 1, 2, 4).reshape(b, t, hkv * g, d)
 
 
-def _math_scores(qg: Tensor, kg: Tensor, causal: bool, scale: float, top_left: bool) -> Tensor:
+def _math_scores(qg: Tensor, kg: Tensor, causal: bool, scale: float, top_left: bool,
+                 allowed: Optional[Tensor] = None) -> Tensor:
     s = (qg @ kg.transpose(-1, -2)) * scale                    # [B, Hkv, G, Tq, Tk]
     if causal:
-        allowed = _causal_allowed(s.shape[-2], s.shape[-1], top_left, s.device)
+        s = s.masked_fill(~_causal_allowed(s.shape[-2], s.shape[-1], top_left, s.device),
+                          float("-inf"))
+    if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
     return s
 
@@ -57,28 +60,31 @@ def _probs(s: Tensor, lse: Tensor) -> Tensor:
 
 
 def math_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: Optional[float] = None,
-                 *, top_left: bool = False) -> tuple[Tensor, Tensor]:
+                 *, top_left: bool = False,
+                 allowed: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Pure-torch block attention ``(out in q.dtype, lse [B, H, Tq])`` in fp32 (fp64 for fp64).
 
     ``top_left=True`` switches the causal mask to torch SDPA's top-left alignment (j <= i); it
     exists to test :func:`.causal_split.bottom_right_causal_forward` and is not used by the
     library.
-    Rows with no visible key (only possible with Tq > Tk) give out 0 and lse -inf.
+    ``allowed`` (bool ``[Tq, Tk]``): only these (query, key) pairs take part, on top of the
+    causal mask (packed documents: :mod:`.varlen`). Rows with no visible key (Tq > Tk, or an
+    ``allowed`` row without keys) give out 0 and lse -inf.
     """
     check_shapes(q, k, v)
     scale = default_scale(scale, q)
     dt = acc_dtype(q.dtype)
     b, tq, h, _ = q.shape
     qg = _grouped_q(q, k.shape[2], dt)
-    s = _math_scores(qg, _grouped_kv(k, dt), causal, scale, top_left)
+    s = _math_scores(qg, _grouped_kv(k, dt), causal, scale, top_left, allowed)
     lse = torch.logsumexp(s, dim=-1)                            # [B, Hkv, G, Tq]
     out = _probs(s, lse) @ _grouped_kv(v, dt)                   # [B, Hkv, G, Tq, D]
     return _ungroup(out).to(q.dtype), lse.reshape(b, h, tq)
 
 
 def math_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                  causal: bool, scale: Optional[float] = None, *,
-                  top_left: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                  causal: bool, scale: Optional[float] = None, *, top_left: bool = False,
+                  allowed: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Analytic backward of :func:`math_forward` from (q, k, v, out, lse, dout); no autograd.
 
     With P = exp(S - lse), dP = dout v^T and D_i = rowsum(dout * out):
@@ -93,7 +99,7 @@ def math_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     qg, kg, vg = _grouped_q(q, hkv, dt), _grouped_kv(k, dt), _grouped_kv(v, dt)
     dog, og = _grouped_q(dout, hkv, dt), _grouped_q(out, hkv, dt)
     lse_g = lse.to(dt).reshape(b, hkv, h // hkv, tq)
-    p = _probs(_math_scores(qg, kg, causal, scale, top_left), lse_g)   # [B, Hkv, G, Tq, Tk]
+    p = _probs(_math_scores(qg, kg, causal, scale, top_left, allowed), lse_g)  # [B,Hkv,G,Tq,Tk]
     delta = (dog * og).sum(dim=-1, keepdim=True)                        # [B, Hkv, G, Tq, 1]
     ds = p * (dog @ vg.transpose(-1, -2) - delta)
     dq = _ungroup((ds @ kg) * scale)

@@ -21,7 +21,7 @@ import torch
 
 from ..precision import acc_dtype
 
-__all__ = ["attention_reference", "bottom_right_causal_mask"]
+__all__ = ["attention_reference", "bottom_right_causal_mask", "packed_attention_reference"]
 
 
 def bottom_right_causal_mask(tq: int, tk: int, device=None) -> torch.Tensor:
@@ -55,3 +55,25 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     p = torch.exp(s - shift.unsqueeze(-1))
     out = (p @ vh).transpose(1, 2).to(q.dtype)                           # [B, Tq, H, D]
     return out, lse
+
+
+def packed_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               cu_seqlens, *, softmax_scale: float | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed documents on the GLOBAL row: every document alone through
+    :func:`attention_reference` (causal), the results concatenated; tokens after
+    ``cu_seqlens[-1]`` (padding) get out 0 and lse −inf. Shapes as :func:`attention_reference`
+    (``T`` = the row, documents then padding); differentiable."""
+    cu = [int(x) for x in cu_seqlens]
+    outs, lses = [], []
+    for a, b in zip(cu[:-1], cu[1:]):
+        o, l = attention_reference(q[:, a:b], k[:, a:b], v[:, a:b], causal=True,
+                                   softmax_scale=softmax_scale)
+        outs.append(o)
+        lses.append(l)
+    pad = q.shape[1] - cu[-1]
+    if pad:
+        outs.append(q[:, cu[-1]:] * 0)
+        lses.append(torch.full((q.shape[0], q.shape[2], pad), float("-inf"),
+                               dtype=lses[0].dtype if lses else acc_dtype(q), device=q.device))
+    return torch.cat(outs, 1), torch.cat(lses, 2)

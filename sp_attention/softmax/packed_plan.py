@@ -18,8 +18,9 @@ no process group, so every rule is unit-tested for any P:
   plans put crossing documents first, so it is a prefix; contiguous plans, a suffix).
   ``travel_len == 0``: no cross-rank work at all.
 
-Pairs become kernel **calls** (:func:`group_calls`): a pair of at least ``dense_min`` query ×
-key tokens is one dense call (the fast dense kernels take long documents); the other pairs
+Pairs become kernel **calls** (:func:`group_calls`): a pair of at least ``dense_min``
+(:attr:`SoftmaxTuning.packed_dense_min <sp_attention.SoftmaxTuning>`) query × key tokens is
+one dense call (the fast dense kernels take long documents); the other pairs
 are grouped into varlen calls whose query and key ranges ascend without overlap (what a varlen
 kernel's ``cu_seqlens_q/k`` can express; rows or keys between pairs are gaps the backend
 skips).
@@ -31,12 +32,8 @@ from functools import lru_cache
 
 from ..packing import PackingPlan
 
-__all__ = ["Pair", "PackedCall", "Travel", "travel", "own_pairs", "step_pairs", "group_calls",
-           "own_calls", "step_calls", "active_steps", "DENSE_MIN"]
-
-# A pair of at least this many query × key tokens runs as a dense kernel call of its own
-# (SoftmaxTuning.packed_dense_min overrides it).
-DENSE_MIN = 1024 * 1024
+__all__ = ["Pair", "PackedCall", "Travel", "CallPolicy", "travel", "own_pairs", "step_pairs",
+           "group_calls", "own_calls", "step_calls", "active_steps"]
 
 
 @dataclass(frozen=True)
@@ -150,7 +147,9 @@ def step_pairs(plan: PackingPlan, rank: int, src: int) -> tuple[Pair, ...]:
     mine, theirs = _doc_map(plan, rank), _doc_map(plan, src)
     k0 = travel(plan).starts[src]
     pairs = []
-    for d in sorted(set(mine) & set(theirs)):
+    for d in mine:            # the plan's document order, the same on both ranks
+        if d not in theirs:
+            continue
         ks = theirs[d]
         group: list = []                     # [q_start, q_len, visible key segments]
         for s in mine[d]:
@@ -172,10 +171,12 @@ def _pair(group, ks, k0) -> Pair:
     return Pair(q_start, q_len, start, ks[c - 1].local_stop - ks[0].local_start)
 
 
-def group_calls(pairs: tuple[Pair, ...], causal: bool, dense_min: int) -> tuple[PackedCall, ...]:
+def group_calls(pairs: tuple[Pair, ...], causal: bool, dense_min: int,
+                gaps: bool = True) -> tuple[PackedCall, ...]:
     """Kernel calls for ``pairs`` (ascending in queries): each pair of ≥ ``dense_min`` query ×
     key tokens alone (dense); the others in varlen calls, a new call whenever a pair's keys
-    would not follow the previous pair's (overlapping key prefixes of one document)."""
+    would not follow the previous pair's (overlapping key prefixes of one document) or, with
+    ``gaps=False``, whenever rows or keys lie between two pairs."""
     calls: list[PackedCall] = []
     run: list[Pair] = []
 
@@ -189,24 +190,34 @@ def group_calls(pairs: tuple[Pair, ...], causal: bool, dense_min: int) -> tuple[
             flush()
             calls.append(PackedCall((p,), causal))
             continue
-        if run and p.k_start < run[-1].k_stop:
+        if run and (p.k_start < run[-1].k_stop or not gaps and (
+                p.q_start != run[-1].q_stop or p.k_start != run[-1].k_stop)):
             flush()
         run.append(p)
     flush()
     return tuple(calls)
 
 
+@dataclass(frozen=True)
+class CallPolicy:
+    """How pairs become kernel calls (:func:`group_calls`); from :class:`~sp_attention.
+    SoftmaxTuning` (``packed_dense_min``, ``packed_varlen_gaps``)."""
+
+    dense_min: int = 1 << 20
+    gaps: bool = True
+
+
 @lru_cache(maxsize=256)
-def own_calls(plan: PackingPlan, rank: int, dense_min: int = DENSE_MIN) -> tuple[PackedCall, ...]:
+def own_calls(plan: PackingPlan, rank: int, policy: CallPolicy) -> tuple[PackedCall, ...]:
     """Calls of the own block (causal)."""
-    return group_calls(own_pairs(plan, rank), True, dense_min)
+    return group_calls(own_pairs(plan, rank), True, policy.dense_min, policy.gaps)
 
 
 @lru_cache(maxsize=4096)
 def step_calls(plan: PackingPlan, rank: int, src: int,
-               dense_min: int = DENSE_MIN) -> tuple[PackedCall, ...]:
+               policy: CallPolicy) -> tuple[PackedCall, ...]:
     """Calls of ``rank``'s queries against ``src``'s travel window (non-causal)."""
-    return group_calls(step_pairs(plan, rank, src), False, dense_min)
+    return group_calls(step_pairs(plan, rank, src), False, policy.dense_min, policy.gaps)
 
 
 @lru_cache(maxsize=64)

@@ -46,11 +46,11 @@ def test_generate_after_registration(kind):
 def test_save_load_round_trip(tmp_path, kinds):
     torch.manual_seed(0)
     model = LinearLlamaForCausalLM(_tiny(LinearLlamaConfig, layer_kinds=kinds,
-                                         decay_schedule="lightning"))
+                                         slope_schedule="lightning"))
     model.save_pretrained(tmp_path)
     loaded = LinearLlamaForCausalLM.from_pretrained(tmp_path)
     assert loaded.config.layer_kinds == model.config.layer_kinds
-    assert loaded.config.decay_schedule == "lightning"
+    assert loaded.config.slope_schedule == "lightning"
     register_auto_classes()
     auto = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert type(auto) is LinearLlamaForCausalLM
@@ -68,8 +68,26 @@ def test_config_checks():
         _tiny(LinearLlamaConfig, layer_kinds=["linear"])
     with pytest.raises(Exception, match="unknown"):
         _tiny(LinearLlamaConfig, layer_kinds=["linear", "mamba"])
-    with pytest.raises(Exception, match="decay_schedule"):
-        _tiny(LinearLlamaConfig, decay_schedule="fast")
+    with pytest.raises(Exception, match="slope_schedule"):
+        _tiny(LinearLlamaConfig, slope_schedule="fast")
     assert hybrid_layer_kinds(4, 2) == ["linear", "softmax", "linear", "softmax"]
     with pytest.raises(ValueError, match="attention_dropout"):
         prepare_model_for_cp(LlamaForCausalLM(_tiny(attention_dropout=0.1)), None)
+
+
+def test_configs_saved_with_the_old_field_name_load(tmp_path):
+    """``decay_schedule`` was renamed ``slope_schedule`` (train.py's --sp-slope-schedule): a
+    config saved under the old name loads with its value, and saves under the new one."""
+    import json
+    torch.manual_seed(0)
+    model = LinearLlamaForCausalLM(_tiny(LinearLlamaConfig, slope_schedule="lightning"))
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["decay_schedule"] = cfg.pop("slope_schedule")
+    path.write_text(json.dumps(cfg))
+    loaded = LinearLlamaForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.slope_schedule == "lightning"
+    assert "decay_schedule" not in loaded.config.to_dict()
+    ids = torch.randint(0, 64, (2, 10))
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)

@@ -53,6 +53,8 @@ def test_pieces_and_elements(layout):
                         starts.append((s.start, p.position))
                 if layout == "contiguous":
                     assert len(lp.crossing) <= 2
+                # the scans take a rank's elements in global order
+                assert [p.position for p in lp.crossing] == sorted(p.position for p in lp.crossing)
             assert sorted(pos for _, pos in starts) == list(range(views[0].num_elements))
             assert [pos for _, pos in sorted(starts)] == list(range(len(starts)))
             assert all(v.holders == views[0].holders for v in views)

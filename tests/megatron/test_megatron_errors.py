@@ -14,8 +14,8 @@ from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from megatron_patches.args import add_arguments, options_from_args, validate_args  # noqa: E402
-from megatron_patches.core_attention import (LinearCoreAttention, SoftmaxCoreAttention,  # noqa: E402
-                                             SoftmaxOptions)
+from megatron_patches.core_attention import LinearCoreAttention, SoftmaxCoreAttention  # noqa: E402
+from sp_attention import SoftmaxSchedule  # noqa: E402
 
 
 def _args(*argv, **megatron):
@@ -37,7 +37,7 @@ def _args(*argv, **megatron):
 GOOD = ["--context-parallel-impl", "blelloch", "--sp-model-kind", "hybrid"]
 
 BAD = [  # (our argv, Megatron fields, text the message must contain)
-    (GOOD, dict(seq_length=62), "multiple of 2 x context-parallel-size"),
+    (GOOD, dict(seq_length=62), "multiple of 4 for --context-parallel-size 2"),
     (GOOD, dict(tensor_model_parallel_size=4, num_attention_heads=6, num_query_groups=2),
      "divisible by --tensor-model"),
     (GOOD, dict(num_query_groups=1), "divisible by --tensor-model"),
@@ -49,10 +49,16 @@ BAD = [  # (our argv, Megatron fields, text the message must contain)
      "would be ignored"),
     (["--context-parallel-impl", "auto", "--sp-model-kind", "linear",
       "--softmax-cp-preset", "ring"], {}, "would be ignored"),
-    (GOOD + ["--softmax-heads-k-stride", "2"], {}, "preset 'ring' would ignore"),
+    (GOOD + ["--softmax-heads-k-stride", "2"], {}, "bwd='ring' would ignore it"),
     (GOOD + ["--softmax-cp-preset", "ring_ag", "--softmax-heads-k-stride", "3"], {},
      "must divide"),
-    (GOOD + ["--softmax-bwd-head-first-stride", "1"], {}, "ring backward"),
+    (GOOD + ["--softmax-bwd-head-first-stride", "1"], {}, "only applies to bwd='allgather'"),
+    (GOOD + ["--softmax-cp-preset", "ring_ag", "--softmax-heads-k-stride", "2",
+             "--softmax-bwd-head-first-stride", "2"], {}, "--softmax-bwd-head-first/last"),
+    (["--context-parallel-impl", "ring"], {}, "--softmax-cp-preset ring sets"),
+    (["--sp-slope-schedule", "lightning"], {}, "no linear layer"),
+    (["--context-parallel-impl", "megatron", "--sp-slope-schedule", "lightning"], {},
+     "would be ignored"),
     (GOOD + ["--sp-hybrid-pattern", "LLS"], {}, "--sp-hybrid-pattern"),
     (GOOD, dict(transformer_impl="transformer_engine"), "--transformer-impl local"),
     (GOOD, dict(no_persist_layer_norm=False), "--no-persist-layer-norm"),
@@ -80,12 +86,20 @@ def test_good_arguments_give_options():
     opts = options_from_args(_args(*GOOD, "--softmax-cp-preset", "ring_ag",
                                    "--softmax-heads-k-stride", "2",
                                    "--softmax-bwd-head-first-stride", "1"))
-    assert opts["cp_impl"] == "blelloch" and opts["layer_pattern"] == "LLLS"
-    assert opts["softmax_options"] == SoftmaxOptions("ring_ag", 2, 1, None)
+    assert opts["cp_impl"] == "blelloch" and opts["pattern"] == "LLLS"
+    assert opts["softmax_schedule"] == SoftmaxSchedule("ring_ag", heads_k_stride=2,
+                                                       bwd_head_first_stride=1)
     spec = options_from_args(_args("--context-parallel-impl", "auto",
                                    spec=["megatron_patches.specs", "linear_layer_spec"]))
-    assert spec["kind"] == "linear" and spec["layer_pattern"] == "L"
-    validate_args(_args())                          # megatron impl, softmax model: nothing to do
+    assert spec["kind"] == "linear" and spec["pattern"] == "LLLL"
+    # the defaults: our attention with the library's defaults (None), softmax model
+    plain = options_from_args(_args())
+    assert plain["cp_impl"] is None and plain["pattern"] == "SSSS"
+    assert plain["softmax_schedule"] == SoftmaxSchedule()
+    mega = options_from_args(_args("--context-parallel-impl", "megatron"))
+    assert mega == {"kind": "softmax", "cp_impl": "megatron"}
+    hyb = options_from_args(_args("--sp-model-kind", "hybrid", num_layers=6))
+    assert hyb["pattern"] == "LLSLLS"                # the default pattern fits 6 layers
 
 
 def _config(**kw):
@@ -135,10 +149,10 @@ def test_bad_options():
         _make(LinearCoreAttention, cp_impl="tree")
     with pytest.raises(ValueError, match="slope_schedule"):
         _make(LinearCoreAttention, slope_schedule="alibi")
-    with pytest.raises(ValueError, match="must divide the 2 KV heads"):
-        _make(SoftmaxCoreAttention, softmax_options={"preset": "allgather", "heads_k_stride": 4})
-    with pytest.raises(ValueError, match="preset"):
-        SoftmaxOptions("flash")
+    with pytest.raises(ValueError, match="divisor of the 2 local KV heads"):
+        _make(SoftmaxCoreAttention, softmax_schedule={"preset": "allgather", "heads_k_stride": 4})
+    with pytest.raises(TypeError, match="SoftmaxSchedule"):
+        _make(SoftmaxCoreAttention, softmax_schedule="ring")
     from megatron_patches.model import build_gpt_model
     for kw, message in ((dict(kind="mamba"), "kind"), (dict(cp_impl="x"), "cp_impl"),
                         (dict(position_embedding_type="yarn"), "position_embedding_type"),
@@ -160,8 +174,8 @@ def test_linear_gqa_expansion_uses_megatron_group_mapping():
 
 def test_rope_positions_match_megatron_and_follow_position_ids():
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron_patches.rotary import ZigzagRotaryEmbedding
-    ours = ZigzagRotaryEmbedding(16, rotary_base=500)
+    from megatron_patches.rotary import CPRotaryEmbedding
+    ours = CPRotaryEmbedding(16, rotary_base=500)
     theirs = RotaryEmbedding(16, 1.0, rotary_base=500, use_cpu_initialization=True)
     f = theirs.get_freqs_non_repeated(12)
     assert torch.allclose(ours(12), torch.cat((f, f), -1)[:, None, None, :])
@@ -182,6 +196,13 @@ def test_tp_cut_honours_partition_stride():
 def test_launcher_imports_without_megatron_training():
     mod = importlib.import_module("megatron_patches.pretrain_gpt")
     assert callable(mod.main) and callable(mod.model_provider)
+    # batches are split with the model's own context, found inside Megatron's wrappers
+    inner = torch.nn.Module()
+    inner.sp_context = object()
+    wrapped = torch.nn.Module()
+    wrapped.module = torch.nn.Module()
+    wrapped.module.module = inner
+    assert mod.model_context([wrapped]) is inner.sp_context
 
 
 def test_launcher_names_what_it_needs_once():
@@ -235,8 +256,9 @@ def test_public_api_is_pinned():
     import megatron_patches.specs as s
     assert set(m.__all__) == {"build_gpt_model", "KINDS", "POSITION_EMBEDDINGS",
                               "tp_shard_state_dict", "grad_reduce_group", "cp_context",
-                              "layer_pattern", "global_loss_share"}
-    assert {"SoftmaxOptions", "SoftmaxCoreAttention", "LinearCoreAttention"} <= set(c.__all__)
+                              "layer_pattern", "global_loss_share", "HiddenStatesGPTModel",
+                              "output_weight"}
+    assert {"SoftmaxCoreAttention", "LinearCoreAttention"} <= set(c.__all__)
     assert {"patch_core_attention", "layer_spec", "block_spec", "softmax_layer_spec",
             "linear_layer_spec", "hybrid_layer_spec"} <= set(s.__all__)
     assert {"add_arguments", "validate_args"} <= set(a.__all__)

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from sp_attention import plan_packing
-from sp_attention.softmax.packed_plan import (active_steps, group_calls, own_calls, step_calls,
-                                              step_pairs, travel, Pair)
+from sp_attention.softmax.packed_plan import (CallPolicy, Pair, active_steps, group_calls,
+                                              own_calls, step_calls, step_pairs, travel)
 from tests.test_packing import _random_lengths, _cu
 
 
@@ -43,11 +43,11 @@ def _visible(plan):
     return out
 
 
-def _computed(plan, dense_min):
+def _computed(plan, dense_min, gaps=True):
     tr = travel(plan)
     got = []
     for r in range(plan.world_size):
-        for c in own_calls(plan, r, dense_min):
+        for c in own_calls(plan, r, CallPolicy(dense_min, gaps)):
             _check_call(c, plan.local_len, plan.local_len)
             for p in c.pairs:
                 for i in range(p.q_len):
@@ -56,7 +56,7 @@ def _computed(plan, dense_min):
                             got.append((r, p.q_start + i, r, p.k_start + j))
         for s in range(1, plan.world_size):
             src = (r - s) % plan.world_size
-            calls = step_calls(plan, r, src, dense_min)
+            calls = step_calls(plan, r, src, CallPolicy(dense_min, gaps))
             if s > active_steps(plan):
                 assert calls == ()
             for c in calls:
@@ -79,8 +79,8 @@ def test_every_visible_pair_once(seed):
         cu = _cu(_random_lengths(rng, total, rng.choice(["lognormal", "tiny", "uniform"])))
         plan = plan_packing(cu, P, layout=layout, row_len=total + rng.randint(0, 3))
         want = _visible(plan)
-        for dense_min in (1, 30, 10 ** 9):
-            got = _computed(plan, dense_min)
+        for dense_min, gaps in ((1, True), (30, True), (10 ** 9, True), (10 ** 9, False)):
+            got = _computed(plan, dense_min, gaps)
             assert len(got) == len(set(got)), "a (query, key) pair computed twice"
             assert set(got) == want
 
@@ -122,10 +122,13 @@ def test_zigzag_document_pairs():
 
 def test_group_calls():
     pairs = (Pair(0, 2, 0, 2), Pair(2, 40, 2, 40), Pair(42, 3, 42, 3), Pair(45, 1, 44, 2))
-    calls = group_calls(pairs, False, 1000)
-    assert [c.pairs for c in calls] == [pairs[:1], pairs[1:2], pairs[2:3], pairs[3:]] \
-        or [len(c.pairs) for c in calls] == [1, 1, 1, 1]
+    calls = group_calls(pairs, False, 1000)           # 40 x 40 dense; 44.. overlaps 42..45
+    assert [c.pairs for c in calls] == [pairs[:1], pairs[1:2], pairs[2:3], pairs[3:]]
+    assert calls[1].dense and not calls[0].causal
     calls = group_calls(pairs, False, 10 ** 9)      # keys 44.. overlap 42..45: a new call
     assert [len(c.pairs) for c in calls] == [3, 1]
+    gapped = (Pair(0, 2, 0, 2), Pair(5, 2, 2, 3), Pair(7, 1, 9, 1))
+    assert len(group_calls(gapped, False, 10 ** 9)) == 1
+    assert [len(c.pairs) for c in group_calls(gapped, False, 10 ** 9, gaps=False)] == [1, 1, 1]
     assert calls[0].relative()[1] == Pair(2, 40, 2, 40) and calls[1].relative() == (
         Pair(0, 1, 0, 2),)

@@ -35,7 +35,7 @@ STEPS = 4
 
 
 def _argv(kind, tp, cp, log_dir, steps=STEPS, extra=()):
-    return ["--model-kind", kind, "--tensor-model-parallel-size", str(tp),
+    return ["--sp-model-kind", kind, "--tensor-model-parallel-size", str(tp),
             "--context-parallel-size", str(cp), "--seq-length", "32", "--global-batch-size", "4",
             "--train-iters", str(steps), "--lr-warmup-iters", "1", "--no-progress-bar",
             "--log-interval", "100", *extra] + (["--log-dir", log_dir] if log_dir else [])
@@ -64,7 +64,7 @@ def _bf16_param_dtypes():
     import torch
     from megatron_patches.trainer.args import parse_args
     from megatron_patches.trainer.setup import build_model, init_groups
-    args = parse_args(["--preset", "tiny", "--model-kind", "hybrid"])
+    args = parse_args(["--preset", "tiny", "--sp-model-kind", "hybrid"])
     layout = args.layout(1)
     model = build_model(args, layout, init_groups(layout), 64, bf16=True,
                         device=torch.device("cpu"))
@@ -92,6 +92,10 @@ def _extra_checks(rank, tmp):
                   "divisible by TP = 4")
     _expect_error(base + ["--data-path", f"{tmp}/missing.txt"], "does not exist")
     _expect_error(base + ["--context-parallel-impl", "blelloch"], "does not fit")
+    _expect_error(base + ["--recompute-granularity", "full"], "needs a GPU")
+    _expect_error(base + ["--loss-impl", "liger"], "CUDA only")
+    _expect_error(base + ["--recompute-granularity", "selective", "--recompute-num-layers",
+                          "2"], "full only")
     ck = f"{tmp}/ck"
     os.environ["SP_TRAIN_TEST_SIGTERM_AT"] = str(STEPS - 1)       # SIGTERM: save and stop
     try:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_patches.trainer import checkpoint as ckpt
-from megatron_patches.trainer.args import TrainArgs, parse_args
+from megatron_patches.trainer.args import TrainArgs, default_context_parallel_size, parse_args
 from megatron_patches.trainer.data import CopyTask, TokenFile, pad_vocab
 from megatron_patches.trainer.launch import first_host, map_slurm_env
 from megatron_patches.trainer.optim import MasterAdamW, lr_at
@@ -36,11 +36,17 @@ def test_layout_errors_name_the_fix(argv, world, needle):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--data-path", "/nonexistent/corpus.jsonl"], "does not exist"),
-    (["--model-kind", "linear", "--context-parallel-impl", "ring_ag"], "does not fit"),
-    (["--model-kind", "softmax", "--context-parallel-impl", "blelloch"], "does not fit"),
+    (["--sp-model-kind", "linear", "--context-parallel-impl", "ring_ag"],
+     "the softmax schedule is --softmax-cp-preset"),
+    (["--sp-model-kind", "softmax", "--context-parallel-impl", "blelloch"], "does not fit"),
     (["--load", "/nonexistent/ckpt"], "is not a directory"),
     (["--hidden-size", "62"], "not divisible by --num-attention-heads"),
-    (["--model-kind", "hybrid", "--num-layers", "6", "--hybrid-pattern", "LLLS"], "divides"),
+    (["--sp-model-kind", "hybrid", "--num-layers", "6", "--sp-hybrid-pattern", "LLLS"],
+     "must divide 6: e.g. 'LLS'"),
+    (["--sp-model-kind", "hybrid", "--sp-hybrid-pattern", "LLLS"], "must divide 2: e.g. 'LS'"),
+    (["--context-parallel-impl", "megatron"], "Megatron-LM launcher"),
+    (["--sp-model-kind", "linear", "--softmax-cp-preset", "ring_ag"], "no softmax layer"),
+    (["--preset", "tiny-linear"], "invalid choice"),
 ])
 def test_argument_errors_name_the_fix(argv, needle):
     with pytest.raises(ValueError, match=needle):
@@ -49,19 +55,49 @@ def test_argument_errors_name_the_fix(argv, needle):
 
 def test_defaults_and_layout():
     a = parse_args([])
-    assert (a.model_kind, a.num_layers, a.hidden_size, a.seq_length) == ("softmax", 2, 64, 256)
+    assert (a.sp_model_kind, a.num_layers, a.hidden_size, a.seq_length) == ("softmax", 2, 64, 256)
     lay = a.layout(4)
     assert (lay.tp, lay.cp, lay.dp, lay.micro_batch_size, lay.num_micro_batches) == (1, 2, 2, 8, 1)
     assert a.layout(1).cp == 1          # plain `python train.py` runs as one process
-    lin = parse_args(["--model-kind", "linear"])
+    lin = parse_args(["--sp-model-kind", "linear"])
     assert lin.hidden_size // lin.num_attention_heads >= 32   # linear needs head dim >= 32
-    hyb = parse_args(["--model-kind", "hybrid", "--num-layers", "4"])
+    hyb = parse_args(["--sp-model-kind", "hybrid", "--num-layers", "4"])
     assert hyb.layer_kinds() == "LLLS"
     acc = parse_args(["--micro-batch-size", "2", "--context-parallel-size", "1"]).layout(2)
     assert (acc.dp, acc.num_micro_batches) == (2, 4)
     big = parse_args(["--preset", "1b"])
     assert (big.num_layers, big.hidden_size, big.num_query_groups) == (16, 2048, 8)
     assert parse_args(["--save", "/tmp/x_never", "--load", "/tmp/x_never"]).load  # requeue
+
+
+def test_default_layout_uses_cp_at_any_world_size():
+    """No --context-parallel-size: CP >= 2 at every world size >= 2 (TP1·CP2·DP2 at 4, the
+    quickstart); the preset's sequence length rounds up to the layout's chunks."""
+    got = {w: parse_args([]).layout(w) for w in range(1, 9)}
+    assert {w: (x.cp, x.dp) for w, x in got.items()} == {
+        1: (1, 1), 2: (2, 1), 3: (3, 1), 4: (2, 2), 5: (5, 1), 6: (6, 1), 7: (7, 1), 8: (2, 4)}
+    assert default_context_parallel_size(6, 48) == 2 and default_context_parallel_size(9, 16) == 9
+    assert default_context_parallel_size(4, 16, 8) == 2 and default_context_parallel_size(4, 8, 8) == 4
+    a = parse_args([])
+    assert (a.layout(3).cp, a.seq_length) == (3, 258)            # 256 -> a multiple of 2·3
+    assert (a.layout(4).cp, a.seq_length) == (2, 256)
+    assert parse_args(["--tensor-model-parallel-size", "2"]).layout(6).cp == 3
+
+
+@pytest.mark.parametrize("argv, world, needle", [
+    (["--context-parallel-size", "1"], 3,
+     r"--global-batch-size \(default\) 16 is not divisible by DP = 3 .*multiple of 3 or another "
+     "--context-parallel-size"),
+    (["--global-batch-size", "10", "--micro-batch-size", "2", "--context-parallel-size", "1"], 3,
+     r"--global-batch-size 10 is not divisible by --micro-batch-size × DP = 2×3"),
+    (["--seq-length", "256"], 3, r"not divisible by 2·CP = 6 .*CP 3 is the default for this "
+     "world size; --context-parallel-size picks another"),
+])
+def test_layout_errors_name_the_flags_given_or_the_default(argv, world, needle):
+    with pytest.raises(ValueError, match=needle) as e:
+        parse_args(argv).layout(world)
+    if "--micro-batch-size" not in argv:
+        assert "micro-batch" not in str(e.value)
 
 
 # --- data ---------------------------------------------------------------------------------
@@ -340,3 +376,14 @@ def test_train_py_is_short():
                           "print('megatron.core' in sys.modules)"],
                          capture_output=True, text=True, cwd=ROOT)
     assert out.stdout.strip() == "False"     # argument checks do not wait for Megatron
+
+
+def test_unreachable_tokenizer_fails_at_once_in_one_line(monkeypatch):
+    pytest.importorskip("transformers")
+    from huggingface_hub import constants
+    from megatron_patches.trainer.args import UsageError
+    from megatron_patches.trainer.data import load_tokenizer
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)       # as when the hub is unreachable
+    with pytest.raises(UsageError, match="hub is unreachable") as e:
+        load_tokenizer("no-such-org/no-such-tokenizer")
+    assert "\n" not in str(e.value)

@@ -1,0 +1,134 @@
+"""Activation recompute (Megatron's machinery, megatron_patches/trainer/recompute.py) on CPU.
+
+One gloo spawn at CP = 3 (softmax, linear, hybrid): the loss and every parameter gradient with
+selective (core_attn, mlp, both) and full recompute (uniform 1 and 2, block 2) are
+*bit-identical* (torch.equal) to the run without recompute, at every rank — a replayed layer
+repeats its CP communication in the same order on every rank. In the same spawn the chunked
+linear + cross entropy on the hidden states of ``build_gpt_model(return_hidden_states=True)``
+matches the model's own loss (and gradients) and is itself bit-identical under recompute.
+
+Megatron's checkpoint saves the CUDA RNG state, which a CPU-only torch cannot read: the workers
+(only they) replace those two calls by no-ops — dropout is 0, so no random number is drawn.
+The flag checks are pure functions (no process).
+"""
+import warnings
+
+import pytest
+import torch
+
+from sp_attention.testing import run_distributed
+
+pytest.importorskip("megatron.core")
+
+SEQ, BATCH, VOCAB, LAYERS = 36, 2, 64, 4
+SETTINGS = {
+    "selective_core_attn": dict(granularity="selective", modules=("core_attn",)),
+    "selective_mlp": dict(granularity="selective", modules=("mlp",)),
+    "selective_both": dict(granularity="selective", modules=("core_attn", "mlp")),
+    "full_uniform_1": dict(granularity="full"),
+    "full_uniform_2": dict(granularity="full", method="uniform", num_layers=2),
+    "full_block_2": dict(granularity="full", method="block", num_layers=2),
+}
+
+
+def _cpu_rng_shim():
+    """Test-only: Megatron's checkpoint reads/sets the CUDA RNG state; on a CPU-only torch
+    those calls fail, and with dropout 0 nothing random is drawn, so they become no-ops."""
+    from megatron.core.tensor_parallel import random as mrandom
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.zeros(1)
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+
+
+def _build(kind, recompute, hidden_states=False):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_patches.model import build_gpt_model
+    from megatron_patches.trainer.recompute import Recompute
+    rc = Recompute(**recompute, model_layers=LAYERS) if recompute else Recompute()
+    config = TransformerConfig(
+        num_layers=LAYERS, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=48, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm", add_bias_linear=False, attention_dropout=0.0,
+        hidden_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
+        context_parallel_size=3, **rc.config_kwargs())
+    torch.manual_seed(1234)
+    model = build_gpt_model(config, kind=kind, vocab_size=VOCAB, max_sequence_length=SEQ,
+                            hybrid_pattern="LLLS", return_hidden_states=hidden_states)
+    model.train()
+    return model
+
+
+def _step(model, batch, chunked):
+    from megatron_patches.trainer.loss import micro_batch_loss
+    from megatron.core import parallel_state as ps
+    tok, pos, lab, msk = batch
+    loss = micro_batch_loss(model, tok, pos, lab, msk, impl="chunked" if chunked else "megatron",
+                            tp_group=ps.get_tensor_model_parallel_group(),
+                            dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+                            num_micro_batches=1, chunk_tokens=5)
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _worker(rank, world):
+    warnings.filterwarnings("ignore")
+    _cpu_rng_shim()
+    from megatron.core import parallel_state as ps
+    from sp_attention import shard_position_ids, shard_sequence, shift_labels
+    from megatron_patches.model import cp_context
+    ps.initialize_model_parallel(1, 1, context_parallel_size=world)
+    ctx = cp_context()
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = shift_labels(tokens)           # the last label is -100: left out by both losses
+    mask = (torch.rand(BATCH, SEQ, generator=g) > 0.2).float()
+    batch = (shard_sequence(tokens, ctx, dim=1),
+             shard_position_ids(SEQ, ctx).unsqueeze(0).expand(BATCH, -1),
+             shard_sequence(labels, ctx, dim=1), shard_sequence(mask, ctx, dim=1))
+    out = {"unequal": [], "loss_vs_megatron": {}}
+    for kind in ("softmax", "linear", "hybrid"):
+        for chunked in (False, True):
+            ref_loss, ref_grads = _step(_build(kind, None, chunked), batch, chunked)
+            if chunked:      # the chunked loss against the model's own loss, same weights
+                meg_loss, meg_grads = _step(_build(kind, None, False), batch, False)
+                out["loss_vs_megatron"][kind] = max(
+                    [float((ref_loss - meg_loss).abs() / meg_loss.abs())]
+                    + [float((ref_grads[n] - meg_grads[n]).norm() / meg_grads[n].norm())
+                       for n in meg_grads])
+            for name, setting in SETTINGS.items():
+                loss, grads = _step(_build(kind, setting, chunked), batch, chunked)
+                same = torch.equal(loss, ref_loss) and grads.keys() == ref_grads.keys() and \
+                    all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+                if not same:
+                    out["unequal"].append((kind, chunked, name))
+    return out
+
+
+def test_recompute_bit_identical_cp3_and_chunked_loss_matches_megatron():
+    results = run_distributed(_worker, 3, timeout=400)
+    for rank, res in enumerate(results):
+        assert res["unequal"] == [], (rank, res["unequal"])
+        for kind, err in res["loss_vs_megatron"].items():
+            assert err < 1e-5, (rank, kind, err)
+
+
+def test_recompute_flags_checked_with_the_fix():
+    from megatron_patches.trainer.recompute import Recompute
+    r = Recompute.from_flags("full", None, None, None, 16)
+    assert (r.method, r.num_layers) == ("uniform", 1) and r.recomputed_layers() == 16
+    assert Recompute.from_flags("full", "block", None, None, 16).num_layers == 16
+    assert Recompute.from_flags("selective", None, None, None, 16).modules == ("core_attn",)
+    assert Recompute.from_flags("full", "block", 3, None, 16).config_kwargs() == {
+        "recompute_granularity": "full", "recompute_method": "block",
+        "recompute_num_layers": 3}
+    for flags, needle in ((("full", "uniform", 3, None), "must divide --num-layers 16"),
+                          (("full", "block", 17, None), "must be in 1..16"),
+                          (("selective", "uniform", None, None), "full only"),
+                          (("full", None, None, ("mlp",)), "selective only"),
+                          (("selective", None, None, ("moe",)), "use some of"),
+                          (("selective", None, None, ("layernorm",)), "TransformerEngine"),
+                          (("partial", None, None, None), "use one of")):
+        with pytest.raises(ValueError, match=needle):
+            Recompute.from_flags(*flags, 16)
+    with pytest.raises(ValueError, match="needs a GPU"):
+        Recompute.from_flags("full", None, None, None, 16).check_device(on_gpu=False)
+    Recompute.from_flags(None, None, None, None, 16).check_device(on_gpu=False)
