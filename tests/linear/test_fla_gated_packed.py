@@ -18,7 +18,7 @@ from sp_attention.linear import gated_naive as gn
 from sp_attention.linear.kernel_set import FlaKernels
 from sp_attention.linear.leaf import decayed_sum, torch_leaf_backward
 from sp_attention.linear.leaves import leaves_backward, leaves_output
-from sp_attention.testing import assert_close, run_distributed
+from sp_attention.testing import assert_close
 
 from packed_cases import check_shard, make_inputs, per_document_reference
 
@@ -190,9 +190,11 @@ def test_gated_leaves_fla_path(T, needed, monkeypatch):
         assert_close(got, ref, TOL, name)
 
 
-def _world(rank, world):
+def cp_step_through_fla_path(rank, world):
     """A whole CP step through the fla path's stand-ins at every rank: gates unpacked (both
-    layouts, every schedule) and packed documents (gates and fixed slopes, both layouts)."""
+    layouts, every schedule) and packed documents (gates and fixed slopes, both layouts).
+    Runs in the P = 3 spawn of ``test_linear_cp.py`` (one spawn per world size); it replaces
+    torch.cuda's stream calls by no-ops in that worker process."""
     import torch.distributed as dist
 
     from sp_attention import build_sp_context, plan_packing, shard_sequence
@@ -238,6 +240,3 @@ def _world(rank, world):
                             f"fla packed {kind} {layout} rank{rank}")
     return True
 
-
-def test_cp_step_gated_and_packed_through_fla_path():
-    assert all(run_distributed(_world, 3, timeout=600))

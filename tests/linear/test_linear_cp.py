@@ -79,6 +79,9 @@ def _linear_world(rank, world):
     group = dist.new_group(list(range(world)))
     _check_group(group, world, f"P={world}", refs[world])
     gated_and_packed(group, world, rank)
+    if world == 3:      # the fla path with gates / packed documents (stand-ins), same spawn
+        from test_fla_gated_packed import cp_step_through_fla_path
+        cp_step_through_fla_path(rank, world)
     if world in (3, 4):
         _check_fp32_underflow(group, world)
     if world == 8:
