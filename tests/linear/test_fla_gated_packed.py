@@ -45,7 +45,8 @@ def _varlen(dense_fn, token_args, cu, per_seq=None, chunked=None, chunk=64):
     for n, (a, b) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
         nc = -(-(b - a) // chunk)
         kw = {name: t[:, a:b] for name, t in token_args.items()}
-        kw.update({name: (None if t is None else t[n:n + 1]) for name, t in (per_seq or {}).items()})
+        kw.update({name: (None if t is None else t[n:n + 1])
+                   for name, t in (per_seq or {}).items()})
         kw.update({name: t[:, c0:c0 + nc] for name, t in (chunked or {}).items()})
         outs.append(dense_fn(**kw))
         c0 += nc

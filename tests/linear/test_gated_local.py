@@ -194,7 +194,7 @@ hs, dhs, gcs, refs = [], [], [], []
 for n in range(len(cu) - 1):
     sl = slice(cu[n], cu[n + 1])
     qd, kd, vd, dod, gd = (x[:, sl].double() for x in (q, k, v, do, g))
-    S, D = torch.randn(1, H, K, V, dtype=torch.float64), torch.randn(1, H, K, V, dtype=torch.float64)
+    S, D = (torch.randn(1, H, K, V, dtype=torch.float64) for _ in range(2))
     hs.append(gated_chunk_states(kd, vd, gd, 64, S))
     dhs.append(fla_chunk_bwd_dh(qd, kd, vd, dod, None, D, 0.3, g=gate_sums_torch(gd, 64).gc)[0])
     gcs.append(gate_sums(g[:, sl], 64).gc)
@@ -211,7 +211,8 @@ cpu = torch.device("cpu")
 dq, dk, dg = chunk_dqkdg(q, k, v, do, torch.cat(hs, 1).float().contiguous(),
                          torch.cat(dhs, 1).float().contiguous(),
                          torch.cat(gcs + [torch.zeros(1, 5, H)], 1).contiguous(), 0.3,
-                         cu_seqlens=cu_seqlens_tensor(cu, cpu), chunk_indices=chunk_indices(cu, 64, cpu))
+                         cu_seqlens=cu_seqlens_tensor(cu, cpu),
+                         chunk_indices=chunk_indices(cu, 64, cpu))
 for n in range(len(cu) - 1):
     sl = slice(cu[n], cu[n + 1])
     err("dq varlen", dq[:, sl], refs[n][0]); err("dk varlen", dk[:, sl], refs[n][1])
