@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import subprocess
 import os
 import sys
 import time
@@ -131,8 +132,9 @@ def run_row(row, log_dir: str) -> dict:
                    tokens_per_s=sum(r["tokens_per_s"] for r in steady) / len(steady),
                    mfu=sum(r.get("mfu", 0.0) for r in steady) / len(steady),
                    step_time_s=sum(r["step_time_s"] for r in steady) / len(steady))
-    except torch.OutOfMemoryError:
+    except torch.OutOfMemoryError as e:
         out["status"] = "out of memory"
+        out["oom"] = str(e).split(". GPU")[0][:200]
     except ValueError as e:
         msg = str(e)
         out["status"] = "refused by the estimate" if "device holds" in msg else f"error: {msg}"
@@ -145,6 +147,22 @@ def run_row(row, log_dir: str) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     return out
+
+
+def run_row_in_subprocess(row, log_dir: str) -> dict:
+    """:func:`run_row` in a fresh process: rows run one after another in one process kept the
+    earlier rows' memory (the 256K rows ran out of memory after the 32K ones; alone they fit)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--run-row", json.dumps(list(row)),
+           "--log-dir", log_dir]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    sys.stderr.write(proc.stderr[-4000:])
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{") and '"bench": "long_context"' in line:
+            return json.loads(line)
+    kind, seq, mode, mb, gbs, loss, steps = row
+    return {"bench": "long_context", "kind": kind, "seq": seq, "recompute": mode,
+            "loss_impl": loss, "status": f"error: exit {proc.returncode}: "
+            + (proc.stderr.strip().splitlines() or ["?"])[-1][:300]}
 
 
 def check_first_losses(rows: list) -> list:
@@ -205,7 +223,12 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the plan with estimates")
     p.add_argument("--table", metavar="FILE", help="print FILE's rows as a table and exit")
     p.add_argument("--out")
+    p.add_argument("--run-row", help=argparse.SUPPRESS)     # one row, in this process
+    p.add_argument("--log-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.run_row:
+        print(json.dumps(run_row(tuple(json.loads(args.run_row)), args.log_dir)), flush=True)
+        return 0
     if args.table:
         table(args.table)
         return 0
@@ -236,7 +259,7 @@ def main(argv=None) -> int:
                    "loss_impl": r[5], "status": "skipped: time budget",
                    "predicted_s": need, "left_s": left, "estimate_gib": estimate_gib(r)}
         else:
-            res = run_row(r, f"/tmp/long_context/{r[0]}_{r[1] // K}K_{r[2]}_{r[5]}")
+            res = run_row_in_subprocess(r, f"/tmp/long_context/{r[0]}_{r[1] // K}K_{r[2]}_{r[5]}")
         results.append(res)
         if r in longest and res["status"] == "out of memory":    # one retry, 1/16 shorter
             shorter = r[1] - r[1] // 16
