@@ -6,7 +6,9 @@ global position ids, DP batch split). The reference loss is independent of Megat
 ``F.cross_entropy(ignore_index=-100)`` on the 1×1×1 model's full logits. The tested side is
 the README's recipe (``global_loss_share`` over the DP×CP group, ``all_reduce_gradients``);
 the per-token loss at real targets (1e-6 relative), the global mean loss (1e-6) and every
-parameter gradient (1e-5 relative) are compared at every rank.
+parameter gradient (1e-5 relative) are compared at every rank. The same spawns check packed
+documents (THD batches, ``packed_parity.py``) against an independent plain-torch model run
+on each document alone and against the 1×1×1 model.
 """
 import warnings
 
@@ -24,6 +26,7 @@ pytest.importorskip("megatron.core")
 
 SEQ, BATCH, VOCAB, HEADS, GROUPS = 24, 2, 64, 4, 2
 CASES = [("softmax", "rope"), ("linear", "rope"), ("hybrid", "rope")]
+PACKED_KINDS = ("softmax",)
 
 
 def _config(tp: int, cp: int, num_layers: int = 4):
@@ -79,6 +82,7 @@ def _check_slopes(model, tp_rank, tp):
 
 def _worker(rank, world, tp, cp):
     warnings.filterwarnings("ignore")
+    import packed_parity
     from megatron.core import parallel_state as ps
     from megatron_patches.model import (cp_context, global_loss_share, grad_reduce_group,
                                         tp_shard_state_dict)
@@ -90,6 +94,8 @@ def _worker(rank, world, tp, cp):
     ps.initialize_model_parallel(1, 1, context_parallel_size=1)
     for kind, pos in cases:
         refs[kind, pos] = _reference(kind, pos, tokens)
+    packed_refs = {kind: packed_parity.references(_build(1, 1, kind, "rope"), HEADS, GROUPS)
+                   for kind in PACKED_KINDS}
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tp, 1, context_parallel_size=cp)
     tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
@@ -133,6 +139,11 @@ def _worker(rank, world, tp, cp):
         if tp > 1 and kind != "softmax":
             assert _check_slopes(model, tp_rank, tp) > 0
         report[kind, pos] = (err_loss, err_mean, worst)
+        if kind in PACKED_KINDS and pos == "rope":
+            model.zero_grad(set_to_none=True)
+            report[kind, "packed"] = packed_parity.check(
+                model, packed_refs[kind], tp_rank, tp, dp_rank, dp,
+                f"packed {kind} TP{tp} CP{cp} DP{dp}")
     ps.destroy_model_parallel()
     return report
 
@@ -144,3 +155,4 @@ def test_parity_with_single_process(tp, cp, dp):
     assert len(reports) == tp * cp * dp
     for r in reports:
         assert set(k for k, _ in r) == {"softmax", "linear", "hybrid"}
+        assert {k for k, p in r if p == "packed"} == set(PACKED_KINDS)
