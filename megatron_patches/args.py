@@ -16,7 +16,9 @@ parser is built from (same names, meanings, choices, defaults and help)::
     --softmax-bwd-head-last-stride N
 
 :func:`validate_args` raises ``ValueError`` naming the flag to change for every combination
-that cannot work or that Megatron would silently ignore.
+that cannot work or that Megatron would silently ignore. ``--reset-attention-mask
+--reset-position-ids`` (documents split at EOD) are honoured at every CP size: the launcher
+packs each micro-batch into a THD row cut by our packing plan (:mod:`megatron_patches.packing`).
 """
 from __future__ import annotations
 
@@ -79,9 +81,11 @@ def _check_megatron_flags(args) -> None:
     if getattr(args, "create_attention_mask_in_dataloader", False):
         raise ValueError("a dense attention mask cannot be honoured (the CP attention is causal "
                          "on the global sequence); pass --no-create-attention-mask-in-dataloader")
-    if getattr(args, "reset_attention_mask", False):
-        raise ValueError("--reset-attention-mask (per-document masks) is not supported by the "
-                         "CP attention; drop it")
+    if getattr(args, "reset_attention_mask", False) and not getattr(args, "reset_position_ids",
+                                                                     False):
+        raise ValueError("--reset-attention-mask packs each micro-batch as documents split at "
+                         "EOD (THD batches), whose positions restart per document: pass "
+                         "--reset-position-ids too")
     pos = getattr(args, "position_embedding_type", "rope")
     if pos not in ("rope", "learned_absolute"):
         raise ValueError(f"--position-embedding-type {pos}: use rope or learned_absolute")

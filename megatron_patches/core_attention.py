@@ -46,7 +46,7 @@ from sp_attention.linear.slopes import SLOPE_SCHEDULES, decay_slopes
 from sp_attention.packing import packing_context
 
 from .options import DEFAULT_SLOPE_SCHEDULE
-from .packing import plan_of
+from .packing import check_packed_seq_params, plan_of
 
 __all__ = ["SoftmaxCoreAttention", "LinearCoreAttention", "resolve_groups", "softmax_schedule_of"]
 
@@ -173,6 +173,7 @@ class _CPCoreAttention(MegatronModule):
         THD batches get the model's RoPE here, at the plan's positions."""
         if packed_seq_params is None:
             return _to_bshd(query), _to_bshd(key), _to_bshd(value), None
+        check_packed_seq_params(packed_seq_params)
         if query.dim() != 3:
             raise ValueError(f"THD packed_seq_params with query {tuple(query.shape)}: Megatron's "
                              "THD attention hands core attention [t, np, hn]")

@@ -68,7 +68,12 @@ def plan_of(params, ctx: SPContext, local_len: int, device=None) -> PackingPlan:
     cu = check_packed_seq_params(params)
     pctx = packing_context(ctx)
     row = pctx.world_size * local_len
-    plan = resolve_plan(cu, pctx, local_len, device=device, row_len=row)
+    try:
+        plan = resolve_plan(cu, pctx, local_len, device=device, row_len=row)
+    except ValueError as e:
+        raise ValueError(f"packed_seq_params: {e} (the THD row is CP × t = {pctx.world_size} × "
+                         f"{local_len} tokens; cut batches with "
+                         "megatron_patches.packing.pack_batch)") from None
     cu_kv = _boundaries(params, "kv")
     if cu_kv is not None and cu_kv is not cu and \
             resolve_plan(cu_kv, pctx, local_len, device=device, row_len=row) is not plan:
