@@ -5,8 +5,8 @@ add_arguments)`` on megatron-core >= 0.18, ``pretrain(..., extra_args_provider=a
 on 0.17). It adds :data:`megatron_patches.options.SP_OPTIONS`, the same table train.py's
 parser is built from (same names, meanings, choices, defaults and help)::
 
-    --sp-model-kind {softmax,linear,hybrid}     which layers the model has (launcher)
-    --sp-hybrid-pattern LLLS                    L linear / S softmax per layer, repeated
+    --sp-model-kind {softmax,linear,gated,hybrid}  which layers the model has (launcher)
+    --sp-hybrid-pattern LLLS                    L linear / G gated / S softmax per layer
     --sp-slope-schedule {long_range,lightning}  linear layers' per-head decay
     --context-parallel-impl {blelloch,allgather,ring,auto,megatron}
         linear layers' cross-rank scan (default: the library's); 'megatron' leaves attention to
@@ -46,7 +46,8 @@ def _kind_from_spec(args) -> Optional[str]:
     if not spec or spec[0] != "megatron_patches.specs":
         return None
     return {"softmax_layer_spec": "softmax", "linear_layer_spec": "linear",
-            "hybrid_layer_spec": "hybrid"}.get(spec[1] if len(spec) > 1 else "", "unknown")
+            "gated_layer_spec": "gated", "hybrid_layer_spec": "hybrid"}.get(
+                spec[1] if len(spec) > 1 else "", "unknown")
 
 
 def _check_megatron_impl(args, kind: str, spec_kind: Optional[str]) -> None:
@@ -105,7 +106,8 @@ def _checked(args) -> Optional[dict]:
     spec_kind = _kind_from_spec(args)
     if spec_kind == "unknown":
         raise ValueError(f"--spec {' '.join(args.spec)}: megatron_patches.specs offers "
-                         "softmax_layer_spec, linear_layer_spec and hybrid_layer_spec")
+                         "softmax_layer_spec, linear_layer_spec, gated_layer_spec and "
+                         "hybrid_layer_spec")
     kind = spec_kind or args.sp_model_kind
     if kind not in MODEL_KINDS:
         raise ValueError(f"--sp-model-kind {kind}: use one of {MODEL_KINDS}")

@@ -290,11 +290,16 @@ class LinearCoreAttention(_CPCoreAttention):
                 packed_seq_params=None, **kwargs):
         _check_call(attention_mask, attn_mask_type, attention_bias)
         q, k, v, plan = self._inputs(query, key, value, packed_seq_params)   # k, v: ng heads
+        q, decay = self._decay(q)
         packed = {} if plan is None else {"cu_seqlens": plan}
-        o = lightning_attention(q, k, v, self._slopes_for(q.device),
-                                ctx=self.sp_ctx if plan is None else self.packed_ctx,
-                                impl=self.cp_impl, scale=float(self.softmax_scale), **packed)
+        o = lightning_attention(q, k, v, ctx=self.sp_ctx if plan is None else self.packed_ctx,
+                                impl=self.cp_impl, scale=float(self.softmax_scale), **decay,
+                                **packed)
         return self._output(self._out_norm(o, q.dtype), packed=plan is not None)
+
+    def _decay(self, q: torch.Tensor):
+        """``(q, the decay keyword of lightning_attention)``: this layer's fixed slopes."""
+        return q, {"slopes": self._slopes_for(q.device)}
 
     def _out_norm(self, o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Per-head RMS norm in fp32 with the learnt weight, back in ``dtype``."""
@@ -305,9 +310,15 @@ class LinearCoreAttention(_CPCoreAttention):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """The output-norm weight is sharded over TP along dim 0 (distributed checkpoints)."""
+        return self._sharded(prefix, sharded_offsets, metadata, ("out_norm_weight",))
+
+    def _sharded(self, prefix, sharded_offsets, metadata, tp_dim0: tuple):
+        """Megatron's sharded state dict of this module: ``tp_dim0`` entries split over TP
+        along dim 0 (their heads), the rest replicated."""
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
         state_dict = self.state_dict(prefix="", keep_vars=True)
         dp_cp = metadata.get("dp_cp_group") if metadata else None
         groups = {} if dp_cp is None else {"tp_group": self.tp_group, "dp_cp_group": dp_cp}
-        return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"out_norm_weight": 0},
+        return make_sharded_tensors_for_checkpoint(state_dict, prefix,
+                                                   {name: 0 for name in tp_dim0},
                                                    sharded_offsets, **groups)

@@ -32,7 +32,7 @@ from sp_attention.layout import num_chunks
 from sp_attention.packing import PackingPlan, packing_context, plan_packing, resolve_plan
 
 __all__ = ["THD", "plan_of", "check_packed_seq_params", "packed_seq_params", "eod_cu_seqlens",
-           "pack_batch"]
+           "rows_cu_seqlens", "pack_batch"]
 
 THD = "thd"
 
@@ -101,6 +101,17 @@ def eod_cu_seqlens(tokens: torch.Tensor, eod: int) -> torch.Tensor:
     ends[:, -1] = True
     stops = (torch.nonzero(ends.reshape(-1)).squeeze(1) + 1).tolist()
     return torch.tensor([0] + stops, dtype=torch.int32)
+
+
+def rows_cu_seqlens(rows_cu, row_len: int) -> torch.Tensor:
+    """Boundaries (int32, CPU) of rows of ``row_len`` tokens laid end to end, from each row's
+    own boundaries ``rows_cu[i]`` (``0 … row_len``)."""
+    out = [0]
+    for i, cu in enumerate(rows_cu):
+        if cu[0] != 0 or cu[-1] != row_len:
+            raise ValueError(f"row {i}'s boundaries {list(cu)} must run from 0 to {row_len}")
+        out += [i * row_len + int(c) for c in cu[1:]]
+    return torch.tensor(out, dtype=torch.int32)
 
 
 def pack_batch(tensors: dict, cu_seqlens, ctx: SPContext, *, pad_values: Optional[dict] = None,

@@ -265,7 +265,7 @@ def check_loss_impl(impl: str, tp: int, device: torch.device) -> None:
 
 def micro_batch_loss(model, tokens, positions, labels, mask, *, impl: str, tp_group,
                      dp_cp_group, num_micro_batches: int,
-                     chunk_tokens: Optional[int] = None) -> torch.Tensor:
+                     chunk_tokens: Optional[int] = None, packed_seq_params=None) -> torch.Tensor:
     """This rank's share of the step's global mean loss from one micro-batch
     (``[b, s/cp]`` tensors): ``Σ masked token losses / (global real tokens · micro-batches)``
     (every micro-batch holds the same number of loss tokens, so the shares of a step add up to
@@ -275,17 +275,20 @@ def micro_batch_loss(model, tokens, positions, labels, mask, *, impl: str, tp_gr
     cross entropy over the full logits (the model returns per-token losses); ``chunked`` /
     ``liger`` — the model returns hidden states (``build_gpt_model(return_hidden_states=True)``)
     and :func:`linear_cross_entropy` / Liger-Kernel's fused linear cross entropy applies the
-    output layer chunk by chunk.
+    output layer chunk by chunk. ``packed_seq_params``: Megatron's THD parameters of a packed
+    micro-batch (``[1, L]`` tensors; ``megatron_patches.packing.pack_batch``), or None.
     """
     from sp_attention.reduce import global_token_count, global_token_mean
     # the tokens the mean counts: masked in, and not an ignored target (Megatron's cross
     # entropy has no ignore index, see megatron_patches.model.global_loss_share)
     keep = mask * (labels != IGNORE_INDEX).to(mask.dtype)
     if impl == "megatron":
-        token_loss = model(tokens, positions, attention_mask=None, labels=labels)   # [b, s]
+        token_loss = model(tokens, positions, attention_mask=None, labels=labels,
+                           packed_seq_params=packed_seq_params)                   # [b, s]
         return global_token_mean(token_loss.float(), keep, dp_cp_group) / num_micro_batches
     from megatron_patches.model import output_weight
-    hidden = model(tokens, positions, attention_mask=None)                       # [s, b, h]
+    hidden = model(tokens, positions, attention_mask=None,
+                   packed_seq_params=packed_seq_params)                          # [s, b, h]
     # labels in the hidden states' [s, b] order; tokens left out get ignore_index
     target = torch.where(keep.bool(), labels, torch.full_like(labels, IGNORE_INDEX))
     target = target.t().reshape(-1)

@@ -72,10 +72,8 @@ def run(model, rows: slice):
 
 def micro_batch_cu(rows: range) -> torch.Tensor:
     """Boundaries of ``rows`` laid end to end."""
-    out = [0]
-    for i, r in enumerate(rows):
-        out += [i * SEQ + c for c in ROW_CU[r][1:]]
-    return torch.tensor(out, dtype=torch.int32)
+    from megatron_patches.packing import rows_cu_seqlens
+    return rows_cu_seqlens([ROW_CU[r] for r in rows], SEQ)
 
 
 def linear_slopes(pattern: str, heads: int) -> dict:
