@@ -40,6 +40,7 @@ def main() -> None:
     h, b = chunk_fwd_h(k=k, v=v, g_gamma=gg, h0=None, output_final_state=True)
     S = torch.zeros(1, H, K, K, device=dev)
     S2 = torch.zeros(2, H, K, K, device=dev)
+    A2 = torch.ones(2, H, device=dev)
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
     side = torch.cuda.Stream()
 
@@ -64,11 +65,11 @@ def main() -> None:
         "our decayed_state_sum": lambda: decayed_state_sum(q, do, gg, 1, 1),
         "state_grad_local": lambda: state_grad_local(q, do, slopes, 1.0),
         "stream switch (2 waits)": switch,
-        "scan ring, world 1 zigzag": lambda: scan_rows(S2, q, slopes, zz, "ring", False),
-        "scan allgather, world 1 zigzag": lambda: scan_rows(S2, q, slopes, zz, "allgather", False),
-        "leaves_output (2 leaves)": lambda: leaves_output(qb, kb, vb, slopes, 1.0, lambda _: S2),
+        "scan ring, world 1 zigzag": lambda: scan_rows(S2, A2, zz, "ring", False),
+        "scan allgather, world 1 zigzag": lambda: scan_rows(S2, A2, zz, "allgather", False),
+        "leaves_output (2 leaves)": lambda: leaves_output(qb, kb, vb, slopes, 1.0, lambda *_: S2),
         "leaves_backward (2 leaves)": lambda: leaves_backward(qb, kb, vb, slopes, 1.0, S2, dob,
-                                                              lambda _: S2),
+                                                              lambda *_: S2),
         "lightning_attention fwd+bwd, one leaf": lambda: ours_fb(None),
         "lightning_attention fwd+bwd, world 1 zigzag": lambda: ours_fb(zz),
     }

@@ -32,6 +32,7 @@ from sp_attention.linear.attention import SCANS, leaf_rows, scan_rows  # noqa: E
 from sp_attention.linear.fla_ops import resolve_backend  # noqa: E402
 from sp_attention.linear.leaf import leaf_state, state_grad_local  # noqa: E402
 from sp_attention.linear.leaves import leaves_backward, leaves_output  # noqa: E402
+from sp_attention.linear.slope_constants import leaf_transition  # noqa: E402
 
 
 def _phases(q, k, v, slopes, do, ctx, impl, backend, timer, tuning) -> dict:
@@ -42,18 +43,19 @@ def _phases(q, k, v, slopes, do, ctx, impl, backend, timer, tuning) -> dict:
     n = len(ctx.leaves)
     qb, kb, vb, dob = (leaf_rows(t, n) for t in (q, k, v, do))
     b = leaf_state(kb, vb, slopes)
-    S = scan_rows(b, q, slopes, ctx, impl, False)
+    A = leaf_transition(slopes, qb.shape[1], qb.shape[0], b.dtype, q.device)
+    S = scan_rows(b, A, ctx, impl, False)
     d = state_grad_local(qb, dob, slopes, 1.0)
-    G = scan_rows(d, q, slopes, ctx, impl, True)
+    G = scan_rows(d, A, ctx, impl, True)
     return {
         "ms_state_fwd": timer(lambda: leaf_state(kb, vb, slopes)),
-        "ms_scan_fwd": timer(lambda: scan_rows(b, q, slopes, ctx, impl, False)),
-        "ms_local_fwd": timer(lambda: leaves_output(qb, kb, vb, slopes, 1.0, lambda _: S, backend,
+        "ms_scan_fwd": timer(lambda: scan_rows(b, A, ctx, impl, False)),
+        "ms_local_fwd": timer(lambda: leaves_output(qb, kb, vb, slopes, 1.0, lambda *_: S, backend,
                                                     tuning=tuning)),
         "ms_state_grad_bwd": timer(lambda: state_grad_local(qb, dob, slopes, 1.0)),
-        "ms_scan_bwd": timer(lambda: scan_rows(d, q, slopes, ctx, impl, True)),
+        "ms_scan_bwd": timer(lambda: scan_rows(d, A, ctx, impl, True)),
         "ms_local_bwd": timer(lambda: leaves_backward(qb, kb, vb, slopes, 1.0, S, dob,
-                                                      lambda _: G, backend, tuning=tuning)),
+                                                      lambda *_: G, backend, tuning=tuning)),
     }
 
 

@@ -22,6 +22,14 @@ streams and one after the other. What this cannot show is the waiting between ra
 `linear_cp.py` on several GPUs measures that.
 
     python benchmarks/linear_rank_programs.py --summary FILE.jsonl   # table of the JSON lines
+
+``--gated``: the same with per-token gates ``g`` (logsigmoid(x)/16, fp32) in place of the
+slopes. fla 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1 (fla #640), so
+the rows carry three baselines: ``fla fwd g`` (fla's own gated forward: ``ratio_fwd``), our
+one-leaf gated call (``ours P=1 g``: ``ratio`` as above), and ``fla g estimate``: fla's
+gated forward plus its gated backward kernels with the refused ``chunk_bwd_dqkwg`` timed as
+its fixed-rate twin (the same GEMMs, no dg): what fla with gates would cost if it ran
+(``ratio_fla_estimate``).
 """
 from __future__ import annotations
 
@@ -36,20 +44,24 @@ from benchmarks.common import (base_parser, device_name, emit, host_ahead_lost, 
 from sp_attention import LinearTuning, SPContext, lightning_attention  # noqa: E402
 from sp_attention.layout import leaves_of_rank  # noqa: E402
 from sp_attention.linear.attention import leaf_rows, scan_rows  # noqa: E402
+from sp_attention.linear.decay import Decay  # noqa: E402
 from sp_attention.linear.leaves import leaves_backward, leaves_output  # noqa: E402
 
-SUMMARY_COLS = ["impl", "layout", "world", "rank", "scan", "T_local", "ms", "ms_fwd", "ms_bwd",
-                "ms_fwd_bwd", "ratio", "ratio_slowest", "peak_mem_gb", "host_ahead_lost"]
+SUMMARY_COLS = ["impl", "decay", "layout", "world", "rank", "scan", "T_local", "ms", "ms_fwd",
+                "ms_bwd", "ms_fwd_bwd", "ratio", "ratio_slowest", "ratio_fwd",
+                "ratio_fla_estimate", "peak_mem_gb", "host_ahead_lost"]
 
 
 def rank_program(rank: int, world: int, layout: str, q, k, v, do, slopes, backend: str,
                  tuning: LinearTuning, scan: str = "ring"):
     """``(fwd, bwd, fwd_bwd)`` closures of rank ``rank``'s program at ``world`` ranks on its
     ``q, k, v, do [1, T_local, H, K]``, as `_LightningAttention` runs it. ``world == 1``: the
-    library's scan ``scan`` over a one-rank context; otherwise prepared states."""
+    library's scan ``scan`` over a one-rank context; otherwise prepared states. ``slopes``:
+    a slopes tensor or a :class:`~sp_attention.linear.decay.Decay` (gates of the shard)."""
     leaves = leaves_of_rank(rank, world, layout)
     n, L = len(leaves), (2 * world if layout == "zigzag" else world)
     qb, kb, vb, dob = (leaf_rows(t, n) for t in (q, k, v, do))
+    slopes = slopes.rows(n) if isinstance(slopes, Decay) else slopes
     zero_in = tuning.static_zero_paths and all(leaf == 0 for leaf in leaves)
     needed = tuple(leaf != 0 for leaf in leaves)
     zero_grad = tuning.static_zero_paths and all(leaf == L - 1 for leaf in leaves)
@@ -61,10 +73,10 @@ def rank_program(rank: int, world: int, layout: str, q, k, v, do, slopes, backen
     G[[j for j, leaf in enumerate(leaves) if leaf == L - 1]] = 0    # nor leaves the last one
     if world == 1:
         ctx = SPContext(None, 0, 1, layout=layout)
-        fscan = lambda b: scan_rows(b, q, slopes, ctx, scan, False)  # noqa: E731
-        bscan = lambda d: scan_rows(d, q, slopes, ctx, scan, True)  # noqa: E731
+        fscan = lambda b, A: scan_rows(b, A, ctx, scan, False)  # noqa: E731
+        bscan = lambda d, A: scan_rows(d, A, ctx, scan, True)  # noqa: E731
     else:
-        fscan, bscan = (lambda b: S), (lambda d: G)
+        fscan, bscan = (lambda b, A: S), (lambda d, A: G)
 
     def fwd():
         return leaves_output(qb, kb, vb, slopes, 1.0, fscan, backend, zero_in, tuning=tuning)
@@ -98,11 +110,11 @@ def ab_rows(q, k, v, do, slopes, backend: str, tuning: LinearTuning) -> dict:
     Z = torch.zeros_like(S)
 
     def out(zero_in, S_in):
-        return lambda: leaves_output(q, k, v, slopes, 1.0, lambda b: S_in, backend,
+        return lambda: leaves_output(q, k, v, slopes, 1.0, lambda b, A: S_in, backend,
                                      zero_in=zero_in, tuning=tuning)
 
     def back(S_in, G, **kw):
-        return lambda: leaves_backward(q, k, v, slopes, 1.0, S_in, do, lambda d: G, backend,
+        return lambda: leaves_backward(q, k, v, slopes, 1.0, S_in, do, lambda d, A: G, backend,
                                        tuning=tuning, **kw)
     return {"rank0 fwd, shortcut": out(True, Z), "rank0 fwd, no shortcut": out(False, Z),
             "rank1 fwd": out(False, S), "rank0 bwd": back(Z, S, needed=(False,)),
@@ -110,9 +122,14 @@ def ab_rows(q, k, v, do, slopes, backend: str, tuning: LinearTuning) -> dict:
             "rank1 bwd, no shortcut": back(S, Z)}
 
 
-def baselines(q, k, v, do, slopes, dev: str) -> dict:
-    """The single-GPU kernel on the same tokens: ``{"fwd": fn, "fwd+bwd": fn}``."""
+def baselines(q, k, v, do, slopes, dev: str, g=None) -> dict:
+    """The single-GPU kernel on the same tokens: ``{"fwd": fn, "fwd+bwd": fn}``; with gates
+    ``g`` (fla refuses its gated backward here): ``{"fwd": fla's gated forward, "fwd+bwd":
+    our one-leaf gated call, "estimate": fla's gated kernels with the refused one timed as
+    its fixed-rate twin}``."""
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    if g is not None:
+        return _gated_baselines(q, k, v, do, g, slopes, dev, (qg, kg, vg))
     if dev == "cuda":
         from fla.ops.simple_gla import chunk_simple_gla
 
@@ -127,6 +144,40 @@ def baselines(q, k, v, do, slopes, dev: str) -> dict:
     return {"fwd": lambda: f(q, k, v), "fwd+bwd": fb}
 
 
+def _gated_baselines(q, k, v, do, g, slopes, dev: str, grads) -> dict:
+    qg, kg, vg = grads
+    backend = "fla" if dev == "cuda" else "torch"
+
+    def ours():
+        lightning_attention(qg, kg, vg, g=g, scale=1.0, backend=backend).backward(do)
+    out = {"fwd+bwd": ours}
+    if dev != "cuda":
+        out["fwd"] = lambda: lightning_attention(q, k, v, g=g, scale=1.0, backend=backend)
+        return out
+    import math
+
+    from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
+    from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv
+    from fla.ops.simple_gla import chunk_simple_gla
+    from fla.ops.utils import chunk_local_cumsum
+    gg = (-slopes / math.log(2)).float()
+
+    def estimate():
+        o, _ = chunk_simple_gla(q, k, v, g=g, scale=1.0)          # fla's gated forward
+        gc = chunk_local_cumsum(g, 64, scale=1 / math.log(2))    # its backward's steps:
+        h, _ = chunk_fwd_h(k=k, v=v, g=gc, h0=None, output_final_state=False, chunk_size=64,
+                           states_in_fp32=True)
+        dh, _ = chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=None, scale=1.0, g=gc,
+                             chunk_size=64, states_in_fp32=True)
+        chunk_bwd_dv(q=q, k=k, do=do, dh=dh, g=gc, scale=1.0, chunk_size=64)
+        # the refused gated chunk_bwd_dqkwg, timed as its fixed-rate twin (no dg)
+        chunk_bwd_dqkwg(q=q, k=k, v=v, do=do, h=h, dh=dh, g_gamma=gg, scale=1.0, chunk_size=64)
+        chunk_local_cumsum(g, 64, reverse=True)                  # dg's reverse sums
+    out["fwd"] = lambda: chunk_simple_gla(q, k, v, g=g, scale=1.0)
+    out["estimate"] = estimate
+    return out
+
+
 def run_t(T: int, a, dev: str) -> None:
     device = torch.device("cuda", 0) if dev == "cuda" else torch.device("cpu")
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if dev == "cuda"
@@ -137,10 +188,14 @@ def run_t(T: int, a, dev: str) -> None:
     g = torch.Generator(device=device).manual_seed(11)
     q, k, v, do = (torch.randn(1, T, H, K, device=device, dtype=dtype, generator=g) * 0.1
                    for _ in range(4))
+    gates = (torch.nn.functional.logsigmoid(torch.randn(1, T, H, device=device, generator=g))
+             / 16) if a.gated else None
     mode = "queued" if dev == "cuda" else "eager"
     base = {"bench": "linear_rank_programs", "T_local": T, "H": H, "K": K,
             "dtype": str(dtype).replace("torch.", ""), "device": device_name(dev),
-            "timing": mode, "backend": backend}
+            "timing": mode, "backend": backend, "decay": "g" if a.gated else "slopes"}
+    if a.gated:
+        return run_gated(T, a, dev, q, k, v, do, slopes, gates, base)
 
     def timer(fn):
         fn()
@@ -186,6 +241,37 @@ def run_t(T: int, a, dev: str) -> None:
         emit(dict(base, impl=name, layout="contiguous", world=2, ms=timer(fn)), a.out, 0)
 
 
+def run_gated(T, a, dev, q, k, v, do, slopes, gates, base) -> None:
+    """The ``--gated`` rows: every rank's program with gates, against the three baselines."""
+    def timer(fn):
+        fn()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        return time_ms(fn, dev, a.warmup, a.iters, a.repeats, mode=base["timing"])
+    ref = baselines(q, k, v, do, slopes, dev, g=gates)
+    times = {name: timer(fn) for name, fn in ref.items()}
+    names = {"fwd": "fla fwd g" if dev == "cuda" else "torch fwd g", "fwd+bwd": "ours P=1 g",
+             "estimate": "fla g estimate"}
+    for name, ms in times.items():
+        emit(dict(base, impl=names[name], ms=ms), a.out, 0)
+    backend = base["backend"]
+    for layout, P, scan in programs(a.worlds, a.layouts, a.scans):
+        rows = []
+        for r in range(P):
+            fwd, bwd, fb = rank_program(r, P, layout, q, k, v, do, Decay(g=gates), backend,
+                                        LinearTuning(), "ring" if scan == "-" else scan)
+            tf, tb = timer(fwd), timer(bwd)
+            row = dict(base, impl="rank program", layout=layout, world=P, rank=r, scan=scan,
+                       ms_fwd=tf, ms_bwd=tb, ms_fwd_bwd=timer(fb),
+                       ratio=(tf + tb) / times["fwd+bwd"], ratio_fwd=tf / times["fwd"])
+            if "estimate" in times:
+                row["ratio_fla_estimate"] = (tf + tb) / times["estimate"]
+            rows.append(row)
+        worst = max(row["ratio"] for row in rows)
+        for row in rows:
+            emit(dict(row, ratio_slowest=worst, host_ahead_lost=host_ahead_lost()), a.out, 0)
+
+
 def main() -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4], help="CP sizes P")
@@ -196,6 +282,8 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--no-ab", action="store_true", help="skip the contiguous P = 2 A/B rows")
+    p.add_argument("--gated", action="store_true",
+                   help="per-token gates g in place of the slopes (see the module doc)")
     p.add_argument("--profile", action="store_true",
                    help="CUDA: print the kernels of fla's fwd / fwd+bwd and of the contiguous "
                         "P = 2 ranks' fwd / bwd")

@@ -3,7 +3,8 @@
 # tool's output folder; defaults to ./device-out elsewhere). Usage on a 2-GPU machine:
 #   bash scripts/device_sweep.sh [tests_softmax|softmax|linear|tests_linear|profile|
 #                                 linear_profile|host_launch|overlap_probe|linear_kernels|
-#                                 rank_programs|softmax_pieces|softmax_env|triton_cache ...]
+#                                 rank_programs|softmax_pieces|softmax_env|calibrate|
+#                                 triton_cache ...]
 # (default: all but profile)
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
@@ -65,6 +66,11 @@ for step in $steps; do
           > "$OUT/softmax_env_$e.log" 2>&1 || tail -5 "$OUT/softmax_env_$e.log"
       done
       python3 benchmarks/summarize.py "$OUT/softmax_env.jsonl" ;;
+    calibrate)   # the cost model's calibration: local kernels (fla, cuDNN) and element-wise
+                 # bandwidth, peak memory; with >= 2 GPUs the NCCL links too (< 1 min warm)
+      python3 -m sp_attention.calibrate --device cuda --world "$NGPU" \
+        --out "$OUT/calibration.json" --jsonl "$OUT/calibrate.jsonl" > "$OUT/calibrate.log" 2>&1
+      echo "exit $?" >> "$OUT/calibrate.log"; tail -3 "$OUT/calibrate.log" ;;
     triton_cache)   # pack Triton's autotuning results (not the kernels) for the next machine
       (cd "$HOME/.triton/cache" && find . -name '*.autotune.json' | tar czf "$OUT/autotune.tgz" -T -)
       ls -la "$OUT/autotune.tgz" ;;

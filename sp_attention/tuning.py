@@ -48,6 +48,12 @@ class LinearTuning:
         check_every_call: run the cross-rank call check (one small all-gather) on every call
             instead of once per new call signature: catches a rank that repeats an
             already-checked call while another changes it, at one collective per call.
+        check_gate_values: with per-token gates ``g``, check every new gate tensor for values
+            > 0 or non-finite before the op communicates, and agree on the outcome across the
+            group (a bad gate on one rank raises on every rank). Costs one device sync and,
+            at P > 1, one small all-gather per call with a new gate tensor (a training step:
+            every gated layer call). False skips both when the gates are non-positive by
+            construction (``-softplus(x)·exp(A_log)``, ``logsigmoid(x)``).
     """
 
     static_zero_paths: bool = False
@@ -55,9 +61,11 @@ class LinearTuning:
     concurrent_recurrences: bool = True
     auto_allgather_max_leaves: int = 16
     check_every_call: bool = False
+    check_gate_values: bool = True
 
     def __post_init__(self) -> None:
-        _check_bools(self, "static_zero_paths", "concurrent_recurrences", "check_every_call")
+        _check_bools(self, "static_zero_paths", "concurrent_recurrences", "check_every_call",
+                     "check_gate_values")
         if not is_int(self.side_stream_priority) or self.side_stream_priority > 0:
             raise ValueError("LinearTuning.side_stream_priority must be an int <= 0 (CUDA: "
                              f"lower is higher priority), got {self.side_stream_priority!r}")

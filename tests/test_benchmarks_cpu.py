@@ -57,7 +57,7 @@ def test_linear_rank_program_is_the_library_step():
             fwd, bwd, fb = lrp.rank_program(rank, P, layout, q, k, v, do, slopes, "torch",
                                             lrp.LinearTuning())
             assert fwd()[0].numel() == q.numel()
-            assert all(g.numel() == q.numel() for g in fb())
+            assert all(g.numel() == q.numel() for g in fb()[:3])
 
 
 def test_softmax_pieces_rows(capsys, monkeypatch):
@@ -90,3 +90,14 @@ def test_softmax_pieces_rows(capsys, monkeypatch):
     ag = [r for r in rows if r["impl"].endswith(("_allgather", "_ring_ag"))]
     assert len(ag) == 8 and all(r["comm"] == "fake_pg" and r["outputs_finite"] for r in ag)
     assert {"single_global", "single_t_local"} <= {r["impl"] for r in rows}
+
+
+def test_linear_rank_programs_gated_rows(capsys, monkeypatch):
+    """``--gated``: every rank's program with per-token gates, with its baselines."""
+    rows = _rows(lrp, ["--t-local", "64", "--heads", "2", "--head-dim", "8", "--gated",
+                       "--worlds", "1", "2"], capsys, monkeypatch)
+    prog = [r for r in rows if r["impl"] == "rank program"]
+    assert {(r["layout"], r["world"]) for r in prog} == {("zigzag", 1), ("contiguous", 2),
+                                                         ("zigzag", 2)}
+    assert all(r["decay"] == "g" and r["ratio"] > 0 and r["ratio_fwd"] > 0 for r in prog)
+    assert {r["impl"] for r in rows} >= {"ours P=1 g", "torch fwd g"}

@@ -3,7 +3,7 @@ entropy, vocabulary-parallel under TP.
 
 Why: the output layer's logits are ``[T, V]``; at 32K tokens × 128256 (Llama-3's vocabulary)
 the plain path (bf16 logits, fp32 copy, softmax, gradient) peaks at 62.6 GiB on one H200 and is
-the allocation that fails first at 48K (DESIGN.md §8b). Here the tokens are walked in chunks of
+the allocation that fails first at 48K (measured on one H200). Here the tokens are walked in chunks of
 ``chunk_tokens``: per chunk the logits ``h_c Wᵀ`` are formed, reduced to the per-token loss,
 turned into the logits' gradient ``(softmax − onehot)`` and consumed at once by the two GEMMs
 of the backward (``dh_c = g Wᵀ``, ``dW += gᵀ h_c``), so the only ``[·, V]`` tensor ever alive is

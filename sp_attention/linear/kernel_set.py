@@ -25,9 +25,12 @@ class FlaKernels:
     """The kernels the multi-leaf fla path runs, with fla 0.6's keyword signatures.
 
     ``chunk_fwd_h`` … ``chunk_bwd_dv``: fla's internal chunk kernels. ``output_from_states``:
-    :func:`sp_attention.linear.kernels.output_from_states`. ``state_sum(x, y, slopes, base,
-    step, scale)``: ``scale · Σ_t λ^(base + step·t) x_tᵀ y_t`` in fp32
-    (:func:`sp_attention.linear.leaf.decayed_sum`). :func:`fla_kernels` gives the real set;
+    :func:`sp_attention.linear.kernels.output_from_states` (``gates=`` for per-token gates).
+    ``state_sum(x, y, decay, base, step, scale, gates=None)``: ``scale · Σ_t λ^(base + step·t)
+    x_tᵀ y_t`` in fp32, or its gated form (:func:`sp_attention.linear.leaf.decayed_sum`).
+    ``chunk_dqkdg``: our dq/dk/dg kernel, which the gated path runs in place of fla's
+    ``chunk_bwd_dqkwg`` (:func:`sp_attention.linear.dqk_kernel.chunk_dqkdg`; None: a set
+    without it runs fixed slopes only). :func:`fla_kernels` gives the real set;
     another set runs the fla path's orchestration with other implementations (the CPU tests
     pass pure-torch stand-ins to :mod:`.leaves` and to
     :func:`sp_attention.linear.attention.lightning_attention_with_kernels`).
@@ -40,6 +43,7 @@ class FlaKernels:
     chunk_bwd_dv: Callable
     output_from_states: Callable
     state_sum: Callable
+    chunk_dqkdg: Optional[Callable] = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -58,11 +62,13 @@ def fla_kernels() -> FlaKernels:
     from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv, chunk_fwd_o
 
     from .autotune_seeds import install_once
+    from .dqk_kernel import chunk_dqkdg
     from .kernels import output_from_states
     install_once()      # shipped autotune results: a fresh machine's first step in seconds
     return FlaKernels(*(inspect.unwrap(f) for f in (chunk_fwd_h, chunk_fwd_o, chunk_bwd_dh,
                                                     chunk_bwd_dqkwg, chunk_bwd_dv)),
-                      output_from_states=output_from_states, state_sum=decayed_sum)
+                      output_from_states=output_from_states, state_sum=decayed_sum,
+                      chunk_dqkdg=chunk_dqkdg)
 
 
 def resolve_kernels(backend: Union[None, str, FlaKernels], q: torch.Tensor,

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .gates import GateSums
+
 # Candidate configs (BK, BV, warps, stages); pass ``config=`` to force one. Measured on an H200
 # at 32K, B 1, H 16, K = V = 128 (2026-11-23, benchmarks/linear_kernels.py): the stages hold the
 # fp32 S_in tile beside q, k and h in shared memory, so the pipelined configs fit one program
@@ -57,10 +59,10 @@ _CONFIGS = [OUTPUT_CANDIDATES[9], OUTPUT_CANDIDATES[8]]
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
-def _output_from_states_kernel(q, k, v, h, s_in, g_gamma, o, scale, T, NT,
+def _output_from_states_kernel(q, k, v, h, s_in, g_gamma, gc, prefix, o, scale, T, NT,
                                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                               PRECISION: tl.constexpr):
+                               PRECISION: tl.constexpr, USE_G: tl.constexpr):
     i_v = tl.program_id(0)
     i_t = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
@@ -74,11 +76,17 @@ def _output_from_states_kernel(q, k, v, h, s_in, g_gamma, o, scale, T, NT,
     h += ((i_b * NT + i_t) * H + i_h) * K * V
     s_in += i_bh * K * V
 
-    gamma = tl.load(g_gamma + i_h).to(tl.float32)      # log2 of the per-token decay (<= 0)
-    carry = tl.exp2(gamma * (i_t * BT).to(tl.float32))  # λ^(n·BT): S_in decayed to chunk n
-
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
+    if USE_G:
+        # per-token gates: chunk-local log2 sums, and the leaf's sum before chunk n
+        b_g = tl.load(gc + (tok0 + o_t) * H + i_h, mask=m_t, other=0.0)
+        before = tl.load(prefix + ((i_b * NT + i_t - 1) * H + i_h), mask=i_t > 0, other=0.0)
+        carry = tl.exp2(before)                         # S_in decayed to chunk n
+    else:
+        gamma = tl.load(g_gamma + i_h).to(tl.float32)  # log2 of the per-token decay (<= 0)
+        carry = tl.exp2(gamma * (i_t * BT).to(tl.float32))  # λ^(n·BT): S_in decayed to chunk n
+        b_g = gamma * (tl.arange(0, BT) + 1).to(tl.float32)    # log2 λ^(i+1), local i
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
@@ -97,7 +105,6 @@ def _output_from_states_kernel(q, k, v, h, s_in, g_gamma, o, scale, T, NT,
         b_o = tl.dot(b_q, b_s.to(b_q.dtype), b_o, input_precision=PRECISION)
         b_A = tl.dot(b_q, b_k, b_A, input_precision=PRECISION)
 
-    b_g = gamma * (tl.arange(0, BT) + 1).to(tl.float32)        # log2 λ^(i+1), local i
     b_o = b_o * tl.exp2(b_g)[:, None]
     causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
     # exponent masked before exp2: the upper triangle would be λ^(negative) = overflow
@@ -112,13 +119,14 @@ def _output_from_states_kernel(q, k, v, h, s_in, g_gamma, o, scale, T, NT,
 # Autotuned on the GPU; Triton's CPU interpreter has no benchmarker, so there the first config
 # is used as it is.
 _output_from_states_tuned = triton.autotune(configs=_CONFIGS,
-                                           key=["H", "K", "V", "BT", "PRECISION"])(
+                                           key=["H", "K", "V", "BT", "PRECISION", "USE_G"])(
     _output_from_states_kernel)
 
 
 def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor,
-                       S_in: torch.Tensor, g_gamma: torch.Tensor, scale: float,
-                       chunk_size: int = 64, config: int | None = None) -> torch.Tensor:
+                       S_in: torch.Tensor, g_gamma: torch.Tensor | None, scale: float,
+                       chunk_size: int = 64, config: int | None = None,
+                       gates: GateSums | None = None) -> torch.Tensor:
     """Launch the kernel: ``o [B, T, H, V]`` in ``v.dtype``.
 
     q, k ``[B, T, H, K]``, v ``[B, T, H, V]`` contiguous; ``h [B, N, H, K, V]`` the zero-start
@@ -126,7 +134,10 @@ def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: tor
     float dtype); ``S_in [B, H, K, V]`` fp32, the state entering the leaf; ``g_gamma [H]`` fp32
     log2 decay per token (``−slope / ln 2``). ``config``: index into
     :data:`OUTPUT_CANDIDATES` (default: autotuned over the offered :data:`_CONFIGS` on
-    the GPU, their first in Triton's CPU interpreter).
+    the GPU, their first in Triton's CPU interpreter). ``gates``: per-token decays
+    (:func:`sp_attention.linear.gates.gate_sums` of the rows, same ``chunk_size``) in place
+    of ``g_gamma`` (None then): the state entering chunk n is ``h_n + exp2(prefix_{n−1}) S_in``
+    and the decays inside a chunk are ``exp2(gc_i − gc_j)``.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -146,7 +157,10 @@ def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: tor
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), N, B * H)
     guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
-    args = (q, k, v, h, S_in, g_gamma, o, float(scale), T, N)
+    if (gates is None) == (g_gamma is None):
+        raise ValueError("output_from_states: pass exactly one of g_gamma and gates")
+    gc, prefix = (gates.gc, gates.prefix) if gates is not None else (g_gamma, g_gamma)
+    args = (q, k, v, h, S_in, g_gamma, gc, prefix, o, float(scale), T, N)
     # fp32 inputs get IEEE fp32 dots (fp32-accurate results); Triton's default for fp32 is
     # TF32 (10-bit mantissa: ~1.5e-3 relative RMS on an H200). 16-bit inputs are unaffected.
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -155,18 +169,20 @@ def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: tor
             # a fixed config (tests; the interpreter)
             cfg = _CONFIGS[0] if config is None else OUTPUT_CANDIDATES[config]
             _output_from_states_kernel[grid(cfg.kwargs)](
-                *args, H=H, K=K, V=V, BT=chunk_size, PRECISION=prec, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, **cfg.kwargs)
+                *args, H=H, K=K, V=V, BT=chunk_size, PRECISION=prec, USE_G=gates is not None,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)
         else:
-            _output_from_states_tuned[grid](*args, H=H, K=K, V=V, BT=chunk_size, PRECISION=prec)
+            _output_from_states_tuned[grid](*args, H=H, K=K, V=V, BT=chunk_size, PRECISION=prec,
+                                            USE_G=gates is not None)
     return o
 
 
-@triton.jit(do_not_specialize=["T", "n_per_split", "sx", "sy"])
-def _decayed_state_sum_kernel(x, y, g_gamma, part, scale, T, n_per_split, base, step, sx, sy,
+@triton.jit(do_not_specialize=["T", "n_per_split", "sx", "sy", "sg", "sp"])
+def _decayed_state_sum_kernel(x, y, g_gamma, gc, prefix, part, scale, T, n_per_split, base,
+                              step, sx, sy, sg, sp,
                               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                              X_ROWS: tl.constexpr):
+                              X_ROWS: tl.constexpr, USE_G: tl.constexpr):
     i_kv = tl.program_id(0)
     i_s = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
@@ -177,7 +193,13 @@ def _decayed_state_sum_kernel(x, y, g_gamma, part, scale, T, n_per_split, base, 
     i_h = i_bh % H
     x += i_b * sx + i_h * K                             # rows may be strided (sx, sy)
     y += i_b * sy + i_h * V
-    gamma = tl.load(g_gamma + i_h).to(tl.float32)
+    if USE_G:
+        gc += i_b * sg + i_h
+        prefix += i_b * sp + i_h
+        # step < 0: the leaf's end state, weights exp2(total − G_t) (total: the last prefix)
+        total = tl.load(prefix + (tl.cdiv(T, BT) - 1) * H)
+    else:
+        gamma = tl.load(g_gamma + i_h).to(tl.float32)
     o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
@@ -186,8 +208,15 @@ def _decayed_state_sum_kernel(x, y, g_gamma, part, scale, T, n_per_split, base, 
     for c in range(i_s * n_per_split, (i_s + 1) * n_per_split):
         o_t = c * BT + tl.arange(0, BT)
         m_t = o_t < T
-        # exponent >= 0 inside the leaf (w <= 1); rows past T are masked before exp2 (inf * 0)
-        w = tl.exp2(gamma * tl.where(m_t, base + step * o_t, 0).to(tl.float32))
+        if USE_G:
+            # exp2 of the leaf's inclusive sum at t: the chunk's local sum + all chunks before
+            before = tl.load(prefix + (c - 1) * H, mask=(c > 0) & ((c - 1) * BT < T), other=0.0)
+            G = tl.load(gc + o_t * H, mask=m_t, other=0.0) + before
+            # exponent <= 0 inside the leaf; rows past T masked before exp2 (inf * 0)
+            w = tl.exp2(tl.where(m_t, tl.where(step < 0, total - G, G), 0.0))
+        else:
+            # exponent >= 0 inside the leaf (w <= 1); rows past T masked before exp2 (inf * 0)
+            w = tl.exp2(gamma * tl.where(m_t, base + step * o_t, 0).to(tl.float32))
         if X_ROWS:
             # [BT, BK] as stored (K contiguous), weighted in fp32, fed transposed to the dot
             b_x = tl.load(x + o_t[:, None] * (H * K) + o_k[None, :],
@@ -219,7 +248,7 @@ STATE_CANDIDATES = [
                               (64, 128, 1, 4, 3), (128, 64, 1, 8, 3), (64, 64, 0, 4, 4))
 ]
 _STATE_CONFIGS = [STATE_CANDIDATES[i] for i in (0, 4, 5)]
-_decayed_state_sum_tuned = triton.autotune(configs=_STATE_CONFIGS, key=["H", "K", "V"])(
+_decayed_state_sum_tuned = triton.autotune(configs=_STATE_CONFIGS, key=["H", "K", "V", "USE_G"])(
     _decayed_state_sum_kernel)
 
 
@@ -228,9 +257,9 @@ def _sm_count(index) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor, base: int,
+def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor | None, base: int,
                       step: int, splits: int | None = None, scale: float = 1.0,
-                      config: int | None = None) -> torch.Tensor:
+                      config: int | None = None, gates: GateSums | None = None) -> torch.Tensor:
     """``scale · Σ_t exp2(g_gamma·(base + step·t)) x_tᵀ y_t`` -> ``[B, H, K, V]`` fp32.
 
     x ``[B, T, H, K]``, y ``[B, T, H, V]``, one 16-bit dtype, each row ``x[b]`` contiguous (the
@@ -240,13 +269,20 @@ def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor, b
     pieces summed at the end in a fixed order (default: about two programs per SM per tile).
     ``config``: index into :data:`STATE_CANDIDATES` (default: autotuned over the offered
     :data:`_STATE_CONFIGS` on the GPU, their first in Triton's CPU interpreter).
+    ``gates``: per-token decays in place of ``g_gamma`` (None then; rows ``gc[b]`` and
+    ``prefix[b]`` contiguous, strided like x's rows; ``base`` unused): ``step > 0`` weighs
+    by ``exp(G_t)`` with G the row's inclusive sum of g at t (the state-gradient
+    contribution of a gated leaf, x = q, y = dO), ``step < 0`` by ``exp(Γ − G_t)`` with Γ the
+    row's total (its end state from zero, x = k, y = v).
     """
     B, T, H, K = x.shape
     V = y.shape[-1]
     if not (x[0].is_contiguous() and y[0].is_contiguous()) or y.shape[:3] != x.shape[:3]:
         raise ValueError(f"decayed_state_sum: x {tuple(x.shape)} and y {tuple(y.shape)} must have "
                          "contiguous rows and equal B, T, H")
-    if min(base, base + step * (T - 1)) < 0:
+    if (gates is None) == (g_gamma is None):
+        raise ValueError("decayed_state_sum: pass exactly one of g_gamma and gates")
+    if gates is None and min(base, base + step * (T - 1)) < 0:
         raise ValueError("decayed_state_sum: base + step·t must be >= 0 for every t")
     BT = 64
     n_chunks = triton.cdiv(T, BT)
@@ -259,14 +295,24 @@ def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor, b
 
     def grid(meta):
         return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]), splits, B * H)
-    args = (x, y, g_gamma, part, float(scale), T, per, base, step, x.stride(0), y.stride(0))
+    if gates is not None:
+        gc, prefix = gates.gc, gates.prefix
+        if not (gc[0].is_contiguous() and prefix[0].is_contiguous()) or gc.shape != x.shape[:3]:
+            raise ValueError("decayed_state_sum: gates must be [B, T, H] with contiguous rows")
+        if prefix.shape[1] != triton.cdiv(T, 64):
+            raise ValueError("decayed_state_sum: gates must be summed in chunks of 64")
+        sg, sp = gc.stride(0), prefix.stride(0)
+    else:
+        gc, prefix, sg, sp = g_gamma, g_gamma, 0, 0
+    args = (x, y, g_gamma, gc, prefix, part, float(scale), T, per, base, step, x.stride(0),
+            y.stride(0), sg, sp)
     guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
     with guard:
         if config is not None or os.environ.get("TRITON_INTERPRET") == "1":
             cfg = STATE_CANDIDATES[config or 0]
             _decayed_state_sum_kernel[grid(cfg.kwargs)](
-                *args, H=H, K=K, V=V, BT=BT, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                **cfg.kwargs)
+                *args, H=H, K=K, V=V, BT=BT, USE_G=gates is not None, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, **cfg.kwargs)
         else:
-            _decayed_state_sum_tuned[grid](*args, H=H, K=K, V=V, BT=BT)
+            _decayed_state_sum_tuned[grid](*args, H=H, K=K, V=V, BT=BT, USE_G=gates is not None)
     return part[0] if splits == 1 else part.sum(0)

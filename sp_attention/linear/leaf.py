@@ -15,6 +15,11 @@ Backward with do = dL/do and G = dL/dS_end (from later leaves):
 
 All decays are exp(-s * n) in fp32 (fp64 for fp64 inputs); nothing divides by lam^C.
 
+Per-token gates (a :class:`~sp_attention.linear.decay.Decay` with ``g``) replace lam^(i+1) by
+exp(G_i) and lam^(C-1-j) by exp(G_last - G_j) (G: inclusive sums of g in the leaf); the
+backward adds dg (the math: ``sp_attention/linear/README.md``). Every op here takes either a
+slopes tensor (fixed rates) or a Decay.
+
 Backends: "torch" (chunked pure torch, :mod:`.torch_ops`, any device/dtype, backward by
 autograd on a recomputed forward that lives only inside the call) and "fla" (fla-core's Triton
 chunk_simple_gla kernels, CUDA, fp16/bf16/fp32; conventions in :mod:`.fla_ops`). None picks
@@ -22,15 +27,19 @@ fla when it can run. Several leaves at once, overlapped with the scans: :mod:`.l
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from ..precision import acc_dtype
 from ..validation import autocast_off
+from .decay import Decay, as_decay
 from .fla_ops import CHUNK, fla_import_error, resolve_backend
+from .gates import GateSums
 from .slope_constants import decay_weights, fla_g_gamma
-from .torch_ops import chunked_core, decay_powers
+from .torch_ops import decay_powers
+
+DecayLike = Union[torch.Tensor, Decay]
 
 __all__ = ["leaf_forward", "inter_output", "leaf_state", "leaf_output", "state_grad_local",
            "leaf_backward", "torch_leaf_backward", "decayed_sum"]
@@ -40,7 +49,7 @@ def _state_or_none(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if x is None else x.to(torch.float32).contiguous()
 
 
-def leaf_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
+def leaf_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: DecayLike,
                  scale: float, backend: Optional[str] = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero-start output and end state of one leaf.
@@ -50,7 +59,17 @@ def leaf_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torc
                            v.dtype for "fla" (the kernel writes the input dtype);
       b [B, H, K, V]: sum_j lam^(C-1-j) k_j^T v_j; fp32 (fp64 for fp64 inputs).
     """
+    decay = as_decay(slopes)
     backend = resolve_backend(backend, q, k, v)
+    if backend == "fla" and decay.gated:
+        from fla.ops.simple_gla.chunk import chunk_simple_gla_fwd
+
+        # gates: padded rows of a partial last chunk read g = 0, so the final state is exact
+        with torch.cuda.device(q.device):
+            return chunk_simple_gla_fwd(
+                q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), scale=float(scale),
+                initial_state=None, output_final_state=True, chunk_size=CHUNK,
+                **decay.fla_kw(q.device))
     if backend == "fla":
         from fla.ops.simple_gla.chunk import chunk_simple_gla_fwd
 
@@ -64,50 +83,68 @@ def leaf_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torc
         with torch.cuda.device(q.device):
             o, b = chunk_simple_gla_fwd(
                 q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=None,
-                g_gamma=fla_g_gamma(slopes, q.device), scale=float(scale),
+                g_gamma=fla_g_gamma(decay.slopes, q.device), scale=float(scale),
                 initial_state=None, output_final_state=True, chunk_size=CHUNK,
             )
         return o[:, pad:], b
     with autocast_off(q.device):
-        return chunked_core(q, k, v, slopes, scale, None, CHUNK)
+        return decay.core(q, k, v, scale, None, CHUNK)
 
 
-def inter_output(q: torch.Tensor, slopes: torch.Tensor, scale: float, S_in: torch.Tensor) -> torch.Tensor:
-    """Contribution of the incoming state: scale * lam^(i+1) q_i @ S_in -> [B, C, H, V] fp32/fp64.
+def inter_output(q: torch.Tensor, slopes: DecayLike, scale: float,
+                 S_in: torch.Tensor) -> torch.Tensor:
+    """Contribution of the incoming state: scale * lam^(i+1) q_i @ S_in -> [B, C, H, V] fp32/fp64
+    (gates: scale * exp(G_i) q_i @ S_in).
 
     Local position i = 0 sees S_in decayed once (S_0 = lam S_in + k_0^T v_0), hence i + 1.
     """
-    dt = acc_dtype(q, S_in)
+    decay = as_decay(slopes)
+    dt = acc_dtype(q, S_in, decay.g)
     with autocast_off(q.device):
-        dec = decay_powers(slopes, q.shape[1], 1, dtype=dt, device=q.device)  # [H, C]
-        qd = q.to(dt) * dec.t()[None, :, :, None]  # [B, C, H, K]
+        if decay.gated:
+            qd = q.to(dt) * decay.weights(q.shape[1], False, dt, q.device)[..., None]
+        else:
+            dec = decay_powers(decay.slopes, q.shape[1], 1, dtype=dt, device=q.device)  # [H, C]
+            qd = q.to(dt) * dec.t()[None, :, :, None]  # [B, C, H, K]
         return scale * torch.einsum("bchk,bhkv->bchv", qd, S_in.to(dt))
 
 
-def decayed_sum(x: torch.Tensor, y: torch.Tensor, slopes: torch.Tensor, base: int, step: int,
-                scale: float = 1.0) -> torch.Tensor:
+def decayed_sum(x: torch.Tensor, y: torch.Tensor, slopes: DecayLike, base: int, step: int,
+                scale: float = 1.0, gates: Optional[GateSums] = None) -> torch.Tensor:
     """``scale · Σ_t λ^(base + step·t) x_tᵀ y_t`` -> [B, H, K, V], fp32 (fp64 for fp64).
 
+    Gates: the weights are ``exp(G_t)`` (``step > 0``, G inclusive from the first token: a
+    leaf's state-gradient contribution) or ``exp(Σ_{s>t} g_s)`` (``step < 0``: its end state
+    from zero); ``gates``: the kernel's sums of these rows if already made (e.g. strided views
+    of a batch of leaves' sums).
     16-bit CUDA inputs take the one-pass Triton kernel (fp32 accumulation, the weighted x
     rounded to the input dtype as the chunk kernels round their operands); everything else the
     compute-dtype einsum with the weights cached per slopes version.
     """
+    decay = as_decay(slopes)
     if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and y.dtype == x.dtype
             and fla_import_error() is None):
         from .kernels import decayed_state_sum
 
         def rows(t):    # the kernel takes strided rows (every n-th leaf) as they are
             return t if t[0].is_contiguous() else t.contiguous()
-        return decayed_state_sum(rows(x), rows(y), fla_g_gamma(slopes, x.device), base, step,
-                                 scale=scale)
-    dt = acc_dtype(x, y)
-    w = decay_weights(slopes, x.shape[1], base, step, dt, x.device)        # [H, C]
+        if decay.gated:
+            return decayed_state_sum(rows(x), rows(y), None, base, step, scale=scale,
+                                     gates=decay.sums if gates is None else gates)
+        return decayed_state_sum(rows(x), rows(y), fla_g_gamma(decay.slopes, x.device), base,
+                                 step, scale=scale)
+    dt = acc_dtype(x, y, decay.g)
     with autocast_off(x.device):
-        out = torch.einsum("bchk,bchv->bhkv", x.to(dt) * w.t()[None, :, :, None], y.to(dt))
+        if decay.gated:
+            xw = x.to(dt) * decay.weights(x.shape[1], step < 0, dt, x.device)[..., None]
+        else:
+            w = decay_weights(decay.slopes, x.shape[1], base, step, dt, x.device)    # [H, C]
+            xw = x.to(dt) * w.t()[None, :, :, None]
+        out = torch.einsum("bchk,bchv->bhkv", xw, y.to(dt))
     return out if scale == 1.0 else scale * out
 
 
-def leaf_state(k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor) -> torch.Tensor:
+def leaf_state(k: torch.Tensor, v: torch.Tensor, slopes: DecayLike) -> torch.Tensor:
     """End state of a leaf from a zero start, b = sum_j lam^(C-1-j) k_j^T v_j -> [B, H, K, V].
 
     One pass over k and v (no chunk recurrence): what the scan needs before the leaf's output
@@ -116,7 +153,8 @@ def leaf_state(k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor) -> torch.
     return decayed_sum(k, v, slopes, k.shape[1] - 1, -1)
 
 
-def state_grad_local(q: torch.Tensor, do: torch.Tensor, slopes: torch.Tensor, scale: float) -> torch.Tensor:
+def state_grad_local(q: torch.Tensor, do: torch.Tensor, slopes: DecayLike,
+                     scale: float) -> torch.Tensor:
     """dL/dS_in through this leaf's outputs only: scale sum_i lam^(i+1) q_i^T do_i -> [B, H, K, V].
 
     fp32 (fp64 for fp64 inputs); one pass over q and do. The full dL/dS_in adds lam^C * G.
@@ -124,7 +162,7 @@ def state_grad_local(q: torch.Tensor, do: torch.Tensor, slopes: torch.Tensor, sc
     return decayed_sum(q, do, slopes, 1, 1, scale)
 
 
-def leaf_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
+def leaf_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: DecayLike,
                 scale: float, S_in: Optional[torch.Tensor], backend: Optional[str] = None
                 ) -> torch.Tensor:
     """Complete output of a leaf entered with state ``S_in`` (None = zero): one kernel call
@@ -133,6 +171,7 @@ def leaf_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch
     q, k [B, C, H, K], v [B, C, H, V] -> o [B, C, H, V] in the input dtype for "fla",
     fp32/fp64 for "torch".
     """
+    decay = as_decay(slopes)
     backend = resolve_backend(backend, q, k, v)
     if backend == "fla":
         from fla.ops.simple_gla.chunk import chunk_simple_gla_fwd
@@ -141,57 +180,93 @@ def leaf_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch
         # leaf_forward) cannot reach the output; no padding needed here.
         with torch.cuda.device(q.device):
             o, _ = chunk_simple_gla_fwd(
-                q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=None,
-                g_gamma=fla_g_gamma(slopes, q.device), scale=float(scale),
+                q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), scale=float(scale),
                 initial_state=_state_or_none(S_in), output_final_state=False, chunk_size=CHUNK,
-            )
+                **decay.fla_kw(q.device))
         return o
     with autocast_off(q.device):
         s_in = None if S_in is None else S_in.to(acc_dtype(q, k, v, S_in))
-        return chunked_core(q, k, v, slopes, scale, s_in, CHUNK)[0]
+        return decay.core(q, k, v, scale, s_in, CHUNK)[0]
 
 
 def torch_leaf_backward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: DecayLike, scale: float,
     S_in: Optional[torch.Tensor], do: torch.Tensor, G: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple:
     """:func:`leaf_backward` of the "torch" backend: recompute the chunked forward from S_in
     under autograd and pull (do, G) back through it. The graph (and its per-chunk states) is
     freed when this call returns."""
-    dt = acc_dtype(q, k, v, S_in)
+    decay = as_decay(slopes)
+    dt = acc_dtype(q, k, v, S_in, decay.g)
     with torch.enable_grad(), autocast_off(q.device):
-        qd, kd, vd = (x.detach().to(dt).requires_grad_(True) for x in (q, k, v))
+        xs = [x.detach().to(dt).requires_grad_(True) for x in (q, k, v)]
+        if decay.gated:
+            xs.append(decay.g.detach().to(dt).requires_grad_(True))
+            local = Decay(g=xs[-1])
+        else:
+            local = Decay(slopes=decay.slopes.detach())
         s_in = None if S_in is None else S_in.detach().to(dt)
-        o, S_end = chunked_core(qd, kd, vd, slopes.detach(), scale, s_in, CHUNK)
+        o, S_end = local.core(*xs[:3], scale, s_in, CHUNK)
         outs, grads = [o], [do.to(dt)]
         if G is not None:
             outs.append(S_end)
             grads.append(G.to(dt))
-        dq, dk, dv = torch.autograd.grad(outs, (qd, kd, vd), grads)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        got = torch.autograd.grad(outs, xs, grads)
+    dg = got[3].to(decay.g.dtype) if decay.gated else None
+    return got[0].to(q.dtype), got[1].to(k.dtype), got[2].to(v.dtype), dg
 
 
 def leaf_backward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: DecayLike, scale: float,
     S_in: Optional[torch.Tensor], do: torch.Tensor, G: Optional[torch.Tensor],
     backend: Optional[str] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Complete dq, dk, dv of one leaf (in q/k/v dtypes).
+) -> tuple:
+    """Complete ``(dq, dk, dv, dg)`` of one leaf (in q/k/v dtypes; ``dg`` in g's dtype, None
+    for fixed slopes).
 
     S_in [B, H, K, V]: state entering the leaf (None = zero). do [B, C, H, V]: dL/do of the
     leaf's full output (o_zero + inter). G [B, H, K, V]: dL/dS_end from later leaves (None =
-    zero). Includes the intra terms, the S_in term of dq and the G terms of dk and dv.
+    zero). Includes the intra terms, the S_in term of dq and the G terms of dk and dv (and
+    for gates, dg's terms through S_in and G).
     """
+    decay = as_decay(slopes)
     backend = resolve_backend(backend, q, k, v)
+    if backend == "fla" and decay.gated:
+        return _fla_gated_backward(q, k, v, decay, scale, S_in, do, G)
     if backend == "fla":
         from fla.ops.simple_gla.chunk import chunk_simple_gla_bwd
 
         with torch.cuda.device(q.device):
             dq, dk, dv, _dg, _dh0 = chunk_simple_gla_bwd(
                 q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=None,
-                g_gamma=fla_g_gamma(slopes, q.device), initial_state=_state_or_none(S_in),
+                g_gamma=fla_g_gamma(decay.slopes, q.device), initial_state=_state_or_none(S_in),
                 do=do.to(v.dtype).contiguous(), dht=_state_or_none(G), scale=float(scale),
                 chunk_size=CHUNK,
             )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-    return torch_leaf_backward(q, k, v, slopes, scale, S_in, do, G)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+    return torch_leaf_backward(q, k, v, decay, scale, S_in, do, G)
+
+
+def _fla_gated_backward(q, k, v, decay: Decay, scale: float, S_in, do, G) -> tuple:
+    """fla's gated chunk kernels (chunk states, state gradients, dv) and our dq/dk/dg kernel
+    in place of fla's ``chunk_bwd_dqkwg``, which fla 0.6.0 refuses with gates on Hopper with
+    Triton < 3.7.1 (fla #640; see :mod:`.dqk_kernel`)."""
+    import inspect
+
+    from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
+    from fla.ops.common.chunk_o import chunk_bwd_dv
+
+    from .dqk_kernel import chunk_dqkdg
+    # the Triton implementations, without fla's run-time backend selector (as kernel_set)
+    chunk_fwd_h, chunk_bwd_dh, chunk_bwd_dv = (inspect.unwrap(f) for f in (
+        chunk_fwd_h, chunk_bwd_dh, chunk_bwd_dv))
+    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.to(v.dtype).contiguous()
+    gc = decay.fla_kw(q.device)["g"]
+    with torch.cuda.device(q.device):
+        h, _ = chunk_fwd_h(k=k, v=v, g=gc, h0=_state_or_none(S_in), output_final_state=False,
+                           chunk_size=CHUNK, states_in_fp32=True)
+        dh, _ = chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=_state_or_none(G),
+                             scale=float(scale), g=gc, chunk_size=CHUNK, states_in_fp32=True)
+        dv = chunk_bwd_dv(q=q, k=k, do=do, dh=dh, g=gc, scale=float(scale), chunk_size=CHUNK)
+        dq, dk, dg = chunk_dqkdg(q, k, v, do, h, dh, gc, float(scale), CHUNK)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(decay.g.dtype)

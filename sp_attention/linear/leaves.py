@@ -3,8 +3,11 @@
 q, k, v, do here are ``[N, C, H, D]``: one row per leaf (a rank's leaves are equal-length
 pieces of its shard, so ``[B, n·C, ...]`` is viewed as ``[B·n, C, ...]``); S_in and G are
 ``[N, H, K, V]`` (zeros where no state enters / no gradient arrives, which is exact). The
-``scan`` callbacks map per-leaf states to the states entering the leaves (forward) or the
-gradients arriving at their ends (backward); they run the cross-rank communication.
+decay is fixed per-head rates or per-token gates ``[N, C, H]`` (a
+:class:`~sp_attention.linear.decay.Decay`, or a slopes tensor). The ``scan(x, A)`` callbacks
+map per-leaf states ``x`` with the leaves' transitions ``A [N, H]`` to the states entering the
+leaves (forward) or the gradients arriving at their ends (backward); they run the cross-rank
+communication.
 
 On the fla path three CUDA streams take part: the main stream; a high-priority "side" stream
 for the scan (latency-bound, a few small kernels and NCCL calls that a peer waits on); and, in
@@ -23,10 +26,10 @@ from ..precision import acc_dtype
 from ..tuning import LinearTuning
 from .fla_ops import CHUNK
 from .kernel_set import FlaKernels, resolve_kernels
+from .decay import Decay, as_decay
 from .leaf import decayed_sum, leaf_backward, leaf_output, leaf_state
-from .slope_constants import fla_g_gamma
 
-__all__ = ["leaves_output", "leaves_backward"]
+__all__ = ["leaves_output", "leaves_backward", "state_dtype"]
 
 _DEFAULT = LinearTuning()
 # Streams made once per (stream factory, device, role, priority), not per call; the factory is
@@ -60,82 +63,107 @@ def _scan_on_side_stream(scan: Callable, x, device: torch.device, priority: int)
     return out, side
 
 
-def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
+def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes,
                   scale: float, scan: Callable, backend: Union[None, str, FlaKernels] = None,
                   zero_in: bool = False, *, tuning: LinearTuning = _DEFAULT
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Outputs of N leaves: ``(o [N, C, H, V], S_in [N, H, K, V])`` where ``scan(b)`` maps the
-    leaves' zero-start end states ``b`` (fp32) to the states entering them.
+    """Outputs of N leaves: ``(o [N, C, H, V], S_in [N, H, K, V])`` where ``scan(b, A)`` maps
+    the leaves' zero-start end states ``b`` (fp32) to the states entering them.
 
     fla: the chunk recurrence runs from zero (``chunk_fwd_h``); its final state is ``b`` when
-    C is a multiple of the chunk, otherwise ``b`` comes from the one-pass state kernel, run
-    with the scan on the side stream beside the recurrence. The output kernel
-    (:func:`sp_attention.linear.kernels.output_from_states`) then adds ``λ^(n·BT) S_in`` to
-    each chunk state. ``zero_in``: no state enters any leaf (this rank holds only the
-    sequence's first leaf): the zero-start states are the states, fla's own output kernel runs
-    at once and the scan (this rank only sends) is joined afterwards. torch: ``b``, the scan,
-    then the chunked form. ``tuning.side_stream_priority``: the scan stream's priority.
-    ``backend``: ``"torch"``, ``"fla"``, None (fla where it can run) or a
+    C is a multiple of the chunk or the decay is gated, otherwise ``b`` comes from the
+    one-pass state kernel, run with the scan on the side stream beside the recurrence. The
+    output kernel (:func:`sp_attention.linear.kernels.output_from_states`) then adds
+    ``λ^(n·BT) S_in`` (gates: ``exp2(prefix) S_in``) to each chunk state. ``zero_in``: no state
+    enters any leaf (this rank holds only the sequence's first leaf): the zero-start states
+    are the states, fla's own output kernel runs at once and the scan (this rank only sends)
+    is joined afterwards. torch: ``b``, the scan, then the chunked form.
+    ``tuning.side_stream_priority``: the scan stream's priority. ``backend``: ``"torch"``,
+    ``"fla"``, None (fla where it can run) or a
     :class:`~sp_attention.linear.kernel_set.FlaKernels` set the fla path runs instead of fla's.
     """
+    decay = as_decay(slopes)
     kern = resolve_kernels(backend, q, k, v)
+    N, C = q.shape[:2]
     if kern is None:
-        S_in = scan(leaf_state(k, v, slopes))
-        return leaf_output(q, k, v, slopes, scale, S_in, "torch"), S_in
+        b = leaf_state(k, v, decay).to(state_dtype(q, decay, False))
+        S_in = scan(b, decay.transition(N, C, b.dtype, q.device))
+        return leaf_output(q, k, v, decay, scale, S_in, "torch"), S_in
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    gg = fla_g_gamma(slopes, q.device)
+    fkw = decay.fla_kw(q.device)
+
+    def with_A(x):          # the transitions in the states' dtype (fp32 on a GPU)
+        x = x.to(state_dtype(q, decay, True))
+        return scan(x, decay.fla_transition(N, C, x.dtype, q.device))
     main = torch.cuda.current_stream(q.device)
     prio = tuning.side_stream_priority
     with torch.cuda.device(q.device):
-        # fla 0.6.0 turns the final state of a partial last chunk into NaN for fast heads
-        # (see leaf.leaf_forward), so only whole chunks take the final state from the recurrence.
-        if k.shape[1] % CHUNK == 0:
-            h, b = kern.chunk_fwd_h(k=k, v=v, g=None, g_gamma=gg, h0=None,
-                                    output_final_state=True, chunk_size=CHUNK)
-            S_in, side = _scan_on_side_stream(scan, b, q.device, prio)
+        # fla 0.6.0 turns the final state of a partial last chunk into NaN for fast fixed
+        # rates (see leaf.leaf_forward; gates read g = 0 there, exactly), so only whole chunks
+        # or gates take the final state from the recurrence.
+        if k.shape[1] % CHUNK == 0 or decay.gated:
+            h, b = kern.chunk_fwd_h(k=k, v=v, h0=None, output_final_state=True,
+                                    chunk_size=CHUNK, **fkw)
+            S_in, side = _scan_on_side_stream(with_A, b, q.device, prio)
         else:   # b from the one-pass state kernel on the side stream, beside the recurrence
             S_in, side = _scan_on_side_stream(
-                lambda _: scan(kern.state_sum(k, v, slopes, k.shape[1] - 1, -1, 1.0)), None,
+                lambda _: with_A(kern.state_sum(k, v, decay, k.shape[1] - 1, -1, 1.0)), None,
                 q.device, prio)
-            h, _ = kern.chunk_fwd_h(k=k, v=v, g=None, g_gamma=gg, h0=None,
-                                    output_final_state=False, chunk_size=CHUNK)
+            h, _ = kern.chunk_fwd_h(k=k, v=v, h0=None, output_final_state=False,
+                                    chunk_size=CHUNK, **fkw)
         if zero_in:
-            o = kern.chunk_fwd_o(q=q, k=k, v=v, h=h, g=None, g_gamma=gg, scale=float(scale),
-                                 chunk_size=CHUNK)
+            o = kern.chunk_fwd_o(q=q, k=k, v=v, h=h, scale=float(scale), chunk_size=CHUNK,
+                                 **fkw)
             main.wait_stream(side)          # the send finishes behind the output kernel
             return o, S_in
         main.wait_stream(side)
         S_in = S_in.contiguous()
-        return kern.output_from_states(q, k, v, h, S_in, gg, scale, CHUNK), S_in
+        if decay.gated:
+            return kern.output_from_states(q, k, v, h, S_in, None, scale, CHUNK,
+                                           gates=decay.sums), S_in
+        return kern.output_from_states(q, k, v, h, S_in, fkw["g_gamma"], scale, CHUNK), S_in
 
 
-def _state_grads(q: torch.Tensor, do: torch.Tensor, slopes: torch.Tensor, scale: float,
-                 needed: Optional[tuple], state_sum: Callable) -> torch.Tensor:
+def state_dtype(q: torch.Tensor, decay: Decay, fla: bool) -> torch.dtype:
+    """The one dtype of the states a scan carries on this path, the same on every rank (the
+    all-gather moves fixed-size buffers): fp32, fp64 for fp64 inputs; the torch path also
+    follows fp64 gates (it sums them in their dtype), the fla path's kernels write fp32."""
+    return acc_dtype(q) if fla else acc_dtype(q, decay.g)
+
+
+def _state_grads(q: torch.Tensor, do: torch.Tensor, decay: Decay, scale: float,
+                 needed: Optional[tuple], state_sum: Callable, fla: bool) -> torch.Tensor:
     """Per-row state-gradient contributions ``[N, H, K, V]`` (fp32) of ``N = B·n`` rows (batch
     row-major, ``n = len(needed)`` leaves per batch row), computed only for the leaves in
     ``needed`` (None: all). The others are read by nobody (the sequence's first leaf has no
     earlier leaf to send its contribution to); they are zeros, which keeps every scan's
-    arithmetic finite."""
+    arithmetic finite. ``fla``: gates go to the kernel as their sums (strided per leaf)."""
+    dt = state_dtype(q, decay, fla)
     if needed is None or all(needed):
-        return state_sum(q, do, slopes, 1, 1, scale)
+        return state_sum(q, do, decay, 1, 1, scale).to(dt)
     n = len(needed)
-    d = q.new_zeros((q.shape[0], q.shape[2], q.shape[3], do.shape[3]), dtype=acc_dtype(q, do))
+    d = q.new_zeros((q.shape[0], q.shape[2], q.shape[3], do.shape[3]), dtype=dt)
     per_leaf = d.view(d.shape[0] // n, n, *d.shape[1:])
     for j in (j for j, keep in enumerate(needed) if keep):
         # leaf j of every batch row: a strided view of the rows, no copy
-        rows = (x.view(x.shape[0] // n, n, *x.shape[1:])[:, j] for x in (q, do))
-        per_leaf[:, j] = state_sum(*rows, slopes, 1, 1, scale)
+        rows = [x.view(x.shape[0] // n, n, *x.shape[1:])[:, j] for x in (q, do)]
+        if decay.gated:
+            dj = Decay(g=decay.g.view(decay.g.shape[0] // n, n, *decay.g.shape[1:])[:, j])
+            kw = {"gates": decay.sums.leaf(n, j)} if fla else {}
+            per_leaf[:, j] = state_sum(*rows, dj, 1, 1, scale, **kw)
+        else:
+            per_leaf[:, j] = state_sum(*rows, decay, 1, 1, scale)
     return d
 
 
-def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
+def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes,
                     scale: float, S_in: torch.Tensor, do: torch.Tensor, scan: Callable,
                     backend: Union[None, str, FlaKernels] = None,
                     needed: Optional[tuple] = None, zero_grad: bool = False, *,
-                    tuning: LinearTuning = _DEFAULT,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of N leaves entered with ``S_in``; ``scan(d)`` maps the leaves' state-gradient
-    contributions ``d`` (fp32) to the gradients ``G`` arriving at their ends.
+                    tuning: LinearTuning = _DEFAULT) -> tuple:
+    """``(dq, dk, dv, dg)`` of N leaves entered with ``S_in`` (``dg`` None for fixed rates);
+    ``scan(d, A)`` maps the leaves' state-gradient contributions ``d`` (fp32) to the gradients
+    ``G`` arriving at their ends.
 
     ``needed``: per leaf of a batch row (rows are batch-major, ``len(needed)`` leaves each),
     whether anyone reads its contribution (None: all); the others are not computed.
@@ -147,39 +175,51 @@ def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: t
     and runs the scan, since a peer waits on it; the recurrence stream recomputes the chunk
     states from ``S_in`` (``chunk_fwd_h``, which needs no ``G``); the main stream runs fla's
     gradient recurrence from ``G`` (``chunk_bwd_dh``) beside it, then dv and, once the chunk
-    states are in, dq and dk (fla's own backward, split up). ``tuning.
-    concurrent_recurrences=False`` runs the chunk states on the main stream first (the A/B).
+    states are in, dq and dk (fla's own backward, split up; gates: our dq/dk/dg kernel in
+    place of fla's ``chunk_bwd_dqkwg``). ``tuning.concurrent_recurrences=False`` runs the
+    chunk states on the main stream first (the A/B).
     """
+    decay = as_decay(slopes)
     kern = resolve_kernels(backend, q, k, v)
+    N, C = q.shape[:2]
     if kern is None:
-        G = scan(_state_grads(q, do, slopes, scale, needed, decayed_sum))
-        return leaf_backward(q, k, v, slopes, scale, S_in, do, G, "torch")
+        d = _state_grads(q, do, decay, scale, needed, decayed_sum, False)
+        G = scan(d, decay.transition(N, C, d.dtype, q.device))
+        return leaf_backward(q, k, v, decay, scale, S_in, do, G, "torch")
+    if decay.gated and kern.chunk_dqkdg is None:
+        raise ValueError("this kernel set has no chunk_dqkdg: it cannot run per-token gates")
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.to(v.dtype).contiguous()
-    gg = fla_g_gamma(slopes, q.device)
+    fkw = decay.fla_kw(q.device)
+
+    def grads_scanned(_):
+        d = _state_grads(q, do, decay, scale, needed, kern.state_sum, True)
+        return scan(d, decay.fla_transition(N, C, d.dtype, q.device))
     main = torch.cuda.current_stream(q.device)
     with torch.cuda.device(q.device):
         # d and the scan first, on the side stream: the peers' gradients wait on them.
-        G, side = _scan_on_side_stream(
-            lambda _: scan(_state_grads(q, do, slopes, scale, needed, kern.state_sum)), None,
-            q.device, tuning.side_stream_priority)
+        G, side = _scan_on_side_stream(grads_scanned, None, q.device,
+                                       tuning.side_stream_priority)
         concurrent = tuning.concurrent_recurrences
         rec = _stream(q.device, "recurrence") if concurrent else main
         if concurrent:
             rec.wait_stream(main)
         with torch.cuda.stream(rec):
-            h, _ = kern.chunk_fwd_h(k=k, v=v, g=None, g_gamma=gg, h0=S_in,
-                                    output_final_state=False, chunk_size=CHUNK,
-                                    states_in_fp32=True)
+            h, _ = kern.chunk_fwd_h(k=k, v=v, h0=S_in, output_final_state=False,
+                                    chunk_size=CHUNK, states_in_fp32=True, **fkw)
         if not zero_grad:
             main.wait_stream(side)
         dh, _ = kern.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None,
-                                  dht=None if zero_grad else G.contiguous(), scale=scale, g=None,
-                                  g_gamma=gg, chunk_size=CHUNK, states_in_fp32=True)
-        dv = kern.chunk_bwd_dv(q=q, k=k, do=do, dh=dh, g=None, g_gamma=gg, scale=scale,
-                               chunk_size=CHUNK)
+                                  dht=None if zero_grad else G.contiguous(), scale=scale,
+                                  chunk_size=CHUNK, states_in_fp32=True, **fkw)
+        dv = kern.chunk_bwd_dv(q=q, k=k, do=do, dh=dh, scale=scale, chunk_size=CHUNK, **fkw)
         if concurrent:
             main.wait_stream(rec)
-        dq, dk, _, _ = kern.chunk_bwd_dqkwg(q=q, k=k, v=v, do=do, h=h, dh=dh, g=None,
-                                            g_gamma=gg, scale=scale, chunk_size=CHUNK)
+        dg = None
+        if decay.gated:
+            dq, dk, dg = kern.chunk_dqkdg(q, k, v, do, h, dh, fkw["g"], scale, CHUNK)
+            dg = dg.to(decay.g.dtype)
+        else:
+            dq, dk, _, _ = kern.chunk_bwd_dqkwg(q=q, k=k, v=v, do=do, h=h, dh=dh, scale=scale,
+                                                chunk_size=CHUNK, **fkw)
         main.wait_stream(side)          # joined (a no-op unless zero_grad)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg

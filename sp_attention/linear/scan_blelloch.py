@@ -8,15 +8,17 @@ Each round is one ``batch_isend_irecv`` of single packed fp32 elements.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..comm import p2p_exchange
 from ..context import SPContext
 from ..layout import tree_scan_schedule
-from .scan_common import Element, LeafMap, check_elements, leaf_map
+from .scan_common import Element, ScanMap, check_elements, scan_map
 
 
-def _round(x: dict, pairs, leaves: LeafMap, ctx: SPContext, down: bool) -> None:
+def _round(x: dict, pairs, leaves: ScanMap, ctx: SPContext, down: bool) -> None:
     """One round: up-sweep ``right ← left ⊕ right``; down-sweep ``left ← right``,
     ``right ← right ⊕ left``."""
     me = ctx.rank
@@ -53,10 +55,15 @@ def _round(x: dict, pairs, leaves: LeafMap, ctx: SPContext, down: bool) -> None:
             x[p.left] = other
 
 
-def blelloch_scan(A: list, b: list, ctx: SPContext, reverse: bool = False) -> list:
-    """Exclusive prefix (suffix if ``reverse``) ``b`` state for each of this rank's leaves."""
-    check_elements(A, b, ctx)
-    leaves = leaf_map(ctx, reverse)
+def blelloch_scan(A: list, b: list, ctx: SPContext, reverse: bool = False,
+                  holders: Optional[tuple] = None, like=None) -> list:
+    """Exclusive prefix (suffix if ``reverse``) ``b`` state for each of this rank's leaves
+    (``holders``: the elements' holders in scan order, default the layout's leaves; ``like``
+    is unused here, see :func:`~.scan_allgather.allgather_scan`)."""
+    leaves = scan_map(ctx, reverse, holders)
+    check_elements(A, b, ctx, leaves)
+    if not leaves.local_positions:      # holds no element: takes part in no exchange
+        return []
     sched = tree_scan_schedule(leaves.num)
     x = {pos: Element(a, s) for pos, a, s in zip(leaves.local_positions, A, b)}
     for pairs in sched.up:

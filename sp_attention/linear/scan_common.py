@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..context import SPContext
-from ..layout import holder_of_leaf, leaves_of_rank, scan_position
+from ..layout import holder_of_leaf
 
 
 @dataclass
@@ -45,36 +45,76 @@ class Element:
         return Element(torch.ones_like(e.A), torch.zeros_like(e.b))
 
 
-class LeafMap:
-    """Where the leaves of the scan live, in scan order (positions), for one rank.
-    Get one with :func:`leaf_map` (cached)."""
+class ScanMap:
+    """Where the scan's elements live, in scan order (positions), for one rank: the leaves of
+    the layout (:func:`leaf_map`), or any explicit holder list, e.g. the crossing segments of
+    packed documents (:func:`element_map`). A rank's elements are passed to a scan in
+    ascending global order; ``local_positions`` gives their scan positions in that order."""
 
-    def __init__(self, rank: int, world_size: int, layout: str, num: int, reverse: bool):
-        self.reverse, self.num = reverse, num
-        self.local_leaves = leaves_of_rank(rank, world_size, layout)   # global ids, shard order
-        self.local_positions = [scan_position(l, num, reverse) for l in self.local_leaves]
-        self._holders = tuple(holder_of_leaf(scan_position(p, num, reverse), world_size, layout)
-                              for p in range(num))
+    def __init__(self, rank: int, holders: tuple, reverse: bool):
+        num = len(holders)
+        self.rank, self.reverse, self.num = rank, reverse, num
+        mine = [p for p, r in enumerate(holders) if r == rank]       # global order
+        self.local_positions = [num - 1 - p if reverse else p for p in mine]
+        self._holders = tuple(holders[::-1]) if reverse else tuple(holders)
+        counts: dict = {}
+        for r in holders:
+            counts[r] = counts.get(r, 0) + 1
+        self.max_per_rank = max(counts.values()) if counts else 0
+        # all-gather layout: rank r's i-th element (global order) in row r·max_per_rank + i
+        seen: dict = {}
+        rows = []
+        for r in holders:
+            rows.append(r * self.max_per_rank + seen.get(r, 0))
+            seen[r] = seen.get(r, 0) + 1
+        self.rows = tuple(rows[::-1]) if reverse else tuple(rows)
+        self._key = (rank, tuple(holders), reverse)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ScanMap) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
 
     def holder(self, position: int) -> int:
         """Group rank holding scan position ``position``."""
         return self._holders[position]
 
     def is_mine(self, position: int) -> bool:
-        return position in self.local_positions
+        return self._holders[position] == self.rank
+
+    def row(self, position: int) -> int:
+        """Row of ``position``'s element in the all-gathered buffer."""
+        return self.rows[position]
 
 
-def leaf_map(ctx: SPContext, reverse: bool) -> LeafMap:
-    """This rank's :class:`LeafMap`: pure rank arithmetic, built once per (rank, world size,
-    layout, direction) — the scans run on every layer call and the step is host-bound."""
+@functools.lru_cache(maxsize=256)
+def element_map(rank: int, holders: tuple, reverse: bool) -> ScanMap:
+    """The :class:`ScanMap` of an explicit holder list (forward scan order), cached."""
+    return ScanMap(rank, tuple(holders), bool(reverse))
+
+
+def leaf_map(ctx: SPContext, reverse: bool) -> ScanMap:
+    """This rank's :class:`ScanMap` of the layout's leaves: pure rank arithmetic, built once
+    per (rank, world size, layout, direction) — the scans run on every layer call and the
+    step is host-bound."""
     return _leaf_map(ctx.rank, ctx.world_size, ctx.layout, ctx.num_leaves, bool(reverse))
 
 
-_leaf_map = functools.lru_cache(maxsize=256)(LeafMap)
+@functools.lru_cache(maxsize=256)
+def _leaf_map(rank: int, world: int, layout: str, num: int, reverse: bool) -> ScanMap:
+    holders = tuple(holder_of_leaf(p, world, layout) for p in range(num))
+    return ScanMap(rank, holders, reverse)
 
 
-def check_elements(A: list, b: list, ctx: SPContext) -> None:
-    n = len(ctx.leaves)
+def scan_map(ctx: SPContext, reverse: bool, holders) -> ScanMap:
+    """The map a scan runs on: the layout's leaves (``holders`` None) or ``holders``."""
+    return leaf_map(ctx, reverse) if holders is None else element_map(ctx.rank, holders,
+                                                                       reverse)
+
+
+def check_elements(A: list, b: list, ctx: SPContext, leaves: ScanMap) -> None:
+    n = len(leaves.local_positions)
     if len(A) != n or len(b) != n:
-        raise ValueError(f"this rank holds {n} leaves ({ctx.layout}); got {len(A)} A and "
-                         f"{len(b)} b elements")
+        raise ValueError(f"this rank holds {n} scan elements ({ctx.layout}); got {len(A)} A "
+                         f"and {len(b)} b elements")

@@ -4,17 +4,24 @@ intra-leaf work is done before the scan starts, so only the state waits on the c
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..comm import p2p_exchange
 from ..context import SPContext
-from .scan_common import check_elements, leaf_map
+from .scan_common import check_elements, scan_map
 
 
-def ring_scan(A: list, b: list, ctx: SPContext, reverse: bool = False) -> list:
-    """Exclusive prefix (suffix if ``reverse``) ``b`` state for each of this rank's leaves."""
-    check_elements(A, b, ctx)
-    leaves = leaf_map(ctx, reverse)
+def ring_scan(A: list, b: list, ctx: SPContext, reverse: bool = False,
+              holders: Optional[tuple] = None, like=None) -> list:
+    """Exclusive prefix (suffix if ``reverse``) ``b`` state for each of this rank's leaves
+    (``holders``: the elements' holders in scan order, default the layout's leaves; ``like``
+    is unused here, see :func:`~.scan_allgather.allgather_scan`)."""
+    leaves = scan_map(ctx, reverse, holders)
+    check_elements(A, b, ctx, leaves)
+    if not leaves.local_positions:      # holds no element: takes part in no exchange
+        return []
     mine = dict(zip(leaves.local_positions, zip(A, b)))
     incoming = {}
     template = b[0]

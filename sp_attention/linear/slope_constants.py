@@ -19,7 +19,7 @@ import torch
 from ..caches import LRU
 
 __all__ = ["fla_g_gamma", "decay_weights", "leaf_transition", "check_slope_values",
-           "cached_constants", "num_cached_slopes"]
+           "check_gate_values", "cached_constants", "num_cached_slopes"]
 
 # id(slopes) -> (weakref to it, its _version, LRU {(constant name, *args): derived value}).
 # One entry per live slopes tensor (a finalizer drops it with the tensor); within an entry at
@@ -75,6 +75,28 @@ def check_slope_values(slopes: torch.Tensor) -> None:
                              f"got min {slopes.min().item()}")
         return True
     _cached(slopes, ("check_slope_values",), check)
+
+
+def check_gate_values(g: torch.Tensor) -> bool:
+    """Raise ``ValueError`` unless every gate is finite and <= 0; checked once per tensor and
+    version (the same cache as the slopes' constants). Reading the values on the host is one
+    device sync on CUDA: gates are activations, a new tensor every step, so a training step
+    pays it once per gated layer call (``LinearTuning(check_gate_values=False)`` skips it).
+    Returns True when the check ran now (False: this tensor version was checked before)."""
+    ran = []
+
+    def check() -> bool:
+        ran.append(True)
+        if bool((~torch.isfinite(g)).any() | (g > 0).any()):
+            bad = g[~torch.isfinite(g) | (g > 0)]
+            raise ValueError(
+                f"g must be finite and <= 0 (a log-decay per token: exp(g) in (0, 1]); got "
+                f"{bad.numel()} values like {bad.flatten()[0].item()}. Make it non-positive by "
+                "construction, e.g. g = -softplus(x) * exp(A_log) (Mamba2) or logsigmoid(x); "
+                "for document starts pass cu_seqlens instead of a -inf gate")
+        return True
+    _cached(g, ("check_gate_values",), check)
+    return bool(ran)
 
 
 def cached_constants(slopes: torch.Tensor) -> tuple[str, ...]:

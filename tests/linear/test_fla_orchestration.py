@@ -110,14 +110,15 @@ def _fake_fla(slopes: torch.Tensor) -> FlaKernels:
                         chunk_indices=None):
         log("chunk_bwd_dqkwg")
         assert scale == dh[2]
-        dq, dk, _ = _grads(q, k, v, do, h[:, 0], dh)      # h[:, 0] is the entering state
+        dq, dk = _grads(q, k, v, do, h[:, 0], dh)[:2]      # h[:, 0] is the entering state
         return dq, dk, None, None
 
-    def output_from_states(q, k, v, h, S_in, g_gamma, scale, chunk_size=64, config=None):
+    def output_from_states(q, k, v, h, S_in, g_gamma, scale, chunk_size=64, config=None,
+                           gates=None):
         log("output_from_states")
         return output_from_states_ref(q, k, v, h, S_in, slopes, scale, chunk_size).to(v.dtype)
 
-    def state_sum(x, y, slopes_, base, step, scale=1.0):
+    def state_sum(x, y, slopes_, base, step, scale=1.0, gates=None):
         # the one-pass state kernel: a leaf's end state (base C-1, step -1) or its
         # state-gradient contribution (base 1, step 1)
         log("leaf_state" if step < 0 else "state_grad_local")
@@ -148,7 +149,7 @@ SLOPES = torch.tensor([0.0, 0.05, 50.0], dtype=torch.float64)   # none, slow, λ
 
 def _scan_returning(result: torch.Tensor, seen: dict):
     """A scan callback that records its input (``seen["x"]``) and stream, returns ``result``."""
-    def scan(x):
+    def scan(x, A):
         LOG.append(("scan", _CURRENT[-1].name))
         seen["x"] = x
         return result
@@ -202,7 +203,7 @@ def test_leaves_backward_fla_path(concurrent, zero_grad, needed, monkeypatch):
     G = torch.zeros_like(G) if zero_grad else G
     seen = {}
     scan = _scan_returning(G, seen)
-    dq, dk, dv = leaves_backward(q, k, v, SLOPES, 0.7, S, do, scan, fake, needed, zero_grad,
+    dq, dk, dv, _ = leaves_backward(q, k, v, SLOPES, 0.7, S, do, scan, fake, needed, zero_grad,
                                  tuning=LinearTuning(concurrent_recurrences=concurrent))
     want_d = 0.7 * decayed_state_sum_ref(q, do, SLOPES, 1, 1)
     keep = torch.tensor(needed or (True,) * n).repeat(B)   # rows are batch-major

@@ -39,7 +39,7 @@ def test_leaf_backward_matches_autograd(with_init, with_G, kind):
     S0 = S0 if with_init else None
     G = G if with_G else None
     _, _, dq_r, dk_r, dv_r, dS0_r = reference_grads(q, k, v, slopes, 0.9, S0, do, G)
-    dq, dk, dv = leaf_backward(q, k, v, slopes, 0.9, S0, do, G, "torch")
+    dq, dk, dv, _ = leaf_backward(q, k, v, slopes, 0.9, S0, do, G, "torch")
     assert_close(dq, dq_r, TOL)
     assert_close(dk, dk_r, TOL)
     assert_close(dv, dv_r, TOL)
@@ -124,8 +124,8 @@ def test_fla_backend_matches_torch_bf16(with_state, T):
     assert_close(o_f.float(), o_t, 3e-3)
     assert_close(b_f, b_t, 3e-3)
 
-    dq_f, dk_f, dv_f = leaf_backward(q, k, v, slopes, scale, S0, do, G, "fla")
-    dq_t, dk_t, dv_t = leaf_backward(q32, k32, v32, slopes, scale, S0, do.float(), G, "torch")
+    dq_f, dk_f, dv_f, _ = leaf_backward(q, k, v, slopes, scale, S0, do, G, "fla")
+    dq_t, dk_t, dv_t, _ = leaf_backward(q32, k32, v32, slopes, scale, S0, do.float(), G, "torch")
     assert dq_f.dtype == torch.bfloat16
     assert_close(dq_f.float(), dq_t, 3e-3)
     assert_close(dk_f.float(), dk_t, 3e-3)
@@ -143,7 +143,7 @@ def test_fla_backend_fp32_exact_composition():
     ref = reference_grads(q.double(), k.double(), v.double(), slopes.double(), 1.0, S0, do, G)
     assert_close(o, ref[0], 3e-3)
     assert_close(S_end, ref[1], 3e-3)
-    dq, dk, dv = leaf_backward(q, k, v, slopes, 1.0, S0.float(), do.float(), G.float(), "fla")
+    dq, dk, dv, _ = leaf_backward(q, k, v, slopes, 1.0, S0.float(), do.float(), G.float(), "fla")
     for got, exp in zip((dq, dk, dv), ref[2:5]):
         assert_close(got, exp, 3e-3)
 

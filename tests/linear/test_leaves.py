@@ -31,11 +31,11 @@ def test_fla_leaves_overlapped_match_torch_bf16(T, concurrent):
     q32, k32, v32 = q.float(), k.float(), v.float()
     seen = {}
 
-    def scan_f(b):
+    def scan_f(b, A):
         seen["b"] = b.clone()
         return S0 * 1.0
 
-    def scan_b(d):
+    def scan_b(d, A):
         seen["d"] = d.clone()
         return G * 1.0
     o, S = leaves_output(q, k, v, slopes, 0.125, scan_f, "fla", tuning=tuning)
@@ -91,11 +91,11 @@ def test_fla_first_and_last_leaf_paths_match_torch_bf16(T, concurrent):
     q32, k32, v32 = q.float(), k.float(), v.float()
     seen = {}
 
-    def scan_first(b):          # what any scan returns to the first leaf: zeros
+    def scan_first(b, A):          # what any scan returns to the first leaf: zeros
         seen["b"] = b.clone()
         return torch.zeros_like(b)
 
-    def scan_last(d):           # ... and to the last leaf in reverse
+    def scan_last(d, A):           # ... and to the last leaf in reverse
         seen["d"] = d.clone()
         return torch.zeros_like(d)
     o, S = leaves_output(q, k, v, slopes, 0.125, scan_first, "fla", zero_in=True,

@@ -4,6 +4,10 @@ Every scan schedule × both layouts × P = 1…8, at every rank: output and dq, 
 relative of autograd through `recurrent_linear_attention` on the global sequence. Also DP > 1
 with TP-inner (non-contiguous) CP groups, odd and single heads, local lengths that are not a
 multiple of the kernel chunk, and decays that underflow (λ^C = 0) or are ≈ 1, or are exactly 1.
+In the same spawns (``packed_cases.gated_and_packed``): per-token gates (dg included, GQA,
+gates that underflow and that keep A near 1) and packed documents (gates and fixed slopes, the
+named boundary cases, isolation between documents at P = 3) against the per-document
+single-device recurrence.
 """
 import pytest
 import torch
@@ -12,6 +16,8 @@ from sp_attention import build_sp_context, shard_sequence
 from sp_attention.linear import lightning_attention
 from sp_attention.linear.naive import recurrent_linear_attention
 from sp_attention.testing import assert_close, megatron_groups, run_distributed, seeded
+
+from packed_cases import gated_and_packed
 
 # (B, chunk tokens per leaf, H, K, V, slopes)
 CASES = [
@@ -72,6 +78,10 @@ def _linear_world(rank, world):
     refs = {P: [_reference(c, P, 10 * i) for i, c in enumerate(CASES)] for P in {world, 2, 4}}
     group = dist.new_group(list(range(world)))
     _check_group(group, world, f"P={world}", refs[world])
+    gated_and_packed(group, world, rank)
+    if world == 3:      # the fla path with gates / packed documents (stand-ins), same spawn
+        from test_fla_gated_packed import cp_step_through_fla_path
+        cp_step_through_fla_path(rank, world)
     if world in (3, 4):
         _check_fp32_underflow(group, world)
     if world == 8:

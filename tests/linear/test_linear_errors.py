@@ -84,3 +84,65 @@ def test_auto_picks_the_schedule_for_the_leaf_count(world, layout, expect):
     ctx = SPContext(object() if world > 1 else None, 0, world, (), layout)
     assert resolve_impl("auto", ctx) == expect
     assert resolve_impl("blelloch", ctx) == "blelloch"
+
+
+def _g(B=1, T=8, H=2, value=-0.1):
+    return torch.full((B, T, H), value, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("change,match,exc", [
+    (dict(g=_g()), "exactly one of slopes", ValueError),                      # both
+    (dict(slopes=None), "exactly one of slopes", ValueError),                 # neither
+    (dict(slopes=None, g=_g().transpose(1, 2)), r"\[B, H, T\]: pass g.transpose", ValueError),
+    (dict(slopes=None, g=_g(H=3)), r"g must be \[B, T_local, H\] = \[1, 8, 2\]", ValueError),
+    (dict(slopes=None, g=torch.zeros(1, 8, 2, dtype=torch.int64)), "floating", ValueError),
+    (dict(slopes=None, g=_g().to("meta")), "g is on meta but q is on cpu", ValueError),
+    (dict(slopes=None, g=_g(value=0.5)), "finite and <= 0", ValueError),
+    (dict(slopes=None, g=_g(value=float("-inf"))), "cu_seqlens instead of a -inf", ValueError),
+    (dict(slopes=None, g=[[-0.1]]), "g must be a torch.Tensor", TypeError),
+    (dict(cu_seqlens=torch.tensor([0, 5, 5, 16])), "strictly increasing", ValueError),
+    (dict(cu_seqlens=torch.tensor([0, 5, 16.0])), "int32 or int64", TypeError),
+    (dict(cu_seqlens=torch.tensor([0, 5, 30])), "T_local", ValueError),
+])
+def test_bad_gates_and_boundaries_raise_before_communication(change, match, exc):
+    q, k, v = _qkv()
+    args = dict(slopes=torch.tensor([0.1, 0.2]), ctx=FAKE, impl="blelloch", scale=1.0,
+                backend="torch")
+    args.update(change)
+    with pytest.raises(exc, match=match):
+        lightning_attention(q, k, v, args.pop("slopes"), **args)
+
+
+def test_gate_value_check_can_be_skipped():
+    """check_gate_values=False reads no gate value (no device sync): a positive gate is then
+    the caller's responsibility (the math runs, the state grows)."""
+    from sp_attention import LinearTuning
+    q, k, v = _qkv()
+    single = SPContext(None, 0, 1, (0,), "contiguous")
+    out = lightning_attention(q, k, v, g=_g(value=0.05), ctx=single, backend="torch",
+                              tuning=LinearTuning(check_gate_values=False))
+    assert torch.isfinite(out).all()
+
+
+def _one_rank_bad_gate(rank, world):
+    """A positive gate on one rank only, after the same call signature passed once: every rank
+    raises (the gate check's outcome is exchanged whenever gate values were read)."""
+    import torch.distributed as dist
+
+    from sp_attention import build_sp_context
+    ctx = build_sp_context(dist.new_group(list(range(world))), layout="contiguous")
+    q, k, v = _qkv(T=6)
+    lightning_attention(q, k, v, g=_g(T=6), ctx=ctx, backend="torch")        # remembered now
+    bad = _g(T=6, value=0.3 if rank == 1 else -0.1)
+    try:
+        lightning_attention(q, k, v, g=bad, ctx=ctx, backend="torch")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_bad_gate_on_one_rank_raises_on_every_rank():
+    from sp_attention.testing import run_distributed
+    msgs = run_distributed(_one_rank_bad_gate, 2, timeout=120)
+    assert "finite and <= 0" in msgs[1]
+    assert "rank(s) [1] of the CP group rejected" in msgs[0] and "<= 0" in msgs[0]

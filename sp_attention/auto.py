@@ -1,0 +1,79 @@
+"""``impl="auto"`` and ``preset="auto"``: the cost model's choice for a call's tensors and
+context, logged once per layer shape.
+
+The decision itself is :func:`sp_attention.cost.choose_linear_scan` /
+:func:`~sp_attention.cost.choose_softmax_preset`; this module only builds their inputs from a
+call: the shape from the tensors, the :class:`~sp_attention.machine.Machine` for the device
+(the calibration file if one was measured on this device, else the built-in defaults; read
+once per process), and the :class:`~sp_attention.cost.Topology` from the group's global ranks
+and the ranks per node (torchrun's ``LOCAL_WORLD_SIZE``; all ranks on one node when unset).
+
+Every rank of a group must reach the same choice: they see the same shapes, and must see the
+same calibration (a shared file, or none). Callers should put the resolved schedule in the
+cross-rank call check's signature, so ranks that disagree raise instead of hanging.
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from .context import SPContext
+from .cost import (Choice, LinearShape, SoftmaxShape, Topology, choose_linear_scan,
+                   choose_softmax_preset, log_choice)
+from .machine import Machine, calibration_path, load_machine
+
+__all__ = ["machine_for", "topology_for", "auto_linear_scan", "auto_softmax_preset"]
+
+
+@lru_cache(maxsize=8)
+def _machine(device: str, path: str) -> Machine:
+    return load_machine(device, path)
+
+
+def machine_for(device: torch.device) -> Machine:
+    """The :class:`Machine` the cost model uses for tensors on ``device``."""
+    name = "cpu" if device.type != "cuda" else torch.cuda.get_device_name(device)
+    return _machine(name, calibration_path())
+
+
+def topology_for(ctx: SPContext, machine: Machine) -> Topology:
+    """Nodes of the group's ranks: ``global_rank // LOCAL_WORLD_SIZE`` (torchrun sets it;
+    unset: every rank on one node)."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if per_node < 1 or not ctx.global_ranks:
+        return Topology.single_node(ctx.world_size)
+    return Topology.of_ranks(ctx.global_ranks, per_node)
+
+
+def _itemsize(t: torch.Tensor) -> int:
+    return t.element_size()
+
+
+def auto_linear_scan(ctx: SPContext, q: torch.Tensor, v: torch.Tensor,
+                     machine: Optional[Machine] = None) -> Choice:
+    """The linear scan for ``q [B, T_local, H, K]``, ``v [.., V]`` on ``ctx`` (logged once per
+    shape, group size and layout)."""
+    m = machine or machine_for(q.device)
+    B, T, H, K = q.shape
+    shape = LinearShape(B, T, H, K, v.shape[-1], _itemsize(q))
+    choice = choose_linear_scan(shape, ctx.world_size, ctx.layout, m, topology_for(ctx, m))
+    log_choice("linear scan", (shape, ctx.world_size, ctx.layout), choice, m)
+    return choice
+
+
+def auto_softmax_preset(ctx: SPContext, q: torch.Tensor, k: torch.Tensor, *, causal: bool = True,
+                        heads_k_stride: Optional[int] = None,
+                        memory_limit_bytes: Optional[float] = None,
+                        machine: Optional[Machine] = None) -> Choice:
+    """The softmax preset for ``q [B, T_local, H, D]``, ``k [.., Hkv, D]`` on ``ctx`` (logged
+    once per shape, group size, layout and stride)."""
+    m = machine or machine_for(q.device)
+    B, T, H, D = q.shape
+    shape = SoftmaxShape(B, T, H, k.shape[2], D, _itemsize(q), bool(causal))
+    choice = choose_softmax_preset(shape, ctx.world_size, ctx.layout, m, topology_for(ctx, m),
+                                   heads_k_stride, memory_limit_bytes)
+    log_choice("softmax preset", (shape, ctx.world_size, ctx.layout, heads_k_stride), choice, m)
+    return choice

@@ -1,0 +1,345 @@
+"""Calibration probe: measure α and β of the CP links and the local kernels' rates on the
+machine at hand and save them for the cost model (:mod:`sp_attention.cost`).
+
+    python -m sp_attention.calibrate                        # CPU: kernels + gloo among 2 processes
+    python -m sp_attention.calibrate --device cuda          # one GPU: kernels (links: >= 2 GPUs)
+    torchrun --nproc-per-node 8 -m sp_attention.calibrate   # the links among 8 GPUs as well
+
+Writes the :class:`~sp_attention.machine.Machine` as JSON to ``--out`` (default
+:func:`~sp_attention.machine.calibration_path`: ``$SP_ATTENTION_CALIBRATION`` or
+``~/.cache/sp_attention/calibration.json``) and every raw measurement as a JSON line to
+``--jsonl`` (``benchmarks/report.py`` reads them). Takes seconds on a CPU, about a minute on a
+GPU (fla's autotuning on a cold cache takes longer). What it cannot measure keeps the default
+of :func:`~sp_attention.machine.default_machine`: links with fewer than two ranks, and always
+the inter-node link (not measured here).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .cost import LinearShape, linear_flops, softmax_flops
+from .machine import Link, Machine, calibration_path, default_machine, save_machine
+
+__all__ = ["fit_latency_rate", "time_ms", "probe_links", "probe_kernels", "calibrate", "main"]
+
+
+def fit_latency_rate(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Fit ``ms = a + x·b`` to ``(x, ms)`` points by least squares in *relative* error (a
+    small message's latency weighs as much as a large one's bandwidth); returns ``(a, b)``
+    with both clamped to >= 0 (``b`` to a tiny positive value)."""
+    if len(points) < 2:
+        raise ValueError(f"fit_latency_rate needs >= 2 points, got {len(points)}")
+    sw = sx = sxx = sm = sxm = 0.0
+    for x, m in points:
+        w = 1.0 / (m * m)
+        sw, sx, sxx, sm, sxm = sw + w, sx + w * x, sxx + w * x * x, sm + w * m, sxm + w * x * m
+    det = sw * sxx - sx * sx
+    b = (sw * sxm - sx * sm) / det if det else 0.0
+    b = max(b, 1e-30)
+    a = max((sm - b * sx) / sw, 0.0)
+    return a, b
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn: Callable[[], object], device: str, iters: int = 5, repeats: int = 5,
+            warmup: int = 2, barrier: Optional[Callable[[], None]] = None) -> float:
+    """ms per call. CUDA: the median over ``repeats`` of the mean of ``iters`` calls enqueued
+    behind a sleep kernel (the GPU's own time, the host ahead as inside a model; CUDA events).
+    CPU: the fastest of ``repeats × iters`` calls timed one by one, each after ``barrier``
+    (the ranks start together), since other processes on a shared machine only ever add time
+    (the ranks' own sharing of the cores is in every call: a CP step's ranks wait on each
+    other)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    out = []
+    for _ in range(repeats):
+        if barrier:
+            barrier()
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(50_000_000)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end) / iters)
+        else:          # every call timed alone, from a common start: the least disturbed counts
+            for i in range(iters):
+                if barrier and i:
+                    barrier()
+                t0 = time.perf_counter()
+                fn()
+                out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out) if device == "cuda" else min(out)
+
+
+def _row(what: str, device: str, **kw) -> dict:
+    return dict(bench="calibrate", what=what, device=_device_name(device), torch=torch.__version__,
+                date=time.strftime("%Y-%m-%d"), **kw)
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+def probe_links(rank: int, world: int, device: str, sizes: Sequence[int],
+                group=None) -> list[dict]:
+    """p2p ring hops (``batch_isend_irecv`` to the next rank, from the previous) and
+    all-gathers of ``sizes`` bytes per rank, timed on every rank (rows from rank 0)."""
+    from .comm import all_gather_flat
+    from .context import build_sp_context
+    group = group or dist.new_group(list(range(world)))
+    ctx = build_sp_context(group, layout="contiguous")
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else "cpu"
+    nxt, prv = ctx.global_ranks[(rank + 1) % world], ctx.global_ranks[(rank - 1) % world]
+
+    def barrier():
+        dist.barrier(group=group, device_ids=[torch.cuda.current_device()] if device == "cuda"
+                     else None)
+    rows = []
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4, device=dev)
+        recv = torch.empty_like(x)
+        out = torch.empty(world * x.numel(), device=dev)
+
+        def hop():
+            ops = [dist.P2POp(dist.isend, x, nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        for what, fn, moved in (("p2p", hop, nbytes),
+                                ("all_gather", lambda: all_gather_flat(out, x, ctx),
+                                 (world - 1) * nbytes)):
+            ms = time_ms(fn, device, iters=10, repeats=5, barrier=barrier)
+            t = torch.tensor([ms], dtype=torch.float64, device=dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            rows.append(_row(what, device, world=world, bytes=nbytes, bytes_moved=moved,
+                             ms=float(t.item())))
+    return rows
+
+
+def _link_worker(rank: int, world: int, device: str, sizes: Sequence[int]) -> list[dict]:
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    torch.set_num_threads(1)
+    return probe_links(rank, world, device, sizes)
+
+
+def fit_link(rows: Sequence[dict], world: int, base: Link) -> Link:
+    """A :class:`Link` from ``probe_links`` rows (p2p: α, β from bytes per hop; all-gather:
+    α, β from bytes received; ``step_us`` kept from ``base``: one world size says nothing
+    about how latency grows with P)."""
+    p2p = fit_latency_rate([(r["bytes_moved"], r["ms"]) for r in rows if r["what"] == "p2p"])
+    coll = fit_latency_rate([(r["bytes_moved"], r["ms"]) for r in rows
+                             if r["what"] == "all_gather"])
+    return Link(alpha_p2p_us=p2p[0] * 1e3, p2p_gbps=1e-6 / p2p[1],
+                alpha_coll_us=coll[0] * 1e3, coll_gbps=1e-6 / coll[1], step_us=base.step_us)
+
+
+_CPU_SHAPES = {"linear": dict(B=1, H=4, K=32, T=(256, 1024)),
+               "softmax": dict(B=1, H=8, Hkv=4, D=32, T=(128, 512))}
+_GPU_SHAPES = {"linear": dict(B=1, H=16, K=128, T=(8192, 16384, 32768)),
+               "softmax": dict(B=1, H=32, Hkv=8, D=128, T=(4096, 8192, 16384))}
+
+
+def _peak_bytes(fn: Callable[[], object], device: str) -> Optional[int]:
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def _linear_rows(device: str, dtype: torch.dtype, shapes: dict) -> list[dict]:
+    from .linear import lightning_attention
+    dev = "cuda" if device == "cuda" else "cpu"
+    B, H, K = shapes["B"], shapes["H"], shapes["K"]
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=dev)
+    rows = []
+    for T in shapes["T"]:
+        g = torch.Generator(device=dev).manual_seed(T)
+        q, k, v, do = (torch.randn(B, T, H, K, device=dev, dtype=dtype, generator=g) * 0.1
+                       for _ in range(4))
+        q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+
+        def fwd():
+            with torch.no_grad():
+                return lightning_attention(q, k, v, slopes)
+
+        def fwd_bwd():
+            return torch.autograd.grad(lightning_attention(q, k, v, slopes), (q, k, v), do)
+        ms_f, ms_fb = time_ms(fwd, device), time_ms(fwd_bwd, device)
+        shape = LinearShape(B, T, H, K, K, q.element_size())
+        rows.append(_row("linear", device, B=B, T=T, H=H, K=K, V=K, dtype=str(dtype)[6:],
+                         ms_fwd=ms_f, ms_fwd_bwd=ms_fb, flops_fwd_bwd=linear_flops(shape),
+                         peak_bytes=_peak_bytes(fwd_bwd, device)))
+    return rows
+
+
+def _softmax_rows(device: str, dtype: torch.dtype, shapes: dict) -> list[dict]:
+    from .softmax import context_parallel_attention
+    dev = "cuda" if device == "cuda" else "cpu"
+    B, H, Hkv, D = shapes["B"], shapes["H"], shapes["Hkv"], shapes["D"]
+    rows = []
+    for T in shapes["T"]:
+        g = torch.Generator(device=dev).manual_seed(T)
+        q, do = (torch.randn(B, T, H, D, device=dev, dtype=dtype, generator=g) for _ in range(2))
+        k, v = (torch.randn(B, T, Hkv, D, device=dev, dtype=dtype, generator=g) for _ in range(2))
+        q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+
+        def fwd():
+            with torch.no_grad():
+                return context_parallel_attention(q, k, v)
+
+        def fwd_bwd():
+            return torch.autograd.grad(context_parallel_attention(q, k, v), (q, k, v), do)
+        ms_f, ms_fb = time_ms(fwd, device), time_ms(fwd_bwd, device)
+        rows.append(_row("softmax", device, B=B, T=T, H=H, Hkv=Hkv, D=D, dtype=str(dtype)[6:],
+                         ms_fwd=ms_f, ms_fwd_bwd=ms_fb,
+                         flops_fwd=softmax_flops(B, H, T, T, D, True),
+                         peak_bytes=_peak_bytes(fwd_bwd, device)))
+    return rows
+
+
+def _memory_rows(device: str) -> list[dict]:
+    dev = "cuda" if device == "cuda" else "cpu"
+    n = (64 if device == "cuda" else 4) * 2 ** 20
+    x, y = torch.ones(n, device=dev), torch.ones(n, device=dev)
+    a, s1, s2 = (torch.ones(8, device=dev), torch.ones(8, 1024, device=dev),
+                 torch.ones(8, 1024, device=dev))
+    ms = time_ms(lambda: y.add_(x), device, iters=10)
+    # a small state combine, A·b1 + b2 (two ops and an allocation): the fixed cost per op
+    op = time_ms(lambda: s1.mul(a[:, None]).add_(s2), device, iters=50) / 2
+    return [_row("memory", device, bytes_moved=3 * 4 * n, ms=ms, op_ms=op)]
+
+
+def probe_kernels(device: str, shapes: Optional[dict] = None) -> list[dict]:
+    """Rows of the local kernels (the library's own ops at world size 1: linear fwd and
+    fwd + bwd, softmax likewise; peak memory on CUDA) and of element-wise bandwidth."""
+    shapes = shapes or (_GPU_SHAPES if device == "cuda" else _CPU_SHAPES)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return (_linear_rows(device, dtype, shapes["linear"])
+            + _softmax_rows(device, dtype, shapes["softmax"]) + _memory_rows(device))
+
+
+def fit_kernels(rows: Sequence[dict], base):
+    """The :class:`~sp_attention.machine.Kernels` that ``probe_kernels`` rows imply (fields
+    they do not inform are kept from ``base``)."""
+    lin = [r for r in rows if r["what"] == "linear"]
+    soft = [r for r in rows if r["what"] == "softmax"]
+    mem = [r for r in rows if r["what"] == "memory"]
+    kw = {}
+    if lin:
+        call, per = fit_latency_rate([(r["flops_fwd_bwd"], r["ms_fwd_bwd"]) for r in lin])
+        kw.update(linear_call_ms=call, linear_tflops=1e-9 / per,
+                  linear_fwd_share=statistics.median(r["ms_fwd"] / r["ms_fwd_bwd"] for r in lin))
+    if soft:
+        call_f, per_f = fit_latency_rate([(r["flops_fwd"], r["ms_fwd"]) for r in soft])
+        call_b, per_b = fit_latency_rate([(2.5 * r["flops_fwd"], r["ms_fwd_bwd"] - r["ms_fwd"])
+                                          for r in soft])
+        kw.update(softmax_call_ms=(call_f + call_b) / 2, softmax_fwd_tflops=1e-9 / per_f,
+                  softmax_bwd_tflops=1e-9 / per_b)
+        big = max(soft, key=lambda r: r["T"])
+        if big.get("peak_bytes"):
+            it = 2 if big["dtype"] in ("bfloat16", "float16") else 4
+            elems = big["B"] * big["T"] * big["H"] * big["D"]
+            kv = 2 * big["B"] * big["T"] * big["Hkv"] * big["D"] * it
+            lse = big["B"] * big["H"] * big["T"] * 4
+            kw["softmax_bwd_workspace"] = max(
+                (big["peak_bytes"] - 2 * elems * it - kv - lse) / elems, 0.0)
+    if mem:
+        kw.update(mem_gbps=mem[0]["bytes_moved"] / mem[0]["ms"] * 1e-6, op_us=mem[0]["op_ms"] * 1e3)
+    return dataclasses.replace(base, **kw)
+
+
+def calibrate(device: str, link_rows: Sequence[dict], kernel_rows: Sequence[dict],
+              world: int) -> Machine:
+    """The :class:`Machine` these measurements describe, on top of the device's defaults."""
+    base = default_machine(_device_name(device) if device == "cuda" else "cpu")
+    kernels = fit_kernels(kernel_rows, base.kernels)
+    if device == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        kernels = dataclasses.replace(kernels, cores=cores)
+    intra = fit_link(link_rows, world, base.intra) if link_rows else base.intra
+    if device == "cpu" and link_rows:   # gloo's ring collectives: one more pairwise step per rank
+        intra = dataclasses.replace(intra, step_us=intra.alpha_coll_us)
+    links = f"links among {world} ranks" if link_rows else "links: defaults (one rank)"
+    return dataclasses.replace(
+        base, name=f"calibrated {_device_name(device)}", kernels=kernels, intra=intra,
+        links_world=world if link_rows else 0,
+        inter=intra if device == "cpu" else base.inter, device=_device_name(device),
+        source=f"python -m sp_attention.calibrate, {time.strftime('%Y-%m-%d')}, "
+               f"torch {torch.__version__}; {links}; inter-node: "
+               + ("none (one host)" if device == "cpu" else "default, not measured"))
+
+
+def _write_jsonl(rows: Sequence[dict], path: Optional[str]) -> None:
+    for r in rows:
+        print(json.dumps(r, sort_keys=True), flush=True)
+    if path:
+        with open(path, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r, sort_keys=True) + "\n")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Machine:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cpu", "cuda"],
+                   default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", help="calibration JSON (default: %(default)s -> "
+                                 + calibration_path() + ")")
+    p.add_argument("--jsonl", help="append the raw measurements as JSON lines to this file")
+    p.add_argument("--world", type=int, default=2,
+                   help="ranks to spawn for the link probe when not under torchrun (CPU: gloo "
+                        "processes; CUDA: one per GPU, at most the GPUs present)")
+    p.add_argument("--no-links", action="store_true", help="measure the kernels only")
+    a = p.parse_args(argv)
+    sizes = [2 ** 16, 2 ** 18, 2 ** 20, 2 ** 22] if a.device == "cpu" else \
+        [2 ** 20, 2 ** 23, 2 ** 25, 2 ** 27]
+    if "RANK" in os.environ:               # torchrun: every rank probes the links
+        backend = "nccl" if a.device == "cuda" else "gloo"
+        if a.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        link_rows = [] if a.no_links or world < 2 else probe_links(rank, world, a.device, sizes)
+        kernel_rows = probe_kernels(a.device) if rank == 0 else []
+        dist.barrier()
+        dist.destroy_process_group()
+        if rank:
+            return None
+    else:
+        world = min(a.world, torch.cuda.device_count()) if a.device == "cuda" else a.world
+        kernel_rows = probe_kernels(a.device)
+        link_rows = []
+        if not a.no_links and world >= 2:
+            from .testing import run_distributed
+            link_rows = run_distributed(_link_worker, world, a.device, sizes,
+                                        backend="nccl" if a.device == "cuda" else "gloo")[0]
+    _write_jsonl(list(link_rows) + list(kernel_rows), a.jsonl)
+    machine = calibrate(a.device, link_rows, kernel_rows, world)
+    path = save_machine(machine, a.out)
+    print(f"sp_attention.calibrate: wrote {path} ({machine.source})", file=sys.stderr)
+    return machine
+
+
+if __name__ == "__main__":
+    main()

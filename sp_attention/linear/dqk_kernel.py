@@ -1,0 +1,190 @@
+"""Our Triton kernel for dq, dk and dg of gated linear attention, from the chunk states.
+
+Why it exists: fla-core 0.6.0 refuses its own gated ``chunk_bwd_dqkwg`` on Hopper with
+Triton ≥ 3.4 and < 3.7.1 (it "produces incorrect results", fla #640; the GPU machines have
+Triton 3.6.0). The miscompiled pattern (fla PR #826) is ``tl.trans`` of a ``tl.dot`` result
+(``b_ds``, in the wgmma accumulator layout) fed back into a ``tl.dot``. This kernel never
+transposes a dot result: it accumulates ``dkᵀ`` directly (``dh·vᵀ`` and ``qᵀ·ds`` with q, v
+read transposed by addressing) and stores it through transposed addresses.
+
+Per (K tile, chunk n, batch·head) program, with ``gc`` the chunk-local log2 sums of the gate
+(:mod:`.gates`), ``h_n`` the state entering chunk n and ``dh_n`` the gradient at its end (fla's
+``chunk_fwd_h`` / ``chunk_bwd_dh`` outputs, any float dtype)::
+
+    ds_ij = scale · (do_i·v_j) · exp2(gc_i − gc_j) · [j ≤ i]
+    dq_i  = scale · exp2(gc_i) · do_i h_nᵀ + Σ_j ds_ij k_j
+    dk_j  = exp2(gc_last − gc_j) · v_j dh_nᵀ + Σ_i ds_ij q_i
+    dG_i  = q_i·dq_i − k_i·dk_i
+            (+ exp2(gc_last)·⟨h_n, dh_n⟩ + Σ_j exp2(gc_last − gc_j)·k_j·(v_j dh_nᵀ) at the
+               chunk's last token: the chunk's ⟨dh_n, S_end⟩)
+    dg_i  = Σ_{i' ≥ i in the chunk} dG_i'    (the gradient of the natural-log gate g_i)
+
+The reverse sum runs in the kernel (``tl.cumsum(reverse=True)``); K tiles (``K > BK``) write
+partial ``dg`` rows that the launcher adds. Reference: :func:`.gated_naive.dqkdg_ref`.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["chunk_dqkdg", "DQK_CANDIDATES"]
+
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def _dqkdg_kernel(q, k, v, do, h, dh, gc, dq, dk, dg, cu_seqlens, chunk_indices, scale, T, NT,
+                  BH_T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+                  IS_VARLEN: tl.constexpr):
+    i_k = tl.program_id(0)
+    i_t = tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    if IS_VARLEN:       # one row of sequences (fla's layout): chunk i_t is (sequence, chunk)
+        i_tg = i_t.to(tl.int64)
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
+        i_t = tl.load(chunk_indices + i_t * 2 + 1)
+        tok0 = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1) - tok0).to(tl.int32)
+    else:
+        i_tg = i_b * NT + i_t
+        tok0 = i_b * T
+    q += (tok0 * H + i_h) * K
+    k += (tok0 * H + i_h) * K
+    dq += (tok0 * H + i_h) * K
+    dk += (tok0 * H + i_h) * K
+    v += (tok0 * H + i_h) * V
+    do += (tok0 * H + i_h) * V
+    h += (i_tg * H + i_h) * K * V
+    dh += (i_tg * H + i_h) * K * V
+    gc += tok0 * H + i_h
+    dg += i_k * BH_T + tok0 * H + i_h                   # partial rows per K tile
+
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    b_ds = tl.zeros([BT, BT], dtype=tl.float32)         # do_i·v_j
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)         # do_i h_nᵀ
+    b_dkt = tl.zeros([BK, BT], dtype=tl.float32)        # (v_j dh_nᵀ)ᵀ: dk kept transposed
+    b_hdh = tl.zeros([BK], dtype=tl.float32)            # ⟨h_n, dh_n⟩ by K row
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        b_do = tl.load(do + o_t[:, None] * (H * V) + o_v[None, :],
+                       mask=m_t[:, None] & m_v[None, :], other=0.0)            # [BT, BV]
+        b_vt = tl.load(v + o_v[:, None] + o_t[None, :] * (H * V),
+                       mask=m_v[:, None] & m_t[None, :], other=0.0)            # [BV, BT]
+        m_s = m_k[:, None] & m_v[None, :]
+        b_h = tl.load(h + o_k[:, None] * V + o_v[None, :], mask=m_s, other=0.0)     # [BK, BV]
+        b_dh = tl.load(dh + o_k[:, None] * V + o_v[None, :], mask=m_s, other=0.0)   # [BK, BV]
+        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+        b_ds = tl.dot(b_do, b_vt, b_ds, input_precision=PRECISION)
+        b_dq = tl.dot(b_do, tl.trans(b_h.to(b_do.dtype)), b_dq, input_precision=PRECISION)
+        b_dkt = tl.dot(b_dh.to(b_vt.dtype), b_vt, b_dkt, input_precision=PRECISION)
+
+    b_g = tl.load(gc + o_t * H, mask=m_t, other=0.0)
+    last = tl.minimum(i_t * BT + BT, T) - 1
+    b_glast = tl.load(gc + last * H)
+    m_qk = m_t[:, None] & m_k[None, :]
+    m_kt = m_k[:, None] & m_t[None, :]
+    b_q = tl.load(q + o_t[:, None] * (H * K) + o_k[None, :], mask=m_qk, other=0.0)   # [BT, BK]
+    b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_qk, other=0.0)   # [BT, BK]
+    b_qt = tl.load(q + o_k[:, None] + o_t[None, :] * (H * K), mask=m_kt, other=0.0)  # [BK, BT]
+    b_kt = tl.load(k + o_k[:, None] + o_t[None, :] * (H * K), mask=m_kt, other=0.0)  # [BK, BT]
+
+    b_dq = b_dq * (tl.exp2(b_g) * scale)[:, None]
+    # exponent masked before exp2 for rows past T (their g reads 0, gc_last − 0 may be > 0)
+    b_dkt = b_dkt * tl.where(m_t, tl.exp2(tl.where(m_t, b_glast - b_g, 0.0)), 0.0)[None, :]
+    # the chunk's ⟨dh_n, S_end⟩: through exp2(gc_last)·h_n and through every k_j
+    dg_last = tl.sum(b_hdh, axis=0) * tl.exp2(b_glast) \
+        + tl.sum(tl.sum(b_dkt * b_kt.to(tl.float32), axis=1), axis=0)
+    causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
+    b_ds = tl.where(causal, b_ds * tl.exp2(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)),
+                    0.0) * scale
+    b_ds16 = b_ds.to(b_k.dtype)
+    b_dq = tl.dot(b_ds16, b_k, b_dq, input_precision=PRECISION)
+    b_dkt = tl.dot(b_qt, b_ds16, b_dkt, input_precision=PRECISION)
+
+    b_dG = tl.sum(b_dq * b_q.to(tl.float32), axis=1) \
+        - tl.sum(b_dkt * b_kt.to(tl.float32), axis=0)
+    b_dG = tl.where(o_t == last, b_dG + dg_last, b_dG)
+    b_dG = tl.where(m_t, b_dG, 0.0)
+    b_dg = tl.cumsum(b_dG, axis=0, reverse=True)
+    tl.store(dq + o_t[:, None] * (H * K) + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_qk)
+    tl.store(dk + o_k[:, None] + o_t[None, :] * (H * K), b_dkt.to(dk.dtype.element_ty),
+             mask=m_kt)
+    tl.store(dg + o_t * H, b_dg, mask=m_t)
+
+
+# Candidate configs (BV, warps, stages); BK is the whole K up to 128 (one K tile, so dg needs
+# no partial rows; fla's own tiling on Hopper). Not measured yet: the autotuner is offered
+# them all, Triton's CPU interpreter runs the first.
+DQK_CANDIDATES = [
+    triton.Config({"BV": bv}, num_warps=w, num_stages=st)
+    for bv, w, st in ((64, 4, 2), (64, 8, 2), (32, 4, 2), (64, 4, 3), (128, 8, 2), (32, 4, 3),
+                      (64, 8, 1))
+]
+_dqkdg_tuned = triton.autotune(configs=DQK_CANDIDATES[:6],
+                               key=["H", "K", "V", "BT", "BK", "PRECISION", "IS_VARLEN"])(
+    _dqkdg_kernel)
+
+
+def chunk_dqkdg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+                h: torch.Tensor, dh: torch.Tensor, gc: torch.Tensor, scale: float,
+                chunk_size: int = 64, config: int | None = None, block_k: int | None = None,
+                cu_seqlens: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dg)`` of gated linear attention from the chunk states.
+
+    q, k ``[B, T, H, K]``, v, do ``[B, T, H, V]`` contiguous, one dtype; ``h``, ``dh``
+    ``[B, N, H, K, V]`` (``N = ceil(T / chunk_size)``): the state entering and the gradient at
+    the end of each chunk (fla's ``chunk_fwd_h`` / ``chunk_bwd_dh``, any float dtype);
+    ``gc [B, T, H]`` fp32 chunk-local log2 sums of the gate (:func:`.gates.gate_sums`, same
+    chunk). Returns dq, dk in the input dtype and dg ``[B, T, H]`` fp32 (natural-log gate).
+    fp32 inputs run IEEE fp32 dots. ``config``: index into :data:`DQK_CANDIDATES` (default:
+    autotuned on the GPU, the first in Triton's CPU interpreter); ``block_k``: the K tile
+    (default the whole K up to 128; more tiles write partial dg rows, added here).
+    ``cu_seqlens`` (int32 ``[N+1]``) with ``chunk_indices`` (int32 ``[NT, 2]``: (sequence,
+    chunk) per chunk, :func:`sp_attention.linear.varlen.chunk_indices`): B = 1 holds N
+    sequences (fla's varlen layout; ``h``, ``dh`` ``[1, NT, H, K, V]``, ``gc`` summed per
+    sequence; tokens past ``cu_seqlens[-1]`` are not written).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    varlen = cu_seqlens is not None
+    N = chunk_indices.shape[0] if varlen else triton.cdiv(T, chunk_size)
+    if varlen and (B != 1 or chunk_indices.dim() != 2):
+        raise ValueError("chunk_dqkdg: varlen needs B = 1 and chunk_indices [NT, 2]")
+    for name, t in (("q", q), ("k", k), ("v", v), ("do", do), ("h", h), ("dh", dh), ("gc", gc)):
+        if not t.is_contiguous():
+            raise ValueError(f"chunk_dqkdg: {name} must be contiguous")
+    if k.shape != q.shape or v.shape[:3] != q.shape[:3] or do.shape != v.shape:
+        raise ValueError(f"chunk_dqkdg: q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+                         f"{tuple(v.shape)}, do {tuple(do.shape)} disagree")
+    if tuple(h.shape) != (B, N, H, K, V) or h.shape != dh.shape:
+        raise ValueError(f"chunk_dqkdg: h, dh must be [B, N, H, K, V] = {(B, N, H, K, V)}")
+    if tuple(gc.shape) != (B, T, H) or gc.dtype != torch.float32:
+        raise ValueError(f"chunk_dqkdg: gc must be fp32 [B, T, H] = {(B, T, H)}")
+    BK = block_k or min(max(triton.next_power_of_2(K), 16), 128)
+    nk = triton.cdiv(K, BK)
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dg = torch.empty(nk, B, T, H, device=q.device, dtype=torch.float32)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
+    args = (q, k, v, do, h, dh, gc, dq, dk, dg, cu_seqlens, chunk_indices, float(scale), T, N,
+            B * T * H)
+    with guard:
+        if config is not None or os.environ.get("TRITON_INTERPRET") == "1":
+            cfg = DQK_CANDIDATES[config or 0]
+            _dqkdg_kernel[(nk, N, B * H)](
+                *args, H=H, K=K, V=V, BT=chunk_size, BK=BK, PRECISION=prec, IS_VARLEN=varlen,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)
+        else:
+            _dqkdg_tuned[(nk, N, B * H)](*args, H=H, K=K, V=V, BT=chunk_size, BK=BK,
+                                         PRECISION=prec, IS_VARLEN=varlen)
+    return dq, dk, (dg[0] if nk == 1 else dg.sum(0))

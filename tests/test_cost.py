@@ -1,0 +1,319 @@
+"""The cost model (pure functions, no process group): monotonic in P and bytes, crossovers where
+the formulas put them, the decision functions, calibration JSON, the probe's fits, and the
+report on a tiny synthetic input."""
+import dataclasses
+import json
+import logging
+import math
+
+import pytest
+
+from sp_attention import auto, calibrate, cost, machine
+from sp_attention.context import SPContext
+from sp_attention.cost import (LINEAR_SCANS, SOFTMAX_PRESETS, LinearShape, SoftmaxShape,
+                               Topology, choose_linear_scan, choose_softmax_preset,
+                               linear_memory, linear_scan_ms, linear_step, softmax_memory,
+                               softmax_step)
+from sp_attention.machine import (CPU_GLOO, H200_NVLINK_IB400, Link, Machine, load_machine,
+                                  machine_from_dict, save_machine)
+
+H200 = H200_NVLINK_IB400
+LIN = LinearShape(1, 8192, 16, 128, 128)
+SOFT = SoftmaxShape(1, 8192, 32, 8, 128)
+
+
+def _bare(alpha_p2p=50.0, alpha_coll=20.0, step=0.0, gbps=100.0, overlap=0.0) -> Machine:
+    """Links only: no combine, fold or call costs, so scan times are the formulas' own."""
+    link = Link(alpha_p2p_us=alpha_p2p, p2p_gbps=gbps, alpha_coll_us=alpha_coll,
+                coll_gbps=gbps, step_us=step)
+    k = dataclasses.replace(H200.kernels, op_us=0.0, mem_gbps=1e12, linear_call_ms=0.0,
+                            softmax_call_ms=0.0, softmax_ag_call_fwd_ms=0.0,
+                            softmax_ag_call_bwd_ms=0.0, softmax_ag_rate=1.0)
+    return dataclasses.replace(H200, kernels=k, intra=link, inter=link, overlap_cost=overlap)
+
+
+def test_public_api_pinned():
+    assert cost.__all__ == [
+        "LinearShape", "SoftmaxShape", "Topology", "StepTime", "Choice", "LINEAR_SCANS",
+        "SOFTMAX_PRESETS", "linear_flops", "softmax_flops", "linear_scan_ms", "linear_step",
+        "softmax_step", "choose_linear_scan", "choose_softmax_preset", "log_choice",
+        "cp_efficiency", "linear_memory", "softmax_memory", "rank_memory"]
+    assert machine.__all__ == ["Link", "Kernels", "Machine", "H200_NVLINK_IB400", "CPU_GLOO",
+                               "default_machine", "calibration_path", "load_machine",
+                               "save_machine", "machine_from_dict"]
+    assert auto.__all__ == ["machine_for", "topology_for", "auto_linear_scan",
+                            "auto_softmax_preset"]
+    # the model's names are the library's names
+    from sp_attention.linear.attention import SCANS
+    from sp_attention.softmax.attention import PRESETS
+    assert set(LINEAR_SCANS) == set(SCANS) and SOFTMAX_PRESETS == PRESETS
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("schedule", LINEAR_SCANS)
+def test_linear_monotonic_in_world_and_bytes(schedule, layout):
+    # one node: every P; across nodes of 8 (a clipped tree's rounds cross node edges
+    # differently for different P, so only whole nodes compare): powers of two
+    for m, topo, Ps in ((H200, lambda P: None, range(2, 41)), (CPU_GLOO, lambda P: None,
+                                                               range(2, 41)),
+                        (H200, lambda P: Topology.packed(P, 8), [2 ** i for i in range(1, 11)])):
+        prev = 0.0
+        for P in Ps:
+            t = linear_step(LIN, P, layout, schedule, m, topo(P)).total_ms
+            assert t >= prev - 1e-12, (schedule, layout, P)
+            prev = t
+    prev = 0.0
+    for kv in (16, 32, 64, 128, 256):          # state bytes grow with K·V
+        t = linear_scan_ms(schedule, LinearShape(1, 8192, 16, kv, kv), 8, layout, H200)
+        assert t > prev
+        prev = t
+
+
+@pytest.mark.parametrize("preset", list(SOFTMAX_PRESETS))
+def test_softmax_monotonic_in_world_and_bytes(preset):
+    f, b = SOFTMAX_PRESETS[preset]
+    for topo in (lambda P: None, lambda P: Topology.packed(P, 8)):
+        prev = 0.0
+        for P in (2, 3, 4, 6, 8, 12, 16, 32):
+            t = softmax_step(SOFT, P, "zigzag", f, b, H200, topo(P)).total_ms
+            assert t > prev, (preset, P)
+            prev = t
+    prev = 0.0
+    for T in (1024, 2048, 4096, 8192, 16384):
+        t = softmax_step(SoftmaxShape(1, T, 32, 8, 128), 4, "zigzag", f, b, H200).total_ms
+        assert t > prev
+        prev = t
+
+
+def test_linear_scan_formulas_exact():
+    """With free combines: ring = hops·(α + S/β), tree = rounds·(α + S/β) (contiguous: every
+    round crosses ranks), all-gather = α + (P−2)·step + (P−1)·S/β."""
+    m = _bare(alpha_p2p=50.0, alpha_coll=20.0, step=3.0, gbps=100.0)
+    S = LIN.state_bytes
+    hop = 50e-3 + S / 100e9 * 1e3
+    for P in (2, 3, 5, 8, 13, 64):
+        depth = math.ceil(math.log2(P))
+        assert linear_scan_ms("ring", LIN, P, "contiguous", m) == pytest.approx((P - 1) * hop)
+        assert linear_scan_ms("ring", LIN, P, "zigzag", m) == pytest.approx(2 * (P - 1) * hop)
+        assert linear_scan_ms("blelloch", LIN, P, "contiguous", m) == pytest.approx(
+            2 * depth * hop)
+        coll = 20e-3 + (P - 2) * 3e-3 + (P - 1) * S / 100e9 * 1e3
+        assert linear_scan_ms("allgather", LIN, P, "contiguous", m) == pytest.approx(coll)
+
+
+def test_linear_crossovers_where_the_formulas_put_them():
+    """ring vs tree: P − 1 hops against 2⌈log2 P⌉ rounds: the tree wins from P = 8 on (tie
+    at 7); ring vs all-gather: the P* solving
+    (P−1)(α_p + S/β) = α_c + (P−2)·s + (P−1)·S/β."""
+    m = _bare(alpha_p2p=50.0, alpha_coll=1000.0, step=0.0, gbps=1e6)
+    for P in range(2, 40):
+        ring = linear_scan_ms("ring", LIN, P, "contiguous", m)
+        tree = linear_scan_ms("blelloch", LIN, P, "contiguous", m)
+        d = math.ceil(math.log2(P))
+        assert (tree < ring) == (2 * d < P - 1), P
+    # all-gather: α_c = 1000 µs vs (P − 1)·50 µs hops: crossover at P − 1 = 20
+    for P in range(2, 40):
+        choice = choose_linear_scan(LIN, P, "contiguous", m, candidates=("ring", "allgather"))
+        assert choice.name == ("ring" if P - 1 < 20 else "allgather"), P
+
+
+def test_softmax_ring_hides_hops_until_transfer_exceeds_compute():
+    """No overlap cost: the ring forward costs its kernels while a K/V hop is shorter than a
+    step's compute, and P − 1 hops when the hop is longer (the overlap rule)."""
+    shape = SoftmaxShape(1, 4096, 32, 8, 128)
+    kernels = softmax_step(shape, 4, "zigzag", "ring", "ring", _bare(0.0, gbps=1e12)).fwd_ms
+    per_step = kernels / 4                         # zigzag: every step the same work
+    for gbps, hidden in ((1000.0, True), (0.5, False)):
+        m = _bare(alpha_p2p=10.0, gbps=gbps)
+        t = softmax_step(shape, 4, "zigzag", "ring", "ring", m)
+        hop = m.intra.p2p_ms(shape.kv_bytes)
+        assert (hop < per_step) == hidden
+        want = kernels if hidden else per_step + 3 * hop
+        assert t.fwd_ms == pytest.approx(want, rel=1e-6)
+
+
+def test_overlap_cost_charges_bytes_not_latency():
+    m0, m3 = _bare(alpha_p2p=10.0, gbps=350.0), _bare(alpha_p2p=10.0, gbps=350.0, overlap=3.0)
+    a = softmax_step(SOFT, 2, "zigzag", "ring", "ring", m0)
+    b = softmax_step(SOFT, 2, "zigzag", "ring", "ring", m3)
+    wire = SOFT.kv_bytes / 350e9 * 1e3
+    assert b.fwd_ms - a.fwd_ms == pytest.approx(3.0 * wire, rel=1e-6)
+    # an inter-node hop's bytes cost the kernels what they cost at the node's own rate
+    slow = dataclasses.replace(m3, inter=dataclasses.replace(m3.inter, p2p_gbps=40.0))
+    c = softmax_step(SOFT, 16, "zigzag", "ring", "ring", slow, Topology.packed(16, 8))
+    d = softmax_step(SOFT, 16, "zigzag", "ring", "ring", m3, Topology.packed(16, 8))
+    assert c.compute_ms == pytest.approx(d.compute_ms)
+
+
+def test_topology_and_inter_node_links():
+    topo = Topology.of_ranks([0, 2, 4, 6, 8, 10, 12, 14], 8)     # TP 2: 4 CP ranks per node
+    assert topo.nodes == (0, 0, 0, 0, 1, 1, 1, 1) and topo.spans_nodes
+    one = linear_step(LIN, 8, "zigzag", "allgather", H200)
+    two = linear_step(LIN, 8, "zigzag", "allgather", H200, topo)
+    assert two.total_ms > one.total_ms
+    with pytest.raises(ValueError, match="topology has 4 ranks"):
+        linear_step(LIN, 8, "zigzag", "ring", H200, Topology.single_node(4))
+
+
+def test_choices_are_the_cheapest_and_deterministic():
+    for P in (2, 4, 8, 16, 64):
+        c = choose_linear_scan(LIN, P, "zigzag", H200, Topology.packed(P, 8))
+        assert c.name == min(c.predicted, key=lambda n: c.predicted[n].total_ms)
+        assert set(c.predicted) == set(LINEAR_SCANS)
+        s = choose_softmax_preset(SOFT, P, "zigzag", H200, Topology.packed(P, 8))
+        assert s.name == min(s.predicted, key=lambda n: s.predicted[n].total_ms)
+    m = _bare()    # world 1: no scan at all, every schedule ties -> the fixed tie order
+    assert choose_linear_scan(LIN, 1, "contiguous", m).name == "allgather"
+    # the measured 2 x H200 picks (benchmarks/results/cost_report.md)
+    assert choose_softmax_preset(SOFT, 2, "zigzag", H200).name == "ring"
+    assert choose_linear_scan(LinearShape(1, 32768, 16, 128, 128), 2, "contiguous",
+                              H200).name == "allgather"
+
+
+def test_softmax_choice_respects_memory_limit():
+    big = SoftmaxShape(1, 32768, 32, 8, 128)
+    need = {n: softmax_memory(big, 64, "zigzag", *SOFTMAX_PRESETS[n], H200)["peak"]
+            for n in SOFTMAX_PRESETS}
+    limit = (need["ring"] + max(need.values())) / 2
+    c = choose_softmax_preset(big, 64, "zigzag", H200, memory_limit_bytes=limit)
+    assert all(need[n] <= limit for n in c.predicted)
+    assert set(c.excluded) == {n for n in need if need[n] > limit} and c.excluded
+    assert "excluded" in c.describe()
+    with pytest.raises(ValueError, match="no softmax preset fits"):
+        choose_softmax_preset(big, 64, "zigzag", H200, memory_limit_bytes=1.0)
+
+
+def test_log_choice_once_per_shape(caplog):
+    m = H200
+    c = choose_linear_scan(LIN, 4, "zigzag", m)
+    key = ("test", object())
+    with caplog.at_level(logging.INFO, logger="sp_attention.cost"):
+        assert cost.log_choice("linear scan", key, c, m)
+        assert not cost.log_choice("linear scan", key, c, m)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and c.name in msgs[0] and "blelloch" in msgs[0]
+
+
+def test_auto_helpers_from_tensors(monkeypatch, tmp_path, caplog):
+    import torch
+    monkeypatch.setenv("SP_ATTENTION_CALIBRATION", str(tmp_path / "none.json"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    auto._machine.cache_clear()
+    ctx = SPContext(None, 0, 1, (0,), "zigzag")
+    q = torch.zeros(1, 64, 2, 16)
+    with caplog.at_level(logging.INFO, logger="sp_attention.cost"):
+        c = auto.auto_linear_scan(ctx, q, q)
+        s = auto.auto_softmax_preset(ctx, q, q[:, :, :1])
+    assert c.name in LINEAR_SCANS and s.name in SOFTMAX_PRESETS
+    assert auto.machine_for(q.device) is CPU_GLOO
+    from types import SimpleNamespace
+    four = SimpleNamespace(world_size=4, global_ranks=(0, 1, 2, 3))
+    assert auto.topology_for(four, CPU_GLOO).nodes == (0, 0, 1, 1)   # LOCAL_WORLD_SIZE=2
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert not auto.topology_for(four, CPU_GLOO).spans_nodes
+    assert any("auto linear scan" in r.getMessage() for r in caplog.records)
+
+
+def test_memory_model_matches_the_recorded_h200_peaks():
+    """fla's fwd + bwd at 32K, H 16, K = V 128, bf16 measured 1536 MiB (o, fp32 h and dh,
+    dq/dk/dv); a zigzag P = 2 ring rank's softmax fwd + bwd at 8K measured 401 MiB."""
+    mem = linear_memory(LinearShape(1, 32768, 16, 128, 128), 1, "contiguous", "ring")
+    assert mem["o"] + mem["h"] + mem["dh"] + mem["dq_dk_dv"] == 1536 * 2 ** 20
+    sm = softmax_memory(SOFT, 2, "zigzag", "ring", "ring", H200)
+    assert sm["peak"] == pytest.approx(401 * 2 ** 20, rel=0.02)
+    # the all-gather buffers grow with P, the ring's do not
+    ag = [softmax_memory(SOFT, P, "zigzag", "allgather", "allgather", H200)["peak"]
+          for P in (2, 8, 64)]
+    ring = [softmax_memory(SOFT, P, "zigzag", "ring", "ring", H200)["peak"] for P in (4, 8, 64)]
+    assert ag[0] < ag[1] < ag[2] and ring[0] == ring[1] == ring[2]
+    assert cost.rank_memory(sm["peak"], 10.0)["total"] == sm["peak"] + 10.0
+    # a transient like the model's largest workspace: the peak takes the larger of the two
+    assert cost.rank_memory(sm["peak"], {"total": 1e10, "workspace": 1.0})["total"] == (
+        1e10 - 1.0 + sm["peak"])
+    from sp_attention.memory import ModelShape, StepShape, estimate_memory
+    est = estimate_memory(ModelShape(4, 4096, 14336, 32, 8, 128256, "SSSS"),
+                          StepShape(cp=2, seq_length=16384))
+    r = cost.rank_memory(sm["peak"], est)
+    assert r["total"] == est.total - est.workspace + max(est.workspace, sm["peak"])
+    assert r["model"] == est.total
+
+
+def test_calibration_json_round_trip(tmp_path, monkeypatch):
+    path = str(tmp_path / "sub" / "cal.json")
+    m = dataclasses.replace(CPU_GLOO, name="x", device="cpu",
+                            kernels=dataclasses.replace(CPU_GLOO.kernels, linear_tflops=1.5))
+    assert save_machine(m, path) == path
+    assert load_machine("cpu", path) == m
+    assert load_machine("NVIDIA H200", path) is H200     # measured elsewhere: defaults
+    monkeypatch.setenv("SP_ATTENTION_CALIBRATION", path)
+    assert machine.calibration_path() == path and load_machine("cpu") == m
+    monkeypatch.delenv("SP_ATTENTION_CALIBRATION")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert machine.calibration_path() == str(tmp_path / "sp_attention" / "calibration.json")
+    with open(path, "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match="not a usable sp_attention calibration"):
+        load_machine("cpu", path)
+    d = m.to_dict()
+    d["kernels"]["bogus"] = 1
+    with pytest.raises(ValueError, match="re-run"):
+        machine_from_dict(d)
+    with pytest.raises(ValueError, match="gbps"):
+        Link(1.0, 0.0, 1.0, 1.0, 0.0)
+    with pytest.raises(ValueError, match="linear_fwd_share"):
+        dataclasses.replace(CPU_GLOO.kernels, linear_fwd_share=1.5)
+
+
+def test_probe_fits_recover_alpha_beta_and_rates():
+    pts = [(x, 0.05 + x * 2e-9) for x in (2 ** 16, 2 ** 20, 2 ** 24)]
+    a, b = calibrate.fit_latency_rate(pts)
+    assert a == pytest.approx(0.05) and b == pytest.approx(2e-9)
+    rows = [dict(what="p2p", bytes_moved=x, ms=0.05 + x / 300e9 * 1e3) for x in (1e6, 8e6, 3e7)]
+    rows += [dict(what="all_gather", bytes_moved=x, ms=0.02 + x / 250e9 * 1e3)
+             for x in (1e6, 8e6, 3e7)]
+    link = calibrate.fit_link(rows, 2, H200.intra)
+    assert link.alpha_p2p_us == pytest.approx(50) and link.p2p_gbps == pytest.approx(300)
+    assert link.alpha_coll_us == pytest.approx(20) and link.coll_gbps == pytest.approx(250)
+    kr = [dict(what="linear", flops_fwd_bwd=f, ms_fwd_bwd=0.1 + f / 5e10, ms_fwd=0.3 * (
+        0.1 + f / 5e10)) for f in (1e9, 4e9)]
+    k = calibrate.fit_kernels(kr, CPU_GLOO.kernels)
+    assert k.linear_tflops == pytest.approx(50.0) and k.linear_call_ms == pytest.approx(0.1)
+    assert k.linear_fwd_share == pytest.approx(0.3)
+
+
+def test_report_renders_from_a_tiny_input(tmp_path):
+    from benchmarks import report
+    rows = [
+        dict(bench="linear_cp", impl="fla_chunk_simple_gla", world=1, T_local=4096, B=1, H=16,
+             K=128, V=128, timing="queued", ms_fwd_bwd=0.3, date="2026-11-23"),
+        dict(bench="linear_cp", impl="ring", layout="zigzag", world=2, T_local=4096, B=1,
+             H=16, K=128, V=128, timing="queued", ms_fwd_bwd=0.45, date="2026-11-23"),
+        dict(bench="linear_cp", impl="allgather", layout="zigzag", world=2, T_local=4096, B=1,
+             H=16, K=128, V=128, timing="queued", ms_fwd_bwd=0.40, date="2026-11-23"),
+        dict(bench="softmax_cp", impl="ring/ring", stride="default", world=2, T_local=4096,
+             B=1, H=32, Hkv=8, K=128, ms_fwd_bwd=2.6, tflops_per_gpu=400.0,
+             ratio_vs_t_local=0.9, date="2026-11-23")]
+    src = tmp_path / "tiny.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = report.main([str(src), "--out-dir", str(tmp_path), "--name", "r",
+                       "--projection-p", "2", "16", "--projection-t", "4096"])
+    assert len(out["points"]) == 3 and out["checks"][0]["best"] == "allgather"
+    md = (tmp_path / "r.md").read_text()
+    assert "Which schedule when" in md and "r_projection.png" in md
+    for name in ("pred_vs_meas", "throughput", "ratio", "projection"):
+        png = tmp_path / f"r_{name}.png"
+        assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_probe_runs_on_cpu_and_saves(tmp_path):
+    """The probe's kernel part at tiny shapes (the GPU run uses the same code at its shapes)."""
+    shapes = {"linear": dict(B=1, H=2, K=8, T=(32, 64)),
+              "softmax": dict(B=1, H=2, Hkv=1, D=8, T=(16, 32))}
+    rows = calibrate.probe_kernels("cpu", shapes)
+    assert [r["what"] for r in rows] == ["linear", "linear", "softmax", "softmax", "memory"]
+    assert all(r["ms_fwd_bwd"] > r["ms_fwd"] > 0 for r in rows if r["what"] != "memory")
+    m = calibrate.calibrate("cpu", [], rows, 1)
+    assert m.device == "cpu" and m.kernels.cores >= 1 and m.intra == CPU_GLOO.intra
+    assert "links: defaults" in m.source
+    path = save_machine(m, str(tmp_path / "c.json"))
+    assert load_machine("cpu", path) == m
