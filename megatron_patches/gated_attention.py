@@ -32,10 +32,15 @@ import torch.nn.functional as F
 
 from megatron.core.transformer.attention import SelfAttention
 
+from sp_attention import LinearTuning
+
 from .core_attention import LinearCoreAttention
 
 __all__ = ["GatedCoreAttention", "GatedSelfAttention", "A_INIT_RANGE", "DT_INIT_RANGE"]
 
+# The gates are non-positive by construction (−exp · softplus), so the op need not read them
+# back (a device sync per layer) to check their sign.
+_TUNING = LinearTuning(check_gate_values=False)
 A_INIT_RANGE = (1.0, 16.0)          # Mamba2's A = −exp(A_log) initialisation range
 DT_INIT_RANGE = (1e-3, 1e-1)        # Mamba2's dt initialisation range (log-uniform)
 DT_INIT_FLOOR = 1e-4
@@ -100,7 +105,7 @@ class GatedCoreAttention(LinearCoreAttention):
                              "megatron_patches.gated_attention.GatedSelfAttention (the 'gated' "
                              "layer spec, pattern letter G)")
         g = gate_log_decay(query[..., -1], self.A_log, self.dt_bias)     # [b, s, np]
-        return query[..., :-1], {"g": g}
+        return query[..., :-1], {"g": g, "tuning": _TUNING}
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """The output norm, ``A_log``, ``dt_bias`` and the gate projection are sharded over TP

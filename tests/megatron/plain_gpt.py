@@ -6,7 +6,9 @@ grouped qkv (Megatron's per-group ``[q … q, k, v]`` rows), RoPE (non-interleav
 from 0), SwiGLU (``[gate; up]`` rows of fc1), untied output layer. Layers by letter:
 ``S`` causal softmax attention (scale ``hn^-0.5``); ``L`` linear attention with decay by the
 recurrence ``S_t = λ S_{t−1} + k_tᵀ v_t``, ``o_t = q_t S_t · hn^-0.5`` (λ = exp(−slope)),
-then a per-head RMS norm times ``out_norm_weight``. A sequence is one document: call
+then a per-head RMS norm times ``out_norm_weight``; ``G`` the same recurrence with
+``λ_t = exp(g_t)``, ``g_t = −exp(A_log) · softplus(x_t W + dt_bias)`` per head (``x_t``: the
+layer's normed input, ``W``: ``gate_proj.weight``). A sequence is one document: call
 :func:`forward` per document (positions restart, nothing is seen across documents).
 """
 from __future__ import annotations
@@ -78,7 +80,12 @@ def forward(sd: dict, tokens: torch.Tensor, pattern: str, heads: int, groups: in
         if kind == "S":
             o = _softmax(q, k, v)
         else:
-            g = -slopes[i].to(q.dtype)[None].expand(q.shape[0], -1)
+            if kind == "G":
+                c = p + "self_attention.core_attention."
+                logits = h @ sd[c + "gate_proj.weight"].t()                      # [T, H]
+                g = -sd[c + "A_log"].exp() * F.softplus(logits + sd[c + "dt_bias"])
+            else:
+                g = -slopes[i].to(q.dtype)[None].expand(q.shape[0], -1)
             o = _linear(q, k, v, g)
             hn = o.shape[-1]
             w = sd[p + "self_attention.core_attention.out_norm_weight"].view(heads, hn)
