@@ -37,7 +37,7 @@ from megatron_patches.trainer.args import TrainArgs, UsageError, parse_args
 from megatron_patches.trainer.data import build_dataset, packed_micro_batch
 from megatron_patches.trainer.launch import (BAD_INPUT_EXIT_STATUS, STOP_SIGNALS, StopSignals,
                                              init_distributed)
-from megatron_patches.trainer.loss import check_loss_impl, micro_batch_loss
+from megatron_patches.trainer.loss import check_loss_impl, micro_batch_loss, step_token_count
 from megatron_patches.trainer.optim import MasterAdamW, lr_at
 from megatron_patches.trainer.progress import (Progress, describe_attention, flops_per_token,
                                                peak_flops, plot_losses, read_log)
@@ -88,12 +88,13 @@ def train_step(model, optimizer, micro_batches, groups, args, lr: float, clip: f
     """Forward/backward over the micro-batches, gradient sum over DP × CP, optimizer step.
     Returns (this rank's share of the global mean loss, gradient norm)."""
     share = torch.zeros((), dtype=torch.float64, device=micro_batches[0][0].device)
+    count = step_token_count(micro_batches, groups.dp_cp)   # the step's loss tokens, all ranks
     for tok, pos, lab, msk, packed in micro_batches:
         # this rank's share of the step's global token mean (--loss-impl: the model's own
         # loss over full logits, or the chunked linear + cross entropy on its hidden states)
         loss = micro_batch_loss(model, tok, pos, lab, msk, impl=args.loss_impl,
                                 tp_group=groups.tp, dp_cp_group=groups.dp_cp,
-                                num_micro_batches=len(micro_batches), packed_seq_params=packed)
+                                token_count=count, packed_seq_params=packed)
         loss.backward()
         share += loss.detach().double()     # stays on the device: agree() syncs once a step
     all_reduce_gradients(model.parameters(), groups.dp_cp)

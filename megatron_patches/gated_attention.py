@@ -4,10 +4,10 @@
     S_t = exp(g_t) · S_{t−1} + k_tᵀ v_t,    o_t = scale · q_t S_t
 
 ``x_t`` is the layer's input (after its input norm), ``W [hidden → heads]`` the gate
-projection, ``A_log`` and ``dt_bias`` one value per head (Mamba2's initialisation:
-``A = U(1, 16)``, ``dt = exp(U(ln 0.001, ln 0.1))``, ``dt_bias = dt + ln(1 − e^{−dt})``, the
-inverse softplus). The decay then runs through ``sp_attention.lightning_attention(g=...)``
-across the CP group, and the output gets the linear layers' per-head RMS norm.
+projection, ``A_log`` and ``dt_bias`` one value per head (Mamba2's initialisation; the gate's
+one home: :mod:`sp_attention.linear.gate_param`). The decay then runs through
+``sp_attention.lightning_attention(g=...)`` across the CP group, and the output gets the linear
+layers' per-head RMS norm.
 
 Under TP a rank holds its heads' ``A_log``, ``dt_bias`` and rows of ``W`` (a Megatron
 ``ColumnParallelLinear`` without output gather: each rank computes its heads' gates; its
@@ -24,40 +24,22 @@ that carry the gate (no state kept between the two calls).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from megatron.core.transformer.attention import SelfAttention
 
 from sp_attention import LinearTuning
+from sp_attention.linear.gate_param import gate_log_decay, mamba2_gate_init
 
 from .core_attention import LinearCoreAttention
 
-__all__ = ["GatedCoreAttention", "GatedSelfAttention", "A_INIT_RANGE", "DT_INIT_RANGE"]
+__all__ = ["GatedCoreAttention", "GatedSelfAttention"]
 
 # The gates are non-positive by construction (−exp · softplus), so the op need not read them
 # back (a device sync per layer) to check their sign.
 _TUNING = LinearTuning(check_gate_values=False)
-A_INIT_RANGE = (1.0, 16.0)          # Mamba2's A = −exp(A_log) initialisation range
-DT_INIT_RANGE = (1e-3, 1e-1)        # Mamba2's dt initialisation range (log-uniform)
-DT_INIT_FLOOR = 1e-4
-
-
-def mamba2_gate_init(heads: int, generator: Optional[torch.Generator] = None):
-    """``(A_log [heads], dt_bias [heads])`` fp32, Mamba2's initialisation."""
-    a = torch.empty(heads, dtype=torch.float32).uniform_(*A_INIT_RANGE, generator=generator)
-    lo, hi = (math.log(x) for x in DT_INIT_RANGE)
-    dt = torch.exp(torch.empty(heads, dtype=torch.float32).uniform_(lo, hi, generator=generator))
-    dt = dt.clamp(min=DT_INIT_FLOOR)
-    return torch.log(a), dt + torch.log(-torch.expm1(-dt))
-
-
-def gate_log_decay(logits: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
-    """``g = −exp(A_log) · softplus(logits + dt_bias)`` in fp32 (``logits [..., H]``)."""
-    return -torch.exp(a_log.float()) * F.softplus(logits.float() + dt_bias.float())
 
 
 class GatedCoreAttention(LinearCoreAttention):
@@ -65,8 +47,6 @@ class GatedCoreAttention(LinearCoreAttention):
     the module docstring). Used with :class:`GatedSelfAttention`, whose query carries the gate
     projection ``x·W`` as its last channel. Spec params: ``cp_impl``, ``sp_context`` (as
     :class:`~megatron_patches.core_attention.LinearCoreAttention`)."""
-
-    is_gated = True
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from sp_attention import (SoftmaxSchedule, SPContext, build_sp_context,
+from sp_attention import (LinearTuning, SoftmaxSchedule, SPContext, build_sp_context,
                           context_parallel_attention, lightning_attention)
 from sp_attention.caches import LRU
 from sp_attention.linear import IMPLS as LINEAR_IMPLS
@@ -52,6 +52,9 @@ __all__ = ["CPSchedule", "CPHandle", "prepare_model_for_cp", "make_cp_attention"
 # linear layers' scan is prepare_model_for_cp's linear_impl=).
 CPSchedule = SoftmaxSchedule
 
+# a gated layer's gates are non-positive by construction: the op need not read them back to
+# check (one device sync per layer)
+_GATED_TUNING = LinearTuning(check_gate_values=False)
 # HF's names for a packed row's boundaries (flash kwargs; the second pair: older spellings).
 _CU_NAMES = (("cu_seq_lens_q", "cu_seq_lens_k"), ("cu_seqlens_q", "cu_seqlens_k"))
 # CP = 1: the boundaries found in a position_ids tensor, by its id (one host copy per forward,
@@ -133,6 +136,14 @@ def packed_plan(ctx: SPContext, q_len: int, device, kwargs: dict) -> Optional[Pa
     return None
 
 
+def decay_kwargs(module, log_decay) -> dict:
+    """``lightning_attention``'s decay arguments for a linear layer of ours: its gates
+    (``log_decay [b, s, h]``, a gated layer) or its fixed slopes."""
+    if log_decay is not None:
+        return {"g": log_decay, "tuning": _GATED_TUNING}
+    return {"slopes": module.decay_slopes()}
+
+
 def _check_schedule(schedule, linear_impl) -> None:
     if not isinstance(schedule, SoftmaxSchedule):
         raise TypeError(f"schedule must be an sp_attention.SoftmaxSchedule (models.hf.CPSchedule),"
@@ -170,8 +181,9 @@ def make_cp_attention(ctx: SPContext, schedule: SoftmaxSchedule,
         packed = {} if plan is None else {"cu_seqlens": plan}
         if getattr(module, "is_linear_attention", False):     # K/V with their Hkv heads (GQA)
             out = lightning_attention(q, key.transpose(1, 2), value.transpose(1, 2),
-                                      module.decay_slopes(), ctx=run_ctx, impl=linear_impl,
-                                      scale=scale, **packed)
+                                      ctx=run_ctx, impl=linear_impl, scale=scale,
+                                      **decay_kwargs(module, kwargs.get("log_decay")),
+                                      **packed)
         else:
             out = context_parallel_attention(q, key.transpose(1, 2), value.transpose(1, 2),
                                              ctx=run_ctx, causal=True, softmax_scale=scale,

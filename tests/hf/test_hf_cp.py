@@ -1,8 +1,9 @@
 """HF transformers integration on CPU/gloo: a tiny random GQA+RoPE LlamaForCausalLM (fp32)
 prepared for CP equals the unpatched SDPA model (loss 1e-6, every gradient 1e-5 relative, at
 every rank) for every softmax preset at CP 1-4, with a padding mask and with lengths that need
-layout padding; the linear and hybrid variants at CP 1-3 equal CP 1; two models with
-different CP groups in one process; bad input raises on every rank before any collective;
+layout padding; the linear, hybrid and gated variants at CP 1-3 equal CP 1; two models with
+different CP groups in one process; bad input raises on every rank before any collective; the
+gated variant (a gated layer and a softmax layer) at CP 1-3 equals CP 1;
 packed batches of ``DataCollatorWithFlattening`` (with and without its flash kwargs) at CP 3
 and CP 1 equal the unpatched model run on each document alone (loss and every gradient).
 One spawn per world size, every check inside it."""
@@ -43,7 +44,9 @@ def _models():
     return {"llama": LlamaForCausalLM(_tiny()).float(),
             "linear": LinearLlamaForCausalLM(_tiny(LinearLlamaConfig)).float(),
             "hybrid": LinearLlamaForCausalLM(_tiny(
-                LinearLlamaConfig, layer_kinds=hybrid_layer_kinds(2, 2))).float()}
+                LinearLlamaConfig, layer_kinds=hybrid_layer_kinds(2, 2))).float(),
+            "gated": LinearLlamaForCausalLM(_tiny(
+                LinearLlamaConfig, layer_kinds=["gated", "softmax"])).float()}
 
 
 def _cases():
@@ -110,6 +113,10 @@ def check_equivalence(rank, world, max_linear_world=3):
             _check(models["hybrid"], ref, ids, mask, group,
                    CPSchedule(preset=preset), f"P={world} hybrid {preset} {case}",
                    linear_impl="blelloch")
+        ref = _reference(models["gated"], ids, mask)      # gated + softmax layers
+        for impl in (LINEAR_IMPLS if case == "plain" else ("auto",)):
+            _check(models["gated"], ref, ids, mask, group, None,
+                   f"P={world} gated {impl} {case}", linear_impl=impl)
     return True
 
 
@@ -192,7 +199,7 @@ def check_bad_input(rank, world):
 
 # documents of a packed row: a 1-token one, long ones the plan cuts over 3 ranks, short ones
 PACKED_DOCS = (5, 13, 1, 7, 15)
-PACKED_KINDS = ("llama",)
+PACKED_KINDS = ("llama", "linear", "hybrid", "gated")
 
 
 def _documents():

@@ -31,7 +31,7 @@ import pytest
 from sp_attention.testing import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KINDS = ("softmax", "linear", "hybrid")
+KINDS = ("softmax", "linear", "gated", "hybrid")
 PACKINGS = ("none", "documents")
 STEPS = 4
 
