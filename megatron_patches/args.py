@@ -57,6 +57,10 @@ def _check_megatron_impl(args, kind: str, spec_kind: Optional[str]) -> None:
     if kind != "softmax":
         raise ValueError(f"--sp-model-kind {kind}: linear-attention layers need our scan; set "
                          "--context-parallel-impl to blelloch, allgather, ring or auto")
+    if getattr(args, "reset_attention_mask", False):
+        raise ValueError("--reset-attention-mask: this launcher packs documents (THD batches cut "
+                         "by our packing plan) for our attention only, not for Megatron's; drop "
+                         "--context-parallel-impl megatron or --reset-attention-mask")
     given = [f"--{n.replace('_', '-')}" for n in SOFTMAX_FLAGS + ("sp_slope_schedule",)
              if getattr(args, n, None) is not None]
     if given:

@@ -68,6 +68,9 @@ BAD = [  # (our argv, Megatron fields, text the message must contain)
     (GOOD, dict(create_attention_mask_in_dataloader=True),
      "--no-create-attention-mask-in-dataloader"),
     (GOOD, dict(reset_attention_mask=True), "pass --reset-position-ids too"),
+    (["--context-parallel-impl", "megatron"], dict(reset_attention_mask=True,
+                                                   reset_position_ids=True),
+     "for our attention only"),
     (GOOD, dict(apply_rope_fusion=True), "--no-rope-fusion"),
     (GOOD, dict(position_embedding_type="yarn"), "rope or learned_absolute"),
     (GOOD, dict(cp_comm_type=["a2a"]), "--cp-comm-type"),
@@ -84,6 +87,8 @@ def test_each_bad_argument_names_the_fix(argv, megatron, message):
 
 
 def test_good_arguments_give_options():
+    # documents split at EOD: both reset flags together are honoured (THD batches)
+    validate_args(_args(*GOOD, reset_attention_mask=True, reset_position_ids=True))
     opts = options_from_args(_args(*GOOD, "--softmax-cp-preset", "ring_ag",
                                    "--softmax-heads-k-stride", "2",
                                    "--softmax-bwd-head-first-stride", "1"))
