@@ -10,9 +10,9 @@ data × context × tensor parallelism (DP × CP × TP) on Megatron-Core models.
 One step: every DP rank takes its rows of the global batch (the labels are shifted on the whole
 sequence), keeps its CP rank's shard of each sequence (in the model's layout, zigzag by
 default; packed documents: a micro-batch's rows end to end, cut by their packing plan), runs
-forward and backward over its micro-batches, sums the gradients over DP × CP and steps AdamW. The default data is a copy task
-that only a model whose attention crosses CP ranks can learn, so the run itself shows that
-context parallelism is correct. gloo on CPU, NCCL + bf16 on GPUs; nothing is patched globally.
+forward and backward over its micro-batches, sums the gradients over DP × CP and steps AdamW.
+The default data is a copy task that only a model whose attention crosses CP ranks can learn,
+so the run itself shows that context parallelism is correct. gloo on CPU, NCCL + bf16 on GPUs; nothing is patched globally.
 Reusable pieces live in ``megatron_patches/trainer/`` (see its README).
 """
 from __future__ import annotations

@@ -25,9 +25,9 @@ core_attention`` of GPT and hybrid layer specs), megatron-core 0.16 and 0.19 ali
 
 Groups come from ``pg_collection`` (``.cp``, ``.tp``) or Megatron's ``parallel_state`` getters,
 never our own. Options the modules cannot honour (packed formats other than THD, attention bias,
-dropout > 0, a dense attention mask, non-causal masks, sliding windows, softmax variants) raise ``ValueError``
-naming the option to change, at construction where possible, else on the first forward — on
-every rank alike, before any collective.
+dropout > 0, a dense attention mask, non-causal masks, sliding windows, softmax variants) raise
+``ValueError`` naming the option to change, at construction where possible, else on the first
+forward — on every rank alike, before any collective.
 """
 from __future__ import annotations
 

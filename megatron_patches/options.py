@@ -128,8 +128,8 @@ SP_OPTIONS: tuple[Option, ...] = (
            "(sp_attention.linear.slopes)", choices=SLOPE_SCHEDULES,
            default_help=lambda: DEFAULT_SLOPE_SCHEDULE),
     Option("--context-parallel-impl", "how linear-attention layers (L and G) pass their state "
-           f"across CP ranks: one of the library's scans ({', '.join(LINEAR_IMPLS)}; auto picks by the "
-           f"number of ranks). '{MEGATRON_IMPL}' (Megatron-LM launcher only) leaves attention to "
+           f"across CP ranks: one of the library's scans ({', '.join(LINEAR_IMPLS)}; auto picks "
+           "by the number of ranks). '{MEGATRON_IMPL}' (Megatron-LM launcher only) leaves attention to "
            "Megatron/TransformerEngine. Softmax layers take --softmax-cp-preset",
            choices=CP_IMPLS,
            default_help=lambda: f"{_linear.DEFAULT_IMPL}, the library's "

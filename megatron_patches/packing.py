@@ -120,8 +120,9 @@ def pack_batch(tensors: dict, cu_seqlens, ctx: SPContext, *, pad_values: Optiona
     laid end to end into one row of ``b·s`` tokens whose documents are ``cu_seqlens``, padded
     to the layout's multiple, and sharded by the plan. Returns ``(local, params, plan)``:
     ``local[name] [1, L]`` on ``device`` (plus ``position_ids``: each token's position inside
-    its document), Megatron ``PackedSeqParams`` (THD; boundaries on the CPU) and the plan. ``pad_values[name]`` fills
-    plan padding (default 0; give labels ``-100`` or a zero loss mask)."""
+    its document), Megatron ``PackedSeqParams`` (THD; boundaries on the CPU) and the plan.
+    ``pad_values[name]`` fills plan padding (default 0; give labels ``-100`` or a zero loss
+    mask)."""
     pctx = packing_context(ctx)
     pad_values = pad_values or {}
     n = num_chunks(pctx.world_size, pctx.layout)

@@ -76,8 +76,8 @@ class CopyTask:
     (``--local-attention-only``) stays at chance.
 
     ``packed``: a row holds several independent copy documents of random lengths (``1.5·p`` to
-    ``3·p`` tokens, ``p = T/4``; mostly two per row): each is a block of ``p − 1`` random tokens and a separator,
-    repeated to its length; the loss counts every token of the repeats, each the token ``p``
+    ``3·p`` tokens, ``p = T/4``; mostly two per row): each is a block of ``p − 1`` random tokens
+    and a separator, repeated to its length; the loss counts every token of the repeats, each the token ``p``
     back. Positions restart per document, so a model whose attention leaked into earlier
     documents would find their tokens at the same distance; and at CP the long documents lie
     on several ranks (the packing plan cuts them), so the copies need attention across ranks.

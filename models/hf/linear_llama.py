@@ -16,8 +16,8 @@ Slopes are fixed by the config (not parameters, not saved), so ``save_pretrained
 ``from_pretrained`` round-trip through the config alone. A ``"gated"`` layer learns its decay
 instead: a gate per head and token, ``g = −exp(A_log) · softplus(x·W + dt_bias)``
 (Mamba2-style, :mod:`sp_attention.linear.gate_param`; ``gate_proj``, ``A_log`` and ``dt_bias``
-are parameters, saved with the weights), handed to ``lightning_attention(g=...)``. Every layer dispatches through
-``ALL_ATTENTION_FUNCTIONS``: after ``models.hf.prepare_model_for_cp`` linear and softmax
+are parameters, saved with the weights), handed to ``lightning_attention(g=...)``. Every layer
+dispatches through ``ALL_ATTENTION_FUNCTIONS``: after ``models.hf.prepare_model_for_cp`` linear and softmax
 layers both reach the CP attention; without it, linear layers run single-device
 ``lightning_attention`` and softmax layers HF's SDPA.
 
