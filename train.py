@@ -9,10 +9,10 @@ data × context × tensor parallelism (DP × CP × TP) on Megatron-Core models.
 
 One step: every DP rank takes its rows of the global batch (the labels are shifted on the whole
 sequence), keeps its CP rank's shard of each sequence (in the model's layout, zigzag by
-default), runs forward and backward over its micro-batches, sums the gradients over DP × CP and
-steps AdamW. The default data is a copy task
-that only a model whose attention crosses CP ranks can learn, so the run itself shows that
-context parallelism is correct. gloo on CPU, NCCL + bf16 on GPUs; nothing is patched globally.
+default; packed documents: a micro-batch's rows end to end, cut by their packing plan), runs
+forward and backward over its micro-batches, sums the gradients over DP × CP and steps AdamW.
+The default data is a copy task that only a model whose attention crosses CP ranks can learn,
+so the run itself shows that context parallelism is correct. gloo on CPU, NCCL + bf16 on GPUs; nothing is patched globally.
 Reusable pieces live in ``megatron_patches/trainer/`` (see its README).
 """
 from __future__ import annotations
@@ -34,10 +34,10 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron_patches.trainer import checkpoint as ckpt  # noqa: E402
 from megatron_patches.trainer.args import TrainArgs, UsageError, parse_args
-from megatron_patches.trainer.data import build_dataset
+from megatron_patches.trainer.data import build_dataset, packed_micro_batch
 from megatron_patches.trainer.launch import (BAD_INPUT_EXIT_STATUS, STOP_SIGNALS, StopSignals,
                                              init_distributed)
-from megatron_patches.trainer.loss import check_loss_impl, micro_batch_loss
+from megatron_patches.trainer.loss import check_loss_impl, micro_batch_loss, step_token_count
 from megatron_patches.trainer.optim import MasterAdamW, lr_at
 from megatron_patches.trainer.progress import (Progress, describe_attention, flops_per_token,
                                                peak_flops, plot_losses, read_log)
@@ -66,16 +66,21 @@ def checked_resume_point(args: TrainArgs, layout) -> Optional[str]:
 
 
 def local_micro_batches(data, step: int, args: TrainArgs, layout, groups, cp_ctx, device):
-    """This rank's micro-batches of ``step``: rows of its DP rank, tokens of its CP shard."""
-    tokens, labels, mask = data.batch(step, args.global_batch_size, groups.dp_rank, layout.dp)
+    """This rank's micro-batches of ``step``: rows of its DP rank, tokens of its CP shard.
+    Packed documents: a micro-batch's rows end to end as one row, cut by its packing plan,
+    with Megatron's THD parameters for the model (None otherwise)."""
+    rows = data.batch(step, args.global_batch_size, groups.dp_rank, layout.dp)
     position_ids = shard_position_ids(args.seq_length, cp_ctx).unsqueeze(0)
     out = []
     for i in range(layout.num_micro_batches):
-        rows = slice(i * layout.micro_batch_size, (i + 1) * layout.micro_batch_size)
-        tok, lab, msk = (shard_sequence(x[rows], cp_ctx, dim=1).to(device)
-                         for x in (tokens, labels, mask))
+        mb = slice(i * layout.micro_batch_size, (i + 1) * layout.micro_batch_size)
+        if rows.cu_seqlens is not None:
+            out.append(packed_micro_batch(rows, mb, cp_ctx, device,
+                                          local_only=args.local_attention_only))
+            continue
+        tok, lab, msk = (shard_sequence(x[mb], cp_ctx, dim=1).to(device) for x in rows[:3])
         pos = position_ids.expand(tok.shape[0], -1).to(device)
-        out.append((tok, pos, lab, msk))
+        out.append((tok, pos, lab, msk, None))
     return out
 
 
@@ -83,12 +88,13 @@ def train_step(model, optimizer, micro_batches, groups, args, lr: float, clip: f
     """Forward/backward over the micro-batches, gradient sum over DP × CP, optimizer step.
     Returns (this rank's share of the global mean loss, gradient norm)."""
     share = torch.zeros((), dtype=torch.float64, device=micro_batches[0][0].device)
-    for tok, pos, lab, msk in micro_batches:
+    count = step_token_count(micro_batches, groups.dp_cp)   # the step's loss tokens, all ranks
+    for tok, pos, lab, msk, packed in micro_batches:
         # this rank's share of the step's global token mean (--loss-impl: the model's own
         # loss over full logits, or the chunked linear + cross entropy on its hidden states)
         loss = micro_batch_loss(model, tok, pos, lab, msk, impl=args.loss_impl,
                                 tp_group=groups.tp, dp_cp_group=groups.dp_cp,
-                                num_micro_batches=len(micro_batches))
+                                token_count=count, packed_seq_params=packed)
         loss.backward()
         share += loss.detach().double()     # stays on the device: agree() syncs once a step
     all_reduce_gradients(model.parameters(), groups.dp_cp)

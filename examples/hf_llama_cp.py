@@ -1,4 +1,4 @@
-"""Train a small random HF Llama (softmax, linear or hybrid) with context parallelism.
+"""Train a small random HF Llama (softmax, linear, gated or hybrid) with context parallelism.
 
 CPU (gloo), 4 processes = DP 2 x CP 2:
     torchrun --nproc-per-node 4 examples/hf_llama_cp.py --cp 2
@@ -37,7 +37,7 @@ from sp_attention.softmax import PRESETS  # noqa: E402
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cp", type=int, default=2, help="context-parallel size (divides world)")
-    p.add_argument("--model", choices=("llama", "linear", "hybrid"), default="llama")
+    p.add_argument("--model", choices=("llama", "linear", "gated", "hybrid"), default="llama")
     p.add_argument("--softmax-cp-preset", choices=tuple(PRESETS), default=None,
                    help="softmax layers' schedule (default: the library's DEFAULT_PRESET)")
     p.add_argument("--context-parallel-impl", choices=IMPLS, default=None,
@@ -60,7 +60,8 @@ def build_model(args) -> torch.nn.Module:
     if args.model == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
         return LlamaForCausalLM(LlamaConfig(**cfg))
-    kinds = None if args.model == "linear" else hybrid_layer_kinds(args.layers, 2)
+    kinds = {"linear": None, "gated": ["gated"] * args.layers}.get(
+        args.model, hybrid_layer_kinds(args.layers, 2))
     return LinearLlamaForCausalLM(LinearLlamaConfig(layer_kinds=kinds, **cfg))
 
 
@@ -103,7 +104,7 @@ def main():
         attention = []
         if args.model in ("llama", "hybrid"):
             attention.append(f"softmax {schedule.fwd}/{schedule.bwd}")
-        if args.model in ("linear", "hybrid"):
+        if args.model in ("linear", "gated", "hybrid"):
             attention.append(f"linear scan {resolve_impl(args.context_parallel_impl, handle.ctx)}")
         print(f"world {world} = DP {world // args.cp} x CP {args.cp}, model {args.model}, "
               f"{' + '.join(attention)}, chance {math.log(args.vocab):.3f}", flush=True)

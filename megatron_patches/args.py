@@ -5,8 +5,8 @@ add_arguments)`` on megatron-core >= 0.18, ``pretrain(..., extra_args_provider=a
 on 0.17). It adds :data:`megatron_patches.options.SP_OPTIONS`, the same table train.py's
 parser is built from (same names, meanings, choices, defaults and help)::
 
-    --sp-model-kind {softmax,linear,hybrid}     which layers the model has (launcher)
-    --sp-hybrid-pattern LLLS                    L linear / S softmax per layer, repeated
+    --sp-model-kind {softmax,linear,gated,hybrid}  which layers the model has (launcher)
+    --sp-hybrid-pattern LLLS                    L linear / G gated / S softmax per layer
     --sp-slope-schedule {long_range,lightning}  linear layers' per-head decay
     --context-parallel-impl {blelloch,allgather,ring,auto,megatron}
         linear layers' cross-rank scan (default: the library's); 'megatron' leaves attention to
@@ -16,7 +16,9 @@ parser is built from (same names, meanings, choices, defaults and help)::
     --softmax-bwd-head-last-stride N
 
 :func:`validate_args` raises ``ValueError`` naming the flag to change for every combination
-that cannot work or that Megatron would silently ignore.
+that cannot work or that Megatron would silently ignore. ``--reset-attention-mask
+--reset-position-ids`` (documents split at EOD) are honoured at every CP size: the launcher
+packs each micro-batch into a THD row cut by our packing plan (:mod:`megatron_patches.packing`).
 """
 from __future__ import annotations
 
@@ -44,7 +46,8 @@ def _kind_from_spec(args) -> Optional[str]:
     if not spec or spec[0] != "megatron_patches.specs":
         return None
     return {"softmax_layer_spec": "softmax", "linear_layer_spec": "linear",
-            "hybrid_layer_spec": "hybrid"}.get(spec[1] if len(spec) > 1 else "", "unknown")
+            "gated_layer_spec": "gated", "hybrid_layer_spec": "hybrid"}.get(
+                spec[1] if len(spec) > 1 else "", "unknown")
 
 
 def _check_megatron_impl(args, kind: str, spec_kind: Optional[str]) -> None:
@@ -54,6 +57,10 @@ def _check_megatron_impl(args, kind: str, spec_kind: Optional[str]) -> None:
     if kind != "softmax":
         raise ValueError(f"--sp-model-kind {kind}: linear-attention layers need our scan; set "
                          "--context-parallel-impl to blelloch, allgather, ring or auto")
+    if getattr(args, "reset_attention_mask", False):
+        raise ValueError("--reset-attention-mask: this launcher packs documents (THD batches cut "
+                         "by our packing plan) for our attention only, not for Megatron's; drop "
+                         "--context-parallel-impl megatron or --reset-attention-mask")
     given = [f"--{n.replace('_', '-')}" for n in SOFTMAX_FLAGS + ("sp_slope_schedule",)
              if getattr(args, n, None) is not None]
     if given:
@@ -79,9 +86,11 @@ def _check_megatron_flags(args) -> None:
     if getattr(args, "create_attention_mask_in_dataloader", False):
         raise ValueError("a dense attention mask cannot be honoured (the CP attention is causal "
                          "on the global sequence); pass --no-create-attention-mask-in-dataloader")
-    if getattr(args, "reset_attention_mask", False):
-        raise ValueError("--reset-attention-mask (per-document masks) is not supported by the "
-                         "CP attention; drop it")
+    if getattr(args, "reset_attention_mask", False) and not getattr(args, "reset_position_ids",
+                                                                     False):
+        raise ValueError("--reset-attention-mask packs each micro-batch as documents split at "
+                         "EOD (THD batches), whose positions restart per document: pass "
+                         "--reset-position-ids too")
     pos = getattr(args, "position_embedding_type", "rope")
     if pos not in ("rope", "learned_absolute"):
         raise ValueError(f"--position-embedding-type {pos}: use rope or learned_absolute")
@@ -101,7 +110,8 @@ def _checked(args) -> Optional[dict]:
     spec_kind = _kind_from_spec(args)
     if spec_kind == "unknown":
         raise ValueError(f"--spec {' '.join(args.spec)}: megatron_patches.specs offers "
-                         "softmax_layer_spec, linear_layer_spec and hybrid_layer_spec")
+                         "softmax_layer_spec, linear_layer_spec, gated_layer_spec and "
+                         "hybrid_layer_spec")
     kind = spec_kind or args.sp_model_kind
     if kind not in MODEL_KINDS:
         raise ValueError(f"--sp-model-kind {kind}: use one of {MODEL_KINDS}")

@@ -11,13 +11,23 @@ core_attention`` of GPT and hybrid layer specs), megatron-core 0.16 and 0.19 ali
   attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> [sq, b, np·hn]``,
   where ``sq`` is this CP rank's shard in the layout of the module's ``SPContext`` (spec param
   ``sp_context``: ``build_gpt_model`` passes the model's one context; None builds one over the
-  CP group in ``sp_attention.DEFAULT_LAYOUT``, zigzag = Megatron's ``get_batch_on_this_cp_rank``).
+  CP group in ``sp_attention.DEFAULT_LAYOUT``, zigzag = Megatron's ``get_batch_on_this_cp_rank``);
+- packed documents: with Megatron's THD ``packed_seq_params`` (``qkv_format="thd"``, the
+  global row's ``cu_seqlens_q/kv`` or their ``_padded`` forms) query is ``[t, np, hn]`` and the
+  output ``[t, np·hn]``; the row's :class:`~sp_attention.PackingPlan`
+  (:func:`megatron_patches.packing.plan_of`, built once per batch) says where its tokens lie,
+  and attention stays inside each document. The model's RoPE is applied here, from the plan's
+  positions (restarting per document): :class:`~megatron_patches.rotary.CPRotaryEmbedding`
+  hands Megatron's attention no rotary embedding for THD batches, because Megatron's own THD
+  RoPE assumes TransformerEngine's per-document split. ``build_gpt_model`` links each module to
+  the model's RoPE (:meth:`_CPCoreAttention.link_packed_rope`); an unlinked module (a prebuilt
+  spec under Megatron-LM's own RoPE and THD split) refuses THD batches at CP > 1.
 
 Groups come from ``pg_collection`` (``.cp``, ``.tp``) or Megatron's ``parallel_state`` getters,
-never our own. Options the modules cannot honour (packed sequences, attention bias, dropout > 0,
-a dense attention mask, non-causal masks, sliding windows, softmax variants) raise ``ValueError``
-naming the option to change, at construction where possible, else on the first forward — on
-every rank alike, before any collective.
+never our own. Options the modules cannot honour (packed formats other than THD, attention bias,
+dropout > 0, a dense attention mask, non-causal masks, sliding windows, softmax variants) raise
+``ValueError`` naming the option to change, at construction where possible, else on the first
+forward — on every rank alike, before any collective.
 """
 from __future__ import annotations
 
@@ -33,8 +43,10 @@ from sp_attention import (SoftmaxSchedule, SPContext, build_sp_context,
                           context_parallel_attention, lightning_attention)
 from sp_attention.linear import IMPLS as LINEAR_IMPLS
 from sp_attention.linear.slopes import SLOPE_SCHEDULES, decay_slopes
+from sp_attention.packing import packing_context
 
 from .options import DEFAULT_SLOPE_SCHEDULE
+from .packing import check_packed_seq_params, plan_of
 
 __all__ = ["SoftmaxCoreAttention", "LinearCoreAttention", "resolve_groups", "softmax_schedule_of"]
 
@@ -87,11 +99,7 @@ def _check_config(config, attn_mask_type, attention_type, attention_dropout) -> 
         raise ValueError("multi_latent_attention is not supported by the CP attention modules")
 
 
-def _check_call(attention_mask, attn_mask_type, attention_bias, packed_seq_params) -> None:
-    if packed_seq_params is not None:
-        raise ValueError("packed sequences (packed_seq_params / THD format) are not supported by "
-                         "the CP attention; train on padded [s, b] batches (Megatron-LM: drop "
-                         "--reset-attention-mask / packed datasets)")
+def _check_call(attention_mask, attn_mask_type, attention_bias) -> None:
     if attention_bias is not None:
         raise ValueError("attention_bias is not supported by the CP attention; drop the bias "
                          "(e.g. ALiBi) or use position_embedding_type='rope'")
@@ -100,11 +108,17 @@ def _check_call(attention_mask, attn_mask_type, attention_bias, packed_seq_param
     if attention_mask is not None:
         raise ValueError("a dense attention_mask cannot be honoured: the CP attention applies the "
                          "causal mask on the global sequence itself. Pass attention_mask=None "
-                         "(Megatron-LM: --no-create-attention-mask-in-dataloader)")
+                         "(Megatron-LM: --no-create-attention-mask-in-dataloader; packed "
+                         "documents: THD packed_seq_params)")
 
 
 def _to_bshd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1)    # [s, b, h, d] -> [b, s, h, d] (a view; kernels take strides)
+
+
+# A module's packed_rope before build_gpt_model linked it: unknown whether (and whose) RoPE
+# the model applies to THD batches.
+_UNLINKED = object()
 
 
 def _layer_context(sp_context: Optional[SPContext], cp_group, cp_size: int) -> SPContext:
@@ -145,10 +159,42 @@ class _CPCoreAttention(MegatronModule):
         self.head_dim = config.kv_channels
         self.softmax_scale = self.head_dim ** -0.5 if softmax_scale is None else softmax_scale
         self.sp_ctx = _layer_context(sp_context, cp_group, cp_size)
+        self.packed_ctx = packing_context(self.sp_ctx)    # where THD batches are planned
+        self.packed_rope = _UNLINKED
 
-    def _output(self, out: torch.Tensor) -> torch.Tensor:
-        # [b, s, np, hn] -> [s, b, np*hn]
+    def link_packed_rope(self, rope) -> None:
+        """What rotates q and k of THD batches: the model's
+        :class:`~megatron_patches.rotary.CPRotaryEmbedding` (its ``rotate``), or None for a
+        model without RoPE (learned absolute positions). ``build_gpt_model`` calls this."""
+        self.packed_rope = rope
+
+    def _inputs(self, query, key, value, packed_seq_params):
+        """``[b, s, h, d]`` views of q, k, v and the batch's packing plan (None: unpacked);
+        THD batches get the model's RoPE here, at the plan's positions."""
+        if packed_seq_params is None:
+            return _to_bshd(query), _to_bshd(key), _to_bshd(value), None
+        check_packed_seq_params(packed_seq_params)
+        if query.dim() != 3:
+            raise ValueError(f"THD packed_seq_params with query {tuple(query.shape)}: Megatron's "
+                             "THD attention hands core attention [t, np, hn]")
+        plan = plan_of(packed_seq_params, self.sp_ctx, query.shape[0], query.device)
+        if self.packed_rope is _UNLINKED and self.sp_ctx.world_size > 1:
+            raise ValueError(
+                "a THD (packed) batch at CP > 1 reached a core attention that build_gpt_model "
+                "did not build: its tokens must be cut by our packing plan and RoPE must follow "
+                "it. Build the model with megatron_patches.model.build_gpt_model (our launcher "
+                "and train.py do) and cut batches with megatron_patches.packing.pack_batch")
+        q, k, v = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)   # [1, t, h, d]
+        if self.packed_rope is not None and self.packed_rope is not _UNLINKED:
+            pos = plan.position_ids(self.packed_ctx.rank, q.device)
+            q, k = self.packed_rope(q, pos), self.packed_rope(k, pos)
+        return q, k, v, plan
+
+    def _output(self, out: torch.Tensor, packed: bool = False) -> torch.Tensor:
+        # [b, s, np, hn] -> [s, b, np*hn]; THD: [1, t, np, hn] -> [t, np*hn]
         b, s = out.shape[:2]
+        if packed:
+            return out.reshape(s, -1)
         return out.transpose(0, 1).reshape(s, b, -1)
 
 
@@ -173,11 +219,13 @@ class SoftmaxCoreAttention(_CPCoreAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
-        _check_call(attention_mask, attn_mask_type, attention_bias, packed_seq_params)
-        out = context_parallel_attention(
-            _to_bshd(query), _to_bshd(key), _to_bshd(value), ctx=self.sp_ctx, causal=True,
-            softmax_scale=self.softmax_scale, **self.softmax_schedule.kwargs())
-        return self._output(out)
+        _check_call(attention_mask, attn_mask_type, attention_bias)
+        q, k, v, plan = self._inputs(query, key, value, packed_seq_params)
+        ctx = self.sp_ctx if plan is None else self.packed_ctx
+        out = context_parallel_attention(q, k, v, ctx=ctx, causal=True, cu_seqlens=plan,
+                                         softmax_scale=self.softmax_scale,
+                                         **self.softmax_schedule.kwargs())
+        return self._output(out, packed=plan is not None)
 
 
 class LinearCoreAttention(_CPCoreAttention):
@@ -240,21 +288,37 @@ class LinearCoreAttention(_CPCoreAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
-        _check_call(attention_mask, attn_mask_type, attention_bias, packed_seq_params)
-        q, k, v = _to_bshd(query), _to_bshd(key), _to_bshd(value)     # k, v: ng heads (GQA)
-        o = lightning_attention(q, k, v, self._slopes_for(q.device), ctx=self.sp_ctx,
-                                impl=self.cp_impl, scale=float(self.softmax_scale))
-        # per-head RMS norm in fp32
+        _check_call(attention_mask, attn_mask_type, attention_bias)
+        q, k, v, plan = self._inputs(query, key, value, packed_seq_params)   # k, v: ng heads
+        q, decay = self._decay(q)
+        packed = {} if plan is None else {"cu_seqlens": plan}
+        o = lightning_attention(q, k, v, ctx=self.sp_ctx if plan is None else self.packed_ctx,
+                                impl=self.cp_impl, scale=float(self.softmax_scale), **decay,
+                                **packed)
+        return self._output(self._out_norm(o, q.dtype), packed=plan is not None)
+
+    def _decay(self, q: torch.Tensor):
+        """``(q, the decay keyword of lightning_attention)``: this layer's fixed slopes."""
+        return q, {"slopes": self._slopes_for(q.device)}
+
+    def _out_norm(self, o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Per-head RMS norm in fp32 with the learnt weight, back in ``dtype``."""
         of = o.float()
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)
         w = self.out_norm_weight.float().view(self.heads_per_rank, self.head_dim)
-        return self._output((of * w).to(q.dtype))
+        return (of * w).to(dtype)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """The output-norm weight is sharded over TP along dim 0 (distributed checkpoints)."""
+        return self._sharded(prefix, sharded_offsets, metadata, ("out_norm_weight",))
+
+    def _sharded(self, prefix, sharded_offsets, metadata, tp_dim0: tuple):
+        """Megatron's sharded state dict of this module: ``tp_dim0`` entries split over TP
+        along dim 0 (their heads), the rest replicated."""
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
         state_dict = self.state_dict(prefix="", keep_vars=True)
         dp_cp = metadata.get("dp_cp_group") if metadata else None
         groups = {} if dp_cp is None else {"tp_group": self.tp_group, "dp_cp_group": dp_cp}
-        return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"out_norm_weight": 0},
+        return make_sharded_tensors_for_checkpoint(state_dict, prefix,
+                                                   {name: 0 for name in tp_dim0},
                                                    sharded_offsets, **groups)

@@ -32,6 +32,13 @@ Contract of :func:`build_gpt_model` (megatron-core 0.16.1 on CPU/gloo in fp32 wi
   tp_size)`` (it honours ``partition_stride``, e.g. SwiGLU's interleaved fc1).
 - RoPE: our :class:`~megatron_patches.rotary.CPRotaryEmbedding` replaces Megatron's (CUDA
   only, slices positions itself): it uses the ``position_ids`` the model is called with.
+- Packed documents: ``model(input_ids, position_ids, None, labels=labels,
+  packed_seq_params=params)`` with a THD micro-batch cut by
+  :func:`megatron_patches.packing.pack_batch` (``input_ids [1, L]``: the micro-batch's rows end
+  to end, this rank's shard by the batch's packing plan; ``position_ids`` restarting per
+  document; labels shifted inside each document *before* cutting; ``params``: Megatron's
+  ``PackedSeqParams(qkv_format="thd", cu_seqlens_q/kv=...)`` of the whole row). Attention
+  stays inside each document across CP ranks; RoPE uses the plan's positions.
 - Linear layers' decay slopes are the TP rank's heads' slice of the global schedule; GQA K/V
   reach ``lightning_attention`` grouped (Megatron's head-to-group mapping).
 """
@@ -50,7 +57,7 @@ from sp_attention.linear import IMPLS as LINEAR_IMPLS
 from .core_attention import resolve_groups
 from .options import MODEL_KINDS as KINDS
 from .options import model_pattern
-from .rotary import install_cp_rope
+from .rotary import install_cp_rope, link_packed_rope
 from .specs import block_spec
 
 __all__ = ["build_gpt_model", "KINDS", "POSITION_EMBEDDINGS", "tp_shard_state_dict",
@@ -175,6 +182,8 @@ def build_gpt_model(config: TransformerConfig, *, kind: str, vocab_size: int,
                         rotary_percent=gpt_kwargs.get("rotary_percent", 1.0),
                         seq_len_interpolation_factor=gpt_kwargs.get(
                             "seq_len_interpolation_factor"))
+    else:           # THD batches: positions come from the embeddings, nothing to rotate
+        link_packed_rope(model, None)
     model.sp_layer_pattern = pattern
     model.sp_context = ctx
     return model

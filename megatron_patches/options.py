@@ -27,7 +27,8 @@ from sp_attention.linear import IMPLS as LINEAR_IMPLS
 from sp_attention.linear.slopes import SLOPE_SCHEDULES, decay_slopes
 from sp_attention.softmax import PRESETS
 
-__all__ = ["UsageError", "Option", "SP_OPTIONS", "add_sp_options", "option", "MODEL_KINDS", "LAYER_KINDS",
+__all__ = ["UsageError", "Option", "SP_OPTIONS", "add_sp_options", "option", "MODEL_KINDS",
+           "LAYER_KINDS", "SCAN_LETTERS",
            "MEGATRON_IMPL", "CP_IMPLS", "DEFAULT_SLOPE_SCHEDULE", "SOFTMAX_FLAGS",
            "expand_pattern", "default_hybrid_pattern", "model_pattern", "check_sp_options",
            "softmax_schedule", "seq_multiple"]
@@ -39,8 +40,11 @@ class UsageError(ValueError):
 
 # Layer letters of a pattern, and the model kinds made of them (a new layer kind adds a letter;
 # a new model kind adds a row: its letter, or None for a pattern of several).
-LAYER_KINDS = {"L": "linear", "S": "softmax"}
-_KIND_LETTER: dict[str, Optional[str]] = {"softmax": "S", "linear": "L", "hybrid": None}
+LAYER_KINDS = {"L": "linear", "S": "softmax", "G": "gated"}
+_KIND_LETTER: dict[str, Optional[str]] = {"softmax": "S", "linear": "L", "gated": "G",
+                                          "hybrid": None}
+# layers whose decay state crosses CP ranks through the library's scans (--context-parallel-impl)
+SCAN_LETTERS = ("L", "G")
 MODEL_KINDS = tuple(_KIND_LETTER)
 
 MEGATRON_IMPL = "megatron"           # launcher only: Megatron's own attention (TE)
@@ -111,18 +115,21 @@ _positive_int.__name__ = "positive int"   # argparse names the type in its error
 
 SP_OPTIONS: tuple[Option, ...] = (
     Option("--sp-model-kind", "the model's attention layers: softmax (Llama), linear (linear "
-           "attention with per-head decay) or hybrid (--sp-hybrid-pattern)",
+           "attention with fixed per-head decay), gated (linear attention with a per-token "
+           "decay gate per head, Mamba2-style: g = -exp(A_log)·softplus(x·W + dt_bias)) or "
+           "hybrid (--sp-hybrid-pattern)",
            default="softmax", choices=MODEL_KINDS),
     Option("--sp-hybrid-pattern", "hybrid layer pattern, repeated to --num-layers: L linear, "
-           "S softmax (e.g. LLLS: three linear layers to one softmax layer)",
+           "G gated linear, S softmax (e.g. LLLS: three linear layers to one softmax layer; "
+           "GGGS with gated ones)",
            default_help=lambda: "LLLS when --num-layers is a multiple of 4, else LLS, LS, or "
            "linear layers and a last softmax layer"),
     Option("--sp-slope-schedule", "per-head decay rates of linear layers "
            "(sp_attention.linear.slopes)", choices=SLOPE_SCHEDULES,
            default_help=lambda: DEFAULT_SLOPE_SCHEDULE),
-    Option("--context-parallel-impl", "how linear-attention layers pass their state across CP "
-           f"ranks: one of the library's scans ({', '.join(LINEAR_IMPLS)}; auto picks by the "
-           f"number of ranks). '{MEGATRON_IMPL}' (Megatron-LM launcher only) leaves attention to "
+    Option("--context-parallel-impl", "how linear-attention layers (L and G) pass their state "
+           f"across CP ranks: one of the library's scans ({', '.join(LINEAR_IMPLS)}; auto picks "
+           "by the number of ranks). '{MEGATRON_IMPL}' (Megatron-LM launcher only) leaves attention to "
            "Megatron/TransformerEngine. Softmax layers take --softmax-cp-preset",
            choices=CP_IMPLS,
            default_help=lambda: f"{_linear.DEFAULT_IMPL}, the library's "
@@ -170,11 +177,11 @@ def default_hybrid_pattern(num_layers: int) -> str:
 
 
 def expand_pattern(pattern: str, num_layers: int) -> str:
-    """``pattern`` repeated to ``num_layers`` letters (``L`` linear, ``S`` softmax); its length
-    must divide ``num_layers``. The error's example fits the model."""
+    """``pattern`` repeated to ``num_layers`` letters (``L`` linear, ``G`` gated linear, ``S``
+    softmax); its length must divide ``num_layers``. The error's example fits the model."""
     if not pattern or set(pattern) - set(LAYER_KINDS):
         raise ValueError(f"layer pattern {pattern!r} must be a non-empty string of "
-                         f"{'/'.join(LAYER_KINDS)} (L linear, S softmax), e.g. "
+                         f"{'/'.join(LAYER_KINDS)} (L linear, G gated linear, S softmax), e.g. "
                          f"{default_hybrid_pattern(max(num_layers, 2))!r}")
     if num_layers % len(pattern):
         fits = default_hybrid_pattern(num_layers) if num_layers >= 2 else "S"
@@ -241,8 +248,8 @@ def check_sp_options(ns, *, num_layers: int, kv_heads_per_tp_rank: int,
     impl = getattr(ns, "context_parallel_impl", None)
     if impl is not None and impl not in CP_IMPLS:
         raise ValueError(f"--context-parallel-impl {impl}: use one of {CP_IMPLS}")
-    has_linear, has_softmax = "L" in pattern, "S" in pattern
-    if impl not in (None, "auto", MEGATRON_IMPL) and not has_linear:
+    has_scan, has_softmax = any(c in pattern for c in SCAN_LETTERS), "S" in pattern
+    if impl not in (None, "auto", MEGATRON_IMPL) and not has_scan:
         hint = (f" (--softmax-cp-preset {impl} sets the softmax schedule)" if impl in PRESETS
                 else "")
         raise ValueError(f"--context-parallel-impl {impl} does not fit --sp-model-kind {kind}: "
@@ -263,8 +270,9 @@ def check_sp_options(ns, *, num_layers: int, kv_heads_per_tp_rank: int,
         except ValueError as e:
             raise ValueError(f"{e} [flags: --softmax-bwd-head-first/last-stride]") from None
     slope = getattr(ns, "sp_slope_schedule", None)
-    if slope is not None and not has_linear:
+    if slope is not None and "L" not in pattern:
         raise ValueError(f"--sp-slope-schedule {slope} would be ignored: the model has no "
-                         f"linear layer (--sp-model-kind {kind}); drop it")
+                         f"linear layer with fixed slopes (--sp-model-kind {kind}; gated layers "
+                         "learn their decay); drop it")
     return {"kind": kind, "pattern": pattern, "cp_impl": impl, "softmax_schedule": schedule,
             "slope_schedule": DEFAULT_SLOPE_SCHEDULE if slope is None else slope}

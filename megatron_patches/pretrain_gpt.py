@@ -10,7 +10,9 @@ without Megatron-LM's root scripts): Megatron's own argument parsing (plus ours,
 checkpointing, logging and mock / indexed GPT datasets. Only the model provider is ours
 (:func:`megatron_patches.model.build_gpt_model`) and the batch's CP split uses the library's
 sharding in the model's layout (``sp_attention.DEFAULT_LAYOUT``, zigzag: identical to Megatron's
-``get_batch_on_this_cp_rank``).
+``get_batch_on_this_cp_rank``). With ``--reset-attention-mask --reset-position-ids`` each
+micro-batch becomes a THD row of documents split at EOD, cut by our packing plan
+(:func:`get_batch`).
 
 Importing this module imports nothing from ``megatron.training`` (so it is safe on
 megatron-core 0.16, which has none); :func:`main` needs it, and says so once (not once per
@@ -120,21 +122,37 @@ def model_context(model):
     return cp_context(layout=MEGATRON_LAYOUT)
 
 
-def get_batch(data_iterator, ctx):
-    """Next micro-batch, moved to the GPU and split over CP by ``ctx`` (the model's context, so
-    data, attention and RoPE share one layout). Every rank reads the data itself; the datasets
-    are built on every rank, see ``datasets_provider``."""
+def get_batch(data_iterator, ctx, *, eod: Optional[int] = None, device="cuda"):
+    """Next micro-batch, split over CP by ``ctx`` (the model's context, so data, attention and
+    RoPE share one layout) and moved to ``device``. Every rank reads the data itself; the
+    datasets are built on every rank, see ``datasets_provider``.
+
+    ``eod`` (``--reset-attention-mask --reset-position-ids``: the tokenizer's end-of-document
+    id): the micro-batch's rows are laid end to end into one THD row whose documents end at
+    each EOD (and at each row's end), cut by the batch's packing plan
+    (:func:`megatron_patches.packing.pack_batch`; how that differs from Megatron's
+    ``get_batch_on_this_cp_rank``: :mod:`megatron_patches.packing`); ``position_ids`` restart
+    per document and ``packed_seq_params`` (THD) goes to the model. Without it,
+    ``packed_seq_params`` is None."""
     import torch
     from sp_attention import shard_sequence
 
+    from .packing import eod_cu_seqlens, pack_batch
+
     batch = next(data_iterator)
-    out = {}
-    for key in ("tokens", "labels", "loss_mask", "position_ids"):
-        out[key] = shard_sequence(batch[key].cuda(non_blocking=True), ctx, dim=1)
     if batch.get("attention_mask") is not None:
         raise ValueError("the dataset built an attention mask; pass "
                          "--no-create-attention-mask-in-dataloader")
+    keys = ("tokens", "labels", "loss_mask")
+    if eod is not None:
+        out, params, _ = pack_batch({k: batch[k] for k in keys},
+                                    eod_cu_seqlens(batch["tokens"], eod), ctx, device=device)
+    else:
+        out = {k: shard_sequence(batch[k].to(device, non_blocking=True), ctx, dim=1)
+               for k in keys + ("position_ids",)}
+        params = None
     out["tokens"] = out["tokens"].to(torch.long)
+    out["packed_seq_params"] = params
     return out
 
 
@@ -151,13 +169,14 @@ def loss_func(loss_mask, output_tensor):
 
 def forward_step(data_iterator, model):
     """Megatron ``forward_step``: one micro-batch through the model."""
-    from megatron.training import get_timers
+    from megatron.training import get_args, get_timers, get_tokenizer
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
-    b = get_batch(data_iterator, model_context(model))
+    eod = get_tokenizer().eod if get_args().reset_attention_mask else None
+    b = get_batch(data_iterator, model_context(model), eod=eod)
     timers("batch-generator").stop()
     out = model(b["tokens"], b["position_ids"], None, labels=b["labels"],
-                loss_mask=b["loss_mask"])
+                loss_mask=b["loss_mask"], packed_seq_params=b["packed_seq_params"])
     return out, partial(loss_func, b["loss_mask"])
 
 

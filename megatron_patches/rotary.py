@@ -9,7 +9,11 @@ slot (``model.rotary_pos_emb``) with the same call signature, and
   scheme the caller uses (the layout's shards, reset positions) is honoured exactly;
 - without position ids, uses the rank's positions in the model's ``SPContext``
   (``sp_attention.shard_position_ids``; for zigzag what Megatron's own slicing gives);
-- runs on whatever device the model lives on (a zero-size buffer tracks it).
+- runs on whatever device the model lives on (a zero-size buffer tracks it);
+- for THD (packed) batches returns None, so Megatron's attention applies no RoPE (its THD
+  RoPE assumes TransformerEngine's per-document split), and our core attention rotates q and
+  k itself with :meth:`CPRotaryEmbedding.rotate` at the packing plan's positions (restarting
+  per document): :func:`install_cp_rope` links every core attention of ours to it.
 
 Output: ``[s_local, 1, 1, d]`` (or ``[s_local, b, 1, d]`` for per-sample position ids), the
 frequencies Megatron's ``apply_rotary_pos_emb`` expects (non-interleaved ``cat(f, f)``).
@@ -22,7 +26,7 @@ import torch
 
 from sp_attention import SPContext, build_sp_context, shard_position_ids
 
-__all__ = ["CPRotaryEmbedding", "install_cp_rope"]
+__all__ = ["CPRotaryEmbedding", "install_cp_rope", "link_packed_rope"]
 
 
 class CPRotaryEmbedding(torch.nn.Module):
@@ -48,9 +52,6 @@ class CPRotaryEmbedding(torch.nn.Module):
     def get_rotary_seq_len(self, inference_context, transformer, transformer_input,
                            transformer_config, packed_seq_params=None, **kwargs) -> int:
         """Global sequence length (Megatron's own rule: local length × CP [× TP with SP])."""
-        if packed_seq_params is not None:
-            raise ValueError("packed sequences are not supported with CP attention; drop "
-                             "packed_seq_params")
         if inference_context is not None:
             raise ValueError("inference contexts are not supported by ZigzagRotaryEmbedding")
         x = transformer.input_tensor if transformer is not None and \
@@ -61,11 +62,10 @@ class CPRotaryEmbedding(torch.nn.Module):
         return n * transformer_config.context_parallel_size
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
-                cp_group=None) -> torch.Tensor:
-        if packed_seq:
-            raise ValueError("packed sequences are not supported with CP attention")
+                cp_group=None) -> Optional[torch.Tensor]:
+        if packed_seq:          # THD: our core attention rotates q and k (see rotate)
+            return None
         device = self._anchor.device
-        inv = self.inv_freq.to(device)
         pos = self.position_ids
         if pos is None:
             pos = shard_position_ids(max_seq_len, self.sp_ctx, device=device)[:, None]  # [s, 1]
@@ -75,11 +75,25 @@ class CPRotaryEmbedding(torch.nn.Module):
                                  f"s_local x CP = {max_seq_len}: pass this rank's "
                                  "global positions, sharded like input_ids")
             pos = pos.to(device).t()                                             # [s, b]
+        return self._freqs(pos, offset)[:, :, None, :]                          # [s, b, 1, d]
+
+    def _freqs(self, pos: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """``[..., d]`` fp32 angles ``cat(f, f)`` of integer positions ``pos [...]``."""
         pos = pos.to(torch.float32) + offset
         if self.interpolation is not None:
             pos = pos / self.interpolation
-        freqs = pos[..., None] * inv                                             # [s, b, d/2]
-        return torch.cat((freqs, freqs), dim=-1)[:, :, None, :]                 # [s, b, 1, d]
+        freqs = pos[..., None] * self.inv_freq.to(pos.device)                   # [..., d/2]
+        return torch.cat((freqs, freqs), dim=-1)
+
+    def rotate(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """``x [b, t, h, d']`` rotated at ``position_ids [t]`` (Megatron's non-interleaved
+        formula, cos/sin in ``x``'s dtype); channels past the rotary dim pass through."""
+        freqs = self._freqs(position_ids)[:, None, :]                            # [t, 1, d]
+        rot = freqs.shape[-1]
+        x_rot, x_pass = x[..., :rot], x[..., rot:]
+        cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
+        x1, x2 = x_rot.chunk(2, dim=-1)
+        return torch.cat((x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin, x_pass), dim=-1)
 
 
 def _capture_positions(rope: CPRotaryEmbedding):
@@ -93,8 +107,8 @@ def install_cp_rope(model: torch.nn.Module, config, sp_context: SPContext, *,
                     rotary_percent: float = 1.0, rotary_base: float = 10000,
                     seq_len_interpolation_factor: Optional[float] = None) -> None:
     """Put a :class:`CPRotaryEmbedding` over ``sp_context`` (the model's) in
-    ``model.rotary_pos_emb`` (GPTModel or HybridModel) and make the model hand it the position
-    ids of each call."""
+    ``model.rotary_pos_emb`` (GPTModel or HybridModel), make the model hand it the position
+    ids of each call, and link our core attentions to it for THD batches."""
     if not hasattr(model, "rotary_pos_emb"):
         raise ValueError(f"{type(model).__name__} has no rotary_pos_emb slot; build it with "
                          "position_embedding_type='rope'")
@@ -105,3 +119,12 @@ def install_cp_rope(model: torch.nn.Module, config, sp_context: SPContext, *,
     rope.to(anchor.device)
     model.rotary_pos_emb = rope
     model.register_forward_pre_hook(_capture_positions(rope), with_kwargs=True)
+    link_packed_rope(model, rope)
+
+
+def link_packed_rope(model: torch.nn.Module, rope: Optional[CPRotaryEmbedding]) -> None:
+    """Tell every core attention of ours in ``model`` what rotates q and k of THD batches:
+    ``rope``'s :meth:`~CPRotaryEmbedding.rotate`, or nothing (None: a model without RoPE)."""
+    for m in model.modules():
+        if hasattr(m, "link_packed_rope"):
+            m.link_packed_rope(None if rope is None else rope.rotate)

@@ -4,11 +4,14 @@
   specs, block specs with per-layer lists, HybridModel stack specs, MTP blocks) and returns a
   patched copy; the input is never modified.
 - :func:`layer_spec` / :func:`block_spec` build the local (no TransformerEngine) GPT layer spec
-  with a softmax or linear core attention, and a per-layer list for a hybrid pattern
-  (``"LLLS"``: three linear layers to one softmax layer), which ``GPTModel`` takes on 0.16 and
-  0.19 alike.
+  with a softmax, linear or gated linear core attention (the gated one also swaps
+  ``SelfAttention`` for :class:`~megatron_patches.gated_attention.GatedSelfAttention`, which
+  hands it the gate projection), and a per-layer list for a hybrid pattern (``"LLLS"``: three
+  linear layers to one softmax layer; ``G`` gated), which ``GPTModel`` takes on 0.16 and 0.19
+  alike.
 - Prebuilt specs for Megatron-LM's ``--spec megatron_patches.specs <name>``:
-  ``softmax_layer_spec``, ``linear_layer_spec``, ``hybrid_layer_spec`` — layer specs whose core
+  ``softmax_layer_spec``, ``linear_layer_spec``, ``gated_layer_spec``, ``hybrid_layer_spec``
+  — layer specs whose core
   attention reads ``--context-parallel-impl`` and our other arguments from Megatron-LM's parsed
   args when the model is built (one layer spec serves every layer; the hybrid one picks each
   layer's kind from ``--sp-hybrid-pattern`` and its layer number).
@@ -22,11 +25,13 @@ from typing import Any, Callable, Optional
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .core_attention import LinearCoreAttention, SoftmaxCoreAttention, resolve_groups
+from .gated_attention import GatedCoreAttention, GatedSelfAttention
 from .options import LAYER_KINDS, expand_pattern
 
 __all__ = ["patch_core_attention", "find_core_attention_slots", "layer_kind", "expand_pattern",
            "core_attention_spec", "layer_spec", "block_spec", "ArgsCoreAttention",
-           "softmax_layer_spec", "linear_layer_spec", "hybrid_layer_spec", "LAYER_KINDS",
+           "softmax_layer_spec", "linear_layer_spec", "gated_layer_spec", "hybrid_layer_spec",
+           "LAYER_KINDS",
            "MEGATRON_LAYOUT"]
 
 # How Megatron-LM's own batch split (get_batch_on_this_cp_rank) and RoPE lay a sequence out over
@@ -100,7 +105,7 @@ def patch_core_attention(spec: Any, core_attention: Any, *, require: bool = True
 
 
 def layer_kind(pattern: str, layer_number: int, num_layers: int) -> str:
-    """``"linear"`` or ``"softmax"`` for 1-based global ``layer_number``."""
+    """``"linear"``, ``"gated"`` or ``"softmax"`` for 1-based global ``layer_number``."""
     return LAYER_KINDS[expand_pattern(pattern, num_layers)[layer_number - 1]]
 
 
@@ -116,6 +121,9 @@ def core_attention_spec(kind: str, *, cp_impl: Optional[str] = None, softmax_sch
         return ModuleSpec(module=LinearCoreAttention,
                           params={"cp_impl": cp_impl, "slope_schedule": slope_schedule,
                                   "sp_context": sp_context})
+    if kind == "gated":
+        return ModuleSpec(module=GatedCoreAttention,
+                          params={"cp_impl": cp_impl, "sp_context": sp_context})
     raise ValueError(f"unknown layer kind {kind!r}; use one of {sorted(LAYER_KINDS.values())}")
 
 
@@ -127,10 +135,26 @@ def _local_gpt_layer_spec() -> ModuleSpec:
     return get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
+def with_gated_self_attention(spec: Any) -> Any:
+    """A copy of a layer spec whose ``self_attention`` module is
+    :class:`~megatron_patches.gated_attention.GatedSelfAttention` (what a gated core attention
+    needs; with any other core attention it is Megatron's ``SelfAttention``)."""
+    from megatron.core.transformer.attention import SelfAttention
+    sa = getattr(spec.submodules, "self_attention", None)
+    if not isinstance(sa, ModuleSpec) or not (isinstance(sa.module, type) and
+                                              issubclass(sa.module, SelfAttention)):
+        raise ValueError("the gated layer needs a layer spec whose self_attention is Megatron's "
+                         "SelfAttention (e.g. get_gpt_layer_local_spec())")
+    subs = dataclasses.replace(spec.submodules,
+                               self_attention=dataclasses.replace(sa, module=GatedSelfAttention))
+    return dataclasses.replace(spec, submodules=subs)
+
+
 def layer_spec(kind: str, *, base: Optional[ModuleSpec] = None, **options) -> ModuleSpec:
     """Megatron's local GPT layer spec (or ``base``) with a ``kind`` core attention."""
     base = _local_gpt_layer_spec() if base is None else base
-    return patch_core_attention(base, core_attention_spec(kind, **options))
+    spec = patch_core_attention(base, core_attention_spec(kind, **options))
+    return with_gated_self_attention(spec) if kind == "gated" else spec
 
 
 def block_spec(pattern: str, num_layers: int, *, base: Optional[ModuleSpec] = None, **options):
@@ -148,9 +172,10 @@ class ArgsCoreAttention:
     ``--sp-hybrid-pattern``, the softmax schedule options; see :mod:`megatron_patches.args`),
     in :data:`MEGATRON_LAYOUT` (Megatron-LM's batches and RoPE).
 
-    Constructing it returns a :class:`SoftmaxCoreAttention` or :class:`LinearCoreAttention`
-    for the layer: what ``--spec megatron_patches.specs <name>`` puts in every layer.
-    ``kind``: ``"softmax"``, ``"linear"`` or ``"pattern"`` (the layer's letter in the pattern).
+    Constructing it returns a :class:`SoftmaxCoreAttention`, :class:`LinearCoreAttention` or
+    :class:`GatedCoreAttention` for the layer: what ``--spec megatron_patches.specs <name>``
+    puts in every layer. ``kind``: ``"softmax"``, ``"linear"``, ``"gated"`` or ``"pattern"``
+    (the layer's letter in the pattern).
     """
 
     def __new__(cls, *args, kind: str = "pattern", **kwargs):
@@ -167,15 +192,20 @@ class ArgsCoreAttention:
         if kind == "softmax":
             return SoftmaxCoreAttention(*args, softmax_schedule=opts["softmax_schedule"],
                                         sp_context=ctx, **kwargs)
+        if kind == "gated":
+            return GatedCoreAttention(*args, cp_impl=opts["cp_impl"], sp_context=ctx, **kwargs)
         return LinearCoreAttention(*args, cp_impl=opts["cp_impl"], sp_context=ctx,
                                    slope_schedule=opts["slope_schedule"], **kwargs)
 
 
 def _prebuilt(kind: str) -> ModuleSpec:
-    return patch_core_attention(_local_gpt_layer_spec(),
+    spec = patch_core_attention(_local_gpt_layer_spec(),
                                 ModuleSpec(module=ArgsCoreAttention, params={"kind": kind}))
+    # a pattern may hold gated layers; GatedSelfAttention is SelfAttention for the others
+    return with_gated_self_attention(spec) if kind in ("gated", "pattern") else spec
 
 
 softmax_layer_spec = _prebuilt("softmax")
 linear_layer_spec = _prebuilt("linear")
+gated_layer_spec = _prebuilt("gated")
 hybrid_layer_spec = _prebuilt("pattern")

@@ -40,7 +40,7 @@ __all__ = ["ModelShape", "StepShape", "MemoryEstimate", "estimate_memory", "laye
            "param_count", "GIB"]
 
 GIB = float(1 << 30)
-_KINDS = ("S", "L")
+_KINDS = ("S", "L", "G")
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,8 @@ class ModelShape:
         num_layers, hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups: the
             usual sizes (``num_query_groups``: KV heads).
         vocab_size: the padded vocabulary (embedding and output layer rows, over all TP ranks).
-        layer_kinds: one letter per layer: ``S`` softmax attention, ``L`` linear attention.
+        layer_kinds: one letter per layer: ``S`` softmax attention, ``L`` linear attention,
+            ``G`` gated linear attention (a decay gate per head and token).
         tied_embeddings: input and output embeddings share one weight.
     """
 
@@ -154,7 +155,9 @@ def param_count(m: ModelShape, tp: int = 1) -> dict:
     h, f, d, t = m.hidden_size, m.ffn_hidden_size, m.head_dim, tp
     a, g = m.num_attention_heads, m.num_query_groups
     per_layer = h * (a + 2 * g) * d // t + a * d * h // t + 3 * f * h // t + 2 * h
-    layers = m.num_layers * per_layer + m.layer_kinds.count("L") * a * d // t   # out norms
+    linear = m.layer_kinds.count("L") + m.layer_kinds.count("G")
+    layers = m.num_layers * per_layer + linear * a * d // t                   # out norms
+    layers += m.layer_kinds.count("G") * (a * h + 2 * a) // t    # gate projection, A_log, dt_bias
     emb = m.vocab_size * h // t
     return {"embedding": emb, "output": 0 if m.tied_embeddings else emb, "layers": layers,
             "norms": h}
@@ -169,14 +172,18 @@ def layer_saved_bytes(m: ModelShape, kind: str, tp: int = 1, act_bytes: int = 2,
     output, which it keeps alive whole — the output and the fp32 LSE. Linear core attention
     saves the same q, k, v (grouped: ``lightning_attention`` expands K/V only inside its own
     calls) and its fp32 per-head output norm's input,
-    normalised value and inverse RMS. RoPE makes 16-bit cos/sin per call (q and k)."""
+    normalised value and inverse RMS; a gated layer's q carries one more channel per head (the
+    gate projection) and it saves the fp32 softplus input and output and the log-decay ``g``.
+    RoPE makes 16-bit cos/sin per call (q and k)."""
     h, f, d, t, e = m.hidden_size, m.ffn_hidden_size, m.head_dim, tp, act_bytes
     ad, gd, heads = m.num_attention_heads * d // t, m.num_query_groups * d // t, \
         m.num_attention_heads // t
     out = {"norm1_in": e * h + 4, "qkv_in": e * h, "rope_cos_sin": 4 * e * d,
            "proj_in": e * ad, "norm2_in": e * h + 4, "fc1_in": e * h}
-    # the checkpoint of core attention keeps its inputs q, k, v (v: the QKV output)
-    qkv_inputs = {"q": e * ad, "k": e * gd, "qkv_out(v)": e * (ad + 2 * gd)}
+    # the checkpoint of core attention keeps its inputs q, k, v (v: the QKV output); a gated
+    # layer's q holds the gate channel too
+    q = ad + heads if kind == "G" else ad
+    qkv_inputs = {"q": e * q, "k": e * gd, "qkv_out(v)": e * (ad + 2 * gd)}
     if "core_attn" in drop:
         out.update(qkv_inputs)
     elif kind == "S":
@@ -184,6 +191,8 @@ def layer_saved_bytes(m: ModelShape, kind: str, tp: int = 1, act_bytes: int = 2,
     else:
         out.update(qkv_inputs)
         out.update(out_fp32=4 * ad, out_normed_fp32=4 * ad, inv_rms=4 * heads)
+        if kind == "G":
+            out.update(gate_in_fp32=4 * heads, gate_fp32=4 * heads, log_decay_fp32=4 * heads)
     if "mlp" not in drop:
         out.update(swiglu_in=2 * e * f // t, fc2_in=e * f // t)
     return out
@@ -236,23 +245,25 @@ def _recompute_unit_bytes(m: ModelShape, s: StepShape, e: int) -> tuple:
     return float(saved), float(back)
 
 
-def _linear_state_bytes(m: ModelShape, s: StepShape) -> float:
+def _linear_state_bytes(m: ModelShape, s: StepShape, kind: str = "L") -> float:
     """What a linear layer's core attention saves besides per-token tensors: the fp32 leaf
     states (2 leaves of the zigzag split × heads × [d, d] per sequence), its fp32 output-norm
-    weight and slopes."""
+    weight and slopes (gated: ``exp(A_log)`` and its negative)."""
     heads, d = m.num_attention_heads // s.tp, m.head_dim
-    return float(s.micro_batch_size * 2 * heads * d * d * 4 + 4 * heads * (d + 1))
+    per_head = d + (2 if kind == "G" else 1)
+    return float(s.micro_batch_size * 2 * heads * d * d * 4 + 4 * heads * per_head)
 
 
-def _layers_keeping_linear_state(m: ModelShape, s: StepShape) -> int:
-    kinds = m.layer_kinds
+def _layers_keeping_linear_state(m: ModelShape, s: StepShape) -> str:
+    """The letters of the linear layers whose core attention keeps its saved state."""
+    kinds = "".join(k for k in m.layer_kinds if k in "LG")
     if s.recompute == "selective":
-        return 0 if "core_attn" in s.recompute_modules else kinds.count("L")
+        return "" if "core_attn" in s.recompute_modules else kinds
     if s.recompute == "full":
         method = s.recompute_method or "uniform"
         n = s.recompute_num_layers or (1 if method == "uniform" else m.num_layers)
-        return 0 if method == "uniform" else kinds[n:].count("L")
-    return kinds.count("L")
+        return "" if method == "uniform" else "".join(k for k in m.layer_kinds[n:] if k in "LG")
+    return kinds
 
 
 def _loss_bytes(m: ModelShape, s: StepShape, n: int, e: int) -> tuple:
@@ -291,7 +302,7 @@ def estimate_memory(m: ModelShape, s: StepShape) -> MemoryEstimate:
     # shared per micro-batch: token ids and positions (int64), RoPE frequencies (fp32), the
     # final norm's input; the linear layers' fp32 leaf states ([d, d] per head, 2 leaves)
     shared = n * (16 + 4 * m.head_dim + e * m.hidden_size + 4)
-    shared += _linear_state_bytes(m, s) * _layers_keeping_linear_state(m, s)
+    shared += sum(_linear_state_bytes(m, s, k) for k in _layers_keeping_linear_state(m, s))
     activations = n * saved + shared
     workspace = n * (replay + max(_workspace_per_token(m, k, s, e) for k in set(m.layer_kinds)))
     loss_fwd, loss_held = _loss_bytes(m, s, n, e)

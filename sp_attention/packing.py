@@ -51,6 +51,7 @@ tensors cached per device), :meth:`~PackingPlan.position_ids` (restart at 0 per 
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import heapq
@@ -66,7 +67,7 @@ from .context import DEFAULT_LAYOUT, LAYOUTS, SPContext
 from .layout import shard_ranges
 
 __all__ = ["Segment", "PackingPlan", "plan_packing", "check_cu_seqlens", "resolve_plan",
-           "causal_work", "BALANCE_TARGET"]
+           "packing_context", "causal_work", "BALANCE_TARGET"]
 
 # The zigzag planner cuts the fewest long documents that bring max / mean per-rank causal work
 # to this (the issue's bar is 1.05; the margin absorbs the spills' rounding).
@@ -698,10 +699,25 @@ def _world_layout(ctx, layout) -> tuple[int, str]:
     return ctx, lay
 
 
-def resolve_plan(cu_seqlens, ctx: SPContext, local_len: int, device=None) -> PackingPlan:
+def packing_context(ctx: SPContext) -> SPContext:
+    """The context framework adapters plan packed batches in (Megatron's core attention and
+    batches, HF's attention function and ``prepare_cp_batch``, train.py): ``ctx`` itself on
+    more than one rank; on one rank the ``contiguous`` layout, whose plan keeps the row in its
+    own order (a zigzag plan puts the longest documents first even on one rank), so a packed
+    batch that no plan sharded — a framework's own at CP = 1 — is already laid out as its plan
+    says."""
+    if ctx.world_size == 1 and ctx.layout != "contiguous":
+        return dataclasses.replace(ctx, layout="contiguous")
+    return ctx
+
+
+def resolve_plan(cu_seqlens, ctx: SPContext, local_len: int, device=None, *,
+                 row_len: Optional[int] = None) -> PackingPlan:
     """What the ops do with their ``cu_seqlens`` argument: a :class:`PackingPlan` is checked
     against ``ctx`` and the local length; a tensor gives the cached plan for its values (a tensor
-    object seen before, unmodified, costs no device→host copy). Raises naming the fix."""
+    object seen before, unmodified, costs no device→host copy). ``row_len``: the row's length
+    with its trailing padding, for boundaries that end before it (an adapter passes
+    ``P · local_len``: its shards are the whole padded row). Raises naming the fix."""
     if isinstance(cu_seqlens, PackingPlan):
         plan = cu_seqlens
         if plan.world_size != ctx.world_size or (plan.layout != ctx.layout
@@ -715,8 +731,9 @@ def resolve_plan(cu_seqlens, ctx: SPContext, local_len: int, device=None) -> Pac
                 and cu_seqlens.device != torch.device(device):
             raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}; "
                              "pass it on the CPU or on q's device")
-        plan = _plan_of_tensor(cu_seqlens, ctx) if isinstance(cu_seqlens, torch.Tensor) \
-            else plan_packing(cu_seqlens, ctx)
+        plan = _plan_of_tensor(cu_seqlens, ctx, row_len) \
+            if isinstance(cu_seqlens, torch.Tensor) else plan_packing(cu_seqlens, ctx,
+                                                                      row_len=row_len)
     if plan.local_len != local_len:
         raise ValueError(
             f"the packing plan gives every rank {plan.local_len} tokens (row of {plan.row_len}, "
@@ -728,12 +745,13 @@ def resolve_plan(cu_seqlens, ctx: SPContext, local_len: int, device=None) -> Pac
     return plan
 
 
-def _plan_of_tensor(t: torch.Tensor, ctx: SPContext) -> PackingPlan:
-    key = (id(t), ctx.world_size, ctx.layout)
+def _plan_of_tensor(t: torch.Tensor, ctx: SPContext,
+                    row_len: Optional[int] = None) -> PackingPlan:
+    key = (id(t), ctx.world_size, ctx.layout, row_len)
     if _TENSOR_PLANS.touch(key):
         ref, version, plan = _TENSOR_PLANS.get(key, lambda: None)
         if ref() is t and version == t._version:
             return plan
-    plan = plan_packing(t, ctx)
+    plan = plan_packing(t, ctx, row_len=row_len)
     _TENSOR_PLANS.put(key, (weakref.ref(t), t._version, plan))
     return plan

@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 from ..options import (MEGATRON_IMPL, MODEL_KINDS, UsageError, check_sp_options, option,
                        seq_multiple)
 from .data import ENCODINGS as DATA_ENCODINGS
+from .data import PACKINGS
 from .loss import LOSS_IMPLS
 from .recompute import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, RECOMPUTE_MODULES, Recompute
 
@@ -62,8 +63,9 @@ _TINY = dict(num_layers=2, num_attention_heads=4, num_query_groups=4, seq_length
 # Measured on CPU, copy task (chance ln 32 = 3.466), final loss of the default run; more in
 # megatron_patches/trainer/README.md. Linear attention needs head dim >= 32 to learn the copy
 # and learns it slowly: a plateau to ~100 steps, then 200 steps end at 2.10, 300 at 1.10,
-# 400 at 0.67-0.84 (lr 3e-3 / 4e-3 and head dim 64 were slower). The hybrid (LS) sits at
-# chance to ~200 steps (3.46 there) and ends 400 at 0.0011. (SL, softmax first, ends 200
+# 400 at 0.67-0.84 (lr 3e-3 / 4e-3 and head dim 64 were slower). Gated (linear's shape and
+# steps, Mamba2-initialised gates): at chance to ~120 steps, 1.81 at 220, 0.88 at 400. The
+# hybrid (LS) sits at chance to ~200 steps (3.46 there) and ends 400 at 0.0011. (SL, softmax first, ends 200
 # steps at 0.036, but its fp32 losses drift apart across TP/CP layouts faster than LS's —
 # 2e-5 by step 4, past the parity test's 1e-5 — so LS stays the pattern.)
 KIND_DEFAULTS: dict[str, KindDefaults] = {
@@ -71,6 +73,8 @@ KIND_DEFAULTS: dict[str, KindDefaults] = {
                             train_iters=200),
     "linear": KindDefaults(tiny=dict(_TINY, hidden_size=128, ffn_hidden_size=512), lr=2e-3,
                            train_iters=400),
+    "gated": KindDefaults(tiny=dict(_TINY, hidden_size=128, ffn_hidden_size=512), lr=2e-3,
+                          train_iters=400),
     "hybrid": KindDefaults(tiny=dict(_TINY, hidden_size=128, ffn_hidden_size=512), lr=2e-3,
                            train_iters=400),
 }
@@ -123,8 +127,11 @@ class TrainArgs:
     softmax_bwd_head_last_stride: Optional[int] = _sp("softmax_bwd_head_last_stride")
     local_attention_only: bool = _f(False, "baseline that breaks CP on purpose: each rank "
                                     "attends only to its own shard of the sequence")
-    micro_batch_size: Optional[int] = _f(help="sequences per forward/backward on a DP rank",
-                                         default_help="global batch / DP (no accumulation)")
+    micro_batch_size: Optional[int] = _f(help="sequences per forward/backward on a DP rank "
+                                         "(--packing documents: rows laid end to end into one "
+                                         "packed row)", default_help="global batch / DP (no "
+                                         "accumulation); 1 with --packing documents (Megatron's "
+                                         "rule for packed sequences: a micro-batch is one row)")
     recompute_granularity: Optional[str] = _f(
         help="activation recompute (Megatron's flag): selective (--recompute-modules of every "
         "layer) or full (whole layers)", choices=RECOMPUTE_GRANULARITIES, default_help="none")
@@ -166,6 +173,14 @@ class TrainArgs:
     data_encoding: str = _f("utf-8", "--data-path's encoding: utf-8 (invalid text is an error "
                             "naming file and line) or bytes (train on the raw bytes as they are)",
                             choices=DATA_ENCODINGS)
+    packing: Optional[str] = _f(
+        help="documents: each row holds several documents with their boundaries, attention "
+        "stays inside each document across CP ranks and positions restart per document "
+        "(--data-path: a sample's documents, split at end-of-document tokens; the copy task: "
+        "rows of independent copy documents of random lengths); none: each row is one "
+        "sequence (--data-path: attention runs across documents; the copy task: one copy per "
+        "row)", choices=PACKINGS, default_help="documents with --data-path, none for the copy "
+        "task")
     copy_vocab: int = _f(32, "copy task: distinct random tokens (chance loss = ln of this)")
     vocab_size: Optional[int] = _f(help="copy task: output-layer size (e.g. 128256 to time a "
                                    "Llama head)", default_help="just enough")
@@ -265,6 +280,10 @@ class TrainArgs:
         if self.data_encoding not in DATA_ENCODINGS:
             raise UsageError(f"--data-encoding {self.data_encoding!r}: use one of "
                              f"{DATA_ENCODINGS}")
+        if self.packing is None:
+            self.packing = "none" if self.data_path is None else "documents"
+        if self.packing not in PACKINGS:
+            raise UsageError(f"--packing {self.packing!r}: use one of {PACKINGS}")
         if self.data_encoding == "bytes" and self.tokenizer_model:
             raise UsageError("--data-encoding bytes trains on raw bytes; a --tokenizer-model "
                              "needs text: leave one of them out")
@@ -347,6 +366,8 @@ class TrainArgs:
 
     def _micro_batches(self, dp: int, cp: int) -> tuple[int, int]:
         gb, mbs = self.global_batch_size, self.micro_batch_size
+        if mbs is None and self.packing == "documents":
+            mbs = 1
         gb_flag = "--global-batch-size" + ("" if self._given("global_batch_size")
                                            else " (default)")
         cp_hint = (" or another --context-parallel-size" if self._given("context_parallel_size")

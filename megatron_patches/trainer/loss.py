@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from sp_attention.precision import acc_dtype
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_ref", "default_chunk_tokens",
-           "LOSS_IMPLS", "CHUNK_ELEMENTS", "check_loss_impl", "micro_batch_loss"]
+           "LOSS_IMPLS", "CHUNK_ELEMENTS", "check_loss_impl", "micro_batch_loss",
+           "step_token_count", "kept_tokens"]
 
 # Budget of one chunk's logits: 2^30 elements (at V = 128256: 8192 tokens, 2 GiB in bf16 on
 # the Triton path; 4 GiB fp32 + 2 GiB bf16 on the torch path). Each chunk adds its dW into
@@ -263,29 +264,49 @@ def check_loss_impl(impl: str, tp: int, device: torch.device) -> None:
                          "use --loss-impl chunked") from None
 
 
+def kept_tokens(labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The tokens the mean counts: masked in, and not an ignored target (Megatron's cross
+    entropy has no ignore index, see megatron_patches.model.global_loss_share)."""
+    return mask * (labels != IGNORE_INDEX).to(mask.dtype)
+
+
+def step_token_count(micro_batches, dp_cp_group) -> float:
+    """The step's loss tokens over all its micro-batches and the DP × CP ranks (one
+    all-reduce): what every micro-batch's loss sum is divided by, so the shares add up to the
+    step's global token mean however many loss tokens each micro-batch holds (packed rows
+    differ)."""
+    from sp_attention.reduce import global_token_count
+    keep = torch.stack([kept_tokens(mb[2], mb[3]).sum() for mb in micro_batches])
+    return global_token_count(keep, dp_cp_group)
+
+
 def micro_batch_loss(model, tokens, positions, labels, mask, *, impl: str, tp_group,
-                     dp_cp_group, num_micro_batches: int,
-                     chunk_tokens: Optional[int] = None) -> torch.Tensor:
+                     dp_cp_group, token_count: Optional[float] = None,
+                     chunk_tokens: Optional[int] = None, packed_seq_params=None) -> torch.Tensor:
     """This rank's share of the step's global mean loss from one micro-batch
-    (``[b, s/cp]`` tensors): ``Σ masked token losses / (global real tokens · micro-batches)``
-    (every micro-batch holds the same number of loss tokens, so the shares of a step add up to
-    its global mean; sum gradients over DP × CP).
+    (``[b, s/cp]`` tensors): ``Σ masked token losses / token_count``, ``token_count`` the
+    step's loss tokens over all micro-batches and DP × CP ranks (:func:`step_token_count`;
+    None: this micro-batch's, over DP × CP — a step of one micro-batch). The shares of a step
+    add up to its global mean; sum gradients over DP × CP.
 
     ``impl``: ``megatron`` — the model's own output layer and (on GPUs fused) vocabulary-parallel
     cross entropy over the full logits (the model returns per-token losses); ``chunked`` /
     ``liger`` — the model returns hidden states (``build_gpt_model(return_hidden_states=True)``)
     and :func:`linear_cross_entropy` / Liger-Kernel's fused linear cross entropy applies the
-    output layer chunk by chunk.
+    output layer chunk by chunk. ``packed_seq_params``: Megatron's THD parameters of a packed
+    micro-batch (``[1, L]`` tensors; ``megatron_patches.packing.pack_batch``), or None.
     """
-    from sp_attention.reduce import global_token_count, global_token_mean
-    # the tokens the mean counts: masked in, and not an ignored target (Megatron's cross
-    # entropy has no ignore index, see megatron_patches.model.global_loss_share)
-    keep = mask * (labels != IGNORE_INDEX).to(mask.dtype)
+    from sp_attention.reduce import global_token_count
+    keep = kept_tokens(labels, mask)
+    if token_count is None:
+        token_count = global_token_count(keep, dp_cp_group)
     if impl == "megatron":
-        token_loss = model(tokens, positions, attention_mask=None, labels=labels)   # [b, s]
-        return global_token_mean(token_loss.float(), keep, dp_cp_group) / num_micro_batches
+        token_loss = model(tokens, positions, attention_mask=None, labels=labels,
+                           packed_seq_params=packed_seq_params)                   # [b, s]
+        return (token_loss.float() * keep).sum() / token_count
     from megatron_patches.model import output_weight
-    hidden = model(tokens, positions, attention_mask=None)                       # [s, b, h]
+    hidden = model(tokens, positions, attention_mask=None,
+                   packed_seq_params=packed_seq_params)                          # [s, b, h]
     # labels in the hidden states' [s, b] order; tokens left out get ignore_index
     target = torch.where(keep.bool(), labels, torch.full_like(labels, IGNORE_INDEX))
     target = target.t().reshape(-1)
@@ -298,4 +319,4 @@ def micro_batch_loss(model, tokens, positions, labels, mask, *, impl: str, tp_gr
     else:
         loss_sum, _ = linear_cross_entropy(hidden, weight, target, ignore_index=IGNORE_INDEX,
                                            tp_group=tp_group, chunk_tokens=chunk_tokens)
-    return loss_sum.float() / (global_token_count(keep, dp_cp_group) * num_micro_batches)
+    return loss_sum.float() / token_count

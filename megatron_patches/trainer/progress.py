@@ -37,7 +37,9 @@ def flops_per_token(*, num_layers: int, hidden_size: int, ffn_hidden_size: int,
                     seq_length: int, layer_kinds: Sequence[str]) -> float:
     """Training FLOPs per token (forward + backward = 3 × forward, no recomputation): matmuls
     of the projections, SwiGLU MLP and output layer, plus causal softmax attention (half the
-    full score matrix) or chunked linear attention (64-token chunks, state [d, d] per head)."""
+    full score matrix) or chunked linear attention (64-token chunks, state [d, d] per head;
+    gated layers also the gate projection). Packed documents are counted as one sequence of
+    ``seq_length`` (an upper bound for softmax layers)."""
     h, f, d = hidden_size, ffn_hidden_size, hidden_size // num_attention_heads
     kv = num_query_groups * d
     proj = 2 * h * (h + 2 * kv) + 2 * h * h          # QKV + output projection
@@ -48,6 +50,8 @@ def flops_per_token(*, num_layers: int, hidden_size: int, ffn_hidden_size: int,
             attn = 2 * 2 * seq_length * h / 2            # QK^T and PV, causal half
         else:
             attn = num_attention_heads * (4 * d * d + 2 * 64 * d)  # state in/out + intra-chunk
+            if kind == "G":
+                attn += 2 * h * num_attention_heads                # gate projection
         total += proj + mlp + attn
     total += 2 * h * vocab_size
     return 3.0 * total
@@ -204,8 +208,9 @@ def describe_attention(options: dict, ctx, local_only: bool = False) -> str:
         name = next((n for n, pair in PRESETS.items() if pair == (s.fwd, s.bwd)),
                     f"{s.fwd}/{s.bwd}")
         parts.append(f"softmax {name}")
-    if "L" in pattern:
-        parts.append(f"linear scan {resolve_impl(options['cp_impl'], ctx)}")
+    for letter, name in (("L", "linear"), ("G", "gated")):
+        if letter in pattern:
+            parts.append(f"{name} scan {resolve_impl(options['cp_impl'], ctx)}")
     if ctx.world_size == 1:
         return " + ".join(p.split(" ")[0] for p in parts) + " on one rank (CP 1)"
     return f"{' + '.join(parts)} across CP {ctx.world_size} ({ctx.layout})"

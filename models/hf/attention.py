@@ -19,11 +19,19 @@ The same function serves softmax layers (``sp_attention.context_parallel_attenti
 linear-attention layers of :mod:`models.hf.linear_llama` (``sp_attention.lightning_attention``),
 which call ``ALL_ATTENTION_FUNCTIONS`` too and are told apart by their ``is_linear_attention``
 attribute.
+
+Packed documents arrive the way HF's flash path takes them: ``cu_seq_lens_q/k`` in the
+kwargs (the global packed row's boundaries; :func:`models.hf.prepare_cp_batch` puts them
+there, as does ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` at CP = 1), or,
+at CP = 1 only, ``position_ids`` that restart (HF's packed-sequence rule). They give the
+batch's :class:`~sp_attention.PackingPlan` (cached by tensor: one host copy per batch, not
+per layer), and attention stays inside each document.
 """
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field, replace
+import weakref
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -32,9 +40,11 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from sp_attention import (SoftmaxSchedule, SPContext, build_sp_context,
+from sp_attention import (LinearTuning, SoftmaxSchedule, SPContext, build_sp_context,
                           context_parallel_attention, lightning_attention)
+from sp_attention.caches import LRU
 from sp_attention.linear import IMPLS as LINEAR_IMPLS
+from sp_attention.packing import PackingPlan, packing_context, resolve_plan
 
 __all__ = ["CPSchedule", "CPHandle", "prepare_model_for_cp", "make_cp_attention", "LINEAR_IMPLS"]
 
@@ -42,9 +52,14 @@ __all__ = ["CPSchedule", "CPHandle", "prepare_model_for_cp", "make_cp_attention"
 # linear layers' scan is prepare_model_for_cp's linear_impl=).
 CPSchedule = SoftmaxSchedule
 
-# HF's names for packed-sequence (varlen) arguments; we cannot honour them.
-_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
-                  "cu_seqlens_q", "cu_seqlens_k")
+# a gated layer's gates are non-positive by construction: the op need not read them back to
+# check (one device sync per layer)
+_GATED_TUNING = LinearTuning(check_gate_values=False)
+# HF's names for a packed row's boundaries (flash kwargs; the second pair: older spellings).
+_CU_NAMES = (("cu_seq_lens_q", "cu_seq_lens_k"), ("cu_seqlens_q", "cu_seqlens_k"))
+# CP = 1: the boundaries found in a position_ids tensor, by its id (one host copy per forward,
+# shared by its layers)
+_RESTARTS = LRU(16)
 
 
 def _check_attention_call(ctx: SPContext, query, key, attention_mask, dropout, kwargs) -> None:
@@ -56,10 +71,6 @@ def _check_attention_call(ctx: SPContext, query, key, attention_mask, dropout, k
             f"{tuple(attention_mask.shape)}; it computes causal attention only. Pass "
             "attention_mask=None and give right-padding masks to models.hf.prepare_cp_batch, "
             "which removes padded tokens from the loss")
-    packed = [k for k in _PACKED_KWARGS if kwargs.get(k) is not None]
-    if packed:
-        raise ValueError(f"packed (varlen) sequences are not supported by context-parallel "
-                         f"attention (got {packed}); pad each sequence to its own row instead")
     if dropout:
         raise ValueError(f"attention dropout {dropout} is not supported by context-parallel "
                          "attention; set config.attention_dropout = 0.0")
@@ -82,6 +93,57 @@ def _decode_attention(query, key, value, scaling: float) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
+def _restarts(position_ids) -> Optional[tuple[int, ...]]:
+    """CP = 1: the boundaries of one row whose positions restart (HF's rule: a step other than
+    +1 starts a document), None for one sequence; cached per tensor version."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 \
+            or position_ids.shape[0] != 1 or position_ids.shape[1] < 2:
+        return None
+    key = id(position_ids)
+    if _RESTARTS.touch(key):
+        ref, version, cu = _RESTARTS.get(key, lambda: None)
+        if ref() is position_ids and version == position_ids._version:
+            return cu
+    row = position_ids[0]
+    jumps = torch.nonzero(row[1:] - row[:-1] != 1).squeeze(1) + 1
+    cu = None if jumps.numel() == 0 else tuple([0] + jumps.tolist() + [row.numel()])
+    _RESTARTS.put(key, (weakref.ref(position_ids), position_ids._version, cu))
+    return cu
+
+
+def packed_plan(ctx: SPContext, q_len: int, device, kwargs: dict) -> Optional[PackingPlan]:
+    """The packing plan of a call (None: unpacked), from HF's ``cu_seq_lens_q/k`` (the global
+    row's boundaries, the row being ``P × q_len`` tokens) or, at CP = 1, restarting
+    ``position_ids``. Raises for boundaries that cannot be honoured."""
+    pctx = packing_context(ctx)
+    row = pctx.world_size * q_len
+    for q_name, k_name in _CU_NAMES:
+        cu_q, cu_k = kwargs.get(q_name), kwargs.get(k_name)
+        if cu_q is None and cu_k is None:
+            continue
+        if cu_q is None:
+            raise ValueError(f"{k_name} without {q_name}: pass both (the same boundaries)")
+        plan = resolve_plan(cu_q, pctx, q_len, device=device, row_len=row)
+        if cu_k is not None and cu_k is not cu_q and \
+                resolve_plan(cu_k, pctx, q_len, device=device, row_len=row) is not plan:
+            raise ValueError(f"{k_name} differs from {q_name}: causal self-attention over "
+                             "packed documents has one set of boundaries")
+        return plan
+    if ctx.world_size == 1:
+        cu = _restarts(kwargs.get("position_ids"))
+        if cu is not None:
+            return resolve_plan(cu, pctx, q_len, row_len=row)
+    return None
+
+
+def decay_kwargs(module, log_decay) -> dict:
+    """``lightning_attention``'s decay arguments for a linear layer of ours: its gates
+    (``log_decay [b, s, h]``, a gated layer) or its fixed slopes."""
+    if log_decay is not None:
+        return {"g": log_decay, "tuning": _GATED_TUNING}
+    return {"slopes": module.decay_slopes()}
+
+
 def _check_schedule(schedule, linear_impl) -> None:
     if not isinstance(schedule, SoftmaxSchedule):
         raise TypeError(f"schedule must be an sp_attention.SoftmaxSchedule (models.hf.CPSchedule),"
@@ -100,25 +162,32 @@ def make_cp_attention(ctx: SPContext, schedule: SoftmaxSchedule,
     _check_schedule(schedule, linear_impl)
     softmax_kwargs = schedule.kwargs()
     # One rank holds the whole sequence in either layout; contiguous takes any length (odd
-    # prompts in generate()), zigzag would demand an even one.
-    run_ctx = replace(ctx, layout="contiguous") if ctx.world_size == 1 else ctx
+    # prompts in generate()), zigzag would demand an even one, and keeps a packed row's order.
+    run_ctx = packing_context(ctx)
 
     def sp_cp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                         **kwargs):
         # query [b, h, s, d], key/value [b, hkv, s_k, d] (HF's layout)
         _check_attention_call(ctx, query, key, attention_mask, dropout, kwargs)
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+        plan = packed_plan(ctx, query.shape[2], query.device, kwargs)
         if query.shape[2] != key.shape[2]:          # CP = 1 decoding from a cache
+            if plan is not None:
+                raise ValueError("packed documents (cu_seq_lens_q / restarting position_ids) "
+                                 "cannot be decoded from a KV cache; generate one sequence "
+                                 "per row")
             return _decode_attention(query, key, value, scale), None
         q = query.transpose(1, 2)                   # [B, T_local, H, D]
+        packed = {} if plan is None else {"cu_seqlens": plan}
         if getattr(module, "is_linear_attention", False):     # K/V with their Hkv heads (GQA)
             out = lightning_attention(q, key.transpose(1, 2), value.transpose(1, 2),
-                                      module.decay_slopes(), ctx=run_ctx, impl=linear_impl,
-                                      scale=scale)
+                                      ctx=run_ctx, impl=linear_impl, scale=scale,
+                                      **decay_kwargs(module, kwargs.get("log_decay")),
+                                      **packed)
         else:
             out = context_parallel_attention(q, key.transpose(1, 2), value.transpose(1, 2),
                                              ctx=run_ctx, causal=True, softmax_scale=scale,
-                                             **softmax_kwargs)
+                                             **softmax_kwargs, **packed)
         return out, None                            # [B, T_local, H, D]
 
     sp_cp_attention.sp_context = ctx                # lets our linear layers recognise it
@@ -255,10 +324,14 @@ def _check_forward_inputs(ctx: SPContext, inputs: dict) -> None:
         raise ValueError(f"attention_mask of shape {tuple(mask.shape)} cannot be honoured by "
                          "causal context-parallel attention; only None (CP > 1) or a 2-D "
                          "right-padding mask (CP = 1) is supported")
-    packed = [k for k in _PACKED_KWARGS if inputs.get(k) is not None]
-    if packed:
-        raise ValueError(f"packed (varlen) sequences are not supported (got {packed}); pad each "
-                         "sequence to its own row")
+    cu = next((inputs.get(q) for q, _ in _CU_NAMES if inputs.get(q) is not None), None)
+    tokens = inputs.get("input_ids")
+    tokens = inputs.get("inputs_embeds") if tokens is None else tokens
+    if cu is not None and tokens is not None and tokens.shape[0] != 1:
+        raise ValueError(f"cu_seq_lens_q describes ONE packed row, but the batch has "
+                         f"{tokens.shape[0]} rows: flatten the documents into one row "
+                         "(transformers.DataCollatorWithFlattening) and cut it with "
+                         "models.hf.prepare_cp_batch")
     if ctx.world_size == 1:
         if isinstance(mask, torch.Tensor) and not _is_right_padding(mask):
             raise ValueError("attention_mask has padding before real tokens (left padding or "
@@ -279,8 +352,6 @@ def _check_forward_inputs(ctx: SPContext, inputs: dict) -> None:
         raise ValueError("under context parallelism pass the global position_ids of this rank's "
                          "tokens (prepare_cp_batch(...).position_ids); HF's default "
                          "arange(T_local) would give RoPE the wrong positions")
-    tokens = inputs.get("input_ids")
-    tokens = inputs.get("inputs_embeds") if tokens is None else tokens
     if tokens is not None and inputs["position_ids"].shape[-1] != tokens.shape[1]:
         raise ValueError(f"position_ids {tuple(inputs['position_ids'].shape)} do not match the "
                          f"local sequence length {tokens.shape[1]}")

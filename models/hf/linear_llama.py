@@ -1,8 +1,9 @@
 """HF-style Llama with linear attention (per-head decay) in some or all layers.
 
 ``LinearLlamaConfig`` is a ``LlamaConfig`` with two more fields: ``layer_kinds`` (one of
-``"linear"`` / ``"softmax"`` per layer; all ``"linear"`` is the linear variant, a mix is the
-hybrid) and ``slope_schedule`` (``sp_attention.linear.slopes.decay_slopes``; train.py's and the
+``"linear"`` / ``"gated"`` / ``"softmax"`` per layer; all ``"linear"`` is the linear variant,
+``"gated"`` its gated form, a mix is the hybrid) and ``slope_schedule``
+(``sp_attention.linear.slopes.decay_slopes``; train.py's and the
 launcher's ``--sp-slope-schedule``; configs saved with its old name ``decay_schedule`` still
 load). A linear layer
 keeps Llama's q/k/v/o projections, GQA and RoPE on q and k (train.py's trials: linear attention
@@ -12,8 +13,11 @@ head's output (RMSNorm over the head dim) before ``o_proj``, because the un-norm
 grows with the number of tokens a head remembers.
 
 Slopes are fixed by the config (not parameters, not saved), so ``save_pretrained`` /
-``from_pretrained`` round-trip through the config alone. Every layer dispatches through
-``ALL_ATTENTION_FUNCTIONS``: after ``models.hf.prepare_model_for_cp`` linear and softmax
+``from_pretrained`` round-trip through the config alone. A ``"gated"`` layer learns its decay
+instead: a gate per head and token, ``g = −exp(A_log) · softplus(x·W + dt_bias)``
+(Mamba2-style, :mod:`sp_attention.linear.gate_param`; ``gate_proj``, ``A_log`` and ``dt_bias``
+are parameters, saved with the weights), handed to ``lightning_attention(g=...)``. Every layer
+dispatches through ``ALL_ATTENTION_FUNCTIONS``: after ``models.hf.prepare_model_for_cp`` linear and softmax
 layers both reach the CP attention; without it, linear layers run single-device
 ``lightning_attention`` and softmax layers HF's SDPA.
 
@@ -31,18 +35,24 @@ import torch
 from huggingface_hub.dataclasses import strict
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers import initialization as init
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (LlamaForCausalLM, LlamaModel,
                                                       LlamaPreTrainedModel, LlamaRMSNorm,
                                                       apply_rotary_pos_emb)
 
 from sp_attention import lightning_attention
+from sp_attention.linear.gate_param import gate_log_decay, mamba2_gate_init
 from sp_attention.linear.slopes import SLOPE_SCHEDULES, decay_slopes
+from sp_attention.validation import resolve_ctx
+
+from .attention import decay_kwargs, packed_plan
 
 __all__ = ["LinearLlamaConfig", "LinearLlamaAttention", "LinearLlamaForCausalLM",
            "hybrid_layer_kinds", "register_auto_classes", "LAYER_KINDS"]
 
-LAYER_KINDS = ("linear", "softmax")
+LAYER_KINDS = ("linear", "gated", "softmax")
+LINEAR_KINDS = ("linear", "gated")
 # the library's default schedule (decay_slopes' default), saved in every config
 _DEFAULT_SLOPE_SCHEDULE = inspect.signature(decay_slopes).parameters["schedule"].default
 
@@ -91,24 +101,31 @@ class LinearLlamaConfig(LlamaConfig):
 
 
 def local_linear_attention(module, query, key, value, attention_mask, scaling=None,
-                           dropout=0.0, **kwargs):
+                           dropout=0.0, log_decay=None, **kwargs):
     """Single-device linear attention in HF's attention-function form (``[b, h, s, d]`` in,
     ``[b, s, h, d]`` out; K/V keep their Hkv heads); used when the model is not prepared for
-    CP."""
+    CP. ``log_decay [b, s, h]``: a gated layer's gates. Packed rows (``cu_seq_lens_q``, or
+    restarting ``position_ids``) keep attention inside each document."""
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    ctx = resolve_ctx(None)                       # one process, the row in its order
+    plan = packed_plan(ctx, query.shape[2], query.device, kwargs)
+    packed = {} if plan is None else {"cu_seqlens": plan}
     return lightning_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                               module.decay_slopes(), ctx=None, scale=scale), None
+                               ctx=ctx, scale=scale, **decay_kwargs(module, log_decay),
+                               **packed), None
 
 
 class LinearLlamaAttention(nn.Module):
-    """Llama attention with softmax replaced by causal linear attention with per-head decay."""
+    """Llama attention with softmax replaced by causal linear attention with per-head decay:
+    fixed slopes, or (``gated``) a learnt gate per head and token."""
 
     is_linear_attention = True
 
-    def __init__(self, config: LinearLlamaConfig, layer_idx: int):
+    def __init__(self, config: LinearLlamaConfig, layer_idx: int, gated: bool = False):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
+        self.gated = gated
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
@@ -121,6 +138,11 @@ class LinearLlamaAttention(nn.Module):
                                 bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.o_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        if gated:       # initialised by LinearLlamaForCausalLM._init_weights (Mamba2's rule)
+            self.gate_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+            a_log, dt_bias = mamba2_gate_init(self.num_heads)
+            self.A_log = nn.Parameter(a_log)
+            self.dt_bias = nn.Parameter(dt_bias)
 
     def decay_slopes(self) -> torch.Tensor:
         """``[H]`` fp32 slopes of this layer (computed, not stored: from_pretrained builds
@@ -128,6 +150,10 @@ class LinearLlamaAttention(nn.Module):
         return decay_slopes(self.num_heads, self.config.slope_schedule,
                             layer_number=self.layer_idx + 1,
                             num_layers=self.config.num_hidden_layers)
+
+    def log_decay(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """A gated layer's gates ``[b, s, h]`` (fp32) for its input ``hidden_states``."""
+        return gate_log_decay(self.gate_proj(hidden_states), self.A_log, self.dt_bias)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
@@ -141,6 +167,11 @@ class LinearLlamaAttention(nn.Module):
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         new = query.shape[2]
+        gates = {"log_decay": self.log_decay(hidden_states)} if self.gated else {}
+        if self.gated and key.shape[2] > new:
+            raise ValueError("decoding from a KV cache is not supported by gated layers (the "
+                             "cache would have to hold their gates too); generate with "
+                             "use_cache=False")
         if key.shape[2] > new:      # decoding: recompute over the cache; row t needs only q_t
             query = nn.functional.pad(query, (0, 0, key.shape[2] - new, 0))
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
@@ -148,13 +179,13 @@ class LinearLlamaAttention(nn.Module):
         if getattr(attention, "sp_context", None) is None:   # sdpa/eager/...: not ours
             attention = local_linear_attention
         out, _ = attention(self, query, key, value, None, scaling=self.scaling, dropout=0.0,
-                           **kwargs)
+                           **gates, **kwargs)
         out = self.o_norm(out[:, -new:])                     # [b, s, h, d]
         return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
 
 
 class LinearLlamaForCausalLM(LlamaForCausalLM):
-    """``LlamaForCausalLM`` whose ``layer_kinds == "linear"`` layers use
+    """``LlamaForCausalLM`` whose ``layer_kinds`` ``"linear"`` and ``"gated"`` layers use
     :class:`LinearLlamaAttention`."""
 
     config_class = LinearLlamaConfig
@@ -167,11 +198,21 @@ class LinearLlamaForCausalLM(LlamaForCausalLM):
         LlamaPreTrainedModel.__init__(self, config)      # LlamaForCausalLM's body, one swap
         self.model = LlamaModel(config)
         for i, kind in enumerate(config.layer_kinds):
-            if kind == "linear":
-                self.model.layers[i].self_attn = LinearLlamaAttention(config, i)
+            if kind in LINEAR_KINDS:
+                self.model.layers[i].self_attn = LinearLlamaAttention(config, i,
+                                                                      gated=kind == "gated")
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def _init_weights(self, module):
+        """Llama's initialisation, plus Mamba2's for a gated layer's ``A_log`` and
+        ``dt_bias`` (parameters of our own, which HF's rule does not know)."""
+        super()._init_weights(module)
+        if isinstance(module, LinearLlamaAttention) and module.gated:
+            a_log, dt_bias = mamba2_gate_init(module.num_heads)
+            init.copy_(module.A_log, a_log)
+            init.copy_(module.dt_bias, dt_bias)
 
 
 def register_auto_classes() -> None:

@@ -1,8 +1,11 @@
 """HF transformers integration on CPU/gloo: a tiny random GQA+RoPE LlamaForCausalLM (fp32)
 prepared for CP equals the unpatched SDPA model (loss 1e-6, every gradient 1e-5 relative, at
 every rank) for every softmax preset at CP 1-4, with a padding mask and with lengths that need
-layout padding; the linear and hybrid variants at CP 1-3 equal CP 1; two models with
-different CP groups in one process; bad input raises on every rank before any collective.
+layout padding; the linear, hybrid and gated variants at CP 1-3 equal CP 1; two models with
+different CP groups in one process; bad input raises on every rank before any collective; the
+gated variant (a gated layer and a softmax layer) at CP 1-3 equals CP 1;
+packed batches of ``DataCollatorWithFlattening`` (with and without its flash kwargs) at CP 3
+and CP 1 equal the unpatched model run on each document alone (loss and every gradient).
 One spawn per world size, every check inside it."""
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import (DataCollatorWithFlattening, LlamaConfig,  # noqa: E402
+                          LlamaForCausalLM)
 
 from models.hf import (CPSchedule, LinearLlamaConfig, LinearLlamaForCausalLM,  # noqa: E402
                        causal_lm_loss, global_loss_value, hybrid_layer_kinds,
@@ -40,7 +44,9 @@ def _models():
     return {"llama": LlamaForCausalLM(_tiny()).float(),
             "linear": LinearLlamaForCausalLM(_tiny(LinearLlamaConfig)).float(),
             "hybrid": LinearLlamaForCausalLM(_tiny(
-                LinearLlamaConfig, layer_kinds=hybrid_layer_kinds(2, 2))).float()}
+                LinearLlamaConfig, layer_kinds=hybrid_layer_kinds(2, 2))).float(),
+            "gated": LinearLlamaForCausalLM(_tiny(
+                LinearLlamaConfig, layer_kinds=["gated", "softmax"])).float()}
 
 
 def _cases():
@@ -107,6 +113,10 @@ def check_equivalence(rank, world, max_linear_world=3):
             _check(models["hybrid"], ref, ids, mask, group,
                    CPSchedule(preset=preset), f"P={world} hybrid {preset} {case}",
                    linear_impl="blelloch")
+        ref = _reference(models["gated"], ids, mask)      # gated + softmax layers
+        for impl in (LINEAR_IMPLS if case == "plain" else ("auto",)):
+            _check(models["gated"], ref, ids, mask, group, None,
+                   f"P={world} gated {impl} {case}", linear_impl=impl)
     return True
 
 
@@ -148,8 +158,16 @@ def check_bad_input(rank, world):
     packed = torch.cat([torch.arange(12), torch.arange(12)]).expand(BATCH, -1)
     with pytest.raises(ValueError, match="right padding"):
         prepare_cp_batch(ids, ctx, attention_mask=left)
-    with pytest.raises(ValueError, match="packed"):
+    with pytest.raises(ValueError, match="packed documents go in ONE row"):
         prepare_cp_batch(ids, ctx, position_ids=packed)
+    with pytest.raises(ValueError, match="pass no attention_mask"):
+        prepare_cp_batch(ids[:1], ctx, position_ids=packed[:1], attention_mask=mask[:1])
+    with pytest.raises(ValueError, match="disagree"):
+        prepare_cp_batch(ids[:1], ctx, position_ids=packed[:1],
+                         cu_seq_lens_q=torch.tensor([0, 10, 24]))
+    with pytest.raises(ValueError, match="must equal cu_seq_lens_q"):
+        prepare_cp_batch(ids[:1], ctx, cu_seq_lens_q=torch.tensor([0, 12, 24]),
+                         cu_seq_lens_k=torch.tensor([0, 10, 24]))
     with pytest.raises(ValueError, match="2-D"):
         prepare_cp_batch(ids, ctx, attention_mask=mask[:, None, None, :])
     batch = prepare_cp_batch(ids, ctx, attention_mask=mask)
@@ -160,7 +178,7 @@ def check_bad_input(rank, world):
         "cannot be honoured": dict(inputs, attention_mask=local_mask[:, None, None, :].bool()),
         "global position_ids": {"input_ids": batch.input_ids},
         "labels": dict(inputs, labels=batch.labels),
-        "packed": dict(inputs, cu_seq_lens_q=torch.tensor([0, 12, 24])),
+        "ONE packed row": dict(inputs, cu_seq_lens_q=torch.tensor([0, 12, 24])),
         "KV cache": dict(inputs, use_cache=True),
     }
     for message, kwargs in misuse.items():
@@ -179,8 +197,66 @@ def check_bad_input(rank, world):
     return global_loss_value(share, group)
 
 
+# documents of a packed row: a 1-token one, long ones the plan cuts over 3 ranks, short ones
+PACKED_DOCS = (5, 13, 1, 7, 15)
+PACKED_KINDS = ("llama", "linear", "hybrid", "gated")
+
+
+def _documents():
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PACKED_DOCS]
+
+
+def _per_document_reference(model, docs):
+    """The unpatched model on each document alone: mean cross entropy over every document's
+    next-token targets, and its gradients."""
+    model = copy.deepcopy(model)
+    total, count = 0.0, sum(len(d) - 1 for d in docs)
+    for d in docs:
+        logits = model(torch.tensor([d])).logits[0, :-1]
+        total = total + torch.nn.functional.cross_entropy(
+            logits.float(), torch.tensor(d[1:], dtype=torch.long), reduction="sum")
+    loss = total / count
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def check_packed(rank, world):
+    """DataCollatorWithFlattening batches, with and without return_flash_attn_kwargs, through
+    prepare_cp_batch; at CP 1 also fed to the prepared model as they come (HF Trainer's way:
+    the model's own loss)."""
+    group = dist.new_group(list(range(world))) if world > 1 else None
+    models, docs = _models(), _documents()
+    for kind in PACKED_KINDS:
+        ref = _per_document_reference(models[kind], docs)
+        for flash in (True, False):
+            collated = DataCollatorWithFlattening(return_flash_attn_kwargs=flash)(
+                [{"input_ids": d} for d in docs])
+            m = copy.deepcopy(models[kind])
+            handle = prepare_model_for_cp(m, group)
+            batch = prepare_cp_batch(ctx=handle.ctx, **collated)
+            assert batch.plan is not None and batch.input_ids.shape[0] == 1
+            if world > 1:
+                assert batch.plan.crossing_docs, batch.plan.describe()
+            logits = m(**batch.model_inputs()).logits
+            share = causal_lm_loss(logits, batch.labels, group)
+            share.backward()
+            all_reduce_gradients(m.parameters(), group)
+            got = (global_loss_value(share, group), {n: p.grad for n, p in m.named_parameters()})
+            _compare(f"P={world} packed {kind} flash_kwargs={flash}", got, ref)
+            if world == 1:      # as the collator made it, the model's own (HF) loss
+                m.zero_grad()
+                out = m(**collated)
+                out.loss.backward()
+                _compare(f"P=1 packed {kind} raw collator flash_kwargs={flash}",
+                         (out.loss.item(), {n: p.grad for n, p in m.named_parameters()}), ref)
+    return True
+
+
 def check_world(rank, world):
     check_equivalence(rank, world)
+    if world == 3:
+        check_packed(rank, world)
     if world == 4:
         check_two_groups(rank, world)
     if world == 2:
@@ -195,3 +271,4 @@ def test_cp_equals_unsharded(world):
 
 def test_cp1_equals_unsharded():
     check_equivalence(0, 1)
+    check_packed(0, 1)

@@ -1,5 +1,6 @@
 """HF integration in one process: generate() after registration at CP = 1, save_pretrained /
-from_pretrained round trips of the linear and hybrid variants, config checks."""
+from_pretrained round trips of the linear, hybrid and gated variants, config checks, a gated
+layer against the gated recurrence written here."""
 from __future__ import annotations
 
 import copy
@@ -42,7 +43,7 @@ def test_generate_after_registration(kind):
     assert rel_rms(steps, full) < 1e-5
 
 
-@pytest.mark.parametrize("kinds", [None, ["linear", "softmax"]])
+@pytest.mark.parametrize("kinds", [None, ["linear", "softmax"], ["gated", "softmax"]])
 def test_save_load_round_trip(tmp_path, kinds):
     torch.manual_seed(0)
     model = LinearLlamaForCausalLM(_tiny(LinearLlamaConfig, layer_kinds=kinds,
@@ -60,6 +61,44 @@ def test_save_load_round_trip(tmp_path, kinds):
         torch.testing.assert_close(other(ids).logits, want, rtol=0, atol=0)
         prepare_model_for_cp(other, None)       # prepared after loading: same numbers
         assert rel_rms(other(ids, use_cache=False).logits, want) < 1e-5
+    if kinds and "gated" in kinds:              # the gate's parameters are weights, saved
+        a, b = model.model.layers[0].self_attn, loaded.model.layers[0].self_attn
+        for name in ("A_log", "dt_bias", "gate_proj.weight"):
+            assert torch.equal(a.get_parameter(name), b.get_parameter(name)), name
+
+
+def test_gated_layer_is_the_gated_recurrence():
+    """A gated layer's attention equals ``S_t = exp(g_t) S_{t−1} + k_tᵀ v_t``,
+    ``o_t = q_t S_t / √d`` with ``g = −exp(A_log)·softplus(x W + dt_bias)``, written here
+    (fp64); the fresh gates follow Mamba2's initialisation ranges."""
+    import torch.nn.functional as F
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    torch.manual_seed(0)
+    config = _tiny(LinearLlamaConfig, layer_kinds=["gated", "linear"])
+    model = LinearLlamaForCausalLM(config).double()
+    layer = model.model.layers[0].self_attn
+    assert torch.all((layer.A_log.exp() >= 1) & (layer.A_log.exp() <= 16))
+    dt = F.softplus(layer.dt_bias)
+    assert torch.all((dt >= 1e-4 - 1e-12) & (dt <= 0.1 + 1e-12))
+    x = torch.randn(1, 9, 32, dtype=torch.float64)
+    pos = torch.arange(9)[None]
+    cos_sin = LlamaRotaryEmbedding(config)(x, pos)
+    got, _ = layer(x, position_embeddings=cos_sin)
+    # the recurrence
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    d, heads = layer.head_dim, layer.num_heads
+    q = layer.q_proj(x).view(1, 9, heads, d).transpose(1, 2)
+    k = layer.k_proj(x).view(1, 9, 2, d).transpose(1, 2)
+    v = layer.v_proj(x).view(1, 9, 2, d).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, *cos_sin)
+    k, v = k.repeat_interleave(2, 1)[0], v.repeat_interleave(2, 1)[0]     # [h, T, d]
+    g = -layer.A_log.exp() * F.softplus(x[0] @ layer.gate_proj.weight.t() + layer.dt_bias)
+    state, out = torch.zeros(heads, d, d, dtype=torch.float64), []
+    for t in range(9):
+        state = g[t].exp()[:, None, None] * state + k[:, t, :, None] * v[:, t, None, :]
+        out.append(torch.einsum("hd,hde->he", q[0, :, t], state) * d ** -0.5)
+    want = layer.o_proj(layer.o_norm(torch.stack(out)[None]).reshape(1, 9, -1))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 def test_config_checks():
@@ -68,6 +107,13 @@ def test_config_checks():
         _tiny(LinearLlamaConfig, layer_kinds=["linear"])
     with pytest.raises(Exception, match="unknown"):
         _tiny(LinearLlamaConfig, layer_kinds=["linear", "mamba"])
+    # a gated layer decodes without a cache only
+    gated = LinearLlamaForCausalLM(_tiny(LinearLlamaConfig, layer_kinds=["gated", "softmax"]))
+    prompt = torch.randint(0, 64, (1, 5))
+    with pytest.raises(ValueError, match="use_cache=False"):
+        gated.generate(prompt, max_new_tokens=2, do_sample=False)
+    assert gated.generate(prompt, max_new_tokens=2, do_sample=False,
+                          use_cache=False).shape == (1, 7)
     with pytest.raises(Exception, match="slope_schedule"):
         _tiny(LinearLlamaConfig, slope_schedule="fast")
     assert hybrid_layer_kinds(4, 2) == ["linear", "softmax", "linear", "softmax"]

@@ -1,8 +1,9 @@
 """A hybrid GPT (linear + softmax layers) gives Megatron's distributed checkpoint a valid
 sharded state dict: the linear layers' output-norm weight exists in some layers only, so every
 layer's tensors must be keyed by its layer number, not stacked over all layers (0.19.2's
-torch_dist save refused the stacked form: "Invalid access pattern"). The save and resume
-themselves run on the GPU machine (megatron_patches/device_run.sh); Megatron's writer starts
+torch_dist save refused the stacked form: "Invalid access pattern"). A gated layer's gate
+parameters (``A_log``, ``dt_bias``, ``gate_proj.weight``) are sharded over TP by their heads.
+The save and resume themselves run on the GPU machine (megatron_patches/device_run.sh); Megatron's writer starts
 worker processes, which the test harness's daemonic ranks cannot."""
 import warnings
 
@@ -31,13 +32,21 @@ def _worker(rank, world):
             attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
             params_dtype=torch.float32, tensor_model_parallel_size=world)
         return build_gpt_model(cfg, kind="hybrid", vocab_size=64, max_sequence_length=16,
-                               cp_impl="blelloch", hybrid_pattern="LLLS")
+                               cp_impl="blelloch", hybrid_pattern="LLGS")
 
     model = build(1)
     sd = model.sharded_state_dict()
     norms = {v.key: v for k, v in sd.items() if "out_norm_weight" in k}
     assert sorted(norms) == [f"decoder.layers.{i}.self_attention.core_attention.out_norm_weight"
                              for i in range(3)], sorted(norms)
+    gate = "decoder.layers.2.self_attention.core_attention."
+    shapes = {"A_log": (4,), "dt_bias": (4,), "gate_proj.weight": (4, 32)}
+    for name, shape in shapes.items():
+        t = sd[gate + name]
+        assert t.key == gate + name and t.global_shape == shape, t
+        assert t.local_shape == (4 // world,) + shape[1:], t
+        assert t.global_offset[0] == rank * 4 // world, t
+    assert not any("A_log" in k for k in sd if not k.startswith(gate))
     for t in norms.values():    # no layer axis prepended; TP-sharded along the heads
         assert t.global_shape == (32,) and t.local_shape == (32 // world,), t
         assert t.global_offset == (rank * 32 // world,), t

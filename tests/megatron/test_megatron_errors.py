@@ -25,7 +25,8 @@ def _args(*argv, **megatron):
                 num_attention_heads=8, num_query_groups=4, group_query_attention=True,
                 num_layers=4, transformer_impl="local", pipeline_model_parallel_size=1,
                 attention_dropout=0.0, create_attention_mask_in_dataloader=False,
-                reset_attention_mask=False, position_embedding_type="rope",
+                reset_attention_mask=False, reset_position_ids=False,
+                position_embedding_type="rope",
                 apply_rope_fusion=False, cp_comm_type=["p2p"], spec=None,
                 no_persist_layer_norm=True)
     base.update(megatron)
@@ -66,7 +67,10 @@ BAD = [  # (our argv, Megatron fields, text the message must contain)
     (GOOD, dict(attention_dropout=0.1), "--attention-dropout 0"),
     (GOOD, dict(create_attention_mask_in_dataloader=True),
      "--no-create-attention-mask-in-dataloader"),
-    (GOOD, dict(reset_attention_mask=True), "--reset-attention-mask"),
+    (GOOD, dict(reset_attention_mask=True), "pass --reset-position-ids too"),
+    (["--context-parallel-impl", "megatron"], dict(reset_attention_mask=True,
+                                                   reset_position_ids=True),
+     "for our attention only"),
     (GOOD, dict(apply_rope_fusion=True), "--no-rope-fusion"),
     (GOOD, dict(position_embedding_type="yarn"), "rope or learned_absolute"),
     (GOOD, dict(cp_comm_type=["a2a"]), "--cp-comm-type"),
@@ -83,6 +87,8 @@ def test_each_bad_argument_names_the_fix(argv, megatron, message):
 
 
 def test_good_arguments_give_options():
+    # documents split at EOD: both reset flags together are honoured (THD batches)
+    validate_args(_args(*GOOD, reset_attention_mask=True, reset_position_ids=True))
     opts = options_from_args(_args(*GOOD, "--softmax-cp-preset", "ring_ag",
                                    "--softmax-heads-k-stride", "2",
                                    "--softmax-bwd-head-first-stride", "1"))
@@ -131,17 +137,51 @@ def test_core_attention_refuses_what_it_cannot_honour(cls):
     kv = torch.randn(8, 1, 2, 8)
     out = ca(q, kv, kv, None)
     assert out.shape == (8, 1, 32)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     calls = [
         (dict(attention_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool)),
          "--no-create-attention-mask-in-dataloader"),
         (dict(attention_bias=torch.zeros(1, 4, 8, 8)), "attention_bias"),
-        (dict(packed_seq_params=PackedSeqParams(qkv_format="thd")), "packed sequences"),
+        (dict(packed_seq_params=PackedSeqParams(qkv_format="thd")), "neither cu_seqlens_q"),
+        (dict(packed_seq_params=PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu)),
+         "qkv_format='thd'"),
+        (dict(packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu,
+                                                local_cp_size=2)), "local_cp_size"),
         (dict(attn_mask_type=AttnMaskType.padding), "only causal"),
     ]
     for kwargs, message in calls:
         mask = kwargs.pop("attention_mask", None)
         with pytest.raises(ValueError, match=message):
             ca(q, kv, kv, mask, **kwargs)
+
+
+def test_thd_batches():
+    """THD: [t, np, hn] in, [t, np·hn] out, each document alone; _padded boundaries win; q/kv
+    boundaries must agree; a row whose boundaries do not fill CP × t raises with the fix."""
+    from megatron_patches.packing import eod_cu_seqlens, plan_of
+    ca = _make(SoftmaxCoreAttention)
+    q, kv = torch.randn(8, 4, 8, dtype=torch.float64), torch.randn(8, 2, 8, dtype=torch.float64)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    out = ca(q, kv, kv, None, packed_seq_params=PackedSeqParams(qkv_format="thd",
+                                                                cu_seqlens_q=cu, cu_seqlens_kv=cu))
+    assert out.shape == (8, 32)
+    k = kv.repeat_interleave(2, 1).transpose(0, 1)
+    for a, b in ((0, 3), (3, 8)):
+        alone = torch.nn.functional.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), k[:, a:b], k[:, a:b], is_causal=True)
+        assert torch.allclose(out[a:b], alone.transpose(0, 1).reshape(b - a, -1), atol=1e-12)
+    padded = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 2, 6]),
+                             cu_seqlens_q_padded=cu)
+    assert plan_of(padded, ca.sp_ctx, 8).cu_seqlens == (0, 3, 8)
+    with pytest.raises(ValueError, match="cu_seqlens_kv differs"):
+        plan_of(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu,
+                                cu_seqlens_kv=torch.tensor([0, 4, 8])), ca.sp_ctx, 8)
+    with pytest.raises(ValueError, match="CP × t = 1 × 8"):
+        plan_of(PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 3, 9])),
+                ca.sp_ctx, 8)
+    # Megatron's --reset-attention-mask rule: an EOD ends its document, and so does a row
+    tokens = torch.tensor([[5, 9, 1, 9], [9, 2, 3, 4]])
+    assert eod_cu_seqlens(tokens, 9).tolist() == [0, 2, 4, 5, 8]
 
 
 def test_bad_options():

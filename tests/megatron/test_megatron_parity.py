@@ -6,7 +6,9 @@ global position ids, DP batch split). The reference loss is independent of Megat
 ``F.cross_entropy(ignore_index=-100)`` on the 1×1×1 model's full logits. The tested side is
 the README's recipe (``global_loss_share`` over the DP×CP group, ``all_reduce_gradients``);
 the per-token loss at real targets (1e-6 relative), the global mean loss (1e-6) and every
-parameter gradient (1e-5 relative) are compared at every rank.
+parameter gradient (1e-5 relative) are compared at every rank. The same spawns check packed
+documents (THD batches, ``packed_parity.py``) against an independent plain-torch model run
+on each document alone and against the 1×1×1 model.
 """
 import warnings
 
@@ -23,7 +25,9 @@ from sp_attention.testing import rel_rms, run_distributed
 pytest.importorskip("megatron.core")
 
 SEQ, BATCH, VOCAB, HEADS, GROUPS = 24, 2, 64, 4, 2
-CASES = [("softmax", "rope"), ("linear", "rope"), ("hybrid", "rope")]
+CASES = [("softmax", "rope"), ("linear", "rope"), ("gated", "rope"), ("hybrid", "rope")]
+HYBRID = "LGLS"             # linear, gated and softmax layers in one model
+PACKED_KINDS = ("softmax", "linear", "gated", "hybrid")
 
 
 def _config(tp: int, cp: int, num_layers: int = 4):
@@ -41,7 +45,7 @@ def _build(tp, cp, kind, pos, seed=1234):
     torch.manual_seed(seed)
     return build_gpt_model(_config(tp, cp), kind=kind, vocab_size=VOCAB,
                            max_sequence_length=SEQ, cp_impl="blelloch" if cp != 3 else "auto",
-                           position_embedding_type=pos, hybrid_pattern="LLLS")
+                           position_embedding_type=pos, hybrid_pattern=HYBRID)
 
 
 def _reference(kind, pos, tokens):
@@ -60,14 +64,30 @@ def _reference(kind, pos, tokens):
     return model.state_dict(), token_loss.detach(), mean.item(), grads
 
 
+def _check_plain(kind, tokens, ref):
+    """The 1×1×1 Megatron model (fp32) equals the independent plain-torch model (fp64,
+    ``plain_gpt.py``): per-token loss and every gradient."""
+    from packed_parity import linear_slopes
+    from plain_gpt import packed_reference
+    sd, ref_loss, ref_mean, ref_grads = ref
+    pattern = _build(1, 1, kind, "rope").sp_layer_pattern
+    loss, mean, grads = packed_reference(sd, tokens, [[0, SEQ]] * BATCH, pattern, HEADS,
+                                         GROUPS, linear_slopes(pattern, HEADS))
+    assert rel_rms(loss.view(BATCH, SEQ), ref_loss) <= 1e-6, kind
+    assert abs(mean - ref_mean) / ref_mean <= 1e-6, kind
+    for name, g in ref_grads.items():
+        assert rel_rms(g.double(), grads[name]) <= 1e-5, (kind, name)
+
+
 def _check_slopes(model, tp_rank, tp):
     """Each linear layer's slopes are its TP rank's heads' slice of the global schedule."""
     from megatron_patches.core_attention import LinearCoreAttention
+    from megatron_patches.gated_attention import GatedCoreAttention
     from sp_attention.linear.slopes import decay_slopes
     n = 0
     for layer in model.decoder.layers:
         ca = layer.self_attention.core_attention
-        if isinstance(ca, LinearCoreAttention):
+        if isinstance(ca, LinearCoreAttention) and not isinstance(ca, GatedCoreAttention):
             full = decay_slopes(HEADS, "long_range", layer_number=ca.layer_number,
                                 num_layers=len(model.decoder.layers))
             per = HEADS // tp
@@ -79,6 +99,7 @@ def _check_slopes(model, tp_rank, tp):
 
 def _worker(rank, world, tp, cp):
     warnings.filterwarnings("ignore")
+    import packed_parity
     from megatron.core import parallel_state as ps
     from megatron_patches.model import (cp_context, global_loss_share, grad_reduce_group,
                                         tp_shard_state_dict)
@@ -90,6 +111,10 @@ def _worker(rank, world, tp, cp):
     ps.initialize_model_parallel(1, 1, context_parallel_size=1)
     for kind, pos in cases:
         refs[kind, pos] = _reference(kind, pos, tokens)
+        if pos == "rope" and world == 2:            # the 1x1x1 model is the plain-torch one
+            _check_plain(kind, tokens, refs[kind, pos])
+    packed_refs = {kind: packed_parity.references(_build(1, 1, kind, "rope"), HEADS, GROUPS)
+                   for kind in PACKED_KINDS}
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tp, 1, context_parallel_size=cp)
     tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
@@ -130,9 +155,14 @@ def _worker(rank, world, tp, cp):
             err = rel_rms(p.grad, ref)
             assert err <= 1e-5, (kind, pos, name, err)
             worst = max(worst, err)
-        if tp > 1 and kind != "softmax":
+        if tp > 1 and kind in ("linear", "hybrid"):
             assert _check_slopes(model, tp_rank, tp) > 0
         report[kind, pos] = (err_loss, err_mean, worst)
+        if kind in PACKED_KINDS and pos == "rope":
+            model.zero_grad(set_to_none=True)
+            report[kind, "packed"] = packed_parity.check(
+                model, packed_refs[kind], tp_rank, tp, dp_rank, dp,
+                f"packed {kind} TP{tp} CP{cp} DP{dp}")
     ps.destroy_model_parallel()
     return report
 
@@ -143,4 +173,5 @@ def test_parity_with_single_process(tp, cp, dp):
     reports = run_distributed(_worker, tp * cp * dp, tp, cp, timeout=300)
     assert len(reports) == tp * cp * dp
     for r in reports:
-        assert set(k for k, _ in r) == {"softmax", "linear", "hybrid"}
+        assert set(k for k, _ in r) == {k for k, _ in CASES}
+        assert {k for k, p in r if p == "packed"} == set(PACKED_KINDS)

@@ -76,6 +76,15 @@ def test_patterns():
         expand_pattern("LLLS", 2)
     with pytest.raises(ValueError, match="e.g. 'LLS'"):
         expand_pattern("LX", 3)
+    # gated linear layers: their own kind and letter, mixed freely with L and S
+    assert model_pattern("gated", 2) == "GG" and model_pattern("hybrid", 6, "GLS") == "GLSGLS"
+    assert parse_args(["--sp-model-kind", "gated", "--context-parallel-impl", "blelloch"]
+                      ).model_options()["cp_impl"] == "blelloch"      # G layers scan too
+    with pytest.raises(ValueError, match="no linear layer with fixed slopes"):
+        parse_args(["--sp-model-kind", "gated", "--sp-slope-schedule", "lightning"])
+    with pytest.raises(ValueError, match="no linear layer with fixed slopes"):
+        parse_args(["--sp-model-kind", "hybrid", "--sp-hybrid-pattern", "GS",
+                    "--sp-slope-schedule", "lightning"])
 
 
 def test_a_bad_command_line_prints_one_line_once(tmp_path):

@@ -1,7 +1,7 @@
 """sp_attention/memory.py: the activation tally against the tensors a real Megatron-Core model
 saves for its backward, and the estimate's arithmetic.
 
-One process (gloo world 1): for softmax and linear layers (GQA and not), bf16 parameters,
+One process (gloo world 1): for softmax, linear (GQA and not) and gated layers, bf16 parameters,
 every recompute setting (none; selective core_attn, mlp, both; full uniform 1 and 2, block 1),
 the bytes of the distinct storages handed to autograd's saved-tensor hooks during the forward
 equal ``layer_saved_bytes`` (+ the shared per-sequence tensors) — except the RMSNorms', which
@@ -20,7 +20,7 @@ from sp_attention.testing import run_distributed
 pytest.importorskip("megatron.core")
 
 SEQ, HID, FFN, HEADS = 128, 64, 176, 4
-CASES = [("S", 2), ("L", 2), ("L", 4)]        # (kind, KV groups)
+CASES = [("S", 2), ("L", 2), ("L", 4), ("G", 2)]        # (kind, KV groups)
 RECOMPUTE = {
     "none": None,
     "sel_core": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
@@ -48,7 +48,8 @@ def _measure(kind, groups, recompute):
         bf16=True, bias_activation_fusion=True, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, **(recompute or {}))
     torch.manual_seed(0)
-    model = build_gpt_model(config, kind={"S": "softmax", "L": "linear"}[kind], vocab_size=64,
+    model = build_gpt_model(config, kind={"S": "softmax", "L": "linear", "G": "gated"}[kind],
+                            vocab_size=64,
                             max_sequence_length=SEQ, return_hidden_states=True).bfloat16()
     model.train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -91,8 +92,9 @@ def _expected(kind, groups, name):
                    if k not in norms)
     d = m.head_dim
     shared = 8                              # token ids (int64)
-    if kind == "L":     # fp32 leaf states (2 leaves x heads x [d, d]), norm weight, slopes
-        shared += LAYERS * (2 * HEADS * d * d * 4 + 4 * HEADS * (d + 1)) / SEQ
+    if kind in "LG":    # fp32 leaf states (2 leaves x heads x [d, d]), norm weight, slopes
+        per_head = d + (2 if kind == "G" else 1)    # gated: exp(A_log) and its negative
+        shared += LAYERS * (2 * HEADS * d * d * 4 + 4 * HEADS * per_head) / SEQ
     drop = {"sel_core": ("core_attn",), "sel_mlp": ("mlp",),
             "sel_both": ("core_attn", "mlp")}.get(name)
     if name == "none":

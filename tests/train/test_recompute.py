@@ -64,7 +64,7 @@ def _step(model, batch, chunked):
     loss = micro_batch_loss(model, tok, pos, lab, msk, impl="chunked" if chunked else "megatron",
                             tp_group=ps.get_tensor_model_parallel_group(),
                             dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
-                            num_micro_batches=1, chunk_tokens=5)
+                            chunk_tokens=5)
     loss.backward()
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 

@@ -1,7 +1,8 @@
 """train.py end to end on CPU/gloo.
 
 - Parallelism invariance: the first steps' losses of (TP, CP, DP) = (1,1,1), (1,2,1), (2,2,1),
-  (1,2,2) agree within 1e-5 for every model kind (three spawns: worlds 1, 2, 4).
+  (1,2,2) agree within 1e-5 for every model kind, unpacked and with packed documents
+  (``--packing documents``: the packed copy task) (three spawns: worlds 1, 2, 4).
 - In the world-4 spawn: bad input fails on every rank before training; a checkpoint resumes
   under another CP/DP layout and is refused under another TP layout.
 - In the world-4 spawn also: a checkpoint with a flipped byte is refused on every rank with
@@ -30,7 +31,8 @@ import pytest
 from sp_attention.testing import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KINDS = ("softmax", "linear", "hybrid")
+KINDS = ("softmax", "linear", "gated", "hybrid")
+PACKINGS = ("none", "documents")
 STEPS = 4
 
 
@@ -50,7 +52,10 @@ def _run_layouts(rank, world, tmp, layouts, extra_checks):
     out = {}
     for kind in KINDS:
         for tp, cp in layouts:
-            out[(kind, tp, cp)] = _losses(train.main(_argv(kind, tp, cp, f"{tmp}/{kind}{tp}{cp}")))
+            for packing in PACKINGS:
+                out[(kind, tp, cp, packing)] = _losses(train.main(_argv(
+                    kind, tp, cp, f"{tmp}/{kind}{tp}{cp}{packing}",
+                    extra=("--packing", packing))))
     if extra_checks:
         out["extra"] = _extra_checks(rank, tmp)
     if world == 1:
@@ -135,15 +140,18 @@ def test_parallelism_invariance_errors_and_layout_changes(tmp_path):
                          timeout=400)
     assert ref["bf16_dtypes"] == {"torch.bfloat16"}
     for kind in KINDS:
-        want = ref[(kind, 1, 1)]
-        assert len(want) == STEPS and want[-1] < want[0], (kind, want)   # it trains
-        for got in (w2[(kind, 1, 2)], w4[0][(kind, 2, 2)], w4[0][(kind, 1, 2)]):
-            assert max(_rel(a, b) for a, b in zip(got, want)) < 1e-5, (kind, got, want)
+        for packing in PACKINGS:
+            want = ref[(kind, 1, 1, packing)]
+            assert len(want) == STEPS and want[-1] < want[0], (kind, packing, want)   # it trains
+            for got in (w2[(kind, 1, 2, packing)], w4[0][(kind, 2, 2, packing)],
+                        w4[0][(kind, 1, 2, packing)]):
+                assert max(_rel(a, b) for a, b in zip(got, want)) < 1e-5, (kind, packing, got,
+                                                                           want)
     extra = [w["extra"] for w in w4]
     assert len({e["msg"] for e in extra}) == 1                          # every rank, same error
     assert len({e["damaged"] for e in extra}) == 1
     resumed = extra[0]["resumed"]
-    assert len(resumed) == 1 and _rel(resumed[0], ref[("softmax", 1, 1)][STEPS - 1]) < 1e-5
+    assert len(resumed) == 1 and _rel(resumed[0], ref[("softmax", 1, 1, "none")][STEPS - 1]) < 1e-5
 
 
 # --- real launches ----------------------------------------------------------------------

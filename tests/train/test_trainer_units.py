@@ -53,6 +53,19 @@ def test_argument_errors_name_the_fix(argv, needle):
         parse_args(argv)
 
 
+def test_packing_defaults():
+    """--packing: documents for --data-path, none for the copy task; a packed micro-batch is
+    one row unless --micro-batch-size says more (Megatron's rule for packed sequences)."""
+    assert parse_args([]).packing == "none"
+    a = parse_args(["--packing", "documents"])
+    assert a.layout(4).micro_batch_size == 1 and a.layout(4).num_micro_batches == 8
+    assert parse_args(["--packing", "documents", "--micro-batch-size", "4"]).layout(
+        4).micro_batch_size == 4
+    assert TrainArgs(data_path=__file__).packing == "documents"
+    with pytest.raises(ValueError, match="invalid choice"):
+        parse_args(["--packing", "rows"])
+
+
 def test_defaults_and_layout():
     a = parse_args([])
     assert (a.sp_model_kind, a.num_layers, a.hidden_size, a.seq_length) == ("softmax", 2, 64, 256)
@@ -103,7 +116,8 @@ def test_layout_errors_name_the_flags_given_or_the_default(argv, world, needle):
 # --- data ---------------------------------------------------------------------------------
 def test_copy_task_is_deterministic_and_dp_splits_the_global_batch():
     d = CopyTask(16, 8, seed=3)
-    tok, lab, mask = d.batch(5, 4)
+    tok, lab, mask, cu = d.batch(5, 4)
+    assert cu is None
     assert tok.shape == lab.shape == mask.shape == (4, 16)
     assert torch.equal(tok[:, 1:], lab[:, :-1])                      # labels are shifted
     assert torch.equal(lab[:, 8:], tok[:, :8])                        # the copy
@@ -114,11 +128,60 @@ def test_copy_task_is_deterministic_and_dp_splits_the_global_batch():
     assert d.vocab_size % 128 == 0 and pad_vocab(300, 2) == 384 and pad_vocab(300, 5) == 640
 
 
+def test_packed_copy_task():
+    """Rows of copy documents of random lengths (a block of p − 1 random tokens and a
+    separator, repeated; p = T/4): boundaries per row, labels the next token inside each
+    document, the loss on every repeat (each the token p back), DP sees the same batch."""
+    d = CopyTask(64, 8, seed=3, packed=True)
+    rows = d.batch(5, 4)
+    p = d.period
+    assert p == 16 and rows.tokens.shape == (4, 64)
+    for r, cu in enumerate(rows.cu_seqlens):
+        assert cu[0] == 0 and cu[-1] == 64 and len(cu) >= 3          # several documents
+        for a, b in zip(cu[:-1], cu[1:]):
+            doc, lab = rows.tokens[r, a:b], rows.labels[r, a:b]
+            assert lab[-1] == -100 and torch.equal(lab[:-1], doc[1:])
+            loss = rows.loss_mask[r, a:b].bool()
+            if loss.any():                 # a copy document: the loss is the repeats
+                assert b - a >= p + p // 2 and doc[p - 1] == d.sep
+                assert loss.nonzero().squeeze(1).tolist() == list(range(p - 1, b - a - 1))
+                t = torch.arange(p - 1, b - a - 1)
+                assert torch.equal(lab[t], doc[t + 1 - p])            # the token p back
+            else:                          # what is left: separators, no loss
+                assert b - a < p + p // 2 and bool((doc == d.sep).all())
+    halves = [d.batch(5, 4, r, 2) for r in range(2)]
+    assert torch.equal(torch.cat([h.tokens for h in halves]), rows.tokens)
+    assert halves[1].cu_seqlens == rows.cu_seqlens[2:]
+    assert "packed documents" in d.description
+
+
+def test_packed_text_data_and_micro_batches(tmp_path):
+    """--packing documents on a file: a sample's documents end at the end-of-document token,
+    which predicts nothing; a micro-batch's rows are cut by their plan (CP 1: in order)."""
+    from megatron_patches.trainer.data import Rows, packed_micro_batch
+    from sp_attention import build_sp_context
+    js = tmp_path / "d.jsonl"
+    js.write_text("\n".join(json.dumps({"text": "ab" * (i + 1)}) for i in range(30)))
+    d = TokenFile(str(js), 16, seed=0, packed=True)
+    rows = d.batch(0, 2)
+    for r, cu in enumerate(rows.cu_seqlens):
+        ends = (rows.tokens[r] == 256).nonzero().squeeze(1).tolist()
+        assert cu == sorted({0, 16} | {e + 1 for e in ends})
+        assert all(rows.labels[r, e] == -100 and rows.loss_mask[r, e] == 0 for e in ends)
+    ctx = build_sp_context(None)
+    tok, pos, lab, msk, params = packed_micro_batch(rows, slice(0, 2), ctx, "cpu")
+    assert torch.equal(tok[0], rows.tokens.reshape(-1))           # one rank: the rows in order
+    assert params.qkv_format == "thd" and params.cu_seqlens_q[-1] == 32
+    starts = set(params.cu_seqlens_q[:-1].tolist())
+    assert all((pos[0, t] == 0) == (t in starts) for t in range(32))
+    assert isinstance(rows, Rows)
+
+
 def test_text_and_jsonl_data(tmp_path):
     txt = tmp_path / "a.txt"
     txt.write_text("hello world, " * 50)
     d = TokenFile(str(txt), 16, seed=1)
-    tok, lab, mask = d.batch(0, 4, 1, 2)
+    tok, lab, mask, _ = d.batch(0, 4, 1, 2)
     assert tok.shape == (2, 16) and torch.equal(tok[:, 1:], lab[:, :-1]) and mask.all()
     assert d.vocab_size == 384 and int(tok.max()) <= 256
     assert torch.equal(TokenFile(str(txt), 16, seed=1).batch(7, 4)[0], d.batch(7, 4)[0])
