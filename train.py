@@ -36,7 +36,7 @@ from megatron_patches.trainer import checkpoint as ckpt  # noqa: E402
 from megatron_patches.trainer.args import TrainArgs, UsageError, parse_args
 from megatron_patches.trainer.data import build_dataset, packed_micro_batch
 from megatron_patches.trainer.launch import (BAD_INPUT_EXIT_STATUS, STOP_SIGNALS, StopSignals,
-                                             init_distributed)
+                                             TrainHooks, init_distributed)
 from megatron_patches.trainer.loss import check_loss_impl, micro_batch_loss, step_token_count
 from megatron_patches.trainer.optim import MasterAdamW, lr_at
 from megatron_patches.trainer.progress import (Progress, describe_attention, flops_per_token,
@@ -112,18 +112,22 @@ def agree(share: torch.Tensor, signum: Optional[int], tp: int) -> tuple[float, O
     return float(v[0]), next((s for s, n in zip(STOP_SIGNALS, v[1:]) if n > 0), None)
 
 
-def save(args, step, model, optimizer, groups, layout) -> None:
+def save(args, step, model, optimizer, groups, layout, hooks: TrainHooks) -> None:
     meta = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "model": args.model_signature(),
             "args": {k: v for k, v in vars(args).items()}}
     path = ckpt.save_checkpoint(args.save, step, model, optimizer, tp_rank=groups.tp_rank,
                                 meta=meta, group=None,
-                                checksums=not args.no_checkpoint_checksums)
+                                checksums=not args.no_checkpoint_checksums,
+                                after_write=hooks.after_checkpoint_write)
     rank0_print(f"saved checkpoint {path}")
 
 
-def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = None) -> list:
+def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = None,
+         hooks: Optional[TrainHooks] = None) -> list:
     """Run training; returns rank 0's per-step records (other ranks: []). ``signals``: the
-    SIGTERM/SIGINT flag (the caller's, to read its exit status; default: one of main's own)."""
+    SIGTERM/SIGINT flag (the caller's, to read its exit status; default: one of main's own).
+    ``hooks``: callbacks into the run (:class:`TrainHooks`; tests and tools)."""
+    hooks = TrainHooks() if hooks is None else hooks
     args = parse_args(argv)                       # bad flags fail here, on every rank
     rank, world, device = init_distributed(args.distributed_timeout_minutes)
     layout = args.layout(world)                   # world-size checks, still before collectives
@@ -192,13 +196,14 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
             share, gnorm = train_step(model, optimizer, batches, groups, args, lr,
                                       args.clip_grad)
             step += 1
-            signals.test_hook(step)
+            if hooks.after_step is not None:
+                hooks.after_step(step)
             loss, signals.stopped_by = agree(share, signals.signum, layout.tp)
             stopped = signals.stopped_by is not None
             progress.step(step, loss, gnorm, lr)
             periodic = args.save_interval and step % args.save_interval == 0
             if args.save and (periodic or stopped or step == args.train_iters):
-                save(args, step, model, optimizer, groups, layout)
+                save(args, step, model, optimizer, groups, layout, hooks)
     finally:
         progress.close()
         if own_signals:

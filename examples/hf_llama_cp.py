@@ -31,14 +31,14 @@ from sp_attention import SoftmaxSchedule  # noqa: E402
 from sp_attention.linear import IMPLS  # noqa: E402
 from sp_attention.linear.attention import resolve_impl  # noqa: E402
 from sp_attention.reduce import all_reduce_gradients  # noqa: E402
-from sp_attention.softmax import PRESETS  # noqa: E402
+from sp_attention.softmax.schedule import PRESET_NAMES  # noqa: E402
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cp", type=int, default=2, help="context-parallel size (divides world)")
     p.add_argument("--model", choices=("llama", "linear", "gated", "hybrid"), default="llama")
-    p.add_argument("--softmax-cp-preset", choices=tuple(PRESETS), default=None,
+    p.add_argument("--softmax-cp-preset", choices=PRESET_NAMES, default=None,
                    help="softmax layers' schedule (default: the library's DEFAULT_PRESET)")
     p.add_argument("--context-parallel-impl", choices=IMPLS, default=None,
                    help="linear layers' scan (default: the library's DEFAULT_IMPL)")
@@ -103,9 +103,11 @@ def main():
     if rank == 0:
         attention = []
         if args.model in ("llama", "hybrid"):
-            attention.append(f"softmax {schedule.fwd}/{schedule.bwd}")
+            attention.append("softmax auto (cost model)" if schedule.is_auto
+                             else f"softmax {schedule.fwd}/{schedule.bwd}")
         if args.model in ("linear", "gated", "hybrid"):
-            attention.append(f"linear scan {resolve_impl(args.context_parallel_impl, handle.ctx)}")
+            scan = resolve_impl(args.context_parallel_impl, handle.ctx)
+            attention.append(f"linear scan {'auto (cost model)' if scan == 'auto' else scan}")
         print(f"world {world} = DP {world // args.cp} x CP {args.cp}, model {args.model}, "
               f"{' + '.join(attention)}, chance {math.log(args.vocab):.3f}", flush=True)
     start = time.perf_counter()

@@ -14,7 +14,6 @@ checks and ``--help`` stay cheap.
 from __future__ import annotations
 
 import argparse
-import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -24,8 +23,9 @@ import sp_attention.softmax.schedule as _schedule
 from sp_attention import SoftmaxSchedule
 from sp_attention.layout import num_chunks
 from sp_attention.linear import IMPLS as LINEAR_IMPLS
-from sp_attention.linear.slopes import SLOPE_SCHEDULES, decay_slopes
+from sp_attention.linear.slopes import DEFAULT_SLOPE_SCHEDULE, SLOPE_SCHEDULES
 from sp_attention.softmax import PRESETS
+from sp_attention.softmax.schedule import PRESET_NAMES
 
 __all__ = ["UsageError", "Option", "SP_OPTIONS", "add_sp_options", "option", "MODEL_KINDS",
            "LAYER_KINDS", "SCAN_LETTERS",
@@ -49,9 +49,6 @@ MODEL_KINDS = tuple(_KIND_LETTER)
 
 MEGATRON_IMPL = "megatron"           # launcher only: Megatron's own attention (TE)
 CP_IMPLS = LINEAR_IMPLS + (MEGATRON_IMPL,)
-# The default per-head decay schedule: the library's (decay_slopes' default; the library has
-# no constant for it yet).
-DEFAULT_SLOPE_SCHEDULE = inspect.signature(decay_slopes).parameters["schedule"].default
 SOFTMAX_FLAGS = ("softmax_cp_preset", "softmax_heads_k_stride", "softmax_bwd_head_first_stride",
                  "softmax_bwd_head_last_stride")
 
@@ -128,14 +125,16 @@ SP_OPTIONS: tuple[Option, ...] = (
            "(sp_attention.linear.slopes)", choices=SLOPE_SCHEDULES,
            default_help=lambda: DEFAULT_SLOPE_SCHEDULE),
     Option("--context-parallel-impl", "how linear-attention layers (L and G) pass their state "
-           f"across CP ranks: one of the library's scans ({', '.join(LINEAR_IMPLS)}; auto picks "
-           "by the number of ranks). '{MEGATRON_IMPL}' (Megatron-LM launcher only) leaves attention to "
-           "Megatron/TransformerEngine. Softmax layers take --softmax-cp-preset",
+           f"across CP ranks: one of the library's scans ({', '.join(LINEAR_IMPLS)}; auto: the "
+           f"cost model's pick per layer shape). '{MEGATRON_IMPL}' (Megatron-LM launcher only) "
+           "leaves attention to Megatron/TransformerEngine. Softmax layers take "
+           "--softmax-cp-preset",
            choices=CP_IMPLS,
            default_help=lambda: f"{_linear.DEFAULT_IMPL}, the library's "
            "sp_attention.linear.DEFAULT_IMPL"),
     Option("--softmax-cp-preset", "softmax layers' forward/backward schedule pair across CP "
-           "ranks (sp_attention.softmax.PRESETS)", choices=tuple(PRESETS),
+           "ranks (sp_attention.softmax.PRESETS; auto: the cost model's pick per layer shape)",
+           choices=PRESET_NAMES,
            default_help=lambda: f"{_schedule.DEFAULT_PRESET}, the library's "
            "sp_attention.softmax.DEFAULT_PRESET"),
     Option("--softmax-heads-k-stride", "softmax all-gather schedules: KV heads per all-gather "

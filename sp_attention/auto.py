@@ -59,9 +59,15 @@ def auto_linear_scan(ctx: SPContext, q: torch.Tensor, v: torch.Tensor,
     m = machine or machine_for(q.device)
     B, T, H, K = q.shape
     shape = LinearShape(B, T, H, K, v.shape[-1], _itemsize(q))
-    choice = choose_linear_scan(shape, ctx.world_size, ctx.layout, m, topology_for(ctx, m))
+    choice = _linear_choice(shape, ctx.world_size, ctx.layout, m, topology_for(ctx, m))
     log_choice("linear scan", (shape, ctx.world_size, ctx.layout), choice, m)
     return choice
+
+
+# One decision per layer shape: a training step asks once per layer call, and the model's
+# arithmetic (every candidate's forward and backward) is host time on the critical path.
+_linear_choice = lru_cache(maxsize=256)(choose_linear_scan)
+_softmax_choice = lru_cache(maxsize=256)(choose_softmax_preset)
 
 
 def auto_softmax_preset(ctx: SPContext, q: torch.Tensor, k: torch.Tensor, *, causal: bool = True,
@@ -73,7 +79,7 @@ def auto_softmax_preset(ctx: SPContext, q: torch.Tensor, k: torch.Tensor, *, cau
     m = machine or machine_for(q.device)
     B, T, H, D = q.shape
     shape = SoftmaxShape(B, T, H, k.shape[2], D, _itemsize(q), bool(causal))
-    choice = choose_softmax_preset(shape, ctx.world_size, ctx.layout, m, topology_for(ctx, m),
-                                   heads_k_stride, memory_limit_bytes)
+    choice = _softmax_choice(shape, ctx.world_size, ctx.layout, m, topology_for(ctx, m),
+                             heads_k_stride, memory_limit_bytes)
     log_choice("softmax preset", (shape, ctx.world_size, ctx.layout, heads_k_stride), choice, m)
     return choice

@@ -364,7 +364,7 @@ def _ring(shape: SoftmaxShape, world: int, layout: str, machine: Machine, topo: 
 
 
 def _default_stride(shape: SoftmaxShape) -> int:
-    from .softmax.attention import default_heads_k_stride
+    from .softmax.schedule import default_heads_k_stride
     return default_heads_k_stride(shape.Hkv, shape.H // shape.Hkv)
 
 

@@ -43,8 +43,6 @@ class LinearTuning:
             one program per (K tile, V tile, batch row, head), under half of an H100/H200's
             SMs at B 1, H 16, K = V = 128, so each takes the SMs the other leaves idle. False
             runs them one after the other (``--ab-concurrent``).
-        auto_allgather_max_leaves: ``impl="auto"`` picks the one-collective all-gather scan up
-            to this many leaves and the tree scan (``2⌈log2 L⌉`` rounds of O(1) bytes) beyond.
         check_every_call: run the cross-rank call check (one small all-gather) on every call
             instead of once per new call signature: catches a rank that repeats an
             already-checked call while another changes it, at one collective per call.
@@ -59,7 +57,6 @@ class LinearTuning:
     static_zero_paths: bool = False
     side_stream_priority: int = -1
     concurrent_recurrences: bool = True
-    auto_allgather_max_leaves: int = 16
     check_every_call: bool = False
     check_gate_values: bool = True
 
@@ -69,9 +66,6 @@ class LinearTuning:
         if not is_int(self.side_stream_priority) or self.side_stream_priority > 0:
             raise ValueError("LinearTuning.side_stream_priority must be an int <= 0 (CUDA: "
                              f"lower is higher priority), got {self.side_stream_priority!r}")
-        if not is_int(self.auto_allgather_max_leaves) or self.auto_allgather_max_leaves < 2:
-            raise ValueError("LinearTuning.auto_allgather_max_leaves must be an int >= 2, got "
-                             f"{self.auto_allgather_max_leaves!r}")
 
 
 @dataclass(frozen=True)

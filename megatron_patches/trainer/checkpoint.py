@@ -32,9 +32,8 @@ import json
 import os
 import re
 import shutil
-import signal
 import zlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,9 +44,6 @@ __all__ = ["save_checkpoint", "load_checkpoint", "find_latest", "resume_path",
            "CheckpointError"]
 
 _ITER = re.compile(r"^iter_(\d{7})$")
-# Test hook (tests/train): every rank SIGKILLs itself inside the save of this step, after the
-# shards are written and before the rename — a crash mid-save.
-_DIE_IN_SAVE = "SP_TRAIN_TEST_DIE_IN_SAVE"
 _CHUNK = 8 << 20            # bytes read at a time while hashing
 
 
@@ -253,10 +249,13 @@ def _barrier(group) -> None:
 
 
 def save_checkpoint(root: str, step: int, model, optimizer, *, tp_rank: int, meta: dict,
-                    group: Optional[dist.ProcessGroup], checksums: bool = True) -> str:
+                    group: Optional[dist.ProcessGroup], checksums: bool = True,
+                    after_write: Optional[Callable[[int, str], None]] = None) -> str:
     """Collective over ``group`` (None: every rank of the job; also runs without
     torch.distributed): save ``step`` atomically; returns the checkpoint's path. ``meta.json``
-    records every file's size and, with ``checksums``, its CRC-32."""
+    records every file's size and, with ``checksums``, its CRC-32. ``after_write(step,
+    tmp_path)``: called once the shards are written, before they are recorded and renamed
+    (:class:`~megatron_patches.trainer.launch.TrainHooks`)."""
     final = _iter_dir(root, step)
     tmp = final + ".tmp"
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -265,8 +264,8 @@ def save_checkpoint(root: str, step: int, model, optimizer, *, tp_rank: int, met
         shutil.rmtree(tmp, ignore_errors=True)   # a save of this step that died earlier
     _barrier(group)
     dcp.save(_state(model, optimizer, tp_rank), checkpoint_id=tmp, process_group=group)
-    if os.environ.get(_DIE_IN_SAVE) == str(step):
-        os.kill(os.getpid(), signal.SIGKILL)
+    if after_write is not None:
+        after_write(step, tmp)
     files = _record_files(tmp, rank, group, checksums)     # also the barrier after the write
     if rank == 0:
         with open(os.path.join(tmp, "meta.json"), "w") as f:

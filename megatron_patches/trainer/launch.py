@@ -12,12 +12,14 @@ import re
 import signal
 import socket
 import subprocess
-from typing import Mapping, Optional
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["map_slurm_env", "first_host", "init_distributed", "StopSignals", "STOP_SIGNALS",
+__all__ = ["map_slurm_env", "first_host", "init_distributed", "StopSignals", "TrainHooks",
+           "STOP_SIGNALS",
            "STOP_EXIT_STATUS", "BAD_INPUT_EXIT_STATUS"]
 
 # The signals that stop a run cleanly (agreed across ranks, checkpoint saved), in the order
@@ -100,6 +102,23 @@ def init_distributed(timeout_minutes: int = 10) -> tuple[int, int, torch.device]
     return dist.get_rank(), dist.get_world_size(), device
 
 
+@dataclass
+class TrainHooks:
+    """Callbacks into a train.py run, for tests and tools (``train.main(argv, hooks=...)``);
+    None: nothing is called.
+
+    Attributes:
+        after_step: ``f(step)`` on every rank after each optimizer step, before the ranks
+            agree whether a signal stops the run (a signal sent here stops after this step).
+        after_checkpoint_write: ``f(step, tmp_path)`` on every rank once a checkpoint's
+            shards are written, before they are recorded and renamed into place (a crash
+            here must leave the previous checkpoint in charge).
+    """
+
+    after_step: Optional[Callable[[int], None]] = None
+    after_checkpoint_write: Optional[Callable[[int, str], None]] = None
+
+
 class StopSignals:
     """SIGTERM/SIGINT set a flag instead of killing the process; the training loop agrees on it
     across ranks (one all-reduce it already does, which also sets ``signum`` on the ranks that
@@ -120,12 +139,6 @@ class StopSignals:
         if signum == signal.SIGINT and self.signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signum = signum
-
-    def test_hook(self, step: int) -> None:
-        """Tests: ``SP_TRAIN_TEST_SIGTERM_AT=k`` makes every rank send itself SIGTERM after
-        step k (a real signal through the real handler, at a known step)."""
-        if os.environ.get("SP_TRAIN_TEST_SIGTERM_AT") == str(step):
-            os.kill(os.getpid(), signal.SIGTERM)
 
     @property
     def requested(self) -> bool:

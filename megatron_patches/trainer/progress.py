@@ -205,12 +205,13 @@ def describe_attention(options: dict, ctx, local_only: bool = False) -> str:
     pattern, parts = options["pattern"], []
     if "S" in pattern:
         s = options["softmax_schedule"]
-        name = next((n for n, pair in PRESETS.items() if pair == (s.fwd, s.bwd)),
-                    f"{s.fwd}/{s.bwd}")
+        name = "auto (cost model)" if s.is_auto else next(
+            (n for n, pair in PRESETS.items() if pair == (s.fwd, s.bwd)), f"{s.fwd}/{s.bwd}")
         parts.append(f"softmax {name}")
     for letter, name in (("L", "linear"), ("G", "gated")):
         if letter in pattern:
-            parts.append(f"{name} scan {resolve_impl(options['cp_impl'], ctx)}")
+            scan = resolve_impl(options["cp_impl"], ctx)
+            parts.append(f"{name} scan {'auto (cost model)' if scan == 'auto' else scan}")
     if ctx.world_size == 1:
         return " + ".join(p.split(" ")[0] for p in parts) + " on one rank (CP 1)"
     return f"{' + '.join(parts)} across CP {ctx.world_size} ({ctx.layout})"

@@ -29,7 +29,6 @@ right padding is harmless (causal), left padding is refused by the CP adapter.
 """
 from __future__ import annotations
 
-import inspect
 
 import torch
 from huggingface_hub.dataclasses import strict
@@ -43,7 +42,7 @@ from transformers.models.llama.modeling_llama import (LlamaForCausalLM, LlamaMod
 
 from sp_attention import lightning_attention
 from sp_attention.linear.gate_param import gate_log_decay, mamba2_gate_init
-from sp_attention.linear.slopes import SLOPE_SCHEDULES, decay_slopes
+from sp_attention.linear.slopes import DEFAULT_SLOPE_SCHEDULE, SLOPE_SCHEDULES, decay_slopes
 from sp_attention.validation import resolve_ctx
 
 from .attention import decay_kwargs, packed_plan
@@ -53,8 +52,6 @@ __all__ = ["LinearLlamaConfig", "LinearLlamaAttention", "LinearLlamaForCausalLM"
 
 LAYER_KINDS = ("linear", "gated", "softmax")
 LINEAR_KINDS = ("linear", "gated")
-# the library's default schedule (decay_slopes' default), saved in every config
-_DEFAULT_SLOPE_SCHEDULE = inspect.signature(decay_slopes).parameters["schedule"].default
 
 
 def hybrid_layer_kinds(num_layers: int, softmax_every: int) -> list[str]:
@@ -76,7 +73,7 @@ class LinearLlamaConfig(LlamaConfig):
     model_type = "sp_linear_llama"
 
     layer_kinds: list[str] | None = None
-    slope_schedule: str = _DEFAULT_SLOPE_SCHEDULE
+    slope_schedule: str = DEFAULT_SLOPE_SCHEDULE
 
     def __post_init__(self, **kwargs):
         old = kwargs.pop("decay_schedule", None)      # configs saved before the rename

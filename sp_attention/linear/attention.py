@@ -21,6 +21,7 @@ from typing import Optional, Union
 
 import torch
 
+from ..auto import auto_linear_scan
 from ..call_check import agree_across_ranks
 from ..context import SPContext
 from ..packing import PackingPlan, resolve_plan
@@ -49,24 +50,24 @@ DEFAULT_IMPL = "auto"
 _DEFAULT = LinearTuning()
 
 
-def resolve_impl(impl: Optional[str], ctx: SPContext, tuning: LinearTuning = _DEFAULT,
-                 elements: Optional[int] = None) -> str:
-    """The scan schedule ``impl`` names; ``"auto"``: two leaves (contiguous P = 2, or zigzag on
-    one rank) need one hop at most, and the ring does it with no fold (measured on 2x H200 at
-    32K: 0.74 vs 0.69 for the all-gather); beyond that one all-gather (a single latency) beats
-    2⌈log2 L⌉ dependent rounds while the gathered states stay small, up to
-    ``tuning.auto_allgather_max_leaves``; past that the tree's O(log L) rounds win.
-    ``elements``: the scan's element count when it is not the layout's leaves (packed
-    documents: the group's crossing segments)."""
+def resolve_impl(impl: Optional[str], ctx: SPContext, q: Optional[torch.Tensor] = None,
+                 v: Optional[torch.Tensor] = None) -> str:
+    """The scan schedule ``impl`` names. ``"auto"`` (the default): the cost model's cheapest
+    predicted forward + backward for this call's shape (``q [B, T_local, H, K]``, ``v``), group
+    size, layout and links (:func:`sp_attention.auto.auto_linear_scan`: the calibration of
+    this device if one was measured, else the built-in H100/H200 or CPU figures; decided and
+    logged once per layer shape); one rank: ``"ring"`` (nothing crosses ranks). Without
+    tensors (a run's header, before any call): ``"auto"``."""
     impl = DEFAULT_IMPL if impl is None else impl
     if impl not in IMPLS:
         raise ValueError(f"unknown linear-attention scan impl {impl!r}; use one of {IMPLS}")
-    if impl == "auto":
-        n = ctx.num_leaves if elements is None else elements
-        if n <= 2:
-            return "ring"
-        return "allgather" if n <= tuning.auto_allgather_max_leaves else "blelloch"
-    return impl
+    if impl != "auto":
+        return impl
+    if ctx.world_size == 1:
+        return "ring"
+    if q is None or v is None:
+        return "auto"
+    return auto_linear_scan(ctx, q, v).name
 
 
 def leaf_rows(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -318,28 +319,28 @@ def _attend(q, k, v, slopes, g, cu_seqlens, ctx: Optional[SPContext], impl: Opti
     tuning = _DEFAULT if tuning is None else tuning
     q, k, v = autocast_inputs(q, k, v)
     error, local, plan, gates_read = None, None, None, False
+    resolved = DEFAULT_IMPL if impl is None else impl
     try:
         if not isinstance(tuning, LinearTuning):
             raise TypeError(f"tuning must be a LinearTuning or None, got {type(tuning).__name__}")
         gates_read = check_inputs(q, k, v, slopes, g, ctx, scale, tuning)
         if cu_seqlens is not None:
             plan = resolve_plan(cu_seqlens, ctx, q.shape[1], q.device)
-        resolved = resolve_impl(impl, ctx, tuning)
         local = _local(backend, kernels, q, k, v)
+        resolved = resolve_impl(impl, ctx, q, v)
     except (TypeError, ValueError) as e:
         error = e
     # a gate tensor's values were read on this call: agree on the outcome on every rank
     always = isinstance(tuning, LinearTuning) and (tuning.check_every_call or gates_read)
     agree_across_ranks(ctx, "lightning_attention",
-                       call_signature(q, k, v, slopes, g, DEFAULT_IMPL if impl is None else impl,
-                                      scale, backend, kernels, tuning, ctx, plan), error, always)
+                       call_signature(q, k, v, slopes, g, resolved, scale, backend, kernels,
+                                      tuning, ctx, plan), error, always)
     if slopes is not None:
         slopes = slopes.to(device=q.device)
     with autocast_off(q.device):
         if plan is not None and not plan.is_trivial:
             lp = linear_packing(plan, ctx.rank)
-            packed_impl = resolve_impl(impl, ctx, tuning, lp.num_elements)
-            return _PackedLightningAttention.apply(q, k, v, g, slopes, ctx, packed_impl,
+            return _PackedLightningAttention.apply(q, k, v, g, slopes, ctx, resolved,
                                                    float(scale), local, tuning, lp)
         return _LightningAttention.apply(q, k, v, g, slopes, ctx, resolved, float(scale), local,
                                          tuning)

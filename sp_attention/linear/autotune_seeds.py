@@ -9,7 +9,8 @@ dtype × head-dim × layout cases).
 
 ``tuned/sm90_triton<T>_fla<F>.tgz`` holds those ``*.autotune.json`` files, measured on Hopper
 (sm_90: H100/H200) for bf16 and fp32 with K = V ∈ {64, 128} (fla's keys do not depend on the
-sequence length or head count). Triton names each cache entry by a hash of its own version, the
+sequence length or head count); since 2026-11-24 also fla's gated and varlen (packed
+documents) kernels and our own gated kernels at K = V = 64, and the varlen kernels at 128. Triton names each cache entry by a hash of its own version, the
 GPU target, the kernel source and the tuning key, so an entry can only ever be read by the
 exact Triton + fla + GPU it was made on; we still unpack only when those match. Existing files
 are never overwritten (a cache the user already tuned wins). Set

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SLOPE_SCHEDULES", "decay_slopes"]
+__all__ = ["SLOPE_SCHEDULES", "DEFAULT_SLOPE_SCHEDULE", "decay_slopes"]
 
 SLOPE_SCHEDULES = ("long_range", "lightning")
+# The one default decay schedule of models (the adapters' and train.py's default).
+DEFAULT_SLOPE_SCHEDULE = "long_range"
 
 
-def decay_slopes(num_heads: int, schedule: str = "long_range", *, layer_number: int = 1,
-                 num_layers: int = 1) -> torch.Tensor:
+def decay_slopes(num_heads: int, schedule: str = DEFAULT_SLOPE_SCHEDULE, *,
+                 layer_number: int = 1, num_layers: int = 1) -> torch.Tensor:
     """``[num_heads]`` fp32 CPU tensor of decay rates for one layer (see the module docstring).
 
     ``layer_number`` is 1-based (Megatron's convention) and only used by ``"lightning"``.

@@ -13,6 +13,7 @@ from typing import Optional, Union
 
 import torch
 
+from ..auto import auto_softmax_preset
 from ..call_check import agree_across_ranks
 from ..context import SPContext
 from ..tuning import SoftmaxTuning
@@ -25,27 +26,13 @@ from .fwd_ring import ring_forward
 from .backends import KernelBackend, get_backend
 from .packed import PackedAttention, PackedConfig, packed_plan_for
 from .packed_plan import CallPolicy
-from .schedule import BWD_SCHEDULES, DEFAULT_PRESET, FWD_SCHEDULES, PRESETS, SoftmaxSchedule
+from .schedule import (BWD_SCHEDULES, DEFAULT_PRESET, FWD_SCHEDULES, PRESETS, SoftmaxSchedule,
+                       default_heads_k_stride)
 
 __all__ = ["context_parallel_attention", "PRESETS", "DEFAULT_PRESET", "FWD_SCHEDULES",
            "BWD_SCHEDULES", "SoftmaxSchedule", "default_heads_k_stride"]
 
 _DEFAULT = SoftmaxTuning()
-
-
-def default_heads_k_stride(kv_heads: int, group: int, tuning: SoftmaxTuning = _DEFAULT) -> int:
-    """Smallest divisor ``s`` of the local KV heads with ``s · group >=
-    tuning.min_query_heads_per_call`` (8) query heads per call (all local KV heads if none).
-
-    Why: only the first gather and the last reduce-scatter of the all-gather schedules are
-    exposed, and they move ``s / Hkv`` of the traffic, so ``s`` should be small; but each
-    kernel call covers ``s · group`` query heads and must still fill the GPU. Llama-3-8B
-    (8 local KV heads, group 4) gets ``s = 2`` (4 strides); group 8 gets ``s = 1``.
-    """
-    for s in range(1, kv_heads + 1):
-        if kv_heads % s == 0 and s * group >= tuning.min_query_heads_per_call:
-            return s
-    return kv_heads
 
 
 @dataclass(frozen=True)
@@ -181,7 +168,10 @@ def context_parallel_attention(
         backend: kernel backend name (``"cudnn"``, ``"flash"``, ``"flash_attn"``, ``"math"``)
             or None for the fastest that can run the inputs (cuDNN on Hopper, math on CPU).
         preset: a name from :data:`PRESETS` setting ``fwd`` and ``bwd`` together; passing a
-            different ``fwd``/``bwd`` as well raises.
+            different ``fwd``/``bwd`` as well raises. ``"auto"``: the cost model's cheapest
+            predicted pair for this call's shape, group and links
+            (:func:`sp_attention.auto.auto_softmax_preset`, decided and logged once per layer
+            shape; one rank: the default).
         return_lse: also return the global log-sum-exp ``[B, H, T_local]`` (not
             differentiable).
         tuning: :class:`~sp_attention.SoftmaxTuning` (None: the defaults); never changes the
@@ -229,6 +219,8 @@ def context_parallel_attention(
                                    for n, x in (("q", q), ("k", k), ("v", v)))),
                  ("device", q.device.type if isinstance(q, torch.Tensor) else None),
                  ("layout", ctx.layout), ("tuning", tuning)) + tuple(options.items())
+    if cfg is not None:     # "auto" resolved per rank: ranks that picked differently raise
+        signature += (("schedule", (cfg.fwd, cfg.bwd)),)
     if cu_seqlens is not None:      # ranks disagreeing on the boundaries all raise
         signature += (("cu_seqlens", plan.digest if plan is not None else "invalid"),)
     agree_across_ranks(ctx, "context_parallel_attention", signature, error,
@@ -256,11 +248,16 @@ def _config(q, k, v, ctx: SPContext, tuning, *, fwd, bwd, preset, heads_k_stride
     sched = SoftmaxSchedule(preset, fwd, bwd, heads_k_stride, bwd_head_first_stride,
                             bwd_head_last_stride, backend)
     kv_heads, group = k.shape[2], q.shape[2] // k.shape[2]
-    stride = sched.local_stride(kv_heads, default_heads_k_stride(kv_heads, group, tuning))
     _check_scale(softmax_scale)
     if not isinstance(causal, bool) or not isinstance(return_lse, bool):
         raise TypeError(f"causal and return_lse must be bools, got {causal!r}, {return_lse!r}")
+    if sched.is_auto:       # the cost model's pair for this shape (one rank: nothing crosses)
+        sched.local_stride(kv_heads, default_heads_k_stride(kv_heads, group, tuning))
+        sched = sched.resolve(DEFAULT_PRESET if ctx.world_size == 1 else auto_softmax_preset(
+            ctx, q, k, causal=causal, heads_k_stride=sched.heads_k_stride).name)
+    stride = sched.local_stride(kv_heads, default_heads_k_stride(kv_heads, group, tuning))
     kernel = get_backend(backend, q.device, q.dtype, q.shape[3])   # raises if it cannot run
     scale = q.shape[3] ** -0.5 if softmax_scale is None else float(softmax_scale)
     return _Config(ctx, sched.fwd, sched.bwd, causal, scale, kernel, stride,
-                   bwd_head_first_stride, bwd_head_last_stride, return_lse, tuning.pack_kv)
+                   sched.bwd_head_first_stride, sched.bwd_head_last_stride, return_lse,
+                   tuning.pack_kv)

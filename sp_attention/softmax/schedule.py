@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from ..tuning import SoftmaxTuning
 from ..validation import is_int
 from .backends import BACKEND_NAMES
 
-__all__ = ["SoftmaxSchedule", "PRESETS", "DEFAULT_PRESET", "FWD_SCHEDULES", "BWD_SCHEDULES",
-           "STRIDE_FIELDS"]
+__all__ = ["SoftmaxSchedule", "PRESETS", "PRESET_NAMES", "AUTO_PRESET", "DEFAULT_PRESET",
+           "FWD_SCHEDULES", "BWD_SCHEDULES", "STRIDE_FIELDS", "default_heads_k_stride"]
 
 FWD_SCHEDULES = ("ring", "allgather")
 BWD_SCHEDULES = ("ring", "allgather")
@@ -33,8 +34,29 @@ PRESETS: dict[str, tuple[str, str]] = {
 # fastest pair at T_local 8K (0.76 of one GPU vs 0.66 for ring/allgather) and 32K (0.925 vs
 # 0.910). Revisit when the all-gather backward's per-stride overhead is fixed.
 DEFAULT_PRESET = "ring"
+# "auto": the cost model's cheapest predicted pair for the call's shape, group and links
+# (sp_attention.auto.auto_softmax_preset), resolved when the op sees its tensors.
+AUTO_PRESET = "auto"
+PRESET_NAMES = tuple(PRESETS) + (AUTO_PRESET,)
 
 STRIDE_FIELDS = ("heads_k_stride", "bwd_head_first_stride", "bwd_head_last_stride")
+_DEFAULT_TUNING = SoftmaxTuning()
+
+
+def default_heads_k_stride(kv_heads: int, group: int,
+                           tuning: SoftmaxTuning = _DEFAULT_TUNING) -> int:
+    """Smallest divisor ``s`` of the local KV heads with ``s · group >=
+    tuning.min_query_heads_per_call`` (8) query heads per call (all local KV heads if none).
+
+    Why: only the first gather and the last reduce-scatter of the all-gather schedules are
+    exposed, and they move ``s / Hkv`` of the traffic, so ``s`` should be small; but each
+    kernel call covers ``s · group`` query heads and must still fill the GPU. Llama-3-8B
+    (8 local KV heads, group 4) gets ``s = 2`` (4 strides); group 8 gets ``s = 1``.
+    """
+    for s in range(1, kv_heads + 1):
+        if kv_heads % s == 0 and s * group >= tuning.min_query_heads_per_call:
+            return s
+    return kv_heads
 
 
 @dataclass(frozen=True)
@@ -45,12 +67,14 @@ class SoftmaxSchedule:
         preset: a name from :data:`PRESETS` setting ``fwd`` and ``bwd`` together (``"ring"``,
             ``"ring_ag"``, ``"allgather"``, ``"ag_ring"``); None: ``fwd``/``bwd`` as given,
             each defaulting to :data:`DEFAULT_PRESET`'s. A ``fwd``/``bwd`` contradicting the
-            preset raises.
+            preset raises. ``"auto"``: the cost model picks the pair per layer shape when the
+            op sees its tensors (:meth:`resolve`; ``fwd``/``bwd`` stay None until then); head
+            strides given with it apply if the pick runs an all-gather.
         fwd, bwd: forward / backward schedule, ``"ring"`` or ``"allgather"``; after
             construction both hold the resolved schedules.
         heads_k_stride: KV heads per all-gather step (only with an all-gather forward or
             backward); must divide the local KV heads. None: the library's default
-            (:func:`sp_attention.softmax.attention.default_heads_k_stride`).
+            (:func:`default_heads_k_stride`).
         bwd_head_first_stride, bwd_head_last_stride: split the all-gather backward's first /
             last stride into ``[f, stride − f]`` / ``[stride − l, l]`` heads (only with
             ``bwd="allgather"``; ``0 < f, l < stride``).
@@ -68,9 +92,17 @@ class SoftmaxSchedule:
 
     def __post_init__(self) -> None:
         fwd, bwd = self.fwd, self.bwd
+        if self.preset == AUTO_PRESET:
+            for name, given in (("fwd", fwd), ("bwd", bwd)):
+                if given is not None:
+                    raise ValueError(f"preset='auto' lets the cost model choose {name}; drop "
+                                     f"{name}={given!r} or name a preset from {sorted(PRESETS)}")
+            self._check_strides_and_backend()
+            return
         if self.preset is not None:
             if self.preset not in PRESETS:
-                raise ValueError(f"unknown preset {self.preset!r}; use one of {sorted(PRESETS)}")
+                raise ValueError(f"unknown preset {self.preset!r}; use one of "
+                             f"{sorted(PRESETS) + [AUTO_PRESET]}")
             pf, pb = PRESETS[self.preset]
             for name, given, want in (("fwd", fwd, pf), ("bwd", bwd, pb)):
                 if given is not None and given != want:
@@ -87,12 +119,7 @@ class SoftmaxSchedule:
                              f"{BWD_SCHEDULES}")
         object.__setattr__(self, "fwd", fwd)
         object.__setattr__(self, "bwd", bwd)
-        for name in STRIDE_FIELDS:
-            val = getattr(self, name)
-            if val is not None and (not is_int(val) or val < 1):
-                what = ("a positive divisor of the local KV heads" if name == "heads_k_stride"
-                        else f"0 < {name} < heads_k_stride")
-                raise ValueError(f"{name}={val!r} must be {what} (or None)")
+        self._check_strides_and_backend()
         for name in ("bwd_head_first_stride", "bwd_head_last_stride"):
             if getattr(self, name) is not None and bwd != "allgather":
                 raise ValueError(f"{name} only applies to bwd='allgather' (got bwd={bwd!r}); "
@@ -101,15 +128,43 @@ class SoftmaxSchedule:
             raise ValueError(f"heads_k_stride only applies to the all-gather schedules; fwd="
                              f"{fwd!r}, bwd={bwd!r} would ignore it: use preset 'ring_ag', "
                              "'allgather' or 'ag_ring', or leave heads_k_stride None")
+
+    def _check_strides_and_backend(self) -> None:
+        for name in STRIDE_FIELDS:
+            val = getattr(self, name)
+            if val is not None and (not is_int(val) or val < 1):
+                what = ("a positive divisor of the local KV heads" if name == "heads_k_stride"
+                        else f"0 < {name} < heads_k_stride")
+                raise ValueError(f"{name}={val!r} must be {what} (or None)")
         if self.backend is not None and self.backend not in BACKEND_NAMES:
             raise ValueError(f"unknown kernel backend {self.backend!r}; use one of "
                              f"{BACKEND_NAMES} or None (automatic)")
 
+    @property
+    def is_auto(self) -> bool:
+        return self.preset == AUTO_PRESET
+
+    def resolve(self, preset: str) -> "SoftmaxSchedule":
+        """This schedule with ``"auto"`` replaced by ``preset`` (the cost model's pick); the
+        head strides stay where the pick runs the all-gather they describe. A named schedule
+        returns itself."""
+        if not self.is_auto:
+            return self
+        f, b = PRESETS[preset]
+        return SoftmaxSchedule(
+            preset, heads_k_stride=self.heads_k_stride if "allgather" in (f, b) else None,
+            bwd_head_first_stride=self.bwd_head_first_stride if b == "allgather" else None,
+            bwd_head_last_stride=self.bwd_head_last_stride if b == "allgather" else None,
+            backend=self.backend)
+
     def kwargs(self) -> dict:
         """Keyword arguments of :func:`sp_attention.context_parallel_attention` (the resolved
-        ``fwd``/``bwd``, not the preset name)."""
+        ``fwd``/``bwd``, not the preset name; ``preset="auto"`` passes on as it is)."""
         out = asdict(self)
-        out.pop("preset")
+        if self.is_auto:
+            out.pop("fwd"), out.pop("bwd")
+        else:
+            out.pop("preset")
         return out
 
     def local_stride(self, kv_heads: int, default: int) -> int:

@@ -46,7 +46,7 @@ def _check_group(ctx_group, P, tag, refs):
             ctx = build_sp_context(ctx_group, layout=layout)
             q, k, v, w, s = (shard_sequence(t, ctx, 1) if t.dim() == 4 else t for t in inputs)
             want = [shard_sequence(t, ctx, 1) for t in expected]
-            for impl in IMPLS:
+            for impl in IMPLS + ("auto",):      # auto: the cost model's pick
                 ql, kl, vl = (t.clone().requires_grad_(True) for t in (q, k, v))
                 o = lightning_attention(ql, kl, vl, s, ctx=ctx, impl=impl, scale=0.7,
                                         backend="torch")

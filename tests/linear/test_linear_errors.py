@@ -74,16 +74,26 @@ def test_slope_values_checked_once_per_version_and_again_after_an_inplace_change
     assert num_cached_slopes() == before               # entries die with their tensors
 
 
-@pytest.mark.parametrize("world,layout,expect", [
-    (1, "contiguous", "ring"), (1, "zigzag", "ring"), (2, "contiguous", "ring"),
-    (2, "zigzag", "allgather"), (8, "zigzag", "allgather"), (9, "zigzag", "blelloch"),
-    (16, "contiguous", "allgather"), (17, "contiguous", "blelloch")])
-def test_auto_picks_the_schedule_for_the_leaf_count(world, layout, expect):
-    """`auto`: ring when there are at most 2 leaves (one hop), all-gather up to 16, else the tree."""
+@pytest.mark.parametrize("world,layout", [(2, "contiguous"), (2, "zigzag"), (5, "zigzag"),
+                                          (16, "contiguous"), (64, "zigzag")])
+def test_auto_is_the_cost_models_pick(world, layout, monkeypatch):
+    """`auto` runs what sp_attention.cost predicts cheapest for the call's shape, P, layout
+    and links; one rank: ring (nothing crosses); no tensors (a header): "auto"."""
+    from sp_attention import auto
+    from sp_attention.cost import Choice, LinearShape, choose_linear_scan
     from sp_attention.linear.attention import resolve_impl
-    ctx = SPContext(object() if world > 1 else None, 0, world, (), layout)
-    assert resolve_impl("auto", ctx) == expect
-    assert resolve_impl("blelloch", ctx) == "blelloch"
+    ctx = SPContext(object(), 0, world, tuple(range(world)), layout)
+    q, v = torch.zeros(1, 64, 4, 16), torch.zeros(1, 64, 4, 8)
+    m = auto.machine_for(q.device)
+    want = choose_linear_scan(LinearShape(1, 64, 4, 16, 8, 4), world, layout, m,
+                              auto.topology_for(ctx, m)).name
+    assert resolve_impl("auto", ctx, q, v) == resolve_impl(None, ctx, q, v) == want
+    assert resolve_impl("auto", ctx) == "auto"
+    assert resolve_impl("blelloch", ctx, q, v) == "blelloch"
+    assert resolve_impl("auto", SPContext(None, 0, 1, (0,), layout), q, v) == "ring"
+    for name in ("blelloch", "allgather", "ring"):     # whatever the model says, runs
+        monkeypatch.setattr(auto, "_linear_choice", lambda *a, n=name: Choice(n, {}))
+        assert resolve_impl("auto", ctx, q, v) == name
 
 
 def _g(B=1, T=8, H=2, value=-0.1):

@@ -47,3 +47,43 @@ def test_kwargs_drive_the_op():
     ref = context_parallel_attention(q, k, k, fwd="allgather", bwd="allgather",
                                      heads_k_stride=1, backend="math")
     assert torch.equal(context_parallel_attention(q, k, k, **s.kwargs()), ref)
+
+
+def test_auto_preset_resolves_to_the_cost_models_pair():
+    """preset="auto": fwd/bwd stay open until the op sees its tensors; kwargs pass "auto" on;
+    resolve() keeps the head strides only where the pick runs the all-gather they describe;
+    naming fwd or bwd beside it raises."""
+    s = SoftmaxSchedule(preset="auto", heads_k_stride=2, bwd_head_first_stride=1)
+    assert s.is_auto and (s.fwd, s.bwd) == (None, None)
+    assert s.kwargs()["preset"] == "auto" and "fwd" not in s.kwargs()
+    assert s.resolve("ring") == SoftmaxSchedule(preset="ring")
+    assert s.resolve("ring_ag") == SoftmaxSchedule(preset="ring_ag", heads_k_stride=2,
+                                                   bwd_head_first_stride=1)
+    assert s.resolve("ag_ring") == SoftmaxSchedule(preset="ag_ring", heads_k_stride=2)
+    assert SoftmaxSchedule(preset="ring").resolve("allgather") == SoftmaxSchedule(preset="ring")
+    with pytest.raises(ValueError, match="cost model choose fwd"):
+        SoftmaxSchedule(preset="auto", fwd="ring")
+    with pytest.raises(ValueError, match="positive divisor"):
+        SoftmaxSchedule(preset="auto", heads_k_stride=0)
+
+
+def test_auto_preset_runs_the_cost_models_pick(monkeypatch):
+    """context_parallel_attention(preset="auto") runs the pair sp_attention.auto returns (a
+    fake two-rank context: the config is built before any collective)."""
+    from sp_attention import SPContext, auto
+    from sp_attention.cost import Choice
+    from sp_attention.softmax.attention import _config
+    from sp_attention.tuning import SoftmaxTuning
+    ctx = SPContext(object(), 0, 2, (0, 1), "zigzag")
+    q, k = torch.zeros(1, 8, 4, 8, dtype=torch.float64), torch.zeros(1, 8, 2, 8,
+                                                                     dtype=torch.float64)
+    opts = dict(fwd=None, bwd=None, heads_k_stride=None, bwd_head_first_stride=None,
+                bwd_head_last_stride=None, causal=True, softmax_scale=None, backend="math",
+                return_lse=False)
+    for name, pair in PRESETS.items():
+        monkeypatch.setattr(auto, "_softmax_choice", lambda *a, n=name: Choice(n, {}))
+        cfg = _config(q, k, k, ctx, SoftmaxTuning(), preset="auto", **opts)
+        assert (cfg.fwd, cfg.bwd) == pair
+    one = SPContext(None, 0, 1, (0,), "zigzag")
+    cfg = _config(q, k, k, one, SoftmaxTuning(), preset="auto", **opts)
+    assert (cfg.fwd, cfg.bwd) == PRESETS[DEFAULT_PRESET]

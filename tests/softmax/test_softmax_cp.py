@@ -32,7 +32,8 @@ CASES = [
                        ("allgather", "allgather", dict(heads_k_stride=4, bwd_head_first_stride=1,
                                                        bwd_head_last_stride=2)),
                        # the A/B of the ring's K/V hops: packed into one buffer per hop
-                       ("ring", "ring", dict(tuning=SoftmaxTuning(pack_kv=True)))]),
+                       ("ring", "ring", dict(tuning=SoftmaxTuning(pack_kv=True))),
+                       (None, None, dict(preset="auto"))]),      # the cost model's pair
     ((1, 2, 8, 2, 4), [("ring", "allgather", dict(heads_k_stride=2, bwd_head_first_stride=1,
                                                   bwd_head_last_stride=1)),
                        ("allgather", "allgather", dict(heads_k_stride=1))]),
@@ -150,7 +151,7 @@ def test_every_pair_layout_and_rank_matches_reference(world):
     assert all(run_distributed(_softmax_world, world, timeout=600))
 
 
-@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("preset", sorted(PRESETS) + ["auto"])
 @pytest.mark.parametrize("T,Hkv", [(12, 2), (5, 1)])    # 5: one KV head, odd length (1 unit)
 def test_no_ctx_is_single_device_attention(preset, T, Hkv):
     q, w = seeded((2, T, 8, 4), 1), seeded((2, T, 8, 4), 2)

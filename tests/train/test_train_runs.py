@@ -28,9 +28,11 @@ import shutil
 
 import pytest
 
+from megatron_patches.trainer.launch import TrainHooks
 from sp_attention.testing import run_distributed
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 KINDS = ("softmax", "linear", "gated", "hybrid")
 PACKINGS = ("none", "documents")
 STEPS = 4
@@ -102,11 +104,10 @@ def _extra_checks(rank, tmp):
     _expect_error(base + ["--recompute-granularity", "selective", "--recompute-num-layers",
                           "2"], "full only")
     ck = f"{tmp}/ck"
-    os.environ["SP_TRAIN_TEST_SIGTERM_AT"] = str(STEPS - 1)       # SIGTERM: save and stop
-    try:
-        train.main(_argv("softmax", 1, 2, f"{tmp}/s", extra=["--save", ck]))
-    finally:
-        del os.environ["SP_TRAIN_TEST_SIGTERM_AT"]
+    # a real SIGTERM through the real handler after step STEPS - 1: save and stop
+    term = TrainHooks(after_step=lambda s: os.kill(os.getpid(), signal.SIGTERM)
+                      if s == STEPS - 1 else None)
+    train.main(_argv("softmax", 1, 2, f"{tmp}/s", extra=["--save", ck]), hooks=term)
     # same TP, CP 2 -> 4 and DP 2 -> 1: loads and continues
     resumed = _losses(train.main(_argv("softmax", 1, 4, f"{tmp}/r",
                                        extra=["--load", ck, "--ckpt-step", str(STEPS - 1)])))
@@ -161,7 +162,8 @@ def _port():
         return s.getsockname()[1]
 
 
-def _torchrun(args, env=None, nnodes=1, nproc=2, port=None, module="torch.distributed.run"):
+def _torchrun(args, env=None, nnodes=1, nproc=2, port=None, module="torch.distributed.run",
+              script=os.path.join(ROOT, "train.py")):
     cmd = [sys.executable, "-m", module, "--nproc-per-node", str(nproc)]
     if nnodes > 1:
         cmd += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d",
@@ -169,7 +171,7 @@ def _torchrun(args, env=None, nnodes=1, nproc=2, port=None, module="torch.distri
     else:
         cmd += ["--standalone"]
     e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.Popen(cmd + [os.path.join(ROOT, "train.py")] + args, cwd=ROOT, env=e,
+    return subprocess.Popen(cmd + [script] + args, cwd=ROOT, env=e,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -267,8 +269,9 @@ def test_torchrun_two_nodes_sigterm_resume_and_kill_mid_save(tmp_path):
     assert open(os.path.join(ck, "latest")).read().strip() == str(stop)
 
     # a kill in the middle of the next save: the previous checkpoint stays in charge
-    rc, out = _finish(_torchrun(args("b", "--load", ck, "--save", ck, "--save-interval", "1"),
-                                env={"SP_TRAIN_TEST_DIE_IN_SAVE": str(stop + 1)}))
+    rc, out = _finish(_torchrun([str(stop + 1)] + args("b", "--load", ck, "--save", ck,
+                                                       "--save-interval", "1"),
+                                script=os.path.join(HERE, "train_die_in_save.py")))
     assert rc != 0 and os.path.isdir(os.path.join(ck, f"iter_{stop + 1:07d}.tmp")), out[-3000:]
     assert open(os.path.join(ck, "latest")).read().strip() == str(stop)
     rc, out = _finish(_torchrun(args("c", "--load", ck, "--save", ck)))
