@@ -142,12 +142,14 @@ class MemoryEstimate:
     parts: dict = field(default_factory=dict)
 
     def summary(self, capacity: Optional[float] = None) -> str:
-        """One line in GiB, e.g. for a launcher's start-up print."""
+        """One line, e.g. for a launcher's start-up print: GiB, or MiB when the total is under
+        1 GiB (a small model's parts would all read 0.0 GiB)."""
+        unit, div = ("GiB", GIB) if self.total >= GIB else ("MiB", 2**20)
         cap = f" of {capacity / GIB:.1f} GiB" if capacity else ""
-        return (f"{self.total / GIB:.1f} GiB{cap} at the {self.phase} peak (weights "
-                f"{self.weights / GIB:.1f}, grads {self.grads / GIB:.1f}, optimizer "
-                f"{self.optimizer / GIB:.1f}, activations {self.activations / GIB:.1f}, loss "
-                f"{self.loss / GIB:.1f}, workspace {self.workspace / GIB:.1f})")
+        return (f"{self.total / div:.1f} {unit}{cap} at the {self.phase} peak (weights "
+                f"{self.weights / div:.1f}, grads {self.grads / div:.1f}, optimizer "
+                f"{self.optimizer / div:.1f}, activations {self.activations / div:.1f}, loss "
+                f"{self.loss / div:.1f}, workspace {self.workspace / div:.1f})")
 
 
 def param_count(m: ModelShape, tp: int = 1) -> dict:

@@ -135,7 +135,10 @@ def test_estimate_arithmetic():
     assert sum(layer_saved_bytes(m, "S").values()) == pytest.approx(85640, rel=1e-6)
     meg = estimate_memory(m, StepShape(**base, loss="megatron"))
     assert meg.total - none.total > 20 * 2**30           # the full logits: tens of GiB
-    assert "GiB" in none.summary(141e9)
+    assert none.summary(141e9).startswith(f"{none.total / 2**30:.1f} GiB of 131.3 GiB")
+    tiny = estimate_memory(ModelShape(2, 64, 128, 4, 4, 128, "SS"), StepShape(
+        seq_length=256, micro_batch_size=8, cp=2))
+    assert tiny.total < 2**30 and tiny.summary().startswith(f"{tiny.total / 2**20:.1f} MiB at")
     with pytest.raises(ValueError, match="layer_kinds"):
         ModelShape(2, 64, 128, 4, 4, 64, "SX")
     with pytest.raises(ValueError, match="recompute="):
