@@ -316,6 +316,10 @@ def _input_checker(model, ctx: SPContext) -> Callable:
     return check
 
 
+# the KV cache's keyword: ``cache`` from transformers 5.24 on, ``past_key_values`` before
+_CACHE_NAMES = ("cache", "past_key_values")
+
+
 def _check_forward_inputs(ctx: SPContext, inputs: dict) -> None:
     """Forward-level checks (shapes and call structure only, so all ranks agree), plus at
     CP = 1 the values of a 2-D padding mask (no collective to desynchronise there)."""
@@ -345,7 +349,7 @@ def _check_forward_inputs(ctx: SPContext, inputs: dict) -> None:
     if inputs.get("labels") is not None:
         raise ValueError("do not pass labels to a CP model (HF shifts them inside the shard); "
                          "use prepare_cp_batch(...).labels with models.hf.causal_lm_loss")
-    if inputs.get("past_key_values") is not None or inputs.get("use_cache"):
+    if any(inputs.get(n) is not None for n in _CACHE_NAMES) or inputs.get("use_cache"):
         raise ValueError("a KV cache is not supported with a CP group of more than one rank; "
                          "pass use_cache=False and no past_key_values")
     if inputs.get("position_ids") is None:

@@ -153,7 +153,9 @@ class LinearLlamaAttention(nn.Module):
         return gate_log_decay(self.gate_proj(hidden_states), self.A_log, self.dt_bias)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
-                past_key_values=None, **kwargs):
+                past_key_values=None, cache=None, **kwargs):
+        # the KV cache: ``cache`` from transformers 5.24 on, ``past_key_values`` before
+        cache = past_key_values if cache is None else cache
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [b, h, s, d]
@@ -161,8 +163,8 @@ class LinearLlamaAttention(nn.Module):
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
         new = query.shape[2]
         gates = {"log_decay": self.log_decay(hidden_states)} if self.gated else {}
         if self.gated and key.shape[2] > new:

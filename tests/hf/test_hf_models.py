@@ -121,6 +121,19 @@ def test_config_checks():
         prepare_model_for_cp(LlamaForCausalLM(_tiny(attention_dropout=0.1)), None)
 
 
+@pytest.mark.parametrize("kinds", [["linear", "softmax"], ["softmax", "softmax"]])
+def test_cached_generation_equals_uncached(kinds):
+    """Greedy decoding from the KV cache gives the tokens of decoding without it (the cache
+    reaches every layer under the keyword this transformers passes: ``cache`` from 5.24,
+    ``past_key_values`` before)."""
+    torch.manual_seed(0)
+    model = LinearLlamaForCausalLM(_tiny(LinearLlamaConfig, layer_kinds=kinds)).eval()
+    prompt = torch.randint(0, 64, (2, 5))
+    cached = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    plain = model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=False)
+    assert torch.equal(cached, plain)
+
+
 def test_configs_saved_with_the_old_field_name_load(tmp_path):
     """``decay_schedule`` was renamed ``slope_schedule`` (train.py's --sp-slope-schedule): a
     config saved under the old name loads with its value, and saves under the new one."""
