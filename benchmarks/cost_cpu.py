@@ -52,7 +52,7 @@ LIN = dict(B=1, T_local=128, H=4, K=32)
 SOFT = dict(B=1, T_local=128, H=8, Hkv=4, D=32)
 LINK_SIZES = [2 ** 14, 2 ** 16, 2 ** 18, 2 ** 20]
 KERNEL_SHAPES = {"linear": dict(B=1, H=4, K=32, T=(128, 512)),
-                 "softmax": dict(B=1, H=8, Hkv=4, D=32, T=(128, 512))}
+                 "softmax": dict(B=1, H=8, Hkv=4, D=32, T=(32, 128, 512))}
 
 
 def _barrier(group):
