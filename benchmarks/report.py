@@ -457,6 +457,14 @@ def write_markdown(path, name, inputs, points, checks, mem, proj, cpu_links=()) 
          "any `calibrate*.jsonl` from a GPU run. The 2 × H200 runs of 2026-11-22 are of code "
          "the library no longer ships (host-bound eager steps, since cut) and are left out.",
          "",
+         "CPU/gloo: each run's probe measures, beside α/β and the kernels, the host terms "
+         "(`Kernels.msg_us` per message a rank posts, `scan_msg_us` per linear-scan element "
+         "message, `fold_us` of the all-gather scan, the attention call per direction, "
+         "`corun`: ranks computing side by side); a run recorded before the probe measured "
+         "them takes them from `machine.CPU_GLOO`. Each CPU file is checked on its own; "
+         "`heldout` was recorded after the model's last change (nothing in the model was "
+         "fitted to it).",
+         "",
          f"![predicted vs measured]({name}_pred_vs_meas.png)",
          ""] + md_errors(points) + [
          "**CPU/gloo links** (the probe among the P processes vs the model's extrapolation "

@@ -435,8 +435,9 @@ def _allgather(shape: SoftmaxShape, world: int, layout: str, machine: Machine,
     bwd += scatter                     # the last reduce-scatter is exposed
     # compute: the same kernel work at the full-width rate (what the ring's calls cost), so
     # the all-gather calls' own overheads count as what the schedule adds
-    return (_Sched(fwd, sum(f for f, _ in steps), units * gather),
-            _Sched(bwd, sum(b for _, b in steps), units * (gather + scatter)))
+    ring = _ring_compute(shape, world, layout, machine, rank)
+    return (_Sched(fwd, sum(f for f, _ in ring), units * gather),
+            _Sched(bwd, sum(b for _, b in ring), units * (gather + scatter)))
 
 
 def softmax_step(shape: SoftmaxShape, world: int, layout: str, fwd: str, bwd: str,
