@@ -7,7 +7,8 @@ One spawn of ``--max-world`` gloo processes (one thread each). Inside it: the ca
 (:mod:`sp_attention.calibrate`) measures the local kernels on rank 0 alone, and this script
 each CP rank's own CPU work ÷ the plain kernel (the rank factors); then for each P the ranks
 ``0 … P−1`` form a group, probe their links (ring hops and all-gathers among the P
-processes) and time :func:`~sp_attention.lightning_attention` (every scan × layout) and
+processes, and the host terms: messages, the library's scans, the kernel on all ranks at once)
+and time :func:`~sp_attention.lightning_attention` (every scan × layout) and
 :func:`~sp_attention.context_parallel_attention` (every preset, zigzag), fwd and fwd + bwd
 (the other ranks wait in a barrier, which sleeps). Two predictions per row: from the links
 between two processes, extrapolated by the model to P (``pred_*``), and from the links probed

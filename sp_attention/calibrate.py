@@ -9,7 +9,11 @@ Writes the :class:`~sp_attention.machine.Machine` as JSON to ``--out`` (default
 :func:`~sp_attention.machine.calibration_path`: ``$SP_ATTENTION_CALIBRATION`` or
 ``~/.cache/sp_attention/calibration.json``) and every raw measurement as a JSON line to
 ``--jsonl`` (``benchmarks/report.py`` reads them). Takes seconds on a CPU, about a minute on a
-GPU (fla's autotuning on a cold cache takes longer). What it cannot measure keeps the default
+GPU (fla's autotuning on a cold cache takes longer). On CPU the link probe also measures the
+host terms of :class:`~sp_attention.machine.Kernels` (``msg_us`` per posted message,
+``scan_msg_us`` and ``fold_us`` from the library's own scans across the ranks, ``corun``: the
+kernel on every rank at once ÷ alone); on a GPU they stay 0 (the host runs ahead of the
+device). What it cannot measure keeps the default
 of :func:`~sp_attention.machine.default_machine`: links with fewer than two ranks, and always
 the inter-node link (not measured here).
 """
