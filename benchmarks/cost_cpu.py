@@ -7,7 +7,8 @@ One spawn of ``--max-world`` gloo processes (one thread each). Inside it: the ca
 (:mod:`sp_attention.calibrate`) measures the local kernels on rank 0 alone, and this script
 each CP rank's own CPU work ÷ the plain kernel (the rank factors); then for each P the ranks
 ``0 … P−1`` form a group, probe their links (ring hops and all-gathers among the P
-processes) and time :func:`~sp_attention.lightning_attention` (every scan × layout) and
+processes, and the host terms: messages, the library's scans, the kernel on all ranks at once)
+and time :func:`~sp_attention.lightning_attention` (every scan × layout) and
 :func:`~sp_attention.context_parallel_attention` (every preset, zigzag), fwd and fwd + bwd
 (the other ranks wait in a barrier, which sleeps). Two predictions per row: from the links
 between two processes, extrapolated by the model to P (``pred_*``), and from the links probed
@@ -52,7 +53,7 @@ LIN = dict(B=1, T_local=128, H=4, K=32)
 SOFT = dict(B=1, T_local=128, H=8, Hkv=4, D=32)
 LINK_SIZES = [2 ** 14, 2 ** 16, 2 ** 18, 2 ** 20]
 KERNEL_SHAPES = {"linear": dict(B=1, H=4, K=32, T=(128, 512)),
-                 "softmax": dict(B=1, H=8, Hkv=4, D=32, T=(128, 512))}
+                 "softmax": dict(B=1, H=8, Hkv=4, D=32, T=(32, 128, 512))}
 
 
 def _barrier(group):

@@ -181,7 +181,7 @@ def points_cpu(rows) -> list[dict]:
     pts = []
     for source, lookup in (("CPU/gloo", lambda r: run_m.get(r["run"])),
                            ("CPU/gloo links at P", lambda r: at_p.get((r["run"], r["world"])))):
-        acc = defaultdict(lambda: ([], [], []))
+        acc = defaultdict(lambda: ([], [], []))     # per input file: each is its own check
         for r in rows:
             if r.get("bench") != "cost_cpu" or r["schedule"] == "local":
                 continue
@@ -196,13 +196,13 @@ def points_cpu(rows) -> list[dict]:
                 s = r["softmax_shape"]
                 t = softmax_step(SoftmaxShape(s["B"], s["T_local"], s["H"], s["Hkv"], s["D"],
                                               4), P, "zigzag", *SOFTMAX_PRESETS[r["schedule"]], m)
-            key = (r["kind"], P, r["layout"], r["schedule"])
+            key = (r["_file"][11:-6], r["kind"], P, r["layout"], r["schedule"])
             acc[key][0].append(r["ms_fwd_bwd"])
             acc[key][1].append(t.total_ms)
             acc[key][2].append((r.get("loadavg", float("nan")), m.kernels.cores))
-        for (kind, P, layout, sched), (meas, pred, load) in sorted(acc.items()):
-            grp = (source, kind, P, layout)
-            pts.append(_point(source, f"{kind} P={P} {layout}", sched, grp,
+        for (tag, kind, P, layout, sched), (meas, pred, load) in sorted(acc.items()):
+            grp = (f"{source} {tag}", kind, P, layout)
+            pts.append(_point(f"{source} {tag}", f"{kind} P={P} {layout}", sched, grp,
                               statistics.median(meas), statistics.median(pred),
                               note=f"{len(meas)} runs, load "
                                    f"{statistics.median(x[0] for x in load):.1f}, cores "
@@ -456,6 +456,14 @@ def write_markdown(path, name, inputs, points, checks, mem, proj, cpu_links=()) 
          "workspace per element fitted on one row), the CPU/gloo rows (their own probe) and "
          "any `calibrate*.jsonl` from a GPU run. The 2 × H200 runs of 2026-11-22 are of code "
          "the library no longer ships (host-bound eager steps, since cut) and are left out.",
+         "",
+         "CPU/gloo: each run's probe measures, beside α/β and the kernels, the host terms "
+         "(`Kernels.msg_us` per message a rank posts, `scan_msg_us` per linear-scan element "
+         "message, `fold_us` of the all-gather scan, the attention call per direction, "
+         "`corun`: ranks computing side by side); a run recorded before the probe measured "
+         "them takes them from `machine.CPU_GLOO`. Each CPU file is checked on its own; "
+         "`heldout` was recorded after the model's last change (nothing in the model was "
+         "fitted to it).",
          "",
          f"![predicted vs measured]({name}_pred_vs_meas.png)",
          ""] + md_errors(points) + [

@@ -9,7 +9,11 @@ Writes the :class:`~sp_attention.machine.Machine` as JSON to ``--out`` (default
 :func:`~sp_attention.machine.calibration_path`: ``$SP_ATTENTION_CALIBRATION`` or
 ``~/.cache/sp_attention/calibration.json``) and every raw measurement as a JSON line to
 ``--jsonl`` (``benchmarks/report.py`` reads them). Takes seconds on a CPU, about a minute on a
-GPU (fla's autotuning on a cold cache takes longer). What it cannot measure keeps the default
+GPU (fla's autotuning on a cold cache takes longer). On CPU the link probe also measures the
+host terms of :class:`~sp_attention.machine.Kernels` (``msg_us`` per posted message,
+``scan_msg_us`` and ``fold_us`` from the library's own scans across the ranks, ``corun``: the
+kernel on every rank at once ÷ alone); on a GPU they stay 0 (the host runs ahead of the
+device). What it cannot measure keeps the default
 of :func:`~sp_attention.machine.default_machine`: links with fewer than two ranks, and always
 the inter-node link (not measured here).
 """
@@ -30,7 +34,8 @@ import torch.distributed as dist
 from .cost import LinearShape, linear_flops, softmax_flops
 from .machine import Link, Machine, calibration_path, default_machine, save_machine
 
-__all__ = ["fit_latency_rate", "time_ms", "probe_links", "probe_kernels", "calibrate", "main"]
+__all__ = ["fit_latency_rate", "time_ms", "probe_links", "probe_kernels", "fit_host", "calibrate",
+           "main"]
 
 
 def fit_latency_rate(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -126,11 +131,113 @@ def probe_links(rank: int, world: int, device: str, sizes: Sequence[int],
                                 ("all_gather", lambda: all_gather_flat(out, x, ctx),
                                  (world - 1) * nbytes)):
             ms = time_ms(fn, device, iters=10, repeats=5, barrier=barrier)
-            t = torch.tensor([ms], dtype=torch.float64, device=dev)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             rows.append(_row(what, device, world=world, bytes=nbytes, bytes_moved=moved,
-                             ms=float(t.item())))
+                             ms=_slowest(ms, group, dev)))
+    if device == "cpu":
+        rows += _host_rows(rank, world, nxt, prv, group, barrier)
     return rows
+
+
+def _slowest(ms: float, group, dev) -> float:
+    t = torch.tensor([ms], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def _host_rows(rank: int, world: int, nxt: int, prv: int, group, barrier) -> list[dict]:
+    """CPU host costs (rows ``msgs`` and ``corun``): ``m`` = 1, 2, 4, 8 small messages sent
+    to the next rank and received from the previous one in one ``batch_isend_irecv`` (each
+    further message is host work: the ``P2POp``, the work object, gloo's hand-off to its I/O
+    thread and back); and the plain linear kernel run by every rank of the group at once
+    against rank 0 running it alone (the ranks share caches and memory bandwidth)."""
+    from .linear import lightning_attention
+    rows = []
+    for m in (1, 2, 4, 8):
+        xs = [torch.ones(1024) for _ in range(m)]
+        rs = [torch.empty(1024) for _ in range(m)]
+
+        def batch():
+            ops = [dist.P2POp(dist.isend, x, nxt, group) for x in xs]
+            ops += [dist.P2POp(dist.irecv, r, prv, group) for r in rs]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        ms = time_ms(batch, "cpu", iters=10, repeats=5, barrier=barrier)
+        rows.append(_row("msgs", "cpu", world=world, msgs=2 * m, ms=_slowest(ms, group, "cpu")))
+    rows += _scan_rows(world, group, barrier)
+    g = torch.Generator().manual_seed(rank)
+    q, k, v, do = (torch.randn(1, 128, 4, 32, generator=g) * 0.1 for _ in range(4))
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    slopes = torch.tensor([2 ** (-2 * (h + 1)) for h in range(4)])
+
+    def kernel():
+        torch.autograd.grad(lightning_attention(q, k, v, slopes), (q, k, v), do)
+    alone = time_ms(kernel, "cpu", iters=5, repeats=5) if rank == 0 else 0.0
+    barrier()
+    together = time_ms(kernel, "cpu", iters=5, repeats=5, barrier=barrier)
+    rows.append(_row("corun", "cpu", world=world, ms_alone=_slowest(alone, group, "cpu"),
+                     ms=_slowest(together, group, "cpu")))
+    return rows
+
+
+_SCAN_PROBE = dict(B=1, H=8, K=32, V=32)     # one fp32 scan element of 32 KiB
+
+
+def _scan_rows(world: int, group, barrier) -> list[dict]:
+    """The library's tree scan and all-gather scan of one element per leaf (zigzag: two
+    leaves per rank) across the group, no kernels around them (rows ``scan_blelloch``,
+    ``scan_allgather``): what a scan costs beyond the links' α and β is host work."""
+    from .context import build_sp_context
+    from .linear.scan_allgather import allgather_scan
+    from .linear.scan_blelloch import blelloch_scan
+    ctx = build_sp_context(group, layout="zigzag")
+    n, (B, H, K, V) = len(ctx.leaves), _SCAN_PROBE.values()
+    A = [torch.full((B, H), 0.9) for _ in range(n)]
+    b = [torch.full((B, H, K, V), 0.01) for _ in range(n)]
+    rows = []
+    for what, scan in (("scan_blelloch", blelloch_scan), ("scan_allgather", allgather_scan)):
+        ms = time_ms(lambda: scan(A, b, ctx), "cpu", iters=10, repeats=5, barrier=barrier)
+        rows.append(_row(what, "cpu", world=world, layout="zigzag", **_SCAN_PROBE,
+                         ms=_slowest(ms, group, "cpu")))
+    return rows
+
+
+def fit_scan_host(rows: Sequence[dict], machine: Machine) -> Machine:
+    """``Kernels.scan_msg_us`` and ``Kernels.fold_us`` from the ``scan_*`` rows of
+    :func:`probe_links`: the value at which the cost model's time of that scan (its α, β and
+    ``msg_us`` from ``machine``) equals the measured one (the model is linear in each)."""
+    from .cost import LinearShape, linear_scan_ms
+    kw = {}
+    for r in rows:
+        field = {"scan_blelloch": "scan_msg_us", "scan_allgather": "fold_us"}.get(r["what"])
+        if field is None:
+            continue
+        shape = LinearShape(r["B"], 64, r["H"], r["K"], r["V"], 4)
+
+        def at(x: float) -> float:
+            m = dataclasses.replace(machine, kernels=dataclasses.replace(
+                machine.kernels, **{field: x}))
+            return linear_scan_ms(r["what"][5:], shape, r["world"], r["layout"], m)
+        t0, t1 = at(0.0), at(1.0)
+        kw[field] = max((r["ms"] - t0) / (t1 - t0), 0.0) if t1 > t0 else 0.0
+    return dataclasses.replace(machine, kernels=dataclasses.replace(machine.kernels, **kw))
+
+
+def fit_host(rows: Sequence[dict], base):
+    """``Kernels.msg_us`` (the slope of the ``msgs`` rows per message a rank posts) and
+    ``Kernels.corun`` (the ``corun`` row: together ÷ alone, at least 1) from
+    :func:`probe_links` rows; ``base`` where the rows are missing (GPU, one rank)."""
+    kw = {}
+    msgs = [(r["msgs"], r["ms"]) for r in rows if r["what"] == "msgs"]
+    if len(msgs) >= 2:
+        n = len(msgs)
+        mx, my = sum(x for x, _ in msgs) / n, sum(y for _, y in msgs) / n
+        slope = (sum((x - mx) * (y - my) for x, y in msgs)
+                 / sum((x - mx) ** 2 for x, _ in msgs))
+        kw["msg_us"] = max(slope, 0.0) * 1e3
+    corun = [r for r in rows if r["what"] == "corun"]
+    if corun:
+        kw["corun"] = max(corun[0]["ms"] / corun[0]["ms_alone"], 1.0)
+    return dataclasses.replace(base, **kw)
 
 
 def _link_worker(rank: int, world: int, device: str, sizes: Sequence[int]) -> list[dict]:
@@ -152,7 +259,7 @@ def fit_link(rows: Sequence[dict], world: int, base: Link) -> Link:
 
 
 _CPU_SHAPES = {"linear": dict(B=1, H=4, K=32, T=(256, 1024)),
-               "softmax": dict(B=1, H=8, Hkv=4, D=32, T=(128, 512))}
+               "softmax": dict(B=1, H=8, Hkv=4, D=32, T=(32, 128, 512))}
 _GPU_SHAPES = {"linear": dict(B=1, H=16, K=128, T=(8192, 16384, 32768)),
                "softmax": dict(B=1, H=32, Hkv=8, D=128, T=(4096, 8192, 16384))}
 
@@ -255,8 +362,8 @@ def fit_kernels(rows: Sequence[dict], base):
         call_f, per_f = fit_latency_rate([(r["flops_fwd"], r["ms_fwd"]) for r in soft])
         call_b, per_b = fit_latency_rate([(2.5 * r["flops_fwd"], r["ms_fwd_bwd"] - r["ms_fwd"])
                                           for r in soft])
-        kw.update(softmax_call_ms=(call_f + call_b) / 2, softmax_fwd_tflops=1e-9 / per_f,
-                  softmax_bwd_tflops=1e-9 / per_b)
+        kw.update(softmax_call_ms=call_f, softmax_bwd_call_ms=call_b,
+                  softmax_fwd_tflops=1e-9 / per_f, softmax_bwd_tflops=1e-9 / per_b)
         big = max(soft, key=lambda r: r["T"])
         if big.get("peak_bytes"):
             it = 2 if big["dtype"] in ("bfloat16", "float16") else 4
@@ -274,7 +381,7 @@ def calibrate(device: str, link_rows: Sequence[dict], kernel_rows: Sequence[dict
               world: int) -> Machine:
     """The :class:`Machine` these measurements describe, on top of the device's defaults."""
     base = default_machine(_device_name(device) if device == "cuda" else "cpu")
-    kernels = fit_kernels(kernel_rows, base.kernels)
+    kernels = fit_host(link_rows, fit_kernels(kernel_rows, base.kernels))
     if device == "cpu":
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         kernels = dataclasses.replace(kernels, cores=cores)
@@ -282,13 +389,14 @@ def calibrate(device: str, link_rows: Sequence[dict], kernel_rows: Sequence[dict
     if device == "cpu" and link_rows:   # gloo's ring collectives: one more pairwise step per rank
         intra = dataclasses.replace(intra, step_us=intra.alpha_coll_us)
     links = f"links among {world} ranks" if link_rows else "links: defaults (one rank)"
-    return dataclasses.replace(
+    machine = dataclasses.replace(
         base, name=f"calibrated {_device_name(device)}", kernels=kernels, intra=intra,
         links_world=world if link_rows else 0,
         inter=intra if device == "cpu" else base.inter, device=_device_name(device),
         source=f"python -m sp_attention.calibrate, {time.strftime('%Y-%m-%d')}, "
                f"torch {torch.__version__}; {links}; inter-node: "
                + ("none (one host)" if device == "cpu" else "default, not measured"))
+    return fit_scan_host(link_rows, machine)
 
 
 def _write_jsonl(rows: Sequence[dict], path: Optional[str]) -> None:

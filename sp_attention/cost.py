@@ -6,9 +6,14 @@ Pure functions of the sizes, the CP size P, the layout, where the ranks sit
 (α, β per link class, kernel rates, overlap). Times are the slowest rank's GPU time in ms with
 the host ahead of the device (the benchmarks' ``queued`` timing, a layer inside a model); on CPU the
 P processes time-share the machine's cores (``Machine.compute_share``): compute, and every
-communication round in which all ranks take part (tree rounds, collectives, softmax ring hops;
-``Machine.comm_share``), take ``1 / share`` as long; a ring scan's hops are a chain between two
-ranks at a time and do not.
+communication round in which all ranks take part (collectives, softmax ring hops;
+``Machine.comm_share``), take ``1 / share`` as long; a tree round, the share of the ranks that
+have a message in it (the others wait asleep); a ring scan's hops are a chain between two
+ranks at a time and do not. Host work is time on the same cores: per point-to-point message a
+rank posts (``Kernels.msg_us``; a linear scan's element messages ``scan_msg_us`` more), the
+all-gather scan's fold (``fold_us``), each attention call (``softmax_call_ms`` forward,
+``softmax_bwd_call_ms`` backward); ranks computing side by side run ``Kernels.corun`` slower
+than one alone. These host terms are measured on CPU and 0 on a GPU (the host runs ahead).
 
 Formulas (``S`` = one fp32 scan element ``(A, b)`` = ``4·B·H·(K·V + 1)`` bytes; ``kv`` = one
 rank's K and V; links per message from the topology):
@@ -201,6 +206,22 @@ def _combine_ms(machine: Machine, nbytes: float) -> float:
     return k.op_us * 1e-3 + 3 * nbytes / k.mem_gbps * 1e-6
 
 
+def _msgs_ms(machine: Machine, world: int, msgs: int, shared: bool = True) -> float:
+    """Host work of ``msgs`` point-to-point messages one rank posts (``Kernels.msg_us`` each):
+    CPU time, so on shared cores (``shared``) it takes ``1 / compute_share`` as long."""
+    t = msgs * machine.kernels.msg_us * 1e-3
+    return t / machine.compute_share(world) if shared else t
+
+
+def _scan_msgs_ms(machine: Machine, world: int, msgs: int, shared: bool = True) -> float:
+    """``msgs`` element messages of a linear scan: the posting (``Kernels.msg_us``) and the
+    scan's own host work per message (``Kernels.scan_msg_us``: packing and unpacking the
+    element, the receive buffer, the schedule's bookkeeping)."""
+    k = machine.kernels
+    t = msgs * (k.msg_us + k.scan_msg_us) * 1e-3
+    return t / machine.compute_share(world) if shared else t
+
+
 @lru_cache(maxsize=4096)
 def _scan_ms(schedule: str, world: int, layout: str, reverse: bool, S: int, machine: Machine,
              nodes: tuple[int, ...]) -> float:
@@ -216,31 +237,42 @@ def _scan_ms(schedule: str, world: int, layout: str, reverse: bool, S: int, mach
             a, b = holder[p - 1], holder[p]
             t += _combine_ms(machine, S)
             if a != b:
-                t += topo.link(machine, a, b).p2p_ms(S)
+                # the chain's two ends post one message each; nothing else waits on them
+                t += topo.link(machine, a, b).p2p_ms(S) + _scan_msgs_ms(machine, world, 2, False)
         return t
     if schedule == "blelloch":
         sched = tree_scan_schedule(L)
         t = 0.0
-        for pairs in sched.up + sched.down:
+        for i, pairs in enumerate(sched.up + sched.down):
             sent: dict[int, list] = {}
+            ops: dict[int, int] = {}
+            per = 1 if i < len(sched.up) else 2     # down-sweep pairs exchange both ways
             for pr in pairs:
                 a, b = holder[pr.left], holder[pr.right]
                 if a != b:
                     sent.setdefault(a, []).append(topo.link(machine, a, b))
                     sent.setdefault(b, []).append(topo.link(machine, a, b))
+                    ops[a] = ops.get(a, 0) + per
+                    ops[b] = ops.get(b, 0) + per
             comm = max((max(l.alpha_p2p_us for l in ls) * 1e-3
                         + len(ls) * S / min(l.p2p_gbps for l in ls) * 1e-6)
                        for ls in sent.values()) if sent else 0.0
-            t += comm / machine.comm_share(world) + _combine_ms(machine, S) / share
+            # ranks with no message in this round wait asleep: the cores go to the m that
+            # take part (an up-sweep's upper levels pair few ranks)
+            m = max(len(sent), 1)
+            t += (comm / machine.comm_share(m)
+                  + _combine_ms(machine, S) / machine.compute_share(m))
+            if ops:                                 # the busiest rank's messages
+                t += _scan_msgs_ms(machine, m, max(ops.values()))
         return t
     if schedule == "allgather":
         n = L // world
         link = topo.collective_link(machine)
-        fold = (4 * machine.kernels.op_us * 1e-3
+        fold = (4 * machine.kernels.op_us * 1e-3 + machine.kernels.fold_us * 1e-3
                 + (L + n) * S / machine.kernels.mem_gbps * 1e-6) / share
         comm = (link.collective_ms(world, (world - 1) * n * S) / machine.comm_share(world)
                 if world > 1 else 0.0)
-        return comm + fold
+        return comm + fold + (_msgs_ms(machine, world, 2) if world > 1 else 0.0)
     raise ValueError(f"unknown linear scan {schedule!r}; use one of {LINEAR_SCANS}")
 
 
@@ -286,9 +318,10 @@ def _ring_link(topo: Topology, machine: Machine) -> Link:
 
 
 def _ring_compute(shape: SoftmaxShape, world: int, layout: str, machine: Machine,
-                  rank: int) -> list[tuple[float, float]]:
+                  rank: int, with_calls: bool = True) -> list[tuple[float, float]]:
     """(fwd, bwd) kernel ms of each ring step of ``rank`` (its calls from
-    :func:`sp_attention.softmax.plan.ring_calls`)."""
+    :func:`sp_attention.softmax.plan.ring_calls`); ``with_calls=False``: the FLOPs alone, without
+    the calls' fixed costs (the all-gather schedules make their own calls)."""
     from .layout import ring_source
     from .softmax.plan import ring_calls
     k, s = machine.kernels, shape
@@ -301,9 +334,9 @@ def _ring_compute(shape: SoftmaxShape, world: int, layout: str, machine: Machine
         for c in calls:
             f += softmax_flops(s.B, s.H, (c.q_stop - c.q_start) * piece, c.keys * piece, s.D,
                                c.causal)
-        n = len(calls)
+        n = len(calls) if with_calls else 0
         steps.append(((n * k.softmax_call_ms + f / (k.softmax_fwd_tflops * 1e9)) / share,
-                      (n * k.softmax_call_ms + 2.5 * f / (k.softmax_bwd_tflops * 1e9)) / share))
+                      (n * k.bwd_call_ms + 2.5 * f / (k.softmax_bwd_tflops * 1e9)) / share))
     return steps
 
 
@@ -337,6 +370,7 @@ def _ring(shape: SoftmaxShape, world: int, layout: str, machine: Machine, topo: 
     add = (k.op_us * 1e-3 + 3 * s.B * s.T_local * s.H * s.D * s.itemsize / k.mem_gbps * 1e-6
            ) / share                            # one LSE merge / one dq accumulation
     wide = 8 if s.itemsize == 8 else 4
+    kv_msgs = _msgs_ms(machine, world, 4)            # K and V, each sent and received
     fwd = bwd = comm_f = comm_b = 0.0
     for i, (cf, cb) in enumerate(steps):
         if i + 1 < world:   # the next block travels while this step computes
@@ -344,8 +378,9 @@ def _ring(shape: SoftmaxShape, world: int, layout: str, machine: Machine, topo: 
             # visitor: one kernel output (input dtype) after its first visit, fp32 sums later
             acc = 0.0 if i < 2 else s.kv_bytes * (1.0 if i == 2 else wide / s.itemsize)
             hop_b = link.p2p_ms(s.kv_bytes + acc) / cshare
-            fwd += _overlapped(cf, hop, s.kv_bytes, machine)
-            bwd += _overlapped(cb, hop_b, s.kv_bytes + acc, machine)
+            fwd += _overlapped(cf, hop, s.kv_bytes, machine) + kv_msgs
+            # from step 1 on the dK/dV accumulators travel too
+            bwd += _overlapped(cb, hop_b, s.kv_bytes + acc, machine) + kv_msgs * (2 if i else 1)
             comm_f += hop
             comm_b += hop_b
         else:
@@ -357,7 +392,7 @@ def _ring(shape: SoftmaxShape, world: int, layout: str, machine: Machine, topo: 
     if world > 1:            # the last accumulator goes home with nothing left to hide it
         last = s.kv_bytes * (1.0 if world == 2 else wide / s.itemsize)
         home = link.p2p_ms(last)
-        bwd += home + (k.op_us * 1e-3 + 3 * last / k.mem_gbps * 1e-6) / share
+        bwd += home + kv_msgs + (k.op_us * 1e-3 + 3 * last / k.mem_gbps * 1e-6) / share
         comm_b += home
     return (_Sched(fwd, sum(f for f, _ in steps), comm_f),
             _Sched(bwd, sum(b for _, b in steps), comm_b))
@@ -372,14 +407,14 @@ def _allgather(shape: SoftmaxShape, world: int, layout: str, machine: Machine,
                topo: Topology, rank: int, stride: int) -> tuple[_Sched, _Sched]:
     k, s = machine.kernels, shape
     units = s.Hkv // stride
-    steps = _ring_compute(shape, world, layout, machine, rank)
+    steps = _ring_compute(shape, world, layout, machine, rank, with_calls=False)
     share = machine.compute_share(world)
     calls = num_chunks(world, layout) // world                 # one call per local chunk
     rate = k.softmax_ag_rate
     cf = (sum(f for f, _ in steps) / rate / units
           + calls * (k.softmax_call_ms + k.softmax_ag_call_fwd_ms) / share)
     cb = (sum(b for _, b in steps) / rate / units
-          + calls * (k.softmax_call_ms + k.softmax_ag_call_bwd_ms) / share)
+          + calls * (k.bwd_call_ms + k.softmax_ag_call_bwd_ms) / share)
     link = topo.collective_link(machine)
     unit_kv = 2 * s.B * s.T_local * stride * s.D               # elements per rank and unit
     cshare = machine.comm_share(world)
@@ -388,7 +423,9 @@ def _allgather(shape: SoftmaxShape, world: int, layout: str, machine: Machine,
     g_bytes, s_bytes = (world - 1) * unit_kv * s.itemsize, (world - 1) * unit_kv * 4
     arrange = (k.op_us * 1e-3 + 2 * world * unit_kv * s.itemsize / k.mem_gbps * 1e-6) / share
     slot = (2 * k.op_us * 1e-3 + 2 * world * unit_kv * 4 / k.mem_gbps * 1e-6) / share
-    fwd = bwd = gather                 # the first gather is exposed
+    post = _msgs_ms(machine, world, 2) if world > 1 else 0.0   # one collective call
+    fwd = units * post + gather        # the first gather is exposed
+    bwd = 2 * units * post + gather
     for i in range(units):
         nxt = gather if i + 1 < units else 0.0
         nxt_bytes = g_bytes if i + 1 < units else 0.0
@@ -398,8 +435,9 @@ def _allgather(shape: SoftmaxShape, world: int, layout: str, machine: Machine,
     bwd += scatter                     # the last reduce-scatter is exposed
     # compute: the same kernel work at the full-width rate (what the ring's calls cost), so
     # the all-gather calls' own overheads count as what the schedule adds
-    return (_Sched(fwd, sum(f for f, _ in steps), units * gather),
-            _Sched(bwd, sum(b for _, b in steps), units * (gather + scatter)))
+    ring = _ring_compute(shape, world, layout, machine, rank)
+    return (_Sched(fwd, sum(f for f, _ in ring), units * gather),
+            _Sched(bwd, sum(b for _, b in ring), units * (gather + scatter)))
 
 
 def softmax_step(shape: SoftmaxShape, world: int, layout: str, fwd: str, bwd: str,

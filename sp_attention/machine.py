@@ -94,6 +94,25 @@ class Kernels:
         cores: CPU cores the ranks of one machine share (None: one device per rank). With P
             ranks on ``cores`` cores each rank computes at ``min(1, cores / P)`` of its rate;
             a fraction when other work holds part of the cores.
+        softmax_bwd_call_ms: fixed time of one attention backward call (None: the forward's
+            ``softmax_call_ms``). On CPU the math backward is about twice the forward's ops
+            (probe: 0.18 ms forward, 0.27 ms backward); the ring makes one call per step and
+            direction, the all-gather schedules one per local chunk and stride.
+        msg_us: host work of one point-to-point message a rank posts (a send or a receive:
+            the ``P2POp``, the work object, the backend's hand-off to its I/O thread and
+            back), CPU time on the cores the ranks share. Probe: the slope of a
+            ``batch_isend_irecv`` of 1, 2, 4, 8 messages each way. 0 on a GPU, where the host
+            runs ahead of the device.
+        scan_msg_us: a linear scan's own host work per element message on top of ``msg_us``
+            (packing and unpacking the element, the receive buffer, the schedule's Python).
+            Probe: the library's tree scan on two ranks, the value at which the model's time
+            for it equals the measured one.
+        fold_us: host work of the all-gather scan's local fold (about 16 small torch ops plus
+            5 per local element, and the gather's buffers). Probe: the library's all-gather
+            scan on two ranks, likewise.
+        corun: how much slower a rank computes while the other ranks compute beside it
+            (shared caches and memory bandwidth) than alone; CPU: the plain linear kernel on
+            every rank of the probe's group at once ÷ on one. Applies from two ranks on.
     """
 
     linear_tflops: float
@@ -111,6 +130,17 @@ class Kernels:
     linear_rank_contiguous: float = 1.0
     linear_rank_zigzag: float = 1.0
     cores: Optional[float] = None
+    softmax_bwd_call_ms: Optional[float] = None
+    msg_us: float = 0.0
+    scan_msg_us: float = 0.0
+    fold_us: float = 0.0
+    corun: float = 1.0
+
+    @property
+    def bwd_call_ms(self) -> float:
+        """Fixed time of one attention backward call (``softmax_call_ms`` when not set)."""
+        return self.softmax_call_ms if self.softmax_bwd_call_ms is None else \
+            self.softmax_bwd_call_ms
 
     def __post_init__(self) -> None:
         for name in ("linear_tflops", "softmax_fwd_tflops", "softmax_bwd_tflops", "mem_gbps"):
@@ -168,28 +198,42 @@ class Machine:
         if not self.overlap_cost >= 0:
             raise ValueError(f"Machine.overlap_cost must be >= 0, got {self.overlap_cost!r}")
 
-    def compute_share(self, world: int) -> float:
-        """Share of one device's rate each of ``world`` co-located ranks gets (CPU ranks
-        time-share ``kernels.cores``; GPUs have one device per rank)."""
+    def core_share(self, world: int) -> float:
+        """Share of a core each of ``world`` co-located ranks gets (CPU ranks time-share
+        ``kernels.cores``; GPUs have one device per rank)."""
         cores = self.kernels.cores
         return 1.0 if cores is None else min(1.0, cores / max(world, 1))
 
+    def compute_share(self, world: int) -> float:
+        """Share of one rank's rate alone each of ``world`` co-located ranks computes at: its
+        share of the cores (:meth:`core_share`), slowed by ``kernels.corun`` when two or more
+        run at once (CPU only; a GPU rank has its own device)."""
+        share = self.core_share(world)
+        return share if self.kernels.cores is None or world < 2 else share / self.kernels.corun
+
     def comm_share(self, world: int) -> float:
-        """What a communication round in which all ``world`` ranks take part gets of the
-        links' calibrated speed: the compute share, unless the links were measured among
+        """What a communication round in which ``world`` ranks take part gets of the links'
+        calibrated speed: their share of the cores, unless the links were measured among
         exactly ``world`` ranks (``links_world``), which already includes the sharing."""
-        return 1.0 if self.links_world == world else self.compute_share(world)
+        return 1.0 if self.links_world == world else self.core_share(world)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# Kernels fields added after calibrations were first saved (see machine_from_dict)
+_LATER_KERNEL_FIELDS = ("softmax_bwd_call_ms", "msg_us", "scan_msg_us", "fold_us", "corun")
 
 
 def machine_from_dict(d: dict) -> Machine:
     """Inverse of :meth:`Machine.to_dict` (unknown keys are refused with their names)."""
     d = dict(d)
     try:
-        kernels, intra, inter = Kernels(**d.pop("kernels")), Link(**d.pop("intra")), Link(
-            **d.pop("inter"))
+        # a calibration written before a field existed: that field from the device's default
+        base = default_machine(d.get("device", "cpu")).kernels
+        kernels = Kernels(**{**{f: getattr(base, f) for f in _LATER_KERNEL_FIELDS},
+                             **d.pop("kernels")})
+        intra, inter = Link(**d.pop("intra")), Link(**d.pop("inter"))
         return Machine(kernels=kernels, intra=intra, inter=inter, **d)
     except TypeError as e:
         raise ValueError(f"not a calibration of this sp_attention version ({e}); re-run "
@@ -222,15 +266,20 @@ H200_NVLINK_IB400 = Machine(
 
 # This project's CPU machine (2 cores, gloo over loopback, one thread per process): the
 # medians of `python -m sp_attention.calibrate` and the three `benchmarks/cost_cpu.py` runs
-# (benchmarks/results/2026-11-24_cpu_gloo_*), taken while other jobs loaded the machine.
+# (benchmarks/results/2026-11-24_cpu_gloo_*), taken while other jobs loaded the machine; the
+# host terms (call costs per direction, msg_us, scan_msg_us, fold_us) from the probe of
+# 2026-11-24 15:34 (load ~3), corun 1.08 from the quiet run's plain kernel on 2 ranks at
+# once ÷ alone (2026-11-24_quiet_cpu_gloo_cost.jsonl, median of 3 runs).
 CPU_GLOO = Machine(
     name="cpu-gloo",
     source="default: the project's 2-core CPU machine, gloo (benchmarks/results/"
            "2026-11-24_cpu_gloo_*)",
     kernels=Kernels(linear_tflops=0.026, linear_call_ms=1.05, linear_fwd_share=0.265,
-                    softmax_fwd_tflops=0.0069, softmax_bwd_tflops=0.0108, softmax_call_ms=0.0,
+                    softmax_fwd_tflops=0.0069, softmax_bwd_tflops=0.0108, softmax_call_ms=0.18,
                     mem_gbps=66.0, op_us=2.5, softmax_bwd_workspace=8.0,
-                    linear_rank_contiguous=1.11, linear_rank_zigzag=1.08, cores=2),
+                    linear_rank_contiguous=1.11, linear_rank_zigzag=1.08, cores=2,
+                    softmax_bwd_call_ms=0.26, msg_us=24.0, scan_msg_us=18.0, fold_us=108.0,
+                    corun=1.08),
     intra=Link(alpha_p2p_us=84.0, p2p_gbps=2.4, alpha_coll_us=160.0, coll_gbps=1.3,
                step_us=160.0),
     inter=Link(alpha_p2p_us=84.0, p2p_gbps=2.4, alpha_coll_us=160.0, coll_gbps=1.3,

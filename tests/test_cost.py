@@ -317,3 +317,84 @@ def test_probe_runs_on_cpu_and_saves(tmp_path):
     assert "links: defaults" in m.source
     path = save_machine(m, str(tmp_path / "c.json"))
     assert load_machine("cpu", path) == m
+
+
+def _cpu_bare(**kernels) -> Machine:
+    """CPU ranks on 2 cores with free kernels and links except the host terms given."""
+    m = _bare(alpha_p2p=0.0, alpha_coll=0.0, gbps=1e9)
+    k = dataclasses.replace(m.kernels, cores=2, softmax_fwd_tflops=1e12,
+                            softmax_bwd_tflops=1e12, linear_tflops=1e12, **kernels)
+    return dataclasses.replace(m, kernels=k, links_world=2)
+
+
+def test_host_terms_add_what_their_counts_say():
+    """Per message a rank posts: ``msg_us`` (+ ``scan_msg_us`` in a linear scan), CPU time at
+    the share of the ranks taking part; the all-gather scan's fold ``fold_us``; none of it on
+    a GPU machine (defaults 0)."""
+    m = _cpu_bare(msg_us=10.0, scan_msg_us=5.0, fold_us=100.0)
+    for P in (2, 3, 4, 8):
+        share = min(1.0, 2 / P)
+        # ring chain: the two ends of each of the P − 1 hops post one message each (unshared)
+        assert linear_scan_ms("ring", LIN, P, "contiguous", m) == pytest.approx(
+            (P - 1) * 2 * 15e-3)
+        assert linear_scan_ms("allgather", LIN, P, "zigzag", m) == pytest.approx(
+            (100e-3 + 2 * 10e-3) / share)
+    # contiguous P = 4 tree: up (0,1)(2,3) then (1,3); down (1,3) then (0,1)(2,3): one message
+    # per rank up, two (both ways) down; 4, 2, 2, 4 ranks take part
+    want = 15e-3 * (1 / 0.5 + 1 / 1.0 + 2 / 1.0 + 2 / 0.5)
+    assert linear_scan_ms("blelloch", LIN, 4, "contiguous", m) == pytest.approx(want)
+    assert H200.kernels.msg_us == H200.kernels.scan_msg_us == H200.kernels.fold_us == 0.0
+
+
+def test_corun_slows_compute_not_links():
+    m = _cpu_bare(corun=1.25)
+    assert m.compute_share(1) == 1.0 and m.compute_share(2) == pytest.approx(0.8)
+    assert m.compute_share(8) == pytest.approx(0.25 / 1.25)
+    assert m.comm_share(2) == 1.0 and m.comm_share(8) == pytest.approx(0.25)
+    assert H200.compute_share(8) == 1.0
+
+
+def test_softmax_call_costs_per_direction_and_schedule():
+    """Ring: one call per step (zigzag), each direction at its own fixed cost; all-gather: its
+    own calls (one per local chunk and stride unit), not the ring's."""
+    s = SoftmaxShape(1, 128, 8, 4, 32, 4)
+    for P in (2, 4, 8):
+        base = _cpu_bare()
+        m = dataclasses.replace(base, kernels=dataclasses.replace(
+            base.kernels, softmax_call_ms=1.0, softmax_bwd_call_ms=3.0, mem_gbps=1e12))
+        share = min(1.0, 2 / P)
+        ring = softmax_step(s, P, "zigzag", "ring", "ring", m)
+        assert ring.fwd_ms == pytest.approx(P * 1.0 / share, rel=1e-6)
+        assert ring.bwd_ms == pytest.approx(P * 3.0 / share, rel=1e-6)
+        ag = softmax_step(s, P, "zigzag", "allgather", "allgather", m, heads_k_stride=4)
+        assert ag.fwd_ms == pytest.approx(2 * 1.0 / share, rel=1e-6)
+        assert ag.bwd_ms == pytest.approx(2 * 3.0 / share, rel=1e-6)
+    assert H200.kernels.bwd_call_ms == H200.kernels.softmax_call_ms
+
+
+def test_probe_host_fits_recover_the_terms():
+    """``fit_host``: the slope per posted message and together ÷ alone; ``fit_scan_host``
+    inverts the model's scan times."""
+    rows = [dict(what="msgs", msgs=2 * n, ms=0.1 + 2 * n * 0.03) for n in (1, 2, 4, 8)]
+    rows.append(dict(what="corun", ms=2.2, ms_alone=2.0))
+    k = calibrate.fit_host(rows, CPU_GLOO.kernels)
+    assert k.msg_us == pytest.approx(30.0) and k.corun == pytest.approx(1.1)
+    assert calibrate.fit_host([dict(what="corun", ms=1.0, ms_alone=2.0)], k).corun == 1.0
+    truth = dataclasses.replace(CPU_GLOO, kernels=dataclasses.replace(
+        CPU_GLOO.kernels, scan_msg_us=70.0, fold_us=250.0))
+    shape = LinearShape(1, 64, 8, 32, 32, 4)
+    scan_rows = [dict(what=f"scan_{s}", world=2, layout="zigzag", B=1, H=8, K=32, V=32,
+                      ms=linear_scan_ms(s, shape, 2, "zigzag", truth))
+                 for s in ("blelloch", "allgather")]
+    got = calibrate.fit_scan_host(scan_rows, CPU_GLOO).kernels
+    assert got.scan_msg_us == pytest.approx(70.0) and got.fold_us == pytest.approx(250.0)
+
+
+def test_old_calibration_gets_later_fields_from_the_default():
+    d = CPU_GLOO.to_dict()
+    for f in ("msg_us", "scan_msg_us", "fold_us", "corun", "softmax_bwd_call_ms"):
+        del d["kernels"][f]
+    d["kernels"]["linear_tflops"] = 9.0
+    m = machine_from_dict(d)
+    assert m.kernels.linear_tflops == 9.0 and m.kernels.msg_us == CPU_GLOO.kernels.msg_us
+    assert m.kernels.corun == CPU_GLOO.kernels.corun
