@@ -152,14 +152,9 @@ def peak_mem_gb(fn: Callable[[], object], device: str) -> Optional[float]:
     before it (``max_memory_allocated`` after a reset, minus ``memory_allocated`` at the start):
     the call's working memory, its inputs excluded, so rows measured in one process compare
     whatever else that process holds. None off CUDA."""
-    if device != "cuda":
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 1e9
+    from sp_attention.calibrate import peak_bytes
+    nbytes = peak_bytes(fn, device)
+    return None if nbytes is None else nbytes / 1e9
 
 
 def kernel_table(fn: Callable[[], object], label: str, iters: int = 5, top: int = 15) -> None:

@@ -264,7 +264,9 @@ _GPU_SHAPES = {"linear": dict(B=1, H=16, K=128, T=(8192, 16384, 32768)),
                "softmax": dict(B=1, H=32, Hkv=8, D=128, T=(4096, 8192, 16384))}
 
 
-def _peak_bytes(fn: Callable[[], object], device: str) -> Optional[int]:
+def peak_bytes(fn: Callable[[], object], device: str) -> Optional[int]:
+    """Bytes one call of ``fn`` adds at its peak on top of what was allocated before it (the
+    call's working memory, its inputs excluded); None off CUDA."""
     if device != "cuda":
         return None
     torch.cuda.synchronize()
@@ -297,7 +299,7 @@ def _linear_rows(device: str, dtype: torch.dtype, shapes: dict) -> list[dict]:
         shape = LinearShape(B, T, H, K, K, q.element_size())
         rows.append(_row("linear", device, B=B, T=T, H=H, K=K, V=K, dtype=str(dtype)[6:],
                          ms_fwd=ms_f, ms_fwd_bwd=ms_fb, flops_fwd_bwd=linear_flops(shape),
-                         peak_bytes=_peak_bytes(fwd_bwd, device)))
+                         peak_bytes=peak_bytes(fwd_bwd, device)))
     return rows
 
 
@@ -322,7 +324,7 @@ def _softmax_rows(device: str, dtype: torch.dtype, shapes: dict) -> list[dict]:
         rows.append(_row("softmax", device, B=B, T=T, H=H, Hkv=Hkv, D=D, dtype=str(dtype)[6:],
                          ms_fwd=ms_f, ms_fwd_bwd=ms_fb,
                          flops_fwd=softmax_flops(B, H, T, T, D, True),
-                         peak_bytes=_peak_bytes(fwd_bwd, device)))
+                         peak_bytes=peak_bytes(fwd_bwd, device)))
     return rows
 
 
