@@ -8,7 +8,10 @@ Most of a first run is fla's autotuning of its gated kernels (a new key per dtyp
 configs each); the ``seeds`` phase saves what it found, so later runs (or users, once shipped)
 skip it.
 
-Phases (``--phases``, in this order by default):
+Phases (``--phases``; the default runs perf, bf16, seeds in this order):
+
+``sweep``  every launch config of our ``chunk_dqkdg`` with one and two K tiles at the perf
+           shape: time and error against its fp32 result (to choose the tuned set).
 
 ``perf``   bf16, B 1, H 16, K = V 128, T ``--t`` (32K): fla ``chunk_simple_gla`` forward with
            ``g`` and with ``g_gamma`` (fwd+bwd too: fla 0.6.0 refuses the gated backward on
@@ -274,6 +277,30 @@ def timer(fn, device, a):
                    mode="queued" if device == "cuda" else "eager")
 
 
+def fla_gated_dqkwg_timing_only(q, k, v, do, h, dh, gc, scale):
+    """fla's gated ``chunk_bwd_kernel_dqkwg`` launched as fla's ``chunk_bwd_dqkwg`` launches it
+    on Hopper (BK = BV = 128), then its ``dg`` partial sum and reverse chunk cumsum (what
+    ``chunk_simple_gla``'s backward adds): for TIMING ONLY, the baseline our ``chunk_dqkdg``
+    replaces. fla refuses this kernel on Hopper with Triton < 3.7.1 because its results can be
+    wrong there (fla #640); nothing here reads them."""
+    import torch
+    import triton
+    from fla.ops.common.chunk_o import chunk_bwd_kernel_dqkwg
+    from fla.ops.utils import chunk_local_cumsum
+    B, T, H, K = k.shape
+    V, BT = v.shape[-1], 64
+    BK = min(max(triton.next_power_of_2(K), 16), 128)
+    BV = min(max(triton.next_power_of_2(V), 16), 128)
+    NK, NT = triton.cdiv(K, BK), triton.cdiv(T, BT)
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dg = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32)
+    chunk_bwd_kernel_dqkwg[(NK * NT, B * H)](
+        q=q, k=k, v=v, g=gc, g_gamma=None, h=h, do=do, dh=dh, dq=dq, dk=dk, dw=None, dv=None,
+        dg=dg, cu_seqlens=None, chunk_indices=None, scale=scale, B=B, T=T, H=H, HV=H, K=K, V=V,
+        BT=BT, BK=BK, BV=BV, STATE_V_FIRST=False)
+    return dq, dk, chunk_local_cumsum(dg.sum(0), chunk_size=BT, reverse=True)
+
+
 def perf(kern, a, device, dtype):
     """Per-kernel and one-leaf step times at the perf shape (queued timing on CUDA)."""
     import torch
@@ -329,6 +356,17 @@ def perf(kern, a, device, dtype):
     if kern.real:      # the kernel ours stands in for, as fla runs it with fixed slopes
         row("fla chunk_bwd_dqkwg(g_gamma)", lambda: chunk_bwd_dqkwg(
             q=q, k=k, v=v, do=do, h=h, dh=dh, g_gamma=gg, scale=scale, chunk_size=64))
+        row("fla chunk_bwd_dqkwg(g) timing only",
+            lambda: fla_gated_dqkwg_timing_only(q, k, v, do, h, dh, gs.gc, scale))
+
+        def fla_bwd_g():      # chunk_simple_gla_bwd with g, its steps in its order
+            hh, _ = kern.fwd_h(k=k, v=v, g=gs.gc, h0=None, output_final_state=False,
+                               chunk_size=64, states_in_fp32=True)
+            dhh, _ = kern.bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=None, scale=scale,
+                                 g=gs.gc, chunk_size=64, states_in_fp32=True)
+            fla_gated_dqkwg_timing_only(q, k, v, do, hh, dhh, gs.gc, scale)
+            kern.bwd_dv(q=q, k=k, do=do, dh=dhh, g=gs.gc, scale=scale, chunk_size=64)
+        row("fla bwd g composed (dqkwg timing only)", fla_bwd_g)
     from sp_attention.linear import lightning_attention
     backend = "fla" if kern.real else "torch"
     ys = [x.clone().requires_grad_(True) for x in (q, k, v, g)]
@@ -347,7 +385,42 @@ def perf(kern, a, device, dtype):
                   p1_fwd_bwd_slopes_vs_fla=rows["ours P=1 fwd+bwd slopes"]
                   / rows["fla fwd+bwd g_gamma"],
                   p1_fwd_bwd_g_vs_fla_g_gamma=rows["ours P=1 fwd+bwd g"]
-                  / rows["fla fwd+bwd g_gamma"]))
+                  / rows["fla fwd+bwd g_gamma"],
+                  p1_fwd_bwd_g_vs_fla_g_composed=rows["ours P=1 fwd+bwd g"]
+                  / (rows["fla fwd g"] + rows["fla bwd g composed (dqkwg timing only)"]),
+                  dqkdg_vs_fla_g=rows["ours chunk_dqkdg"]
+                  / rows["fla chunk_bwd_dqkwg(g) timing only"]))
+
+
+def sweep(kern, a, device, dtype):
+    """Every launch config of ``chunk_dqkdg`` (:data:`DQK_CANDIDATES`) with one and two K
+    tiles at the perf shape: time, and the error against the fp32 (IEEE dots) result."""
+    import torch
+    from sp_attention.linear.dqk_kernel import DQK_CANDIDATES
+    B, H, K, V, T = 1, a.heads, a.head_dim, a.head_dim, a.t
+    q, k, v, do, g, S, D = inputs(B, T, H, K, V, dtype, device, seed=3)
+    scale = K ** -0.5
+    gs = kern.gate_sums(g, 64)
+    h, _ = kern.fwd_h(k=k, v=v, g=gs.gc, h0=S, output_final_state=False, chunk_size=64,
+                      states_in_fp32=True)
+    dh, _ = kern.bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=D, scale=scale, g=gs.gc,
+                        chunk_size=64, states_in_fp32=True)
+    ref = kern.dqkdg(*(x.float() for x in (q, k, v, do)), h, dh, gs.gc, scale, config=0)
+    base = dict(bench="gated_check", phase="sweep", T=T, H=H, K=K, dtype=str(dtype)[6:],
+                timing="queued" if device == "cuda" else "eager")
+    for bk in (None, K // 2):
+        for i, cfg in enumerate(DQK_CANDIDATES):
+            rec = dict(base, config=i, block_k=bk or min(K, 128), BV=cfg.kwargs["BV"],
+                       dk_rows=cfg.kwargs["DK_ROWS"], warps=cfg.num_warps,
+                       stages=cfg.num_stages)
+            try:
+                out = kern.dqkdg(q, k, v, do, h, dh, gs.gc, scale, config=i, block_k=bk)
+                rec["err"] = max(rel(x, r) for x, r in zip(out, ref))
+                rec["ms"] = timer(lambda: kern.dqkdg(q, k, v, do, h, dh, gs.gc, scale,
+                                                     config=i, block_k=bk), device, a)
+            except Exception as e:          # a config the compiler refuses (resources)
+                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            emit(rec)
 
 
 def export_seeds(out_dir: str, since: float) -> None:
@@ -374,7 +447,7 @@ def export_seeds(out_dir: str, since: float) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--phases", nargs="+", default=["perf", "bf16", "seeds"],
-                   choices=["perf", "bf16", "fp32", "seeds"])
+                   choices=["sweep", "perf", "bf16", "fp32", "seeds"])
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, tiny shapes, fla replaced by pure-torch stand-ins, our kernels in "
                         "Triton's interpreter (set here)")
@@ -407,6 +480,8 @@ def main() -> int:
     # Triton's CPU interpreter computes bf16 dots wrongly (our fixed-slope kernels too):
     # the dry run takes fp32 where the GPU takes bf16
     low = torch.float32 if a.dry_run else torch.bfloat16
+    if "sweep" in a.phases:
+        sweep(kern, a, device, low)
     if "perf" in a.phases:
         perf(kern, a, device, low)
     if "bf16" in a.phases:

@@ -38,7 +38,7 @@ __all__ = ["chunk_dqkdg", "DQK_CANDIDATES"]
 def _dqkdg_kernel(q, k, v, do, h, dh, gc, dq, dk, dg, cu_seqlens, chunk_indices, scale, T, NT,
                   BH_T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                   BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
-                  IS_VARLEN: tl.constexpr):
+                  IS_VARLEN: tl.constexpr, DK_ROWS: tl.constexpr = False):
     i_k = tl.program_id(0)
     i_t = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
@@ -70,66 +70,94 @@ def _dqkdg_kernel(q, k, v, do, h, dh, gc, dq, dk, dg, cu_seqlens, chunk_indices,
     m_k = o_k < K
     b_ds = tl.zeros([BT, BT], dtype=tl.float32)         # do_i·v_j
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)         # do_i h_nᵀ
-    b_dkt = tl.zeros([BK, BT], dtype=tl.float32)        # (v_j dh_nᵀ)ᵀ: dk kept transposed
+    if DK_ROWS:
+        b_dst = tl.zeros([BT, BT], dtype=tl.float32)    # v_j·do_i (ds transposed, its own dot)
+        b_dk = tl.zeros([BT, BK], dtype=tl.float32)     # v_j dh_nᵀ
+    else:
+        b_dk = tl.zeros([BK, BT], dtype=tl.float32)     # (v_j dh_nᵀ)ᵀ: dk kept transposed
     b_hdh = tl.zeros([BK], dtype=tl.float32)            # ⟨h_n, dh_n⟩ by K row
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         b_do = tl.load(do + o_t[:, None] * (H * V) + o_v[None, :],
                        mask=m_t[:, None] & m_v[None, :], other=0.0)            # [BT, BV]
-        b_vt = tl.load(v + o_v[:, None] + o_t[None, :] * (H * V),
-                       mask=m_v[:, None] & m_t[None, :], other=0.0)            # [BV, BT]
         m_s = m_k[:, None] & m_v[None, :]
         b_h = tl.load(h + o_k[:, None] * V + o_v[None, :], mask=m_s, other=0.0)     # [BK, BV]
         b_dh = tl.load(dh + o_k[:, None] * V + o_v[None, :], mask=m_s, other=0.0)   # [BK, BV]
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
-        b_ds = tl.dot(b_do, b_vt, b_ds, input_precision=PRECISION)
         b_dq = tl.dot(b_do, tl.trans(b_h.to(b_do.dtype)), b_dq, input_precision=PRECISION)
-        b_dkt = tl.dot(b_dh.to(b_vt.dtype), b_vt, b_dkt, input_precision=PRECISION)
+        if DK_ROWS:
+            b_v = tl.load(v + o_t[:, None] * (H * V) + o_v[None, :],
+                          mask=m_t[:, None] & m_v[None, :], other=0.0)         # [BT, BV]
+            b_ds = tl.dot(b_do, tl.trans(b_v), b_ds, input_precision=PRECISION)
+            b_dst = tl.dot(b_v, tl.trans(b_do), b_dst, input_precision=PRECISION)
+            b_dk = tl.dot(b_v, tl.trans(b_dh.to(b_v.dtype)), b_dk, input_precision=PRECISION)
+        else:
+            b_vt = tl.load(v + o_v[:, None] + o_t[None, :] * (H * V),
+                           mask=m_v[:, None] & m_t[None, :], other=0.0)        # [BV, BT]
+            b_ds = tl.dot(b_do, b_vt, b_ds, input_precision=PRECISION)
+            b_dk = tl.dot(b_dh.to(b_vt.dtype), b_vt, b_dk, input_precision=PRECISION)
 
     b_g = tl.load(gc + o_t * H, mask=m_t, other=0.0)
     last = tl.minimum(i_t * BT + BT, T) - 1
     b_glast = tl.load(gc + last * H)
     m_qk = m_t[:, None] & m_k[None, :]
-    m_kt = m_k[:, None] & m_t[None, :]
     b_q = tl.load(q + o_t[:, None] * (H * K) + o_k[None, :], mask=m_qk, other=0.0)   # [BT, BK]
     b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_qk, other=0.0)   # [BT, BK]
-    b_qt = tl.load(q + o_k[:, None] + o_t[None, :] * (H * K), mask=m_kt, other=0.0)  # [BK, BT]
-    b_kt = tl.load(k + o_k[:, None] + o_t[None, :] * (H * K), mask=m_kt, other=0.0)  # [BK, BT]
-
     b_dq = b_dq * (tl.exp2(b_g) * scale)[:, None]
     # exponent masked before exp2 for rows past T (their g reads 0, gc_last − 0 may be > 0)
-    b_dkt = b_dkt * tl.where(m_t, tl.exp2(tl.where(m_t, b_glast - b_g, 0.0)), 0.0)[None, :]
-    # the chunk's ⟨dh_n, S_end⟩: through exp2(gc_last)·h_n and through every k_j
-    dg_last = tl.sum(b_hdh, axis=0) * tl.exp2(b_glast) \
-        + tl.sum(tl.sum(b_dkt * b_kt.to(tl.float32), axis=1), axis=0)
+    b_kdec = tl.where(m_t, tl.exp2(tl.where(m_t, b_glast - b_g, 0.0)), 0.0)
     causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
     b_ds = tl.where(causal, b_ds * tl.exp2(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)),
                     0.0) * scale
-    b_ds16 = b_ds.to(b_k.dtype)
-    b_dq = tl.dot(b_ds16, b_k, b_dq, input_precision=PRECISION)
-    b_dkt = tl.dot(b_qt, b_ds16, b_dkt, input_precision=PRECISION)
-
-    b_dG = tl.sum(b_dq * b_q.to(tl.float32), axis=1) \
-        - tl.sum(b_dkt * b_kt.to(tl.float32), axis=0)
+    b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq, input_precision=PRECISION)
+    if DK_ROWS:
+        b_dk = b_dk * b_kdec[:, None]
+        # the chunk's ⟨dh_n, S_end⟩ through every k_j (before the intra-chunk term)
+        dg_k = tl.sum(tl.sum(b_dk * b_k.to(tl.float32), axis=1), axis=0)
+        causal_t = (o_t[None, :] >= o_t[:, None]) & m_t[:, None] & m_t[None, :]
+        b_dst = tl.where(causal_t, b_dst * tl.exp2(
+            tl.where(causal_t, b_g[None, :] - b_g[:, None], 0.0)), 0.0) * scale
+        b_dk = tl.dot(b_dst.to(b_q.dtype), b_q, b_dk, input_precision=PRECISION)
+        b_dG = tl.sum(b_dq * b_q.to(tl.float32), axis=1) \
+            - tl.sum(b_dk * b_k.to(tl.float32), axis=1)
+    else:
+        m_kt = m_k[:, None] & m_t[None, :]
+        b_qt = tl.load(q + o_k[:, None] + o_t[None, :] * (H * K), mask=m_kt, other=0.0)
+        b_kt = tl.load(k + o_k[:, None] + o_t[None, :] * (H * K), mask=m_kt, other=0.0)
+        b_dk = b_dk * b_kdec[None, :]
+        dg_k = tl.sum(tl.sum(b_dk * b_kt.to(tl.float32), axis=1), axis=0)
+        b_dk = tl.dot(b_qt, b_ds.to(b_k.dtype), b_dk, input_precision=PRECISION)
+        b_dG = tl.sum(b_dq * b_q.to(tl.float32), axis=1) \
+            - tl.sum(b_dk * b_kt.to(tl.float32), axis=0)
+    # the chunk's ⟨dh_n, S_end⟩: through exp2(gc_last)·h_n and through every k_j
+    dg_last = tl.sum(b_hdh, axis=0) * tl.exp2(b_glast) + dg_k
     b_dG = tl.where(o_t == last, b_dG + dg_last, b_dG)
     b_dG = tl.where(m_t, b_dG, 0.0)
     b_dg = tl.cumsum(b_dG, axis=0, reverse=True)
     tl.store(dq + o_t[:, None] * (H * K) + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_qk)
-    tl.store(dk + o_k[:, None] + o_t[None, :] * (H * K), b_dkt.to(dk.dtype.element_ty),
-             mask=m_kt)
+    if DK_ROWS:
+        tl.store(dk + o_t[:, None] * (H * K) + o_k[None, :], b_dk.to(dk.dtype.element_ty),
+                 mask=m_qk)
+    else:
+        tl.store(dk + o_k[:, None] + o_t[None, :] * (H * K), b_dk.to(dk.dtype.element_ty),
+                 mask=m_k[:, None] & m_t[None, :])
     tl.store(dg + o_t * H, b_dg, mask=m_t)
 
 
-# Candidate configs (BV, warps, stages); BK is the whole K up to 128 (one K tile, so dg needs
-# no partial rows; fla's own tiling on Hopper). Not measured yet: the autotuner is offered
-# them all, Triton's CPU interpreter runs the first.
+# Candidate configs (BV, warps, stages, DK_ROWS). BK is a launcher argument (default the whole
+# K up to 128: one K tile, so dg needs no partial rows; fla's own tiling on Hopper).
+# DK_ROWS=False accumulates dkᵀ from transposed loads of q, k, v; True computes dsᵀ with a
+# second dot instead (one more [BT, BT] product, every load and store row-major). The
+# autotuner is offered DQK_TUNED; Triton's CPU interpreter runs the first.
 DQK_CANDIDATES = [
-    triton.Config({"BV": bv}, num_warps=w, num_stages=st)
+    triton.Config({"BV": bv, "DK_ROWS": rows}, num_warps=w, num_stages=st)
+    for rows in (False, True)
     for bv, w, st in ((64, 4, 2), (64, 8, 2), (32, 4, 2), (64, 4, 3), (128, 8, 2), (32, 4, 3),
-                      (64, 8, 1))
+                      (64, 8, 1), (128, 4, 2), (128, 8, 3), (128, 4, 3), (64, 8, 3))
 ]
-_dqkdg_tuned = triton.autotune(configs=DQK_CANDIDATES[:6],
+DQK_TUNED = list(range(len(DQK_CANDIDATES)))
+_dqkdg_tuned = triton.autotune(configs=[DQK_CANDIDATES[i] for i in DQK_TUNED],
                                key=["H", "K", "V", "BT", "BK", "PRECISION", "IS_VARLEN"])(
     _dqkdg_kernel)
 

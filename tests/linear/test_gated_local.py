@@ -148,7 +148,7 @@ import sys, torch
 from sp_attention.linear.gated_naive import (chunked_gated_core, dqkdg_ref, gated_chunk_states,
                                              gated_state_grad_ref)
 from sp_attention.linear.gates import gate_sums, gate_sums_torch
-from sp_attention.linear.dqk_kernel import chunk_dqkdg
+from sp_attention.linear.dqk_kernel import DQK_CANDIDATES, chunk_dqkdg
 from sp_attention.linear.kernels import decayed_state_sum, output_from_states
 torch.manual_seed(0)
 worst = {}
@@ -180,10 +180,12 @@ for B, T, H, K, V, cfg, bk in ((1, 64, 1, 16, 16, 0, None), (2, 100, 3, 32, 16, 
             + gated_state_grad_ref(qd[:, sl], dod[:, sl], gd[:, sl], 0.3)
     dh = torch.stack(dh, 1)
     ref = dqkdg_ref(qd, kd, vd, dod, h, dh, gd, 0.3, 64)
-    dq, dk, dg = chunk_dqkdg(q, k, v, do, h.float().contiguous(), dh.float().contiguous(), gs.gc,
-                             0.3, 64, cfg, bk)
-    assert dq.dtype == dk.dtype == dg.dtype == torch.float32
-    err("dq", dq, ref[0]); err("dk", dk, ref[1]); err("dg", dg, ref[3])
+    for c in (cfg, cfg + len(DQK_CANDIDATES) // 2):     # dkᵀ kept transposed / dsᵀ dot
+        assert DQK_CANDIDATES[c].kwargs["DK_ROWS"] == (c != cfg)
+        dq, dk, dg = chunk_dqkdg(q, k, v, do, h.float().contiguous(), dh.float().contiguous(),
+                                 gs.gc, 0.3, 64, c, bk)
+        assert dq.dtype == dk.dtype == dg.dtype == torch.float32
+        err("dq", dq, ref[0]); err("dk", dk, ref[1]); err("dg", dg, ref[3])
 # varlen: several sequences in one row (fla's layout), one of length 1, padding after them
 from sp_attention.linear.gated_naive import fla_chunk_bwd_dh
 from sp_attention.linear.varlen import chunk_indices, cu_seqlens_tensor
@@ -208,15 +210,16 @@ ref_tot = torch.cat([gate_sums_torch(g[:, a:b], 64).prefix.diff(dim=1, prepend=t
     1, 1, 2)) for a, b in zip(cu, cu[1:])], 1)
 err("chunk totals varlen", tot_v, ref_tot)
 cpu = torch.device("cpu")
-dq, dk, dg = chunk_dqkdg(q, k, v, do, torch.cat(hs, 1).float().contiguous(),
-                         torch.cat(dhs, 1).float().contiguous(),
-                         torch.cat(gcs + [torch.zeros(1, 5, H)], 1).contiguous(), 0.3,
-                         cu_seqlens=cu_seqlens_tensor(cu, cpu),
-                         chunk_indices=chunk_indices(cu, 64, cpu))
-for n in range(len(cu) - 1):
-    sl = slice(cu[n], cu[n + 1])
-    err("dq varlen", dq[:, sl], refs[n][0]); err("dk varlen", dk[:, sl], refs[n][1])
-    err("dg varlen", dg[:, sl], refs[n][3])
+for c in (0, len(DQK_CANDIDATES) // 2):
+    dq, dk, dg = chunk_dqkdg(q, k, v, do, torch.cat(hs, 1).float().contiguous(),
+                             torch.cat(dhs, 1).float().contiguous(),
+                             torch.cat(gcs + [torch.zeros(1, 5, H)], 1).contiguous(), 0.3,
+                             config=c, cu_seqlens=cu_seqlens_tensor(cu, cpu),
+                             chunk_indices=chunk_indices(cu, 64, cpu))
+    for n in range(len(cu) - 1):
+        sl = slice(cu[n], cu[n + 1])
+        err("dq varlen", dq[:, sl], refs[n][0]); err("dk varlen", dk[:, sl], refs[n][1])
+        err("dg varlen", dg[:, sl], refs[n][3])
 print(worst)
 sys.exit(0 if max(worst.values()) < 1e-5 else 1)
 """
