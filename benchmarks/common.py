@@ -216,3 +216,27 @@ def parse_or_summarize(p: argparse.ArgumentParser, cols) -> Optional[argparse.Na
         print_summary(a.summary, cols)
         return None
     return a
+
+
+def fla_gated_dqkwg_timing_only(q, k, v, do, h, dh, gc, scale):
+    """fla's gated ``chunk_bwd_kernel_dqkwg`` launched as fla's ``chunk_bwd_dqkwg`` launches it
+    on Hopper (BK = BV = 128), then its ``dg`` partial sum and reverse chunk cumsum (what
+    ``chunk_simple_gla``'s backward adds): for TIMING ONLY, the baseline our ``chunk_dqkdg``
+    replaces. fla refuses this kernel on Hopper with Triton < 3.7.1 because its results can be
+    wrong there (fla #640); nothing here reads them."""
+    import torch
+    import triton
+    from fla.ops.common.chunk_o import chunk_bwd_kernel_dqkwg
+    from fla.ops.utils import chunk_local_cumsum
+    B, T, H, K = k.shape
+    V, BT = v.shape[-1], 64
+    BK = min(max(triton.next_power_of_2(K), 16), 128)
+    BV = min(max(triton.next_power_of_2(V), 16), 128)
+    NK, NT = triton.cdiv(K, BK), triton.cdiv(T, BT)
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dg = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32)
+    chunk_bwd_kernel_dqkwg[(NK * NT, B * H)](
+        q=q, k=k, v=v, g=gc, g_gamma=None, h=h, do=do, dh=dh, dq=dq, dk=dk, dw=None, dv=None,
+        dg=dg, cu_seqlens=None, chunk_indices=None, scale=scale, B=B, T=T, H=H, HV=H, K=K, V=V,
+        BT=BT, BK=BK, BV=BV, STATE_V_FIRST=False)
+    return dq, dk, chunk_local_cumsum(dg.sum(0), chunk_size=BT, reverse=True)

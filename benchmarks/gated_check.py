@@ -13,6 +13,8 @@ Phases (``--phases``; the default runs perf, bf16, seeds in this order):
 ``sweep``  every launch config of our ``chunk_dqkdg`` with one and two K tiles at the perf
            shape: time and error against its fp32 result (to choose the tuned set).
 
+``profile`` (after perf) torch.profiler tables of our P = 1 gated fwd+bwd and fla's
+           fixed-slope one (CUDA time per kernel).
 ``perf``   bf16, B 1, H 16, K = V 128, T ``--t`` (32K): fla ``chunk_simple_gla`` forward with
            ``g`` and with ``g_gamma`` (fwd+bwd too: fla 0.6.0 refuses the gated backward on
            Hopper with Triton < 3.7.1, fla #640), each kernel of our gated path beside the
@@ -277,30 +279,6 @@ def timer(fn, device, a):
                    mode="queued" if device == "cuda" else "eager")
 
 
-def fla_gated_dqkwg_timing_only(q, k, v, do, h, dh, gc, scale):
-    """fla's gated ``chunk_bwd_kernel_dqkwg`` launched as fla's ``chunk_bwd_dqkwg`` launches it
-    on Hopper (BK = BV = 128), then its ``dg`` partial sum and reverse chunk cumsum (what
-    ``chunk_simple_gla``'s backward adds): for TIMING ONLY, the baseline our ``chunk_dqkdg``
-    replaces. fla refuses this kernel on Hopper with Triton < 3.7.1 because its results can be
-    wrong there (fla #640); nothing here reads them."""
-    import torch
-    import triton
-    from fla.ops.common.chunk_o import chunk_bwd_kernel_dqkwg
-    from fla.ops.utils import chunk_local_cumsum
-    B, T, H, K = k.shape
-    V, BT = v.shape[-1], 64
-    BK = min(max(triton.next_power_of_2(K), 16), 128)
-    BV = min(max(triton.next_power_of_2(V), 16), 128)
-    NK, NT = triton.cdiv(K, BK), triton.cdiv(T, BT)
-    dq, dk = torch.empty_like(q), torch.empty_like(k)
-    dg = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32)
-    chunk_bwd_kernel_dqkwg[(NK * NT, B * H)](
-        q=q, k=k, v=v, g=gc, g_gamma=None, h=h, do=do, dh=dh, dq=dq, dk=dk, dw=None, dv=None,
-        dg=dg, cu_seqlens=None, chunk_indices=None, scale=scale, B=B, T=T, H=H, HV=H, K=K, V=V,
-        BT=BT, BK=BK, BV=BV, STATE_V_FIRST=False)
-    return dq, dk, chunk_local_cumsum(dg.sum(0), chunk_size=BT, reverse=True)
-
-
 def perf(kern, a, device, dtype):
     """Per-kernel and one-leaf step times at the perf shape (queued timing on CUDA)."""
     import torch
@@ -316,6 +294,7 @@ def perf(kern, a, device, dtype):
     def row(name, fn, **kw):
         rows[name] = timer(fn, device, a)
         emit(dict(base, impl=name, ms=rows[name], **kw))
+    from benchmarks import common
     if kern.real:
         from fla.ops.common.chunk_o import chunk_bwd_dqkwg
         from fla.ops.simple_gla import chunk_simple_gla
@@ -357,14 +336,14 @@ def perf(kern, a, device, dtype):
         row("fla chunk_bwd_dqkwg(g_gamma)", lambda: chunk_bwd_dqkwg(
             q=q, k=k, v=v, do=do, h=h, dh=dh, g_gamma=gg, scale=scale, chunk_size=64))
         row("fla chunk_bwd_dqkwg(g) timing only",
-            lambda: fla_gated_dqkwg_timing_only(q, k, v, do, h, dh, gs.gc, scale))
+            lambda: common.fla_gated_dqkwg_timing_only(q, k, v, do, h, dh, gs.gc, scale))
 
         def fla_bwd_g():      # chunk_simple_gla_bwd with g, its steps in its order
             hh, _ = kern.fwd_h(k=k, v=v, g=gs.gc, h0=None, output_final_state=False,
                                chunk_size=64, states_in_fp32=True)
             dhh, _ = kern.bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=None, scale=scale,
                                  g=gs.gc, chunk_size=64, states_in_fp32=True)
-            fla_gated_dqkwg_timing_only(q, k, v, do, hh, dhh, gs.gc, scale)
+            common.fla_gated_dqkwg_timing_only(q, k, v, do, hh, dhh, gs.gc, scale)
             kern.bwd_dv(q=q, k=k, do=do, dh=dhh, g=gs.gc, scale=scale, chunk_size=64)
         row("fla bwd g composed (dqkwg timing only)", fla_bwd_g)
     from sp_attention.linear import lightning_attention
@@ -423,6 +402,41 @@ def sweep(kern, a, device, dtype):
             emit(rec)
 
 
+def profile(kern, a, device, dtype):
+    """The kernels of our P = 1 gated fwd+bwd and of fla's fixed-slope fwd+bwd under
+    torch.profiler: one table each (CUDA time per kernel), as text lines in the JSON."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    from sp_attention.linear import lightning_attention
+    B, H, K, V, T = 1, a.heads, a.head_dim, a.head_dim, a.t
+    q, k, v, do, g, S, D = inputs(B, T, H, K, V, dtype, device, seed=2)
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=device)
+    ys = [x.clone().requires_grad_(True) for x in (q, k, v, g)]
+    cases = {"ours fwd+bwd g": lambda: lightning_attention(
+        *ys[:3], g=ys[3], scale=K ** -0.5).backward(do)}
+    if kern.real:
+        from fla.ops.simple_gla import chunk_simple_gla
+        cases["fla fwd+bwd g_gamma"] = lambda: chunk_simple_gla(
+            *ys[:3], g_gamma=-slopes, scale=K ** -0.5)[0].backward(do)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    for name, fn in cases.items():
+        for _ in range(3):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        with tprofile(activities=acts) as prof:
+            for _ in range(5):
+                fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+        sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60)
+        emit(dict(bench="gated_check", phase="profile", case=name, iters=5,
+                  table=table.splitlines()))
+
+
 def export_seeds(out_dir: str, since: float) -> None:
     """The ``*.autotune.json`` files Triton's cache gained during this run, as a tgz."""
     try:
@@ -447,7 +461,7 @@ def export_seeds(out_dir: str, since: float) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--phases", nargs="+", default=["perf", "bf16", "seeds"],
-                   choices=["sweep", "perf", "bf16", "fp32", "seeds"])
+                   choices=["sweep", "perf", "profile", "bf16", "fp32", "seeds"])
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, tiny shapes, fla replaced by pure-torch stand-ins, our kernels in "
                         "Triton's interpreter (set here)")
@@ -484,6 +498,8 @@ def main() -> int:
         sweep(kern, a, device, low)
     if "perf" in a.phases:
         perf(kern, a, device, low)
+    if "profile" in a.phases:
+        profile(kern, a, device, low)
     if "bf16" in a.phases:
         shape = (1, 256 if a.dry_run else 4096, a.heads, a.head_dim, a.head_dim)
         check_kernels(kern, shape, low, device, "bf16", tuned)

@@ -29,7 +29,9 @@ the rows carry three baselines: ``fla fwd g`` (fla's own gated forward: ``ratio_
 one-leaf gated call (``ours P=1 g``: ``ratio`` as above), and ``fla g estimate``: fla's
 gated forward plus its gated backward kernels with the refused ``chunk_bwd_dqkwg`` timed as
 its fixed-rate twin (the same GEMMs, no dg): what fla with gates would cost if it ran
-(``ratio_fla_estimate``).
+(``ratio_fla_estimate``); ``fla g estimate, gated dqkwg`` the same with fla's gated
+``chunk_bwd_kernel_dqkwg`` itself launched and timed (its results unread:
+``benchmarks.common.fla_gated_dqkwg_timing_only``; ``ratio_fla_estimate_gated``).
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ from sp_attention.linear.leaves import leaves_backward, leaves_output  # noqa: E
 
 SUMMARY_COLS = ["impl", "decay", "layout", "world", "rank", "scan", "T_local", "ms", "ms_fwd",
                 "ms_bwd", "ms_fwd_bwd", "ratio", "ratio_slowest", "ratio_fwd",
-                "ratio_fla_estimate", "peak_mem_gb", "host_ahead_lost"]
+                "ratio_fla_estimate", "ratio_fla_estimate_gated", "peak_mem_gb", "host_ahead_lost"]
 
 
 def rank_program(rank: int, world: int, layout: str, q, k, v, do, slopes, backend: str,
@@ -160,6 +162,8 @@ def _gated_baselines(q, k, v, do, g, slopes, dev: str, grads) -> dict:
     from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv
     from fla.ops.simple_gla import chunk_simple_gla
     from fla.ops.utils import chunk_local_cumsum
+
+    from benchmarks.common import fla_gated_dqkwg_timing_only
     gg = (-slopes / math.log(2)).float()
 
     def estimate():
@@ -173,8 +177,19 @@ def _gated_baselines(q, k, v, do, g, slopes, dev: str, grads) -> dict:
         # the refused gated chunk_bwd_dqkwg, timed as its fixed-rate twin (no dg)
         chunk_bwd_dqkwg(q=q, k=k, v=v, do=do, h=h, dh=dh, g_gamma=gg, scale=1.0, chunk_size=64)
         chunk_local_cumsum(g, 64, reverse=True)                  # dg's reverse sums
+
+    def estimate_gated():       # the same with fla's gated kernel itself, timed only
+        chunk_simple_gla(q, k, v, g=g, scale=1.0)
+        gc = chunk_local_cumsum(g, 64, scale=1 / math.log(2))
+        h, _ = chunk_fwd_h(k=k, v=v, g=gc, h0=None, output_final_state=False, chunk_size=64,
+                           states_in_fp32=True)
+        dh, _ = chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=None, scale=1.0, g=gc,
+                             chunk_size=64, states_in_fp32=True)
+        chunk_bwd_dv(q=q, k=k, do=do, dh=dh, g=gc, scale=1.0, chunk_size=64)
+        fla_gated_dqkwg_timing_only(q, k, v, do, h, dh, gc, 1.0)   # + dg's reverse sums
     out["fwd"] = lambda: chunk_simple_gla(q, k, v, g=g, scale=1.0)
     out["estimate"] = estimate
+    out["estimate gated"] = estimate_gated
     return out
 
 
@@ -251,7 +266,7 @@ def run_gated(T, a, dev, q, k, v, do, slopes, gates, base) -> None:
     ref = baselines(q, k, v, do, slopes, dev, g=gates)
     times = {name: timer(fn) for name, fn in ref.items()}
     names = {"fwd": "fla fwd g" if dev == "cuda" else "torch fwd g", "fwd+bwd": "ours P=1 g",
-             "estimate": "fla g estimate"}
+             "estimate": "fla g estimate", "estimate gated": "fla g estimate, gated dqkwg"}
     for name, ms in times.items():
         emit(dict(base, impl=names[name], ms=ms), a.out, 0)
     backend = base["backend"]
@@ -266,6 +281,7 @@ def run_gated(T, a, dev, q, k, v, do, slopes, gates, base) -> None:
                        ratio=(tf + tb) / times["fwd+bwd"], ratio_fwd=tf / times["fwd"])
             if "estimate" in times:
                 row["ratio_fla_estimate"] = (tf + tb) / times["estimate"]
+                row["ratio_fla_estimate_gated"] = (tf + tb) / times["estimate gated"]
             rows.append(row)
         worst = max(row["ratio"] for row in rows)
         for row in rows:

@@ -156,7 +156,10 @@ DQK_CANDIDATES = [
     for bv, w, st in ((64, 4, 2), (64, 8, 2), (32, 4, 2), (64, 4, 3), (128, 8, 2), (32, 4, 3),
                       (64, 8, 1), (128, 4, 2), (128, 8, 3), (128, 4, 3), (64, 8, 3))
 ]
-DQK_TUNED = list(range(len(DQK_CANDIDATES)))
+# the autotuned set: the six fastest at K = V = 128 one K tile, bf16, T 32K, H 16 on one H200
+# (2026-11-24, ``benchmarks/gated_check.py --phases sweep``: 0.71–0.77 ms; the slowest
+# candidates take 1.36 ms)
+DQK_TUNED = [21, 5, 2, 12, 11, 20]
 _dqkdg_tuned = triton.autotune(configs=[DQK_CANDIDATES[i] for i in DQK_TUNED],
                                key=["H", "K", "V", "BT", "BK", "PRECISION", "IS_VARLEN"])(
     _dqkdg_kernel)
