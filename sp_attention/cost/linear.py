@@ -1,0 +1,107 @@
+"""Linear attention's scans across ranks and the layer step built on them
+(:func:`linear_scan_ms`, :func:`linear_step`); the formulas are in :mod:`sp_attention.cost`."""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Optional
+
+from ..layout import holder_of_leaf, num_chunks, scan_position, tree_scan_schedule
+from ..machine import Machine
+from .common import (LINEAR_SCANS, LinearShape, StepTime, Topology, _combine_ms, _msgs_ms,
+                     linear_flops)
+
+
+def _scan_msgs_ms(machine: Machine, world: int, msgs: int, shared: bool = True) -> float:
+    """``msgs`` element messages of a linear scan: the posting (``Kernels.msg_us``) and the
+    scan's own host work per message (``Kernels.scan_msg_us``: packing and unpacking the
+    element, the receive buffer, the schedule's bookkeeping)."""
+    k = machine.kernels
+    t = msgs * (k.msg_us + k.scan_msg_us) * 1e-3
+    return t / machine.compute_share(world) if shared else t
+
+
+@lru_cache(maxsize=4096)
+def _scan_ms(schedule: str, world: int, layout: str, reverse: bool, S: int, machine: Machine,
+             nodes: tuple[int, ...]) -> float:
+    topo = Topology(nodes)
+    L = num_chunks(world, layout)
+    if L == 1:                                  # one leaf: nothing to scan
+        return 0.0
+    holder = [holder_of_leaf(scan_position(p, L, reverse), world, layout) for p in range(L)]
+    share = machine.compute_share(world)
+    if schedule == "ring":                      # a chain: every hop waits for the previous one
+        t = 0.0
+        for p in range(1, L):
+            a, b = holder[p - 1], holder[p]
+            t += _combine_ms(machine, S)
+            if a != b:
+                # the chain's two ends post one message each; nothing else waits on them
+                t += topo.link(machine, a, b).p2p_ms(S) + _scan_msgs_ms(machine, world, 2, False)
+        return t
+    if schedule == "blelloch":
+        sched = tree_scan_schedule(L)
+        t = 0.0
+        for i, pairs in enumerate(sched.up + sched.down):
+            sent: dict[int, list] = {}
+            ops: dict[int, int] = {}
+            per = 1 if i < len(sched.up) else 2     # down-sweep pairs exchange both ways
+            for pr in pairs:
+                a, b = holder[pr.left], holder[pr.right]
+                if a != b:
+                    sent.setdefault(a, []).append(topo.link(machine, a, b))
+                    sent.setdefault(b, []).append(topo.link(machine, a, b))
+                    ops[a] = ops.get(a, 0) + per
+                    ops[b] = ops.get(b, 0) + per
+            comm = max((max(l.alpha_p2p_us for l in ls) * 1e-3
+                        + len(ls) * S / min(l.p2p_gbps for l in ls) * 1e-6)
+                       for ls in sent.values()) if sent else 0.0
+            # ranks with no message in this round wait asleep: the cores go to the m that
+            # take part (an up-sweep's upper levels pair few ranks)
+            m = max(len(sent), 1)
+            t += (comm / machine.comm_share(m)
+                  + _combine_ms(machine, S) / machine.compute_share(m))
+            if ops:                                 # the busiest rank's messages
+                t += _scan_msgs_ms(machine, m, max(ops.values()))
+        return t
+    if schedule == "allgather":
+        n = L // world
+        link = topo.collective_link(machine)
+        fold = (4 * machine.kernels.op_us * 1e-3 + machine.kernels.fold_us * 1e-3
+                + (L + n) * S / machine.kernels.mem_gbps * 1e-6) / share
+        comm = (link.collective_ms(world, (world - 1) * n * S) / machine.comm_share(world)
+                if world > 1 else 0.0)
+        return comm + fold + (_msgs_ms(machine, world, 2) if world > 1 else 0.0)
+    raise ValueError(f"unknown linear scan {schedule!r}; use one of {LINEAR_SCANS}")
+
+
+def linear_scan_ms(schedule: str, shape: LinearShape, world: int, layout: str,
+                   machine: Machine, topology: Optional[Topology] = None,
+                   reverse: bool = False) -> float:
+    """Critical path (ms) of one scan of the states across ``world`` ranks (``reverse``: the
+    backward's suffix scan)."""
+    topo = topology or Topology.single_node(world)
+    if topo.world != world:
+        raise ValueError(f"topology has {topo.world} ranks but world={world}")
+    return _scan_ms(schedule, world, layout, bool(reverse), shape.state_bytes, machine,
+                    topo.nodes)
+
+
+def linear_step(shape: LinearShape, world: int, layout: str, schedule: str, machine: Machine,
+                topology: Optional[Topology] = None) -> StepTime:
+    """Predicted fwd / bwd of :func:`~sp_attention.lightning_attention` on the slowest rank."""
+    k = machine.kernels
+    share = machine.compute_share(world)
+    rank = (k.linear_rank_zigzag if layout == "zigzag" else
+            1.0 if world == 1 else k.linear_rank_contiguous)
+    kern = rank * (k.linear_call_ms + linear_flops(shape) / (k.linear_tflops * 1e9)) / share
+    k_fwd = kern * k.linear_fwd_share
+    k_bwd = kern - k_fwd
+    s_fwd = linear_scan_ms(schedule, shape, world, layout, machine, topology, reverse=False)
+    s_bwd = linear_scan_ms(schedule, shape, world, layout, machine, topology, reverse=True)
+    if machine.scan_hidden:      # the suffix scan runs beside the chunk-state recomputation
+        hide = 0.5 * k_fwd
+        wire = 2 * shape.state_bytes / machine.intra.p2p_gbps * 1e-6
+        bwd = k_bwd + max(s_bwd - hide, 0.0) + min(machine.overlap_cost * wire, hide)
+    else:
+        bwd = k_bwd + s_bwd
+    return StepTime(k_fwd + s_fwd, bwd, kern, s_fwd + s_bwd)
