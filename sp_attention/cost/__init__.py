@@ -4,14 +4,27 @@ and schedule, and the choice ``impl="auto"`` / ``preset="auto"`` makes from it.
 Pure functions of the sizes, the CP size P, the layout, where the ranks sit
 (:class:`Topology`: which CP ranks share a node) and a :class:`~sp_attention.machine.Machine`
 (α, β per link class, kernel rates, overlap). Times are the slowest rank's GPU time in ms with
-the host ahead of the device (the benchmarks' ``queued`` timing, a layer inside a model); on CPU the
-P processes time-share the machine's cores (``Machine.compute_share``): compute, and every
-communication round in which all ranks take part (collectives, softmax ring hops;
-``Machine.comm_share``), take ``1 / share`` as long; a tree round, the share of the ranks that
-have a message in it (the others wait asleep); a ring scan's hops are a chain between two
-ranks at a time and do not. Host work is time on the same cores: per point-to-point message a
-rank posts (``Kernels.msg_us``; a linear scan's element messages ``scan_msg_us`` more), the
-all-gather scan's fold (``fold_us``), each attention call (``softmax_call_ms`` forward,
+the host ahead of the device (the benchmarks' ``queued`` timing, a layer inside a model).
+
+On CPU the P processes time-share the machine's ``Kernels.cores`` (a GPU has one device per
+rank, and all of this is inert there). Each direction's time is the larger of two bounds:
+
+* its **critical path**, on which work runs at the share of the ranks busy at that moment:
+  compute (``Machine.compute_share``) and every communication round in which all ranks take
+  part (collectives, softmax ring hops; ``Machine.comm_share``) take ``1 / share`` as long; a
+  linear scan's step (a tree round, a ring scan's hop) runs at the share of the ranks with a
+  message in it plus the ranks the scan has already passed (they hold all their prefixes and
+  go on with their step; the others wait asleep and free their cores), except a ring scan
+  hop's ``α + S/β``, a transfer between two ranks, which is not shared;
+* the **work-conserving bound** (``StepTime.work_ms``): the CPU work of all P ranks ÷ cores,
+  ``P · w / cores``, where a rank's work ``w`` is its kernels (``corun`` included), its host
+  work per message and call, its combines, merges and folds, and the bytes of its messages at
+  the link's rate (gloo copies them through the cores). A transfer that hides behind a
+  kernel on the critical path still takes core time from the other ranks once P > cores.
+
+Host work is time on the same cores: per point-to-point message a rank posts
+(``Kernels.msg_us``; a linear scan's element messages ``scan_msg_us`` more), the all-gather
+scan's fold (``fold_us``), each attention call (``softmax_call_ms`` forward,
 ``softmax_bwd_call_ms`` backward); ranks computing side by side run ``Kernels.corun`` slower
 than one alone. These host terms are measured on CPU and 0 on a GPU (the host runs ahead).
 

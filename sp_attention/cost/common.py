@@ -106,12 +106,15 @@ class Topology:
 @dataclass(frozen=True)
 class StepTime:
     """Predicted times of one layer's step (ms, slowest rank): ``compute_ms`` is the kernels'
-    share, ``comm_ms`` every transfer as if alone (hidden or not)."""
+    share, ``comm_ms`` every transfer as if alone (hidden or not), ``work_ms`` the
+    work-conserving bound of fwd + bwd (:func:`work_bound`; 0 with a device per rank). Each
+    direction's time is the larger of its critical path and its bound."""
 
     fwd_ms: float
     bwd_ms: float
     compute_ms: float
     comm_ms: float
+    work_ms: float = 0.0
 
     @property
     def total_ms(self) -> float:
@@ -169,3 +172,19 @@ def _msgs_ms(machine: Machine, world: int, msgs: int, shared: bool = True) -> fl
     CPU time, so on shared cores (``shared``) it takes ``1 / compute_share`` as long."""
     t = msgs * machine.kernels.msg_us * 1e-3
     return t / machine.compute_share(world) if shared else t
+
+
+def side_by_side(machine: Machine, world: int) -> float:
+    """How much slower a rank computes with the others computing beside it
+    (``Kernels.corun`` from two ranks on, where ranks share cores; 1 otherwise)."""
+    return machine.kernels.corun if machine.kernels.cores is not None and world > 1 else 1.0
+
+
+def work_bound(machine: Machine, world: int, rank_work_ms: float) -> float:
+    """The work-conserving bound of a step whose ``world`` ranks share ``Kernels.cores``
+    cores: each rank has ``rank_work_ms`` of CPU work (at its rate beside the others, see
+    :func:`side_by_side`), so the step takes at least ``world · rank_work_ms / cores``,
+    however the ranks wait on each other (a waiting rank gives its core to the others).
+    0 where every rank has its own device (``cores`` None: a GPU)."""
+    cores = machine.kernels.cores
+    return 0.0 if cores is None else world * rank_work_ms / cores

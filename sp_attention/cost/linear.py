@@ -8,7 +8,7 @@ from typing import Optional
 from ..layout import holder_of_leaf, num_chunks, scan_position, tree_scan_schedule
 from ..machine import Machine
 from .common import (LINEAR_SCANS, LinearShape, StepTime, Topology, _combine_ms, _msgs_ms,
-                     linear_flops)
+                     linear_flops, side_by_side, work_bound)
 
 
 def _scan_msgs_ms(machine: Machine, world: int, msgs: int, shared: bool = True) -> float:
@@ -18,6 +18,13 @@ def _scan_msgs_ms(machine: Machine, world: int, msgs: int, shared: bool = True) 
     k = machine.kernels
     t = msgs * (k.msg_us + k.scan_msg_us) * 1e-3
     return t / machine.compute_share(world) if shared else t
+
+
+def _busy(holder: list, world: int, ends: set, done_after: dict, now: int) -> int:
+    """Ranks competing for the cores at step ``now`` of a scan: ``ends`` (the ranks that act
+    in it) and every rank whose last step came before ``now`` (it has all its prefixes and
+    goes on with its step); the others wait asleep for a later message and free their core."""
+    return min(world, len(ends | {r for r, last in done_after.items() if last < now}))
 
 
 @lru_cache(maxsize=4096)
@@ -30,18 +37,26 @@ def _scan_ms(schedule: str, world: int, layout: str, reverse: bool, S: int, mach
     holder = [holder_of_leaf(scan_position(p, L, reverse), world, layout) for p in range(L)]
     share = machine.compute_share(world)
     if schedule == "ring":                      # a chain: every hop waits for the previous one
+        last = {r: p for p, r in enumerate(holder)}     # a rank's last position
         t = 0.0
         for p in range(1, L):
             a, b = holder[p - 1], holder[p]
-            t += _combine_ms(machine, S)
+            # the chain's CPU work (combine, posting) shares the cores with the two ends and
+            # the ranks it has passed; its latency is no work
+            m = _busy(holder, world, {a, b}, last, p - 1)
+            t += _combine_ms(machine, S) / machine.compute_share(m)
             if a != b:
-                # the chain's two ends post one message each; nothing else waits on them
-                t += topo.link(machine, a, b).p2p_ms(S) + _scan_msgs_ms(machine, world, 2, False)
+                t += topo.link(machine, a, b).p2p_ms(S) + _scan_msgs_ms(machine, m, 2)
         return t
     if schedule == "blelloch":
         sched = tree_scan_schedule(L)
+        rounds = sched.up + sched.down
+        last = {}                               # a rank's last round
+        for i, pairs in enumerate(rounds):
+            for pr in pairs:
+                last[holder[pr.left]] = last[holder[pr.right]] = i
         t = 0.0
-        for i, pairs in enumerate(sched.up + sched.down):
+        for i, pairs in enumerate(rounds):
             sent: dict[int, list] = {}
             ops: dict[int, int] = {}
             per = 1 if i < len(sched.up) else 2     # down-sweep pairs exchange both ways
@@ -55,9 +70,9 @@ def _scan_ms(schedule: str, world: int, layout: str, reverse: bool, S: int, mach
             comm = max((max(l.alpha_p2p_us for l in ls) * 1e-3
                         + len(ls) * S / min(l.p2p_gbps for l in ls) * 1e-6)
                        for ls in sent.values()) if sent else 0.0
-            # ranks with no message in this round wait asleep: the cores go to the m that
-            # take part (an up-sweep's upper levels pair few ranks)
-            m = max(len(sent), 1)
+            # the ranks with a message in this round share the cores with the ranks already
+            # through the tree; the others wait asleep (an up-sweep's upper levels pair few)
+            m = max(_busy(holder, world, set(sent), last, i), 1)
             t += (comm / machine.comm_share(m)
                   + _combine_ms(machine, S) / machine.compute_share(m))
             if ops:                                 # the busiest rank's messages
@@ -71,6 +86,44 @@ def _scan_ms(schedule: str, world: int, layout: str, reverse: bool, S: int, mach
         comm = (link.collective_ms(world, (world - 1) * n * S) / machine.comm_share(world)
                 if world > 1 else 0.0)
         return comm + fold + (_msgs_ms(machine, world, 2) if world > 1 else 0.0)
+    raise ValueError(f"unknown linear scan {schedule!r}; use one of {LINEAR_SCANS}")
+
+
+@lru_cache(maxsize=4096)
+def _scan_work_ms(schedule: str, world: int, layout: str, reverse: bool, S: int,
+                  machine: Machine) -> float:
+    """CPU work of one scan summed over the ranks (ms at a rank's rate beside the others):
+    every message a rank posts (``msg_us + scan_msg_us``), each message's bytes once at the
+    link's rate (on a CPU the link is the cores: gloo copies through them), every combine;
+    the all-gather: each rank's two postings, the bytes it receives and its fold. Latency is
+    no work: a rank waiting for a message frees its core."""
+    L = num_chunks(world, layout)
+    if L == 1:
+        return 0.0
+    k = machine.kernels
+    holder = [holder_of_leaf(scan_position(p, L, reverse), world, layout) for p in range(L)]
+    post = (k.msg_us + k.scan_msg_us) * 1e-3
+    wire = S / machine.intra.p2p_gbps * 1e-6
+    side = side_by_side(machine, world)
+    if schedule == "ring":
+        hops = sum(holder[p - 1] != holder[p] for p in range(1, L))
+        return side * (hops * 2 * post + (L - 1) * _combine_ms(machine, S)) + hops * wire
+    if schedule == "blelloch":
+        sched = tree_scan_schedule(L)
+        t = 0.0
+        for i, pairs in enumerate(sched.up + sched.down):
+            msgs = 1 if i < len(sched.up) else 2   # down-sweep pairs exchange both ways
+            for pr in pairs:
+                t += side * _combine_ms(machine, S)
+                if holder[pr.left] != holder[pr.right]:
+                    t += msgs * (2 * side * post + wire)
+        return t
+    if schedule == "allgather":
+        n = L // world
+        fold = (4 * k.op_us * 1e-3 + k.fold_us * 1e-3
+                + (L + n) * S / k.mem_gbps * 1e-6 + 2 * k.msg_us * 1e-3)
+        recv = (world - 1) * n * S / machine.intra.coll_gbps * 1e-6
+        return world * (side * fold + recv)
     raise ValueError(f"unknown linear scan {schedule!r}; use one of {LINEAR_SCANS}")
 
 
@@ -104,4 +157,11 @@ def linear_step(shape: LinearShape, world: int, layout: str, schedule: str, mach
         bwd = k_bwd + max(s_bwd - hide, 0.0) + min(machine.overlap_cost * wire, hide)
     else:
         bwd = k_bwd + s_bwd
-    return StepTime(k_fwd + s_fwd, bwd, kern, s_fwd + s_bwd)
+    # the work-conserving bound (shared cores only): every rank's kernels and scan work
+    core = machine.core_share(world)     # a shared kernel time -> one rank's work beside the others
+    w_fwd = work_bound(machine, world, k_fwd * core + _scan_work_ms(
+        schedule, world, layout, False, shape.state_bytes, machine) / world)
+    w_bwd = work_bound(machine, world, k_bwd * core + _scan_work_ms(
+        schedule, world, layout, True, shape.state_bytes, machine) / world)
+    return StepTime(max(k_fwd + s_fwd, w_fwd), max(bwd, w_bwd), kern, s_fwd + s_bwd,
+                    w_fwd + w_bwd)

@@ -7,7 +7,8 @@ from typing import Optional
 
 from ..layout import num_chunks
 from ..machine import Link, Machine
-from .common import SoftmaxShape, StepTime, Topology, _msgs_ms, softmax_flops
+from .common import (SoftmaxShape, StepTime, Topology, _msgs_ms, softmax_flops,
+                     work_bound)
 
 
 def _ring_link(topo: Topology, machine: Machine) -> Link:
@@ -52,11 +53,13 @@ def _overlapped(compute: float, comm: float, nbytes: float, machine: Machine) ->
 
 @dataclass(frozen=True)
 class _Sched:
-    """One schedule's half-step (forward or backward) on one rank: ms and its parts."""
+    """One schedule's half-step (forward or backward) on one rank: ms and its parts (``work``:
+    the rank's CPU work, see :func:`~.common.work_bound`)."""
 
     ms: float
     compute: float
     comm: float
+    work: float = 0.0
 
 
 def _ring(shape: SoftmaxShape, world: int, layout: str, machine: Machine, topo: Topology,
@@ -72,6 +75,7 @@ def _ring(shape: SoftmaxShape, world: int, layout: str, machine: Machine, topo: 
     wide = 8 if s.itemsize == 8 else 4
     kv_msgs = _msgs_ms(machine, world, 4)            # K and V, each sent and received
     fwd = bwd = comm_f = comm_b = 0.0
+    wire_f = wire_b = 0.0                            # bytes this rank sends, at the link rate
     for i, (cf, cb) in enumerate(steps):
         if i + 1 < world:   # the next block travels while this step computes
             # the accumulator of the block visited at step i - 1 (i >= 2) goes to its next
@@ -83,19 +87,29 @@ def _ring(shape: SoftmaxShape, world: int, layout: str, machine: Machine, topo: 
             bwd += _overlapped(cb, hop_b, s.kv_bytes + acc, machine) + kv_msgs * (2 if i else 1)
             comm_f += hop
             comm_b += hop_b
+            wire_f += link.p2p_ms(s.kv_bytes) - link.p2p_ms(0)
+            wire_b += link.p2p_ms(s.kv_bytes + acc) - link.p2p_ms(0)
         else:
             fwd += cf
             bwd += cb
         if i:
             fwd += add
             bwd += add
+    # the rank's CPU work: all of the above but the transfers' latency and their overlap
+    # charge (the bytes count once, at the link rate), at the rank's rate beside the others
+    core = machine.core_share(world)
+    steps_f, steps_b = sum(f for f, _ in steps), sum(b for _, b in steps)
+    n_hops = world - 1
+    work_f = (steps_f + n_hops * (kv_msgs + add)) * core + wire_f
+    work_b = (steps_b + n_hops * add + (2 * n_hops - 1) * kv_msgs) * core + wire_b
     if world > 1:            # the last accumulator goes home with nothing left to hide it
         last = s.kv_bytes * (1.0 if world == 2 else wide / s.itemsize)
         home = link.p2p_ms(last)
-        bwd += home + kv_msgs + (k.op_us * 1e-3 + 3 * last / k.mem_gbps * 1e-6) / share
+        tail = kv_msgs + (k.op_us * 1e-3 + 3 * last / k.mem_gbps * 1e-6) / share
+        bwd += home + tail
         comm_b += home
-    return (_Sched(fwd, sum(f for f, _ in steps), comm_f),
-            _Sched(bwd, sum(b for _, b in steps), comm_b))
+        work_b += tail * core + home - link.p2p_ms(0)
+    return (_Sched(fwd, steps_f, comm_f, work_f), _Sched(bwd, steps_b, comm_b, work_b))
 
 
 def _default_stride(shape: SoftmaxShape) -> int:
@@ -136,8 +150,15 @@ def _allgather(shape: SoftmaxShape, world: int, layout: str, machine: Machine,
     # compute: the same kernel work at the full-width rate (what the ring's calls cost), so
     # the all-gather calls' own overheads count as what the schedule adds
     ring = _ring_compute(shape, world, layout, machine, rank)
-    return (_Sched(fwd, sum(f for f, _ in ring), units * gather),
-            _Sched(bwd, sum(b for _, b in ring), units * (gather + scatter)))
+    # the rank's CPU work: its calls, arrangements and postings, and the bytes it receives
+    # (gather) or sends (reduce-scatter) at the collective rate; the collectives' latency is
+    # no work (a waiting rank frees its core)
+    core = machine.core_share(world)
+    coll = 1e-6 / link.coll_gbps if world > 1 else 0.0
+    work_f = units * ((post + cf + arrange) * core + g_bytes * coll)
+    work_b = units * ((2 * post + cb + arrange + slot) * core + (g_bytes + s_bytes) * coll)
+    return (_Sched(fwd, sum(f for f, _ in ring), units * gather, work_f),
+            _Sched(bwd, sum(b for _, b in ring), units * (gather + scatter), work_b))
 
 
 def softmax_step(shape: SoftmaxShape, world: int, layout: str, fwd: str, bwd: str,
@@ -161,4 +182,8 @@ def softmax_step(shape: SoftmaxShape, world: int, layout: str, fwd: str, bwd: st
         parts[name] = (_ring(shape, world, layout, machine, topo, rank) if name == "ring" else
                        _allgather(shape, world, layout, machine, topo, rank, stride))
     f, b = parts[fwd][0], parts[bwd][1]
-    return StepTime(f.ms, b.ms, f.compute + b.compute, f.comm + b.comm)
+    # the work-conserving bound (shared cores only): zigzag ranks all do this rank's work; a
+    # contiguous causal group does less in all, but its last rank's path is the longer one
+    w_f, w_b = work_bound(machine, world, f.work), work_bound(machine, world, b.work)
+    return StepTime(max(f.ms, w_f), max(b.ms, w_b), f.compute + b.compute, f.comm + b.comm,
+                    w_f + w_b)
