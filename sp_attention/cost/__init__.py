@@ -33,7 +33,10 @@ rank's K and V; links per message from the topology):
 
 * linear ``ring``: the prefix walks the leaves: one hop ``α_p2p + S/β`` per leaf boundary that
   crosses ranks (P − 1 contiguous, 2(P − 1) zigzag), each after a combine.
-* linear ``blelloch``: 2⌈log2 L⌉ rounds (L leaves); a round costs its slowest rank's messages.
+* linear ``blelloch``: 2⌈log2 L⌉ rounds (L leaves); a round costs one ``α_p2p`` plus its
+  busiest rank's bytes (``S`` per element it sends or receives) and its postings: one message
+  per peer and direction (the elements for one peer travel packed; a down-sweep pair exchanges
+  both ways).
 * linear ``allgather``: one collective receiving (P − 1)·(leaves per rank)·S, then a local fold.
 * the forward's scan is exposed (the output kernel needs ``S_in``); the backward's hides under
   the chunk-state recomputation (half the forward kernel) on a GPU side stream.

@@ -20,6 +20,20 @@ def _scan_msgs_ms(machine: Machine, world: int, msgs: int, shared: bool = True) 
     return t / machine.compute_share(world) if shared else t
 
 
+def _round_messages(holder: list, pairs, down: bool) -> set:
+    """The messages ``(sender, receiver)`` of one tree round: one per peer and direction, the
+    elements a rank sends one peer packed in one buffer (``linear/scan_blelloch.py``); a
+    down-sweep pair exchanges both ways."""
+    msgs = set()
+    for pr in pairs:
+        a, b = holder[pr.left], holder[pr.right]
+        if a != b:
+            msgs.add((a, b))
+            if down:
+                msgs.add((b, a))
+    return msgs
+
+
 def _busy(holder: list, world: int, ends: set, done_after: dict, now: int) -> int:
     """Ranks competing for the cores at step ``now`` of a scan: ``ends`` (the ranks that act
     in it) and every rank whose last step came before ``now`` (it has all its prefixes and
@@ -58,15 +72,16 @@ def _scan_ms(schedule: str, world: int, layout: str, reverse: bool, S: int, mach
         t = 0.0
         for i, pairs in enumerate(rounds):
             sent: dict[int, list] = {}
-            ops: dict[int, int] = {}
-            per = 1 if i < len(sched.up) else 2     # down-sweep pairs exchange both ways
+            msgs = _round_messages(holder, pairs, down=i >= len(sched.up))
+            ops: dict[int, int] = {}                # messages a rank posts: one per peer and
+            for a, b in msgs:                       # direction (its elements travel packed)
+                ops[a] = ops.get(a, 0) + 1
+                ops[b] = ops.get(b, 0) + 1
             for pr in pairs:
                 a, b = holder[pr.left], holder[pr.right]
                 if a != b:
                     sent.setdefault(a, []).append(topo.link(machine, a, b))
                     sent.setdefault(b, []).append(topo.link(machine, a, b))
-                    ops[a] = ops.get(a, 0) + per
-                    ops[b] = ops.get(b, 0) + per
             comm = max((max(l.alpha_p2p_us for l in ls) * 1e-3
                         + len(ls) * S / min(l.p2p_gbps for l in ls) * 1e-6)
                        for ls in sent.values()) if sent else 0.0
@@ -112,11 +127,11 @@ def _scan_work_ms(schedule: str, world: int, layout: str, reverse: bool, S: int,
         sched = tree_scan_schedule(L)
         t = 0.0
         for i, pairs in enumerate(sched.up + sched.down):
-            msgs = 1 if i < len(sched.up) else 2   # down-sweep pairs exchange both ways
-            for pr in pairs:
-                t += side * _combine_ms(machine, S)
-                if holder[pr.left] != holder[pr.right]:
-                    t += msgs * (2 * side * post + wire)
+            down = i >= len(sched.up)
+            elements = sum(holder[pr.left] != holder[pr.right] for pr in pairs) * (1 + down)
+            t += (side * (len(pairs) * _combine_ms(machine, S)
+                          + 2 * post * len(_round_messages(holder, pairs, down)))
+                  + elements * wire)
         return t
     if schedule == "allgather":
         n = L // world
