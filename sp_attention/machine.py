@@ -103,10 +103,11 @@ class Kernels:
             back), CPU time on the cores the ranks share. Probe: the slope of a
             ``batch_isend_irecv`` of 1, 2, 4, 8 messages each way. 0 on a GPU, where the host
             runs ahead of the device.
-        scan_msg_us: a linear scan's own host work per element message on top of ``msg_us``
-            (packing and unpacking the element, the receive buffer, the schedule's Python).
-            Probe: the library's tree scan on two ranks, the value at which the model's time
-            for it equals the measured one.
+        scan_msg_us: a linear scan's own host work per message it posts, on top of
+            ``msg_us`` (packing and unpacking the elements, the receive buffer, the schedule's
+            Python; the tree scan packs a round's elements for one peer into one message).
+            Probe: the library's tree scan on two ranks (zigzag), the value at which the
+            model's time for it equals the measured one.
         fold_us: host work of the all-gather scan's local fold (about 16 small torch ops plus
             5 per local element, and the gather's buffers). Probe: the library's all-gather
             scan on two ranks, likewise.

@@ -334,9 +334,11 @@ def test_host_terms_add_what_their_counts_say():
     m = _cpu_bare(msg_us=10.0, scan_msg_us=5.0, fold_us=100.0)
     for P in (2, 3, 4, 8):
         share = min(1.0, 2 / P)
-        # ring chain: the two ends of each of the P − 1 hops post one message each (unshared)
+        # ring chain: the two ends of each of the P − 1 hops post one message each, sharing
+        # the cores with the ranks the chain has passed (hop p: ranks 0 … p − 2 go on with
+        # their step), so with p + 1 ranks busy on 2 cores it takes max(1, (p + 1) / 2) as long
         assert linear_scan_ms("ring", LIN, P, "contiguous", m) == pytest.approx(
-            (P - 1) * 2 * 15e-3)
+            sum(2 * 15e-3 * max(1.0, (p + 1) / 2) for p in range(1, P)))
         assert linear_scan_ms("allgather", LIN, P, "zigzag", m) == pytest.approx(
             (100e-3 + 2 * 10e-3) / share)
     # contiguous P = 4 tree: up (0,1)(2,3) then (1,3); down (1,3) then (0,1)(2,3): one message
@@ -398,3 +400,37 @@ def test_old_calibration_gets_later_fields_from_the_default():
     m = machine_from_dict(d)
     assert m.kernels.linear_tflops == 9.0 and m.kernels.msg_us == CPU_GLOO.kernels.msg_us
     assert m.kernels.corun == CPU_GLOO.kernels.corun
+
+
+def test_work_bound_takes_over_when_ranks_outnumber_cores():
+    """Σ CPU work ÷ cores bounds a CPU step from below: a softmax ring's K/V bytes (gloo
+    copies them on the cores) hide behind the kernels while every rank has a core (they cost
+    the overlap charge, once per hop), but once P > cores every rank's copying takes core time
+    from the others: each hop then costs its bytes × P / cores. Inert on a GPU."""
+    s = SoftmaxShape(1, 128, 8, 4, 32, 4)
+    fast = dataclasses.replace(_cpu_bare(softmax_call_ms=1.0, corun=1.0), overlap_cost=1.0)
+    wire = 0.05                                                  # ms per K/V hop
+    link = dataclasses.replace(fast.intra, p2p_gbps=s.kv_bytes / wire * 1e-6)
+    slow = dataclasses.replace(fast, intra=link, inter=link)
+    for P in (1, 2, 3, 4, 8):
+        t0, t = (softmax_step(s, P, "zigzag", "ring", "ring", m) for m in (fast, slow))
+        assert t.fwd_ms - t0.fwd_ms == pytest.approx((P - 1) * wire * max(1.0, P / 2), rel=1e-3)
+        assert t.work_ms <= t.total_ms * (1 + 1e-9)
+        if P > 2:                 # the bound is the step: it exceeds the critical path
+            assert t.total_ms == pytest.approx(t.work_ms)
+    assert softmax_step(SOFT, 8, "zigzag", "ring", "ring", H200).work_ms == 0.0
+    assert linear_step(LIN, 8, "zigzag", "ring", H200).work_ms == 0.0
+
+
+@pytest.mark.parametrize("kind", ["linear", "softmax"])
+def test_work_bound_monotonic_in_world_and_bytes(kind):
+    def work(P, n):
+        if kind == "linear":
+            return linear_step(LinearShape(1, 128, 4, n, n, 4), P, "zigzag", "blelloch",
+                               CPU_GLOO).work_ms
+        return softmax_step(SoftmaxShape(1, 128, 8, 4, n, 4), P, "zigzag", "ring", "ring",
+                            CPU_GLOO).work_ms
+    for n in (16, 32, 64):
+        ws = [work(P, n) for P in range(1, 17)]
+        assert all(b > a for a, b in zip(ws, ws[1:])), (n, ws)
+    assert work(8, 16) < work(8, 32) < work(8, 64)

@@ -4,13 +4,15 @@ Up-sweep: each tree node's right child receives its left sibling's aggregate (on
 Down-sweep from the identity at the root: the two children exchange values; the left takes the
 parent's prefix, the right the prefix ⊕ left aggregate. Partners come from
 ``layout.tree_scan_schedule``; a rank holding both ends of a pair (zigzag) combines locally.
-Each round is one ``batch_isend_irecv`` of single packed fp32 elements.
+Each round is one ``batch_isend_irecv`` with at most one message per peer and direction: the
+elements a rank sends one peer in a round (zigzag: two leaves whose partners sit on the same
+rank; packed documents: any number) travel packed in one flat fp32 buffer, in the order of the
+round's pairs, which both ends know from the schedule. (gloo's ``batch_isend_irecv`` has a slow
+mode with two messages to one peer.)
 """
 from __future__ import annotations
 
 from typing import Optional
-
-import torch
 
 from ..comm import p2p_exchange
 from ..context import SPContext
@@ -23,8 +25,9 @@ def _round(x: dict, pairs, leaves: ScanMap, ctx: SPContext, down: bool) -> None:
     ``right ← right ⊕ left``."""
     me = ctx.rank
     template = next(iter(x.values()))
-    sends, recvs, arrivals = [], [], []
-    for p in pairs:  # same order on every rank -> messages between two ranks match in order
+    out: dict = {}        # peer -> the elements this rank sends it, in pair order
+    arrivals: dict = {}   # peer -> (pair, the end this rank holds) of each element it receives
+    for p in pairs:  # same order on every rank -> both ends agree on each buffer's layout
         hl, hr = leaves.holder(p.left), leaves.holder(p.right)
         if hl == me and hr == me:
             left, right = x[p.left], x[p.right]
@@ -34,25 +37,23 @@ def _round(x: dict, pairs, leaves: ScanMap, ctx: SPContext, down: bool) -> None:
                 x[p.right] = left.then(right)
             continue
         if hl == me:
-            sends.append((x[p.left].pack(), hr))
+            out.setdefault(hr, []).append(x[p.left])
             if down:
-                buf = torch.empty_like(sends[-1][0])
-                recvs.append((buf, hr))
-                arrivals.append((p, buf, "left"))
+                arrivals.setdefault(hr, []).append((p, "left"))
         elif hr == me:
-            buf = torch.empty_like(template.pack())
-            recvs.append((buf, hl))
-            arrivals.append((p, buf, "right"))
+            arrivals.setdefault(hl, []).append((p, "right"))
             if down:
-                sends.append((x[p.right].pack(), hl))
+                out.setdefault(hl, []).append(x[p.right])
+    sends = [(Element.pack_all(els), peer) for peer, els in sorted(out.items())]
+    recvs = [(template.empty_packed(len(arr)), peer) for peer, arr in sorted(arrivals.items())]
     for w in p2p_exchange(sends, recvs, ctx):
         w.wait()
-    for p, buf, side in arrivals:
-        other = template.unpack_like(buf)
-        if side == "right":   # this rank holds the right end; `other` is the left value
-            x[p.right] = x[p.right].then(other) if down else other.then(x[p.right])
-        else:                 # this rank holds the left end; `other` is the parent prefix
-            x[p.left] = other
+    for buf, peer in recvs:
+        for (p, side), other in zip(arrivals[peer], template.unpack_all_like(buf)):
+            if side == "right":   # this rank holds the right end; `other` is the left value
+                x[p.right] = x[p.right].then(other) if down else other.then(x[p.right])
+            else:                 # this rank holds the left end; `other` is the parent prefix
+                x[p.left] = other
 
 
 def blelloch_scan(A: list, b: list, ctx: SPContext, reverse: bool = False,

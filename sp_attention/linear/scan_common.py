@@ -41,6 +41,22 @@ class Element:
         return Element(flat[:n].view_as(self.A), flat[n:].view_as(self.b))
 
     @staticmethod
+    def pack_all(elements: list) -> torch.Tensor:
+        """Several elements in one flat buffer, in order (one message for all of them)."""
+        return torch.cat([t.reshape(-1) for e in elements for t in (e.A, e.b)])
+
+    def unpack_all_like(self, flat: torch.Tensor) -> list:
+        """Inverse of :meth:`pack_all` for elements shaped like this one."""
+        n = self.A.numel() + self.b.numel()
+        return [self.unpack_like(flat[i:i + n]) for i in range(0, flat.numel(), n)]
+
+    def empty_packed(self, count: int) -> torch.Tensor:
+        """A receive buffer for ``count`` elements shaped like this one."""
+        return torch.empty(count * (self.A.numel() + self.b.numel()),
+                           dtype=torch.promote_types(self.A.dtype, self.b.dtype),
+                           device=self.b.device)
+
+    @staticmethod
     def identity_like(e: "Element") -> "Element":
         return Element(torch.ones_like(e.A), torch.zeros_like(e.b))
 

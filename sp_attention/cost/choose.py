@@ -1,0 +1,77 @@
+"""What ``impl="auto"`` / ``preset="auto"`` run: the cheapest predicted schedule, logged once
+per layer shape; and the CP efficiency of a predicted step."""
+from __future__ import annotations
+
+import logging
+from typing import Mapping, Optional, Sequence
+
+from ..machine import Machine
+from .common import (SOFTMAX_PRESETS, LINEAR_SCANS, Choice, LinearShape, SoftmaxShape,
+                     StepTime, Topology)
+from .linear import linear_step
+from .memory import softmax_memory
+from .softmax import softmax_step
+
+logger = logging.getLogger("sp_attention.cost")
+
+_LINEAR_TIE_ORDER = ("allgather", "ring", "blelloch")
+_SOFTMAX_TIE_ORDER = ("ring", "ring_ag", "allgather", "ag_ring")
+
+
+def _pick(times: Mapping[str, StepTime], order: Sequence[str]) -> str:
+    """Cheapest by total; exact ties go to the earlier name of ``order`` (deterministic, so
+    every rank that predicts the same times picks the same schedule)."""
+    return min(times, key=lambda n: (times[n].total_ms, order.index(n)))
+
+
+def choose_linear_scan(shape: LinearShape, world: int, layout: str, machine: Machine,
+                       topology: Optional[Topology] = None,
+                       candidates: Sequence[str] = LINEAR_SCANS) -> Choice:
+    """The scan ``impl="auto"`` runs: the cheapest predicted fwd + bwd of ``candidates``."""
+    times = {c: linear_step(shape, world, layout, c, machine, topology) for c in candidates}
+    return Choice(_pick(times, _LINEAR_TIE_ORDER), times)
+
+
+def choose_softmax_preset(shape: SoftmaxShape, world: int, layout: str, machine: Machine,
+                          topology: Optional[Topology] = None,
+                          heads_k_stride: Optional[int] = None,
+                          memory_limit_bytes: Optional[float] = None,
+                          candidates: Sequence[str] = tuple(SOFTMAX_PRESETS)) -> Choice:
+    """The preset ``preset="auto"`` runs: the cheapest predicted fwd + bwd of ``candidates``
+    whose buffers (:func:`softmax_memory`) fit ``memory_limit_bytes`` (None: no limit).
+    Raises ``ValueError`` if none fits."""
+    times, excluded = {}, {}
+    for name in candidates:
+        f, b = SOFTMAX_PRESETS[name]
+        if memory_limit_bytes is not None:
+            need = softmax_memory(shape, world, layout, f, b, machine, heads_k_stride)["peak"]
+            if need > memory_limit_bytes:
+                excluded[name] = f"needs {need / 2**30:.2f} GiB"
+                continue
+        times[name] = softmax_step(shape, world, layout, f, b, machine, topology,
+                                   heads_k_stride)
+    if not times:
+        raise ValueError("no softmax preset fits memory_limit_bytes="
+                         f"{memory_limit_bytes}: {excluded}; use fewer tokens per rank")
+    return Choice(_pick(times, _SOFTMAX_TIE_ORDER), times, excluded)
+
+
+_LOGGED: set = set()
+
+
+def log_choice(kind: str, key: tuple, choice: Choice, machine: Machine) -> bool:
+    """Log ``choice`` once per ``(kind, key)`` (a layer shape) at INFO on the
+    ``sp_attention.cost`` logger, with the predicted time of every alternative; True when it
+    logged."""
+    if (kind, key) in _LOGGED:
+        return False
+    _LOGGED.add((kind, key))
+    logger.info("auto %s for %s on %s [%s]: %s", kind, key, machine.name, machine.source,
+                choice.describe())
+    return True
+
+
+def cp_efficiency(t: StepTime) -> float:
+    """The step's kernel time ÷ its time: per-GPU throughput of the CP step relative to the
+    same kernels doing the same per-GPU work on one device (the benchmarks' ratio)."""
+    return t.compute_ms / t.total_ms if t.total_ms else 1.0
