@@ -10,16 +10,18 @@ skip it.
 
 Phases (``--phases``; the default runs perf, bf16, seeds in this order):
 
-``sweep``  every launch config of our ``chunk_dqkdg`` with one and two K tiles at the perf
-           shape: time and error against its fp32 result (to choose the tuned set).
-
-``profile`` (after perf) torch.profiler tables of our P = 1 gated fwd+bwd and fla's
-           fixed-slope one (CUDA time per kernel).
+``sweep``  every launch config of our ``chunk_dqkdg`` (one and two K tiles) and of
+           ``decayed_state_sum`` (gated and fixed) at the perf shape: time and error (to
+           choose the tuned sets).
 ``perf``   bf16, B 1, H 16, K = V 128, T ``--t`` (32K): fla ``chunk_simple_gla`` forward with
            ``g`` and with ``g_gamma`` (fwd+bwd too: fla 0.6.0 refuses the gated backward on
            Hopper with Triton < 3.7.1, fla #640), each kernel of our gated path beside the
-           fla kernel it stands for, and the assembled one-leaf gated step (fwd, fwd+bwd).
+           fla kernel it stands for, and the assembled one-leaf gated step (fwd, fwd+bwd;
+           gradients by ``torch.autograd.grad``, no ``.grad`` accumulation, for ours and fla
+           alike).
            Runs first so that the autotuners pick their configs at the timed shape.
+``profile`` torch.profiler tables of our P = 1 gated fwd+bwd and fla's fixed-slope one
+           (CUDA time per kernel).
 ``bf16``   T 4096 at the perf shape (the configs just tuned): fla's gated kernels and ours
            against fp64 torch references, and the one-leaf step (with an incoming state and
            an arriving gradient) against fla's own ``naive_recurrent_simple_gla`` in fp32 by
@@ -279,6 +281,14 @@ def timer(fn, device, a):
                    mode="queued" if device == "cuda" else "eager")
 
 
+def grads_of(out, inputs, grad):
+    """Gradients by ``torch.autograd.grad``: the op's own backward, without ``.grad``
+    accumulation (three or four extra memory-bound adds per call that fla's composed
+    baseline does not run either)."""
+    import torch
+    return torch.autograd.grad(out, inputs, grad)
+
+
 def perf(kern, a, device, dtype):
     """Per-kernel and one-leaf step times at the perf shape (queued timing on CUDA)."""
     import torch
@@ -302,8 +312,8 @@ def perf(kern, a, device, dtype):
         qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
         row("fla fwd g", lambda: chunk_simple_gla(q, k, v, g=g, scale=scale))
         row("fla fwd g_gamma", lambda: chunk_simple_gla(q, k, v, g_gamma=-slopes, scale=scale))
-        row("fla fwd+bwd g_gamma", lambda: chunk_simple_gla(qg, kg, vg, g_gamma=-slopes,
-                                                           scale=scale)[0].backward(do))
+        row("fla fwd+bwd g_gamma", lambda: grads_of(chunk_simple_gla(
+            qg, kg, vg, g_gamma=-slopes, scale=scale)[0], (qg, kg, vg), do))
         row("fla chunk_local_cumsum", lambda: chunk_local_cumsum(g, 64, scale=1 / math.log(2)))
     gs = kern.gate_sums(g, 64)
     from sp_attention.linear.gates import chunk_local_sums
@@ -351,12 +361,12 @@ def perf(kern, a, device, dtype):
     ys = [x.clone().requires_grad_(True) for x in (q, k, v, g)]
     row("ours P=1 fwd g", lambda: lightning_attention(q, k, v, g=g, scale=scale,
                                                       backend=backend))
-    row("ours P=1 fwd+bwd g", lambda: lightning_attention(
-        *ys[:3], g=ys[3], scale=scale, backend=backend).backward(do))
+    row("ours P=1 fwd+bwd g", lambda: grads_of(lightning_attention(
+        *ys[:3], g=ys[3], scale=scale, backend=backend), ys, do))
     row("ours P=1 fwd slopes", lambda: lightning_attention(q, k, v, slopes, scale=scale,
                                                            backend=backend))
-    row("ours P=1 fwd+bwd slopes", lambda: lightning_attention(
-        *ys[:3], slopes, scale=scale, backend=backend).backward(do))
+    row("ours P=1 fwd+bwd slopes", lambda: grads_of(lightning_attention(
+        *ys[:3], slopes, scale=scale, backend=backend), ys[:3], do))
     if kern.real:
         emit(dict(base, impl="summary",
                   p1_fwd_g_vs_fla=rows["ours P=1 fwd g"] / rows["fla fwd g"],
@@ -387,6 +397,10 @@ def sweep(kern, a, device, dtype):
     ref = kern.dqkdg(*(x.float() for x in (q, k, v, do)), h, dh, gs.gc, scale, config=0)
     base = dict(bench="gated_check", phase="sweep", T=T, H=H, K=K, dtype=str(dtype)[6:],
                 timing="queued" if device == "cuda" else "eager")
+    if "state" in a.sweep:
+        _sweep_state_sum(kern, a, device, (q, k, v, do), gs, scale, base)
+    if "dqk" not in a.sweep:
+        return
     for bk in (None, K // 2):
         for i, cfg in enumerate(DQK_CANDIDATES):
             rec = dict(base, config=i, block_k=bk or min(K, 128), BV=cfg.kwargs["BV"],
@@ -398,6 +412,31 @@ def sweep(kern, a, device, dtype):
                 rec["ms"] = timer(lambda: kern.dqkdg(q, k, v, do, h, dh, gs.gc, scale,
                                                      config=i, block_k=bk), device, a)
             except Exception as e:          # a config the compiler refuses (resources)
+                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            emit(rec)
+
+
+def _sweep_state_sum(kern, a, device, xs, gs, scale, base):
+    """Every :data:`STATE_CANDIDATES` config of ``decayed_state_sum``: the gated state-gradient
+    sum (q, dO), the gated end state (k, v) and the fixed-slope state gradient; error against
+    config 0."""
+    import torch
+    from sp_attention.linear.kernels import STATE_CANDIDATES
+    q, k, v, do = xs
+    H = q.shape[2]
+    gg = torch.tensor([-(8 * (h + 1) / H) for h in range(H)], device=device)  # log2 rates
+    cases = {"d gated": lambda c: kern.state_sum(q, do, None, 0, 1, None, scale, c, gates=gs),
+             "b gated": lambda c: kern.state_sum(k, v, None, 0, -1, None, 1.0, c, gates=gs),
+             "d slopes": lambda c: kern.state_sum(q, do, gg / 64, 1, 1, None, scale, c)}
+    for what, fn in cases.items():
+        ref = fn(0)
+        for i, cfg in enumerate(STATE_CANDIDATES):
+            rec = dict(base, kernel="decayed_state_sum", case=what, config=i, warps=cfg.num_warps,
+                       stages=cfg.num_stages, **cfg.kwargs)
+            try:
+                rec["err"] = rel(fn(i), ref)
+                rec["ms"] = timer(lambda: fn(i), device, a)
+            except Exception as e:
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             emit(rec)
 
@@ -467,6 +506,8 @@ def main() -> int:
                         "Triton's interpreter (set here)")
     p.add_argument("--out-dir", default=os.environ.get("OUT"))
     p.add_argument("--t", type=int, default=32768, help="perf sequence length")
+    p.add_argument("--sweep", nargs="+", default=["dqk", "state"], choices=["dqk", "state"],
+                   help="the kernels the sweep phase runs")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--warmup", type=int, default=3)

@@ -182,7 +182,8 @@ def _decayed_state_sum_kernel(x, y, g_gamma, gc, prefix, part, scale, T, n_per_s
                               step, sx, sy, sg, sp,
                               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                              X_ROWS: tl.constexpr, USE_G: tl.constexpr):
+                              X_ROWS: tl.constexpr, USE_G: tl.constexpr,
+                              WEIGHT_Y: tl.constexpr = False):
     i_kv = tl.program_id(0)
     i_s = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
@@ -217,7 +218,14 @@ def _decayed_state_sum_kernel(x, y, g_gamma, gc, prefix, part, scale, T, n_per_s
         else:
             # exponent >= 0 inside the leaf (w <= 1); rows past T masked before exp2 (inf * 0)
             w = tl.exp2(gamma * tl.where(m_t, base + step * o_t, 0).to(tl.float32))
-        if X_ROWS:
+        b_y = tl.load(y + o_t[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                      other=0.0)
+        if WEIGHT_Y:
+            # [BK, BT] x transposed by addressing, fed to the dot as loaded; y [BT, BV] weighted
+            b_x = tl.load(x + o_k[:, None] + o_t[None, :] * (H * K),
+                          mask=m_k[:, None] & m_t[None, :], other=0.0)
+            b_y = (b_y.to(tl.float32) * w[:, None]).to(b_y.dtype)
+        elif X_ROWS:
             # [BT, BK] as stored (K contiguous), weighted in fp32, fed transposed to the dot
             b_x = tl.load(x + o_t[:, None] * (H * K) + o_k[None, :],
                           mask=m_t[:, None] & m_k[None, :], other=0.0)
@@ -227,8 +235,6 @@ def _decayed_state_sum_kernel(x, y, g_gamma, gc, prefix, part, scale, T, n_per_s
             b_x = tl.load(x + o_k[:, None] + o_t[None, :] * (H * K),
                           mask=m_k[:, None] & m_t[None, :], other=0.0)
             b_x = (b_x.to(tl.float32) * w[None, :]).to(b_x.dtype)
-        b_y = tl.load(y + o_t[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                      other=0.0)
         acc = tl.dot(b_x, b_y, acc)
     p = part + ((i_s * tl.num_programs(2) + i_bh) * K + o_k[:, None]) * V + o_v[None, :]
     tl.store(p, acc * scale, mask=m_k[:, None] & m_v[None, :])
@@ -241,11 +247,16 @@ def _decayed_state_sum_kernel(x, y, g_gamma, gc, prefix, part, scale, T, n_per_s
 # test_our_kernels_every_config_gpu on the H200 (2026-11-23); the autotuner is offered the
 # first (what Triton's CPU interpreter runs) and the two [64, 64] reads as stored: in a
 # rank program at 32K its pick took 0.186 ms (0.225 ms with the first alone).
+# Since 2026-11-24 also y weighted in place of x (WEIGHT_Y: x goes to the dot as loaded),
+# candidates 9 on.
 STATE_CANDIDATES = [
-    triton.Config({"BK": bk, "BV": bv, "X_ROWS": xr}, num_warps=w, num_stages=st)
-    for bk, bv, xr, w, st in ((64, 64, 0, 4, 3), (128, 128, 0, 8, 2), (128, 128, 1, 8, 2),
-                              (128, 128, 1, 8, 3), (64, 64, 1, 4, 3), (64, 64, 1, 4, 4),
-                              (64, 128, 1, 4, 3), (128, 64, 1, 8, 3), (64, 64, 0, 4, 4))
+    triton.Config({"BK": bk, "BV": bv, "X_ROWS": xr, "WEIGHT_Y": wy}, num_warps=w, num_stages=st)
+    for bk, bv, xr, wy, w, st in (
+        (64, 64, 0, 0, 4, 3), (128, 128, 0, 0, 8, 2), (128, 128, 1, 0, 8, 2),
+        (128, 128, 1, 0, 8, 3), (64, 64, 1, 0, 4, 3), (64, 64, 1, 0, 4, 4),
+        (64, 128, 1, 0, 4, 3), (128, 64, 1, 0, 8, 3), (64, 64, 0, 0, 4, 4),
+        (64, 64, 0, 1, 4, 3), (64, 64, 0, 1, 4, 4), (128, 128, 0, 1, 8, 2),
+        (128, 64, 0, 1, 8, 3), (64, 128, 0, 1, 4, 3), (128, 128, 0, 1, 8, 3))
 ]
 _STATE_CONFIGS = [STATE_CANDIDATES[i] for i in (0, 4, 5)]
 _decayed_state_sum_tuned = triton.autotune(configs=_STATE_CONFIGS, key=["H", "K", "V", "USE_G"])(

@@ -167,10 +167,11 @@ for B, T, H, K, V, cfg, bk in ((1, 64, 1, 16, 16, 0, None), (2, 100, 3, 32, 16, 
     h0 = gated_chunk_states(k, v, g, 64).float().contiguous()
     o = output_from_states(q, k, v, h0, S, None, 0.5, 64, cfg, gates=gs)
     err("output", o, chunked_gated_core(qd, kd, vd, gd, 0.5, S.double())[0])
-    d = decayed_state_sum(q, do, None, 0, 1, None, 0.3, cfg, gates=gs)
-    err("state_sum", d, gated_state_grad_ref(qd, dod, gd, 0.3))
-    b = decayed_state_sum(k, v, None, 0, -1, None, 1.0, cfg, gates=gs)
-    err("state_sum end state", b, chunked_gated_core(kd, kd, vd, gd, 1.0, None, 64)[1])
+    for sc in (cfg, 9 + cfg):                          # x weighted / y weighted
+        d = decayed_state_sum(q, do, None, 0, 1, None, 0.3, sc, gates=gs)
+        err("state_sum", d, gated_state_grad_ref(qd, dod, gd, 0.3))
+        b = decayed_state_sum(k, v, None, 0, -1, None, 1.0, sc, gates=gs)
+        err("state_sum end state", b, chunked_gated_core(kd, kd, vd, gd, 1.0, None, 64)[1])
     h = gated_chunk_states(kd, vd, gd, 64, S.double())
     N, dh, cur = h.shape[1], [], D.double()
     for n in reversed(range(N)):
