@@ -442,38 +442,25 @@ def _sweep_state_sum(kern, a, device, xs, gs, scale, base):
 
 
 def profile(kern, a, device, dtype):
-    """The kernels of our P = 1 gated fwd+bwd and of fla's fixed-slope fwd+bwd under
-    torch.profiler: one table each (CUDA time per kernel), as text lines in the JSON."""
+    """The kernels of our P = 1 gated fwd+bwd and of fla's fixed-slope fwd+bwd
+    (:func:`benchmarks.common.kernel_table`, printed to the log; CUDA only)."""
+    if device != "cuda":
+        return
     import torch
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as tprofile
 
+    from benchmarks.common import kernel_table
     from sp_attention.linear import lightning_attention
     B, H, K, V, T = 1, a.heads, a.head_dim, a.head_dim, a.t
     q, k, v, do, g, S, D = inputs(B, T, H, K, V, dtype, device, seed=2)
     slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=device)
     ys = [x.clone().requires_grad_(True) for x in (q, k, v, g)]
-    cases = {"ours fwd+bwd g": lambda: lightning_attention(
-        *ys[:3], g=ys[3], scale=K ** -0.5).backward(do)}
+    kernel_table(lambda: grads_of(lightning_attention(*ys[:3], g=ys[3], scale=K ** -0.5), ys,
+                                  do), "ours P=1 fwd+bwd g", top=25)
     if kern.real:
         from fla.ops.simple_gla import chunk_simple_gla
-        cases["fla fwd+bwd g_gamma"] = lambda: chunk_simple_gla(
-            *ys[:3], g_gamma=-slopes, scale=K ** -0.5)[0].backward(do)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    for name, fn in cases.items():
-        for _ in range(3):
-            fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        with tprofile(activities=acts) as prof:
-            for _ in range(5):
-                fn()
-            if device == "cuda":
-                torch.cuda.synchronize()
-        sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
-        table = prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60)
-        emit(dict(bench="gated_check", phase="profile", case=name, iters=5,
-                  table=table.splitlines()))
+        kernel_table(lambda: grads_of(chunk_simple_gla(*ys[:3], g_gamma=-slopes,
+                                                       scale=K ** -0.5)[0], ys[:3], do),
+                     "fla fwd+bwd g_gamma", top=25)
 
 
 def export_seeds(out_dir: str, since: float) -> None:

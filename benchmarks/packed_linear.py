@@ -219,7 +219,7 @@ def perf(a, device, kern) -> None:
                                                            generator=gen)) / 16
             for layout in a.layouts:
                 plan = plan_packing(cu, P, layout=layout)
-                for gated in (False, True):
+                for gated in [d == "gated" for d in a.decays]:
                     for r in range(P):
                         lp = linear_packing(plan, r)
                         xs = [plan.shard(t, r, 1) for t in (q, k, v, do)]
@@ -239,6 +239,12 @@ def perf(a, device, kern) -> None:
                                 row["fla_ms_fwd_bwd"] = tm(bfb)
                                 row["ratio"] = row["ms_fwd_bwd"] / row["fla_ms_fwd_bwd"]
                         emit(row)
+                        if a.profile and kern is not None:
+                            from benchmarks.common import kernel_table
+                            label = f"T {T} P {P} {layout} rank {r} gated {gated}"
+                            kernel_table(fb, "ours " + label)
+                            if bfb is not None:
+                                kernel_table(bfb, "fla varlen " + label)
 
 
 def main() -> int:
@@ -249,6 +255,10 @@ def main() -> int:
     p.add_argument("--t-local", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"])
+    p.add_argument("--decays", nargs="+", default=["fixed", "gated"], choices=["fixed", "gated"],
+                   help="fixed slopes (the ≤ 1.05 × fla target) and/or per-token gates")
+    p.add_argument("--profile", action="store_true",
+                   help="print the GPU kernels of each rank's fwd+bwd and of fla's beside it")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--warmup", type=int, default=3)
