@@ -174,6 +174,25 @@ def kernel_table(fn: Callable[[], object], label: str, iters: int = 5, top: int 
         print(f"{e.device_time_total / iters:9.1f} us | {e.count / iters:5.1f} x | {e.key[:100]}")
 
 
+def host_profile(fn: Callable[[], object], label: str, iters: int = 10, top: int = 40) -> None:
+    """Print where the host's time goes in ``iters`` calls of ``fn`` after one warm-up
+    (cProfile, sorted by cumulative time; GPU syncs show as time in the call that waits)."""
+    import cProfile
+    import io
+    import pstats
+    fn()
+    sync("cuda" if torch.cuda.is_available() else "cpu")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
+    print(f"--- host profile of {label}, {iters} calls")
+    print(out.getvalue())
+
+
 def print_summary(paths, cols) -> None:
     """A markdown table of the JSON lines in ``paths``: the columns of ``cols`` any row has."""
     rows = [json.loads(line) for p in paths for line in open(p) if line.strip()]

@@ -239,12 +239,17 @@ def perf(a, device, kern) -> None:
                                 row["fla_ms_fwd_bwd"] = tm(bfb)
                                 row["ratio"] = row["ms_fwd_bwd"] / row["fla_ms_fwd_bwd"]
                         emit(row)
+                        label = f"T {T} P {P} {layout} rank {r} gated {gated}"
                         if a.profile and kern is not None:
                             from benchmarks.common import kernel_table
-                            label = f"T {T} P {P} {layout} rank {r} gated {gated}"
                             kernel_table(fb, "ours " + label)
                             if bfb is not None:
                                 kernel_table(bfb, "fla varlen " + label)
+                        if a.host_profile:
+                            from benchmarks.common import host_profile
+                            host_profile(fb, "ours " + label)
+                            if kern is not None and bfb is not None:
+                                host_profile(bfb, "fla varlen " + label)
 
 
 def main() -> int:
@@ -257,6 +262,8 @@ def main() -> int:
     p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"])
     p.add_argument("--decays", nargs="+", default=["fixed", "gated"], choices=["fixed", "gated"],
                    help="fixed slopes (the ≤ 1.05 × fla target) and/or per-token gates")
+    p.add_argument("--host-profile", action="store_true",
+                   help="print where the host's time goes (cProfile) in each rank's fwd+bwd")
     p.add_argument("--profile", action="store_true",
                    help="print the GPU kernels of each rank's fwd+bwd and of fla's beside it")
     p.add_argument("--heads", type=int, default=16)
