@@ -183,7 +183,7 @@ def _decayed_state_sum_kernel(x, y, g_gamma, gc, prefix, part, scale, T, n_per_s
                               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                               X_ROWS: tl.constexpr, USE_G: tl.constexpr,
-                              WEIGHT_Y: tl.constexpr = False):
+                              WEIGHT_Y: tl.constexpr = False, BL: tl.constexpr = 64):
     i_kv = tl.program_id(0)
     i_s = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
@@ -206,12 +206,25 @@ def _decayed_state_sum_kernel(x, y, g_gamma, gc, prefix, part, scale, T, n_per_s
     m_k = o_k < K
     m_v = o_v < V
     acc = tl.zeros([BK, BV], dtype=tl.float32)
-    for c in range(i_s * n_per_split, (i_s + 1) * n_per_split):
-        o_t = c * BT + tl.arange(0, BT)
-        m_t = o_t < T
+    # BL tokens (BL // BT gate chunks) per iteration; the split covers chunks [c_lo, c_hi)
+    c_lo = i_s * n_per_split
+    c_hi = (i_s + 1) * n_per_split
+    for c in range(c_lo, c_hi, BL // BT):
+        o_t = c * BT + tl.arange(0, BL)
+        if BL == BT:
+            m_t = o_t < T
+        else:
+            # the split's last block may pass its range when n_per_split is no multiple of BL/BT
+            m_t = (o_t < T) & (o_t < c_hi * BT)
         if USE_G:
             # exp2 of the leaf's inclusive sum at t: the chunk's local sum + all chunks before
-            before = tl.load(prefix + (c - 1) * H, mask=(c > 0) & ((c - 1) * BT < T), other=0.0)
+            if BL == BT:
+                before = tl.load(prefix + (c - 1) * H, mask=(c > 0) & ((c - 1) * BT < T),
+                                 other=0.0)
+            else:
+                # per token: the inclusive sum over the gate chunks before t's own (gathered)
+                c_t = o_t // BT
+                before = tl.load(prefix + (c_t - 1) * H, mask=m_t & (c_t > 0), other=0.0)
             G = tl.load(gc + o_t * H, mask=m_t, other=0.0) + before
             # exponent <= 0 inside the leaf; rows past T masked before exp2 (inf * 0)
             w = tl.exp2(tl.where(m_t, tl.where(step < 0, total - G, G), 0.0))
@@ -221,17 +234,17 @@ def _decayed_state_sum_kernel(x, y, g_gamma, gc, prefix, part, scale, T, n_per_s
         b_y = tl.load(y + o_t[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
                       other=0.0)
         if WEIGHT_Y:
-            # [BK, BT] x transposed by addressing, fed to the dot as loaded; y [BT, BV] weighted
+            # [BK, BL] x transposed by addressing, fed to the dot as loaded; y [BL, BV] weighted
             b_x = tl.load(x + o_k[:, None] + o_t[None, :] * (H * K),
                           mask=m_k[:, None] & m_t[None, :], other=0.0)
             b_y = (b_y.to(tl.float32) * w[:, None]).to(b_y.dtype)
         elif X_ROWS:
-            # [BT, BK] as stored (K contiguous), weighted in fp32, fed transposed to the dot
+            # [BL, BK] as stored (K contiguous), weighted in fp32, fed transposed to the dot
             b_x = tl.load(x + o_t[:, None] * (H * K) + o_k[None, :],
                           mask=m_t[:, None] & m_k[None, :], other=0.0)
             b_x = tl.trans((b_x.to(tl.float32) * w[:, None]).to(b_x.dtype))
         else:
-            # [BK, BT]: x transposed by addressing
+            # [BK, BL]: x transposed by addressing
             b_x = tl.load(x + o_k[:, None] + o_t[None, :] * (H * K),
                           mask=m_k[:, None] & m_t[None, :], other=0.0)
             b_x = (b_x.to(tl.float32) * w[None, :]).to(b_x.dtype)
@@ -248,15 +261,26 @@ def _decayed_state_sum_kernel(x, y, g_gamma, gc, prefix, part, scale, T, n_per_s
 # first (what Triton's CPU interpreter runs) and the two [64, 64] reads as stored: in a
 # rank program at 32K its pick took 0.186 ms (0.225 ms with the first alone).
 # Since 2026-11-24 also y weighted in place of x (WEIGHT_Y: x goes to the dot as loaded),
-# candidates 9 on.
+# candidates 9 on. BL: tokens per loop iteration (one dot of depth BL), 64 (one gate chunk, all
+# candidates 0-14) or 128 / 256 (2 or 4 gate chunks; each token finds its chunk's prefix by a
+# gathered load): at 32K candidate 5 spends 0.239 ms on ~30 latency-bound 64-deep dots per
+# program where reading q and dO once costs ~0.06 ms. Candidates 15 on (not yet measured on
+# the GPU; all compile for sm_90, at most 98 KB of shared memory); append only, tests and
+# benchmarks name candidates by index.
 STATE_CANDIDATES = [
-    triton.Config({"BK": bk, "BV": bv, "X_ROWS": xr, "WEIGHT_Y": wy}, num_warps=w, num_stages=st)
-    for bk, bv, xr, wy, w, st in (
-        (64, 64, 0, 0, 4, 3), (128, 128, 0, 0, 8, 2), (128, 128, 1, 0, 8, 2),
-        (128, 128, 1, 0, 8, 3), (64, 64, 1, 0, 4, 3), (64, 64, 1, 0, 4, 4),
-        (64, 128, 1, 0, 4, 3), (128, 64, 1, 0, 8, 3), (64, 64, 0, 0, 4, 4),
-        (64, 64, 0, 1, 4, 3), (64, 64, 0, 1, 4, 4), (128, 128, 0, 1, 8, 2),
-        (128, 64, 0, 1, 8, 3), (64, 128, 0, 1, 4, 3), (128, 128, 0, 1, 8, 3))
+    triton.Config({"BK": bk, "BV": bv, "X_ROWS": xr, "WEIGHT_Y": wy, "BL": bl}, num_warps=w,
+                  num_stages=st)
+    for bk, bv, xr, wy, w, st, bl in (
+        (64, 64, 0, 0, 4, 3, 64), (128, 128, 0, 0, 8, 2, 64), (128, 128, 1, 0, 8, 2, 64),
+        (128, 128, 1, 0, 8, 3, 64), (64, 64, 1, 0, 4, 3, 64), (64, 64, 1, 0, 4, 4, 64),
+        (64, 128, 1, 0, 4, 3, 64), (128, 64, 1, 0, 8, 3, 64), (64, 64, 0, 0, 4, 4, 64),
+        (64, 64, 0, 1, 4, 3, 64), (64, 64, 0, 1, 4, 4, 64), (128, 128, 0, 1, 8, 2, 64),
+        (128, 64, 0, 1, 8, 3, 64), (64, 128, 0, 1, 4, 3, 64), (128, 128, 0, 1, 8, 3, 64),
+        # 15-: BL > 64
+        (64, 64, 1, 0, 4, 3, 128), (64, 64, 1, 0, 4, 4, 128), (64, 64, 1, 0, 4, 3, 256),
+        (64, 64, 1, 0, 4, 4, 256), (128, 128, 1, 0, 8, 2, 128), (64, 128, 1, 0, 4, 3, 128),
+        (64, 128, 1, 0, 8, 3, 128), (64, 128, 1, 0, 8, 2, 256), (64, 64, 0, 1, 4, 3, 128),
+        (64, 64, 1, 0, 8, 3, 256))
 ]
 _STATE_CONFIGS = [STATE_CANDIDATES[i] for i in (0, 4, 5)]
 _decayed_state_sum_tuned = triton.autotune(configs=_STATE_CONFIGS, key=["H", "K", "V", "USE_G"])(
@@ -277,7 +301,8 @@ def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor | 
     rows themselves may be strided, e.g. every other leaf of a batch of leaves); the weighted x
     is rounded to the input dtype before the tensor-core product, as the chunk kernels round
     their operands. ``base + step·t >= 0`` for every t (weights ≤ 1). ``splits``: sequence
-    pieces summed at the end in a fixed order (default: about two programs per SM per tile).
+    pieces summed at the end in a fixed order (default: about two programs per SM per tile; at
+    most this many, each a multiple of 256 tokens but the last).
     ``config``: index into :data:`STATE_CANDIDATES` (default: autotuned over the offered
     :data:`_STATE_CONFIGS` on the GPU, their first in Triton's CPU interpreter).
     ``gates``: per-token decays in place of ``g_gamma`` (None then; rows ``gc[b]`` and
@@ -300,7 +325,8 @@ def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor | 
     if splits is None:
         sms = _sm_count(x.device.index) if x.is_cuda else 8
         splits = max(1, min(n_chunks, triton.cdiv(2 * sms, B * H)))
-    per = triton.cdiv(n_chunks, splits)
+    # chunks per split: a multiple of the largest BL // BT (4), so no BL block crosses a split
+    per = 4 * triton.cdiv(triton.cdiv(n_chunks, splits), 4)
     splits = triton.cdiv(n_chunks, per)
     part = torch.empty(splits, B, H, K, V, device=x.device, dtype=torch.float32)
 

@@ -187,6 +187,19 @@ for B, T, H, K, V, cfg, bk in ((1, 64, 1, 16, 16, 0, None), (2, 100, 3, 32, 16, 
                                  gs.gc, 0.3, 64, c, bk)
         assert dq.dtype == dk.dtype == dg.dtype == torch.float32
         err("dq", dq, ref[0]); err("dk", dk, ref[1]); err("dg", dg, ref[3])
+# BL > 64 (2 or 4 gate chunks per iteration, x or y weighted): T = 600 no multiple of BL,
+# 3 splits (the last one partial), 2 rows
+from sp_attention.linear.kernels import STATE_CANDIDATES
+q, k, v, do = (torch.randn(2, 600, 2, 16) for _ in range(4))
+g = -torch.rand(2, 600, 2) * torch.tensor([0.002, 0.03])
+gs = gate_sums(g, 64)
+qd, kd, vd, dod, gd = (x.double() for x in (q, k, v, do, g))
+for sc, wy in ((15, 0), (17, 0), (23, 1)):
+    assert STATE_CANDIDATES[sc].kwargs["BL"] > 64 and STATE_CANDIDATES[sc].kwargs["WEIGHT_Y"] == wy
+    d = decayed_state_sum(q, do, None, 0, 1, 3, 0.3, sc, gates=gs)
+    err("state_sum BL", d, gated_state_grad_ref(qd, dod, gd, 0.3))
+    b = decayed_state_sum(k, v, None, 0, -1, 3, 1.0, sc, gates=gs)
+    err("state_sum end state BL", b, chunked_gated_core(kd, kd, vd, gd, 1.0, None, 64)[1])
 # varlen: several sequences in one row (fla's layout), one of length 1, padding after them
 from sp_attention.linear.gated_naive import fla_chunk_bwd_dh
 from sp_attention.linear.varlen import chunk_indices, cu_seqlens_tensor
@@ -229,9 +242,10 @@ sys.exit(0 if max(worst.values()) < 1e-5 else 1)
 def test_gated_kernels_in_triton_interpreter():
     """Our Triton kernels with per-token gates on CPU (``TRITON_INTERPRET=1``, fp32, partial
     last chunks, 1 and 3 heads, K ≠ V, slow / medium / fast gates, three launch configs, one
-    and two K tiles): the gate sums vs torch, the output and state-sum kernels vs the fp64
-    chunked form, and the dq/dk/dg kernel vs autograd through the fp64 chunk pieces, also in
-    fla's varlen layout (sequences of 30, 100, 1 and 69 tokens, padding after them)."""
+    and two K tiles, state sums over 128 and 256 tokens per iteration in three splits): the
+    gate sums vs torch, the output and state-sum kernels vs the fp64 chunked form, and the
+    dq/dk/dg kernel vs autograd through the fp64 chunk pieces, also in fla's varlen layout
+    (sequences of 30, 100, 1 and 69 tokens, padding after them)."""
     pytest.importorskip("triton", reason="triton is in the `test` extra; install it to run this")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_INTERPRET="1",

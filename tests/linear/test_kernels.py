@@ -32,7 +32,7 @@ for T, B, H, K, V in ((64, 1, 1, 16, 16), (100, 2, 3, 32, 16), (200, 1, 3, 16, 4
         assert o.dtype == torch.float32 and o.shape == (B, T, H, V)
 from sp_attention.linear.kernels import STATE_CANDIDATES, decayed_state_sum
 from sp_attention.linear.naive import decayed_state_sum_ref
-for T, splits in ((64, None), (200, 3), (130, 1)):
+for T, splits in ((64, None), (600, 3), (130, 1), (1000, None)):
     x, y = torch.randn(2, T, 3, 32), torch.randn(2, T, 3, 16)
     slopes = torch.tensor([0.0, 0.05, 60.0])
     for cfg in range(len(STATE_CANDIDATES)):       # every candidate config
@@ -56,7 +56,8 @@ sys.exit(0 if worst < 1e-5 else 1)
 def test_output_from_states_kernel_in_triton_interpreter():
     """The Triton kernels on CPU (``TRITON_INTERPRET=1``, fp32, partial last chunks, one and
     three heads, K != V, slopes 0 / small / underflowing, several sequence splits): the output
-    kernel vs the fp64 chunked form, the state-sum kernel vs its fp64 reference. Runs in a
+    kernel vs the fp64 chunked form, the state-sum kernel vs its fp64 reference (every
+    candidate, so every BL; 600 tokens in 3 splits, the last one partial). Runs in a
     subprocess: the interpreter is chosen when the kernel module is imported."""
     pytest.importorskip("triton", reason="triton is in the `test` extra; install it to run this")
     import os
