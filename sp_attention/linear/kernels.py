@@ -282,7 +282,12 @@ STATE_CANDIDATES = [
         (64, 128, 1, 0, 8, 3, 128), (64, 128, 1, 0, 8, 2, 256), (64, 64, 0, 1, 4, 3, 128),
         (64, 64, 1, 0, 8, 3, 256))
 ]
-_STATE_CONFIGS = [STATE_CANDIDATES[i] for i in (0, 4, 5)]
+# Offered to the autotuner: candidate 19 ([128, 128] tiles, x as stored, 128 tokens per dot)
+# was the fastest of all 25 in every case of the 2026-11-24 sweep on an H200 (32K, H 16,
+# K = V = 128, bf16; `benchmarks/gated_check.py --phases sweep --sweep state`): gated state
+# gradient 0.159 ms (candidate 5: 0.241), gated end state 0.166 (0.238), fixed slopes 0.137
+# (0.160); 4 and 5 stay for other shapes, 0 is what Triton's CPU interpreter runs.
+_STATE_CONFIGS = [STATE_CANDIDATES[i] for i in (19, 0, 4, 5)]
 _decayed_state_sum_tuned = triton.autotune(configs=_STATE_CONFIGS, key=["H", "K", "V", "USE_G"])(
     _decayed_state_sum_kernel)
 
