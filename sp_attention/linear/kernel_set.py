@@ -26,8 +26,9 @@ class FlaKernels:
 
     ``chunk_fwd_h`` … ``chunk_bwd_dv``: fla's internal chunk kernels. ``output_from_states``:
     :func:`sp_attention.linear.kernels.output_from_states` (``gates=`` for per-token gates).
-    ``state_sum(x, y, decay, base, step, scale, gates=None)``: ``scale · Σ_t λ^(base + step·t)
-    x_tᵀ y_t`` in fp32, or its gated form (:func:`sp_attention.linear.leaf.decayed_sum`).
+    ``state_sum(x, y, decay, base, step, scale, gates=None, pieces=None)``: ``scale · Σ_t
+    λ^(base + step·t) x_tᵀ y_t`` in fp32, or its gated form, per token range with ``pieces``
+    (:func:`sp_attention.linear.leaf.decayed_sum`).
     ``chunk_dqkdg``: our dq/dk/dg kernel, which the gated path runs in place of fla's
     ``chunk_bwd_dqkwg`` (:func:`sp_attention.linear.dqk_kernel.chunk_dqkdg`; None: a set
     without it runs fixed slopes only). :func:`fla_kernels` gives the real set;

@@ -177,21 +177,32 @@ def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: tor
     return o
 
 
-@triton.jit(do_not_specialize=["T", "n_per_split", "sx", "sy", "sg", "sp"])
+@triton.jit(do_not_specialize=["T", "n_per_split", "sx", "sy", "sg", "sp", "n_pieces"])
 def _decayed_state_sum_kernel(x, y, g_gamma, gc, prefix, part, scale, T, n_per_split, base,
-                              step, sx, sy, sg, sp,
+                              step, sx, sy, sg, sp, pieces, n_pieces,
                               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                               X_ROWS: tl.constexpr, USE_G: tl.constexpr,
-                              WEIGHT_Y: tl.constexpr = False, BL: tl.constexpr = 64):
+                              WEIGHT_Y: tl.constexpr = False, BL: tl.constexpr = 64,
+                              PIECES: tl.constexpr = False):
     i_kv = tl.program_id(0)
     i_s = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
     NV = tl.cdiv(V, BV)
     i_k = i_kv // NV
     i_v = i_kv % NV
-    i_b = i_bh // H
     i_h = i_bh % H
+    if PIECES:      # program i_bh: (row, piece, head); the piece's (start, length) from pieces
+        i_b = i_bh // (n_pieces * H)
+        i_j = (i_bh // H) % n_pieces
+        tok0 = tl.load(pieces + i_j * 2).to(tl.int64)
+        T = tl.load(pieces + i_j * 2 + 1)
+        if step < 0:                                    # each piece's own end state
+            base = T - 1
+        x += tok0 * (H * K)
+        y += tok0 * (H * V)
+    else:
+        i_b = i_bh // H
     x += i_b * sx + i_h * K                             # rows may be strided (sx, sy)
     y += i_b * sy + i_h * V
     if USE_G:
@@ -209,6 +220,8 @@ def _decayed_state_sum_kernel(x, y, g_gamma, gc, prefix, part, scale, T, n_per_s
     # BL tokens (BL // BT gate chunks) per iteration; the split covers chunks [c_lo, c_hi)
     c_lo = i_s * n_per_split
     c_hi = (i_s + 1) * n_per_split
+    if PIECES:                                          # pieces shorter than the longest
+        c_hi = tl.minimum(c_hi, tl.cdiv(T, BT))
     for c in range(c_lo, c_hi, BL // BT):
         o_t = c * BT + tl.arange(0, BL)
         if BL == BT:
@@ -288,7 +301,8 @@ STATE_CANDIDATES = [
 # gradient 0.159 ms (candidate 5: 0.241), gated end state 0.166 (0.238), fixed slopes 0.137
 # (0.160); 4 and 5 stay for other shapes, 0 is what Triton's CPU interpreter runs.
 _STATE_CONFIGS = [STATE_CANDIDATES[i] for i in (19, 0, 4, 5)]
-_decayed_state_sum_tuned = triton.autotune(configs=_STATE_CONFIGS, key=["H", "K", "V", "USE_G"])(
+_decayed_state_sum_tuned = triton.autotune(configs=_STATE_CONFIGS,
+                                           key=["H", "K", "V", "USE_G", "PIECES"])(
     _decayed_state_sum_kernel)
 
 
@@ -299,7 +313,8 @@ def _sm_count(index) -> int:
 
 def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor | None, base: int,
                       step: int, splits: int | None = None, scale: float = 1.0,
-                      config: int | None = None, gates: GateSums | None = None) -> torch.Tensor:
+                      config: int | None = None, gates: GateSums | None = None,
+                      pieces: tuple | None = None) -> torch.Tensor:
     """``scale · Σ_t exp2(g_gamma·(base + step·t)) x_tᵀ y_t`` -> ``[B, H, K, V]`` fp32.
 
     x ``[B, T, H, K]``, y ``[B, T, H, V]``, one 16-bit dtype, each row ``x[b]`` contiguous (the
@@ -315,9 +330,22 @@ def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor | 
     by ``exp(G_t)`` with G the row's inclusive sum of g at t (the state-gradient
     contribution of a gated leaf, x = q, y = dO), ``step < 0`` by ``exp(Γ − G_t)`` with Γ the
     row's total (its end state from zero, x = k, y = v).
+    ``pieces``: ``((start, length), ...)`` token ranges of every row, summed each on its own in
+    one launch (fixed rates only; ``step < 0`` takes each piece's own ``base = length − 1``):
+    ``[B, len(pieces), H, K, V]``.
     """
     B, T, H, K = x.shape
     V = y.shape[-1]
+    n_pieces, bounds = 1, None
+    if pieces is not None:
+        if gates is not None:
+            raise ValueError("decayed_state_sum: pieces take fixed rates (g_gamma) only")
+        if not pieces or any(a < 0 or n < 1 or a + n > T for a, n in pieces):
+            raise ValueError(f"decayed_state_sum: pieces {pieces} must be non-empty ranges "
+                             f"inside the {T} tokens")
+        n_pieces, T = len(pieces), max(n for _, n in pieces)
+        bounds = _piece_bounds(tuple(pieces), x.device)
+        base = base if step > 0 else T - 1              # checked below for the longest piece
     if not (x[0].is_contiguous() and y[0].is_contiguous()) or y.shape[:3] != x.shape[:3]:
         raise ValueError(f"decayed_state_sum: x {tuple(x.shape)} and y {tuple(y.shape)} must have "
                          "contiguous rows and equal B, T, H")
@@ -333,10 +361,11 @@ def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor | 
     # chunks per split: a multiple of the largest BL // BT (4), so no BL block crosses a split
     per = 4 * triton.cdiv(triton.cdiv(n_chunks, splits), 4)
     splits = triton.cdiv(n_chunks, per)
-    part = torch.empty(splits, B, H, K, V, device=x.device, dtype=torch.float32)
+    part = torch.empty(splits, B * n_pieces, H, K, V, device=x.device, dtype=torch.float32)
 
     def grid(meta):
-        return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]), splits, B * H)
+        return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]), splits,
+                B * n_pieces * H)
     if gates is not None:
         gc, prefix = gates.gc, gates.prefix
         if not (gc[0].is_contiguous() and prefix[0].is_contiguous()) or gc.shape != x.shape[:3]:
@@ -347,14 +376,22 @@ def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor | 
     else:
         gc, prefix, sg, sp = g_gamma, g_gamma, 0, 0
     args = (x, y, g_gamma, gc, prefix, part, float(scale), T, per, base, step, x.stride(0),
-            y.stride(0), sg, sp)
+            y.stride(0), sg, sp, bounds, n_pieces)
+    kw = dict(H=H, K=K, V=V, BT=BT, USE_G=gates is not None, PIECES=pieces is not None)
     guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
     with guard:
         if config is not None or os.environ.get("TRITON_INTERPRET") == "1":
             cfg = STATE_CANDIDATES[config or 0]
             _decayed_state_sum_kernel[grid(cfg.kwargs)](
-                *args, H=H, K=K, V=V, BT=BT, USE_G=gates is not None, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, **cfg.kwargs)
+                *args, **kw, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)
         else:
-            _decayed_state_sum_tuned[grid](*args, H=H, K=K, V=V, BT=BT, USE_G=gates is not None)
-    return part[0] if splits == 1 else part.sum(0)
+            _decayed_state_sum_tuned[grid](*args, **kw)
+    out = part[0] if splits == 1 else part.sum(0)
+    return out if pieces is None else out.view(B, n_pieces, H, K, V)
+
+
+@functools.lru_cache(maxsize=128)
+def _piece_bounds(pieces: tuple, device: torch.device) -> torch.Tensor:
+    """int32 ``[N, 2]`` (start, length) per piece on ``device`` (cached: one plan, many
+    layers)."""
+    return torch.tensor(pieces, dtype=torch.int32).reshape(-1, 2).to(device)

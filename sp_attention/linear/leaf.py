@@ -110,7 +110,8 @@ def inter_output(q: torch.Tensor, slopes: DecayLike, scale: float,
 
 
 def decayed_sum(x: torch.Tensor, y: torch.Tensor, slopes: DecayLike, base: int, step: int,
-                scale: float = 1.0, gates: Optional[GateSums] = None) -> torch.Tensor:
+                scale: float = 1.0, gates: Optional[GateSums] = None,
+                pieces: Optional[tuple] = None) -> torch.Tensor:
     """``scale · Σ_t λ^(base + step·t) x_tᵀ y_t`` -> [B, H, K, V], fp32 (fp64 for fp64).
 
     Gates: the weights are ``exp(G_t)`` (``step > 0``, G inclusive from the first token: a
@@ -120,8 +121,15 @@ def decayed_sum(x: torch.Tensor, y: torch.Tensor, slopes: DecayLike, base: int, 
     16-bit CUDA inputs take the one-pass Triton kernel (fp32 accumulation, the weighted x
     rounded to the input dtype as the chunk kernels round their operands); everything else the
     compute-dtype einsum with the weights cached per slopes version.
+
+    ``pieces``: ``((start, length), ...)`` token ranges, each summed on its own (``step < 0``:
+    each piece's end state, its own ``base = length − 1``) -> ``[B, len(pieces), H, K, V]``;
+    fixed rates on the kernel path take one launch for all of them (the packed path's
+    crossing segments).
     """
     decay = as_decay(slopes)
+    if pieces is not None:
+        return _piece_sums(x, y, decay, base, step, scale, tuple(pieces))
     if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and y.dtype == x.dtype
             and fla_import_error() is None):
         from .kernels import decayed_state_sum
@@ -142,6 +150,19 @@ def decayed_sum(x: torch.Tensor, y: torch.Tensor, slopes: DecayLike, base: int, 
             xw = x.to(dt) * w.t()[None, :, :, None]
         out = torch.einsum("bchk,bchv->bhkv", xw, y.to(dt))
     return out if scale == 1.0 else scale * out
+
+
+def _piece_sums(x, y, decay, base: int, step: int, scale: float, pieces: tuple) -> torch.Tensor:
+    if (not decay.gated and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+            and y.dtype == x.dtype and fla_import_error() is None):
+        from .kernels import decayed_state_sum
+        return decayed_state_sum(x if x[0].is_contiguous() else x.contiguous(),
+                                 y if y[0].is_contiguous() else y.contiguous(),
+                                 fla_g_gamma(decay.slopes, x.device), base, step, scale=scale,
+                                 pieces=pieces)
+    return torch.stack([decayed_sum(x[:, a:a + n], y[:, a:a + n], decay.tokens(a, a + n),
+                                    n - 1 if step < 0 else base, step, scale)
+                        for a, n in pieces], 1)
 
 
 def leaf_state(k: torch.Tensor, v: torch.Tensor, slopes: DecayLike) -> torch.Tensor:

@@ -48,14 +48,25 @@ def _transitions(q, decay: Decay, lp: LinearPacking, dt) -> list:
     return out
 
 
+def _segment_sums(x, y, decay: Decay, segments: list, step: int, scale: float, kern,
+                  dt) -> list:
+    """The one-pass state sum over each of ``segments`` (``step < 0``: its end state from
+    zero; ``step > 0``: its state-gradient contribution), in ``dt``: one call for all of them
+    (one kernel launch with fixed rates on the GPU)."""
+    if not segments:
+        return []
+    state_sum = decayed_sum if kern is None else kern.state_sum
+    out = state_sum(x, y, decay, 1, step, scale,
+                    pieces=tuple((p.local_start, p.length) for p in segments))
+    return [out[:, j].to(dt) for j in range(len(segments))]
+
+
 def crossing_elements(q, k, v, decay: Decay, lp: LinearPacking, kern) -> tuple[list, list]:
     """``(A, b)`` of this rank's crossing segments (fp32/fp64), scan order: ``b`` by the
-    one-pass state sum over each segment (the kernel for 16-bit CUDA inputs)."""
-    state_sum = decayed_sum if kern is None else kern.state_sum
+    one-pass state sum over each segment (one kernel launch for 16-bit CUDA inputs)."""
     dt = _dtype(q, k, v, decay, kern)
-    b = [state_sum(_piece(k, p), _piece(v, p), decay.tokens(p.local_start, p.local_stop),
-                   p.length - 1, -1, 1.0).to(dt) for p in lp.crossing]
-    return _transitions(q, decay, lp, dt), b
+    return _transitions(q, decay, lp, dt), _segment_sums(k, v, decay, lp.crossing, -1, 1.0,
+                                                         kern, dt)
 
 
 def _scan(A: list, x: list, lp: LinearPacking, scan: Callable, reverse: bool, like):
@@ -93,10 +104,10 @@ def packed_grads(q, k, v, decay: Decay, scale: float, lp: LinearPacking, S_in: l
     B, T, H, K = q.shape
     dt = _dtype(q, k, v, decay, kern)
     A = _transitions(q, decay, lp, dt)
-    state_sum = decayed_sum if kern is None else kern.state_sum
-    d = [q.new_zeros(B, H, K, do.shape[-1], dtype=dt) if p.first else
-         state_sum(_piece(q, p), _piece(do, p).to(q.dtype),
-                   decay.tokens(p.local_start, p.local_stop), 1, 1, scale).to(dt)
+    # a segment that starts its document sends nothing back: zeros, not computed
+    sent = iter(_segment_sums(q, do.to(q.dtype), decay, [p for p in lp.crossing if not p.first],
+                              1, scale, kern, dt))
+    d = [q.new_zeros(B, H, K, do.shape[-1], dtype=dt) if p.first else next(sent)
          for p in lp.crossing]
     G = _scan(A, d, lp, scan, True, q.new_zeros(B, H, K, do.shape[-1], dtype=dt))
     entering = {p.position: s for p, s in zip(lp.crossing, S_in) if not p.first}

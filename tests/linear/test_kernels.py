@@ -42,6 +42,20 @@ for T, splits in ((64, None), (600, 3), (130, 1), (1000, None)):
         ref = 0.3 * decayed_state_sum_ref(x.double(), y.double(), slopes.double(), base, step)
         assert got.dtype == torch.float32 and got.shape == (2, 3, 32, 16)
         worst = max(worst, ((got.double() - ref).norm() / ref.norm()).item())
+# pieces: token ranges of every row summed each on its own in one launch (packed documents'
+# crossing segments), end states (step −1: each piece's own base) and state gradients
+x, y = torch.randn(2, 700, 3, 32), torch.randn(2, 700, 3, 16)
+pieces = ((0, 1), (5, 130), (200, 500), (640, 60))
+for cfg in (0, 19, 17):
+    for base, step in ((None, -1), (1, 1)):
+        got = decayed_state_sum(x, y, (-slopes / math.log(2)).float(), base or 0, step, 3, 0.3,
+                                cfg, pieces=pieces)
+        assert got.shape == (2, 4, 3, 32, 16)
+        for j, (a, n) in enumerate(pieces):
+            ref = 0.3 * decayed_state_sum_ref(x[:, a:a + n].double(), y[:, a:a + n].double(),
+                                              slopes.double(), n - 1 if step < 0 else base,
+                                              step)
+            worst = max(worst, ((got[:, j].double() - ref).norm() / ref.norm()).item())
 # strided rows: every other leaf of a batch of leaves, read in place
 x, y = torch.randn(4, 96, 3, 32)[1::2], torch.randn(4, 96, 3, 16)[1::2]
 assert not x.is_contiguous() and x[0].is_contiguous()
