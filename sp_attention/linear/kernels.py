@@ -197,8 +197,7 @@ def _decayed_state_sum_kernel(x, y, g_gamma, gc, prefix, part, scale, T, n_per_s
         i_j = (i_bh // H) % n_pieces
         tok0 = tl.load(pieces + i_j * 2).to(tl.int64)
         T = tl.load(pieces + i_j * 2 + 1)
-        if step < 0:                                    # each piece's own end state
-            base = T - 1
+        base = tl.where(step < 0, T - 1, base)          # each piece's own end state
         x += tok0 * (H * K)
         y += tok0 * (H * V)
     else:
