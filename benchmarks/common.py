@@ -243,7 +243,6 @@ def fla_gated_dqkwg_timing_only(q, k, v, do, h, dh, gc, scale):
     ``chunk_simple_gla``'s backward adds): for TIMING ONLY, the baseline our ``chunk_dqkdg``
     replaces. fla refuses this kernel on Hopper with Triton < 3.7.1 because its results can be
     wrong there (fla #640); nothing here reads them."""
-    import torch
     import triton
     from fla.ops.common.chunk_o import chunk_bwd_kernel_dqkwg
     from fla.ops.utils import chunk_local_cumsum

@@ -166,30 +166,28 @@ def _gated_baselines(q, k, v, do, g, slopes, dev: str, grads) -> dict:
     from benchmarks.common import fla_gated_dqkwg_timing_only
     gg = (-slopes / math.log(2)).float()
 
-    def estimate():
-        o, _ = chunk_simple_gla(q, k, v, g=g, scale=1.0)          # fla's gated forward
-        gc = chunk_local_cumsum(g, 64, scale=1 / math.log(2))    # its backward's steps:
-        h, _ = chunk_fwd_h(k=k, v=v, g=gc, h0=None, output_final_state=False, chunk_size=64,
-                           states_in_fp32=True)
-        dh, _ = chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=None, scale=1.0, g=gc,
-                             chunk_size=64, states_in_fp32=True)
-        chunk_bwd_dv(q=q, k=k, do=do, dh=dh, g=gc, scale=1.0, chunk_size=64)
-        # the refused gated chunk_bwd_dqkwg, timed as its fixed-rate twin (no dg)
+    def fla_gated_step(dqk):
+        """fla's gated forward and its backward's steps, dq/dk/dg by ``dqk(h, dh, gc)``."""
+        def run():
+            chunk_simple_gla(q, k, v, g=g, scale=1.0)            # fla's gated forward
+            gc = chunk_local_cumsum(g, 64, scale=1 / math.log(2))
+            h, _ = chunk_fwd_h(k=k, v=v, g=gc, h0=None, output_final_state=False,
+                               chunk_size=64, states_in_fp32=True)
+            dh, _ = chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=None, scale=1.0, g=gc,
+                                 chunk_size=64, states_in_fp32=True)
+            chunk_bwd_dv(q=q, k=k, do=do, dh=dh, g=gc, scale=1.0, chunk_size=64)
+            dqk(h, dh, gc)
+        return run
+
+    def twin(h, dh, gc):    # the refused gated kernel timed as its fixed-rate twin (no dg)
         chunk_bwd_dqkwg(q=q, k=k, v=v, do=do, h=h, dh=dh, g_gamma=gg, scale=1.0, chunk_size=64)
         chunk_local_cumsum(g, 64, reverse=True)                  # dg's reverse sums
 
-    def estimate_gated():       # the same with fla's gated kernel itself, timed only
-        chunk_simple_gla(q, k, v, g=g, scale=1.0)
-        gc = chunk_local_cumsum(g, 64, scale=1 / math.log(2))
-        h, _ = chunk_fwd_h(k=k, v=v, g=gc, h0=None, output_final_state=False, chunk_size=64,
-                           states_in_fp32=True)
-        dh, _ = chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=None, scale=1.0, g=gc,
-                             chunk_size=64, states_in_fp32=True)
-        chunk_bwd_dv(q=q, k=k, do=do, dh=dh, g=gc, scale=1.0, chunk_size=64)
-        fla_gated_dqkwg_timing_only(q, k, v, do, h, dh, gc, 1.0)   # + dg's reverse sums
+    def gated(h, dh, gc):   # fla's gated kernel itself, timed only (+ dg's reverse sums)
+        fla_gated_dqkwg_timing_only(q, k, v, do, h, dh, gc, 1.0)
     out["fwd"] = lambda: chunk_simple_gla(q, k, v, g=g, scale=1.0)
-    out["estimate"] = estimate
-    out["estimate gated"] = estimate_gated
+    out["estimate"] = fla_gated_step(twin)
+    out["estimate gated"] = fla_gated_step(gated)
     return out
 
 

@@ -276,8 +276,8 @@ def _decayed_state_sum_kernel(x, y, g_gamma, gc, prefix, part, scale, T, n_per_s
 # candidates 9 on. BL: tokens per loop iteration (one dot of depth BL), 64 (one gate chunk, all
 # candidates 0-14) or 128 / 256 (2 or 4 gate chunks; each token finds its chunk's prefix by a
 # gathered load): at 32K candidate 5 spends 0.239 ms on ~30 latency-bound 64-deep dots per
-# program where reading q and dO once costs ~0.06 ms. Candidates 15 on (not yet measured on
-# the GPU; all compile for sm_90, at most 98 KB of shared memory); append only, tests and
+# program where reading q and dO once costs ~0.06 ms. Candidates 15 on: BL > 64 (all
+# compile for sm_90, at most 98 KB of shared memory; measured below). Append only: tests and
 # benchmarks name candidates by index.
 STATE_CANDIDATES = [
     triton.Config({"BK": bk, "BV": bv, "X_ROWS": xr, "WEIGHT_Y": wy, "BL": bl}, num_warps=w,

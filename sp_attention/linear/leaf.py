@@ -130,16 +130,12 @@ def decayed_sum(x: torch.Tensor, y: torch.Tensor, slopes: DecayLike, base: int, 
     decay = as_decay(slopes)
     if pieces is not None:
         return _piece_sums(x, y, decay, base, step, scale, tuple(pieces))
-    if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and y.dtype == x.dtype
-            and fla_import_error() is None):
+    if _kernel_path(x, y):
         from .kernels import decayed_state_sum
-
-        def rows(t):    # the kernel takes strided rows (every n-th leaf) as they are
-            return t if t[0].is_contiguous() else t.contiguous()
         if decay.gated:
-            return decayed_state_sum(rows(x), rows(y), None, base, step, scale=scale,
+            return decayed_state_sum(_rows(x), _rows(y), None, base, step, scale=scale,
                                      gates=decay.sums if gates is None else gates)
-        return decayed_state_sum(rows(x), rows(y), fla_g_gamma(decay.slopes, x.device), base,
+        return decayed_state_sum(_rows(x), _rows(y), fla_g_gamma(decay.slopes, x.device), base,
                                  step, scale=scale)
     dt = acc_dtype(x, y, decay.g)
     with autocast_off(x.device):
@@ -152,14 +148,22 @@ def decayed_sum(x: torch.Tensor, y: torch.Tensor, slopes: DecayLike, base: int, 
     return out if scale == 1.0 else scale * out
 
 
+def _kernel_path(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """16-bit CUDA inputs of one dtype, with the GPU extra installed: the Triton kernel."""
+    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and y.dtype == x.dtype
+            and fla_import_error() is None)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """The kernel takes strided rows (every n-th leaf) as they are."""
+    return t if t[0].is_contiguous() else t.contiguous()
+
+
 def _piece_sums(x, y, decay, base: int, step: int, scale: float, pieces: tuple) -> torch.Tensor:
-    if (not decay.gated and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
-            and y.dtype == x.dtype and fla_import_error() is None):
+    if not decay.gated and _kernel_path(x, y):
         from .kernels import decayed_state_sum
-        return decayed_state_sum(x if x[0].is_contiguous() else x.contiguous(),
-                                 y if y[0].is_contiguous() else y.contiguous(),
-                                 fla_g_gamma(decay.slopes, x.device), base, step, scale=scale,
-                                 pieces=pieces)
+        return decayed_state_sum(_rows(x), _rows(y), fla_g_gamma(decay.slopes, x.device), base,
+                                 step, scale=scale, pieces=pieces)
     return torch.stack([decayed_sum(x[:, a:a + n], y[:, a:a + n], decay.tokens(a, a + n),
                                     n - 1 if step < 0 else base, step, scale)
                         for a, n in pieces], 1)
