@@ -4,7 +4,10 @@ write measured beside predicted step times as JSON lines.
     python benchmarks/cost_cpu.py --out benchmarks/results/DATE_cpu_gloo_cost.jsonl [--runs 3]
 
 One spawn of ``--max-world`` gloo processes (one thread each). Inside it: the calibration probe
-(:mod:`sp_attention.calibrate`) measures the local kernels on rank 0 alone, and this script
+(:mod:`sp_attention.calibrate`) measures the local kernels on rank 0 alone (attention calls
+causal and not, at the sizes of the steps' calls; again before each P, the fit taking the median
+of each shape, since one burst of calls can fall on a slow spell of a shared host's core), and
+this script
 each CP rank's own CPU work ÷ the plain kernel (the rank factors); then for each P the ranks
 ``0 … P−1`` form a group, probe their links (ring hops and all-gathers among the P
 processes, and the host terms: messages, the library's scans, the kernel on all ranks at once)
@@ -42,8 +45,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sp_attention import build_sp_context  # noqa: E402
-from sp_attention.calibrate import (calibrate, fit_link, probe_kernels,  # noqa: E402
-                                    probe_links, time_ms)
+from sp_attention.calibrate import (calibrate, fit_link, fit_scan_host,  # noqa: E402
+                                    probe_kernels, probe_links, time_ms, typical_probe_rows)
 from sp_attention.cost import (LINEAR_SCANS, SOFTMAX_PRESETS, LinearShape,  # noqa: E402
                                SoftmaxShape, linear_step, softmax_step)
 from sp_attention.linear import lightning_attention  # noqa: E402
@@ -53,7 +56,8 @@ LIN = dict(B=1, T_local=128, H=4, K=32)
 SOFT = dict(B=1, T_local=128, H=8, Hkv=4, D=32)
 LINK_SIZES = [2 ** 14, 2 ** 16, 2 ** 18, 2 ** 20]
 KERNEL_SHAPES = {"linear": dict(B=1, H=4, K=32, T=(128, 512)),
-                 "softmax": dict(B=1, H=8, Hkv=4, D=32, T=(32, 128, 512))}
+                 "softmax": dict(B=1, H=8, Hkv=4, D=32, T=(32, 64, 128, 256),
+                                 causal=(True, False))}
 
 
 def _barrier(group):
@@ -187,33 +191,37 @@ def worker(rank: int, world: int, a) -> list:
     t_one = _local_ms(a) if rank == 0 else 0.0
     dist.barrier()
     t_all = _local_ms(a, barrier=_barrier(None))
-    machine = None
-    if rank == 0:
-        f = rank_factors()
-        machine = calibrate("cpu", link_rows, kernel_rows, 2)
-        machine = dataclasses.replace(machine, kernels=dataclasses.replace(
-            machine.kernels, linear_rank_contiguous=f["contiguous"],
-            linear_rank_zigzag=f["zigzag"]),
-            extra=dict(cores_seen=world * t_one / t_all, t_one=t_one, t_all=t_all))
+    f = rank_factors() if rank == 0 else None
     dist.barrier()
-    out = []
+    measured = []
     for P in range(2, world + 1):
         group = dist.new_group(list(range(P)))      # every rank makes every group, in order
+        # the kernels again, spread over the job (rank 0 alone): the fit takes the median
+        kernel_rows += probe_kernels("cpu", KERNEL_SHAPES) if rank == 0 else []
+        dist.barrier()
         if rank < P:
             # the links among these P processes (the probe run on this group)
             links = probe_links(rank, P, "cpu", LINK_SIZES, group=group)
             rows = _linear_rows(rank, P, group, a) + _softmax_rows(rank, P, group, a)
             if rank == 0:
-                load = os.getloadavg()[0]
-                link = fit_link(links, P, machine.intra)
-                mp = dataclasses.replace(machine, intra=link, inter=link, links_world=P)
-                for r in rows:
-                    r.update(_predict(r, P, machine), world=P, loadavg=load)
-                    r.update({k + "_links_at_p": v for k, v in _predict(r, P, mp).items()})
-                out += rows + [dict(r, bench="calibrate", run=a.run) for r in links]
-                out.append(dict(bench="cost_cpu_machine", run=a.run, world=P,
-                                machine=mp.to_dict()))
+                measured.append((P, rows, links, os.getloadavg()[0]))
         dist.barrier()
+    out, machine = [], None
+    if rank == 0:
+        machine = calibrate("cpu", link_rows, typical_probe_rows(kernel_rows), 2)
+        machine = dataclasses.replace(machine, kernels=dataclasses.replace(
+            machine.kernels, linear_rank_contiguous=f["contiguous"],
+            linear_rank_zigzag=f["zigzag"]),
+            extra=dict(cores_seen=world * t_one / t_all, t_one=t_one, t_all=t_all))
+        for P, rows, links, load in measured:
+            link = fit_link(links, P, machine.intra)
+            mp = fit_scan_host(links, dataclasses.replace(machine, intra=link, inter=link,
+                                                          links_world=P))
+            for r in rows:
+                r.update(_predict(r, P, machine), world=P, loadavg=load)
+                r.update({k + "_links_at_p": v for k, v in _predict(r, P, mp).items()})
+            out += rows + [dict(r, bench="calibrate", run=a.run) for r in links]
+            out.append(dict(bench="cost_cpu_machine", run=a.run, world=P, machine=mp.to_dict()))
     if rank == 0:
         base = dict(bench="cost_cpu", device="cpu", torch=torch.__version__,
                     date=time.strftime("%Y-%m-%d"), run=a.run, cores=machine.kernels.cores,

@@ -28,6 +28,8 @@ from sp_attention.cost import (LINEAR_SCANS, SOFTMAX_PRESETS, LinearShape,  # no
                                SoftmaxShape, Topology, choose_linear_scan,
                                choose_softmax_preset, cp_efficiency, linear_memory,
                                linear_step, softmax_memory, softmax_step)
+from sp_attention.calibrate import (fit_kernels, fit_scan_host,  # noqa: E402
+                                   typical_probe_rows)
 from sp_attention.machine import H200_NVLINK_IB400, Link, machine_from_dict  # noqa: E402
 from benchmarks.report_plots import (PRESET_OF, TOLERANCE, plot_measured,  # noqa: E402
                                      plot_pred_vs_meas, plot_projection)
@@ -169,15 +171,41 @@ def points_one_gpu(rows) -> list[dict]:
     return pts
 
 
+def cpu_run_machines(rows) -> tuple[dict, dict]:
+    """``({run: machine}, {(run, P): machine with the links probed among P})`` of the CPU/gloo
+    runs, their kernels refitted from the run's own probe rows by this code's
+    :func:`~sp_attention.calibrate.fit_kernels` (a change to the fit applies to every recorded
+    run; what the rows do not inform stays as recorded). The machine at P also takes the
+    scans' host terms from the scans probed among the P processes
+    (:func:`~sp_attention.calibrate.fit_scan_host`), like its links."""
+    probes, scans = defaultdict(list), defaultdict(list)
+    for r in rows:
+        if r.get("bench") != "calibrate" or "run" not in r:      # a cost_cpu run's probes
+            continue
+        if r.get("what") in ("linear", "softmax", "memory"):
+            probes[r["run"]].append(r)
+        elif r.get("what", "").startswith("scan_"):
+            scans[(r["run"], r["world"])].append(r)
+
+    def refit(r):
+        m = machine_from_dict(r["machine"])
+        if probes[r["run"]]:
+            m = dataclasses.replace(m, kernels=fit_kernels(
+                typical_probe_rows(probes[r["run"]]), m.kernels))
+        return m
+    run_m = {r["run"]: refit(r) for r in rows
+             if r.get("bench") == "cost_cpu_machine" and r.get("world") is None}
+    at_p = {(r["run"], r["world"]): fit_scan_host(scans[(r["run"], r["world"])], refit(r))
+            for r in rows if r.get("bench") == "cost_cpu_machine" and r.get("world") is not None}
+    return run_m, at_p
+
+
 def points_cpu(rows) -> list[dict]:
     """CPU/gloo steps at P = 2…8: median over runs of measured and predicted, each run's
     prediction from the calibration measured in that run: kernels and rank factors, with the
     links between two processes extrapolated to P (``CPU/gloo``) or probed among the P
     processes themselves (``CPU/gloo, links at P``)."""
-    run_m = {r["run"]: machine_from_dict(r["machine"]) for r in rows
-             if r.get("bench") == "cost_cpu_machine" and r.get("world") is None}
-    at_p = {(r["run"], r["world"]): machine_from_dict(r["machine"]) for r in rows
-            if r.get("bench") == "cost_cpu_machine" and r.get("world") is not None}
+    run_m, at_p = cpu_run_machines(rows)
     pts = []
     for source, lookup in (("CPU/gloo", lambda r: run_m.get(r["run"])),
                            ("CPU/gloo links at P", lambda r: at_p.get((r["run"], r["world"])))):
@@ -216,8 +244,7 @@ def cpu_link_points(rows) -> list[dict]:
     """The links among P gloo processes on the shared cores, probed in each run, against the
     model's extrapolation from two processes (a collective ``(α + (P−2)·step)/share``, a ring
     exchange among all ranks ``α/share``): medians over runs of the fitted latencies."""
-    run_m = {r["run"]: machine_from_dict(r["machine"]) for r in rows
-             if r.get("bench") == "cost_cpu_machine" and r.get("world") is None}
+    run_m = cpu_run_machines(rows)[0]
     acc = defaultdict(lambda: ([], [], [], []))
     for r in rows:
         if r.get("bench") != "cost_cpu_machine" or r.get("world") is None:

@@ -259,7 +259,8 @@ def fit_link(rows: Sequence[dict], world: int, base: Link) -> Link:
 
 
 _CPU_SHAPES = {"linear": dict(B=1, H=4, K=32, T=(256, 1024)),
-               "softmax": dict(B=1, H=8, Hkv=4, D=32, T=(32, 128, 512))}
+               "softmax": dict(B=1, H=8, Hkv=4, D=32, T=(32, 64, 128, 256),
+                               causal=(True, False))}
 _GPU_SHAPES = {"linear": dict(B=1, H=16, K=128, T=(8192, 16384, 32768)),
                "softmax": dict(B=1, H=32, Hkv=8, D=128, T=(4096, 8192, 16384))}
 
@@ -313,18 +314,19 @@ def _softmax_rows(device: str, dtype: torch.dtype, shapes: dict) -> list[dict]:
         q, do = (torch.randn(B, T, H, D, device=dev, dtype=dtype, generator=g) for _ in range(2))
         k, v = (torch.randn(B, T, Hkv, D, device=dev, dtype=dtype, generator=g) for _ in range(2))
         q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+        for causal in shapes.get("causal", (True,)):
+            def fwd(causal=causal):
+                with torch.no_grad():
+                    return context_parallel_attention(q, k, v, causal=causal)
 
-        def fwd():
-            with torch.no_grad():
-                return context_parallel_attention(q, k, v)
-
-        def fwd_bwd():
-            return torch.autograd.grad(context_parallel_attention(q, k, v), (q, k, v), do)
-        ms_f, ms_fb = time_ms(fwd, device), time_ms(fwd_bwd, device)
-        rows.append(_row("softmax", device, B=B, T=T, H=H, Hkv=Hkv, D=D, dtype=str(dtype)[6:],
-                         ms_fwd=ms_f, ms_fwd_bwd=ms_fb,
-                         flops_fwd=softmax_flops(B, H, T, T, D, True),
-                         peak_bytes=peak_bytes(fwd_bwd, device)))
+            def fwd_bwd(causal=causal):
+                return torch.autograd.grad(context_parallel_attention(q, k, v, causal=causal),
+                                           (q, k, v), do)
+            ms_f, ms_fb = time_ms(fwd, device), time_ms(fwd_bwd, device)
+            rows.append(_row("softmax", device, B=B, T=T, H=H, Hkv=Hkv, D=D,
+                             dtype=str(dtype)[6:], causal=causal, ms_fwd=ms_f, ms_fwd_bwd=ms_fb,
+                             flops_fwd=softmax_flops(B, H, T, T, D, causal),
+                             peak_bytes=peak_bytes(fwd_bwd, device)))
     return rows
 
 
@@ -349,6 +351,56 @@ def probe_kernels(device: str, shapes: Optional[dict] = None) -> list[dict]:
             + _softmax_rows(device, dtype, shapes["softmax"]) + _memory_rows(device))
 
 
+def typical_probe_rows(rows: Sequence[dict]) -> list[dict]:
+    """Of kernel probe rows (:func:`probe_kernels`) repeated over a job, the median row per
+    probed shape (by its fwd + bwd time). Each probe is already the fastest of its calls, but a
+    whole probe can fall on a slow spell: on the 16-vCPU H200 hosts one rank alone measures
+    either of two speeds about 1.5 × apart from probe to probe."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["what"], r.get("T"), r.get("causal", True)), []).append(r)
+    out = []
+    for g in groups.values():
+        g = sorted(g, key=lambda r: r.get("ms_fwd_bwd", r.get("ms")))
+        out.append(g[len(g) // 2])
+    return out
+
+
+def _fit_softmax(rows: Sequence[dict], mask: Optional[float]) -> dict:
+    """The attention call's fixed costs and rates (and ``softmax_mask``) from probe rows; the
+    model is :func:`sp_attention.cost.common.softmax_kernel_ms` plus a fixed cost per call and
+    direction. ``mask`` None (a kernel that skips the masked triangle): a causal call's FLOPs
+    are the pairs it keeps. Otherwise the kernel computes every pair of the block: the
+    non-causal rows give the fixed costs and rates, and the causal rows what the mask adds
+    (with causal rows alone, ``mask`` is taken as known and the fit takes it out)."""
+    def causal(r):
+        return float(r.get("causal", True))
+
+    if mask is None:
+        work, fit_on, m = (lambda r: r["flops_fwd"]), rows, 0.0
+    else:
+        def work(r):       # the full block
+            return softmax_flops(r["B"], r["H"], r["T"], r["T"], r["D"], False)
+        full = [r for r in rows if not causal(r)]
+        fit_on, m = (full, 0.0) if len(full) >= 2 else (rows, mask)
+
+    def bwd(r):
+        return r["ms_fwd_bwd"] - r["ms_fwd"]
+    # fwd = call + work·(1 + m·causal)·per_f;  bwd = call_b + 2.5·work·per_b + m·causal·work·per_f
+    call_f, per_f = fit_latency_rate([(work(r) * (1 + m * causal(r)), r["ms_fwd"])
+                                      for r in fit_on])
+    call_b, per_b = fit_latency_rate([(2.5 * work(r), bwd(r) - m * causal(r) * work(r) * per_f)
+                                      for r in fit_on])
+    out = dict(softmax_call_ms=call_f, softmax_bwd_call_ms=call_b,
+               softmax_fwd_tflops=1e-9 / per_f, softmax_bwd_tflops=1e-9 / per_b)
+    if mask is not None and fit_on is not rows:
+        added = [(r["ms_fwd"] - call_f - work(r) * per_f + bwd(r) - call_b
+                  - 2.5 * work(r) * per_b) / (2 * work(r) * per_f) for r in rows if causal(r)]
+        if added:
+            out["softmax_mask"] = max(statistics.median(added), 0.0)
+    return out
+
+
 def fit_kernels(rows: Sequence[dict], base):
     """The :class:`~sp_attention.machine.Kernels` that ``probe_kernels`` rows imply (fields
     they do not inform are kept from ``base``)."""
@@ -361,11 +413,7 @@ def fit_kernels(rows: Sequence[dict], base):
         kw.update(linear_call_ms=call, linear_tflops=1e-9 / per,
                   linear_fwd_share=statistics.median(r["ms_fwd"] / r["ms_fwd_bwd"] for r in lin))
     if soft:
-        call_f, per_f = fit_latency_rate([(r["flops_fwd"], r["ms_fwd"]) for r in soft])
-        call_b, per_b = fit_latency_rate([(2.5 * r["flops_fwd"], r["ms_fwd_bwd"] - r["ms_fwd"])
-                                          for r in soft])
-        kw.update(softmax_call_ms=call_f, softmax_bwd_call_ms=call_b,
-                  softmax_fwd_tflops=1e-9 / per_f, softmax_bwd_tflops=1e-9 / per_b)
+        kw.update(_fit_softmax(soft, base.softmax_mask))
         big = max(soft, key=lambda r: r["T"])
         if big.get("peak_bytes"):
             it = 2 if big["dtype"] in ("bfloat16", "float16") else 4

@@ -79,8 +79,8 @@ class Kernels:
         linear_rank_contiguous, linear_rank_zigzag: a CP rank's own kernel work (its
             leaves, the state passes) ÷ the plain kernel on the same tokens, by layout
             (``benchmarks/linear_rank_programs.py``; the slowest rank).
-        softmax_fwd_tflops, softmax_bwd_tflops: attention kernel rates (causal FLOPs counted
-            at half the square; backward 2.5 × forward).
+        softmax_fwd_tflops, softmax_bwd_tflops: attention kernel rates (backward 2.5 ×
+            forward; a causal call's FLOPs as ``softmax_mask`` says).
         softmax_call_ms: fixed time of one attention kernel call.
         softmax_ag_call_fwd_ms, softmax_ag_call_bwd_ms, softmax_ag_rate: the all-gather
             schedules' calls (a head stride each: fewer query heads per call, keys arranged
@@ -114,6 +114,12 @@ class Kernels:
         corun: how much slower a rank computes while the other ranks compute beside it
             (shared caches and memory bandwidth) than alone; CPU: the plain linear kernel on
             every rank of the probe's group at once ÷ on one. Applies from two ranks on.
+        softmax_mask: how a causal attention call is costed. None: the kernel skips the
+            masked triangle (flash, cuDNN), and a causal call's FLOPs are the pairs it keeps.
+            A number m: the kernel computes every (query, key) pair of the call's block and
+            then masks it (the ``math`` backend of every CPU run), so a causal call costs the
+            full block plus ``m`` × the full block's forward time in each direction (building
+            and applying the mask). Probe: causal and non-causal calls of the same sizes.
     """
 
     linear_tflops: float
@@ -136,6 +142,7 @@ class Kernels:
     scan_msg_us: float = 0.0
     fold_us: float = 0.0
     corun: float = 1.0
+    softmax_mask: Optional[float] = None
 
     @property
     def bwd_call_ms(self) -> float:
@@ -150,6 +157,9 @@ class Kernels:
         if not 0 < self.linear_fwd_share < 1:
             raise ValueError("Kernels.linear_fwd_share must be in (0, 1), got "
                              f"{self.linear_fwd_share!r}")
+        if self.softmax_mask is not None and not self.softmax_mask >= 0:
+            raise ValueError(f"Kernels.softmax_mask must be None or >= 0, got "
+                             f"{self.softmax_mask!r}")
         if self.cores is not None and (isinstance(self.cores, bool) or not isinstance(
                 self.cores, (int, float)) or not self.cores > 0):
             raise ValueError(f"Kernels.cores must be None or a positive number, got "
@@ -223,7 +233,8 @@ class Machine:
 
 
 # Kernels fields added after calibrations were first saved (see machine_from_dict)
-_LATER_KERNEL_FIELDS = ("softmax_bwd_call_ms", "msg_us", "scan_msg_us", "fold_us", "corun")
+_LATER_KERNEL_FIELDS = ("softmax_bwd_call_ms", "msg_us", "scan_msg_us", "fold_us", "corun",
+                        "softmax_mask")
 
 
 def machine_from_dict(d: dict) -> Machine:
@@ -270,17 +281,19 @@ H200_NVLINK_IB400 = Machine(
 # (benchmarks/results/2026-11-24_cpu_gloo_*), taken while other jobs loaded the machine; the
 # host terms (call costs per direction, msg_us, scan_msg_us, fold_us) from the probe of
 # 2026-11-24 15:34 (load ~3), corun 1.08 from the quiet run's plain kernel on 2 ranks at
-# once ÷ alone (2026-11-24_quiet_cpu_gloo_cost.jsonl, median of 3 runs).
+# once ÷ alone (2026-11-24_quiet_cpu_gloo_cost.jsonl, median of 3 runs); the attention
+# call's figures (every pair of a block computed, the mask 0.8 × the block's forward on
+# top) from two quiet probes of causal and non-causal calls at T = 32…256, 2026-11-24 19:01.
 CPU_GLOO = Machine(
     name="cpu-gloo",
     source="default: the project's 2-core CPU machine, gloo (benchmarks/results/"
            "2026-11-24_cpu_gloo_*)",
     kernels=Kernels(linear_tflops=0.026, linear_call_ms=1.05, linear_fwd_share=0.265,
-                    softmax_fwd_tflops=0.0069, softmax_bwd_tflops=0.0108, softmax_call_ms=0.18,
+                    softmax_fwd_tflops=0.032, softmax_bwd_tflops=0.043, softmax_call_ms=0.15,
                     mem_gbps=66.0, op_us=2.5, softmax_bwd_workspace=8.0,
                     linear_rank_contiguous=1.11, linear_rank_zigzag=1.08, cores=2,
-                    softmax_bwd_call_ms=0.26, msg_us=24.0, scan_msg_us=18.0, fold_us=108.0,
-                    corun=1.08),
+                    softmax_bwd_call_ms=0.24, msg_us=24.0, scan_msg_us=18.0, fold_us=108.0,
+                    corun=1.08, softmax_mask=0.8),
     intra=Link(alpha_p2p_us=84.0, p2p_gbps=2.4, alpha_coll_us=160.0, coll_gbps=1.3,
                step_us=160.0),
     inter=Link(alpha_p2p_us=84.0, p2p_gbps=2.4, alpha_coll_us=160.0, coll_gbps=1.3,

@@ -10,6 +10,7 @@ import pytest
 
 from sp_attention import auto, calibrate, cost, machine
 from sp_attention.context import SPContext
+from sp_attention.cost.common import softmax_kernel_ms
 from sp_attention.cost import (LINEAR_SCANS, SOFTMAX_PRESETS, LinearShape, SoftmaxShape,
                                Topology, choose_linear_scan, choose_softmax_preset,
                                linear_memory, linear_scan_ms, linear_step, softmax_memory,
@@ -394,12 +395,17 @@ def test_probe_host_fits_recover_the_terms():
 
 def test_old_calibration_gets_later_fields_from_the_default():
     d = CPU_GLOO.to_dict()
-    for f in ("msg_us", "scan_msg_us", "fold_us", "corun", "softmax_bwd_call_ms"):
+    for f in ("msg_us", "scan_msg_us", "fold_us", "corun", "softmax_bwd_call_ms",
+              "softmax_mask"):
         del d["kernels"][f]
     d["kernels"]["linear_tflops"] = 9.0
     m = machine_from_dict(d)
     assert m.kernels.linear_tflops == 9.0 and m.kernels.msg_us == CPU_GLOO.kernels.msg_us
     assert m.kernels.corun == CPU_GLOO.kernels.corun
+    assert m.kernels.softmax_mask == CPU_GLOO.kernels.softmax_mask is not None
+    g = H200.to_dict()
+    del g["kernels"]["softmax_mask"]
+    assert machine_from_dict(g).kernels.softmax_mask is None      # a GPU kernel skips it
 
 
 def test_work_bound_takes_over_when_ranks_outnumber_cores():
@@ -434,3 +440,83 @@ def test_work_bound_monotonic_in_world_and_bytes(kind):
         ws = [work(P, n) for P in range(1, 17)]
         assert all(b > a for a, b in zip(ws, ws[1:])), (n, ws)
     assert work(8, 16) < work(8, 32) < work(8, 64)
+
+
+def _dense(mask=0.5, **kernels) -> Machine:
+    """Free links and host terms; attention calls that compute their whole block."""
+    m = _cpu_bare(**kernels)
+    return dataclasses.replace(m, kernels=dataclasses.replace(
+        m.kernels, cores=None, corun=1.0, softmax_fwd_tflops=1.0, softmax_bwd_tflops=2.0,
+        softmax_call_ms=0.0, softmax_bwd_call_ms=0.0, mem_gbps=1e12, op_us=0.0,
+        softmax_mask=mask))
+
+
+def test_softmax_mask_costs_a_causal_call_as_its_full_block_and_more():
+    """``softmax_mask`` None: a causal call does the pairs it keeps; m: the full block, plus
+    m × the block's forward time in each direction."""
+    full = cost.softmax_flops(1, 8, 64, 64, 32, False)
+    keep = cost.softmax_flops(1, 8, 64, 64, 32, True)
+    skip = dataclasses.replace(_dense(), kernels=dataclasses.replace(
+        _dense().kernels, softmax_mask=None))
+    f, b = softmax_kernel_ms(skip, 1, 8, 64, 64, 32, True)
+    assert f == pytest.approx(keep / 1e9) and b == pytest.approx(2.5 * keep / 2e9)
+    f, b = softmax_kernel_ms(_dense(0.5), 1, 8, 64, 64, 32, True)
+    assert f == pytest.approx(1.5 * full / 1e9)
+    assert b == pytest.approx(2.5 * full / 2e9 + 0.5 * full / 1e9)
+    assert softmax_kernel_ms(_dense(0.5), 1, 8, 64, 64, 32, False) == pytest.approx(
+        (full / 1e9, 2.5 * full / 2e9))
+    with pytest.raises(ValueError, match="softmax_mask"):
+        dataclasses.replace(CPU_GLOO.kernels, softmax_mask=-1.0)
+
+
+def test_allgather_attention_costs_its_own_calls():
+    """The all-gather schedules make one call per local chunk against its prefix of keys
+    (``gather_plan``): zigzag P = 2, rank 0 holds pieces 0 and 3 of 64 tokens, so its calls
+    are 64 × 64 and 64 × 256 keys, both causal (the diagonal last). A math-like kernel pays
+    each call's whole block and the mask."""
+    m = _dense(0.5)
+    s = SoftmaxShape(1, 128, 8, 4, 32, 4)
+    t = softmax_step(s, 2, "zigzag", "allgather", "allgather", m, heads_k_stride=4)
+    work = cost.softmax_flops(1, 8, 64, 64 + 256, 32, False)
+    assert t.fwd_ms == pytest.approx(1.5 * work / 1e9, rel=1e-6)
+    ring = softmax_step(s, 2, "zigzag", "ring", "ring", m)
+    # the ring: its own block (128 × 128, causal), then piece 3 against rank 1's pieces 1, 2
+    own, other = (cost.softmax_flops(1, 8, 128, 128, 32, False),
+                  cost.softmax_flops(1, 8, 64, 128, 32, False))
+    assert ring.fwd_ms == pytest.approx((1.5 * own + other) / 1e9, rel=1e-6)
+
+
+def _probe_rows(k, Ts=(32, 64, 128, 256), causal=(True, False)) -> list[dict]:
+    """The softmax probe rows a machine with kernels ``k`` would measure."""
+    m = dataclasses.replace(CPU_GLOO, kernels=k)
+    rows = []
+    for T in Ts:
+        for c in causal:
+            f, b = softmax_kernel_ms(m, 1, 8, T, T, 32, c)
+            f, b = f + k.softmax_call_ms, b + k.bwd_call_ms
+            rows.append(dict(what="softmax", B=1, T=T, H=8, Hkv=4, D=32, causal=c, ms_fwd=f,
+                             ms_fwd_bwd=f + b, flops_fwd=cost.softmax_flops(1, 8, T, T, 32, c)))
+    return rows
+
+
+def test_probe_fit_recovers_the_attention_figures_and_the_mask():
+    truth = dataclasses.replace(CPU_GLOO.kernels, softmax_call_ms=0.2, softmax_bwd_call_ms=0.3,
+                                softmax_fwd_tflops=0.03, softmax_bwd_tflops=0.05,
+                                softmax_mask=0.7)
+    names = ("softmax_call_ms", "softmax_bwd_call_ms", "softmax_fwd_tflops",
+             "softmax_bwd_tflops", "softmax_mask")
+    got = calibrate.fit_kernels(_probe_rows(truth), CPU_GLOO.kernels)
+    for n in names:
+        assert getattr(got, n) == pytest.approx(getattr(truth, n)), n
+    # causal rows alone (a probe recorded before the non-causal rows): the mask is taken as
+    # known, and the rest still comes out
+    got = calibrate.fit_kernels(_probe_rows(truth, causal=(True,)),
+                                dataclasses.replace(CPU_GLOO.kernels, softmax_mask=0.7))
+    for n in names:
+        assert getattr(got, n) == pytest.approx(getattr(truth, n)), n
+    # a kernel that skips the masked triangle (GPU): FLOPs as counted, no mask
+    gpu = dataclasses.replace(truth, softmax_mask=None)
+    got = calibrate.fit_kernels(_probe_rows(gpu, causal=(True,)), gpu)
+    assert got.softmax_mask is None
+    assert got.softmax_fwd_tflops == pytest.approx(0.03)
+    assert got.softmax_bwd_call_ms == pytest.approx(0.3)

@@ -160,6 +160,21 @@ def softmax_flops(B: int, H: int, rows: int, keys: int, D: int, causal_diag: boo
     return 4.0 * B * H * D * pairs
 
 
+def softmax_kernel_ms(machine: Machine, B: int, H: int, rows: int, keys: int, D: int,
+                      causal_diag: bool) -> tuple[float, float]:
+    """(fwd, bwd) ms of one attention call's pairs on one rank alone, without the call's fixed
+    cost: a kernel that skips the masked triangle (``Kernels.softmax_mask`` None) does the
+    FLOPs of :func:`softmax_flops`; one that computes the whole block and masks it pays the
+    full block, and a causal call ``softmax_mask`` × the block's forward time more in each
+    direction."""
+    k = machine.kernels
+    dense = k.softmax_mask is not None
+    f = softmax_flops(B, H, rows, keys, D, causal_diag and not dense)
+    fwd, bwd = f / (k.softmax_fwd_tflops * 1e9), 2.5 * f / (k.softmax_bwd_tflops * 1e9)
+    mask = k.softmax_mask * fwd if dense and causal_diag else 0.0
+    return fwd + mask, bwd + mask
+
+
 # ----------------------------------------------------------------------------- machine terms
 def _combine_ms(machine: Machine, nbytes: float) -> float:
     """``A·x + b`` on one state: reads two, writes one."""

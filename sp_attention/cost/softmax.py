@@ -7,7 +7,7 @@ from typing import Optional
 
 from ..layout import num_chunks
 from ..machine import Link, Machine
-from .common import (SoftmaxShape, StepTime, Topology, _msgs_ms, softmax_flops,
+from .common import (SoftmaxShape, StepTime, Topology, _msgs_ms, softmax_kernel_ms,
                      work_bound)
 
 
@@ -19,10 +19,9 @@ def _ring_link(topo: Topology, machine: Machine) -> Link:
 
 
 def _ring_compute(shape: SoftmaxShape, world: int, layout: str, machine: Machine,
-                  rank: int, with_calls: bool = True) -> list[tuple[float, float]]:
+                  rank: int) -> list[tuple[float, float]]:
     """(fwd, bwd) kernel ms of each ring step of ``rank`` (its calls from
-    :func:`sp_attention.softmax.plan.ring_calls`); ``with_calls=False``: the FLOPs alone, without
-    the calls' fixed costs (the all-gather schedules make their own calls)."""
+    :func:`sp_attention.softmax.plan.ring_calls`), the calls' fixed costs included."""
     from ..layout import ring_source
     from ..softmax.plan import ring_calls
     k, s = machine.kernels, shape
@@ -30,15 +29,34 @@ def _ring_compute(shape: SoftmaxShape, world: int, layout: str, machine: Machine
     share = machine.compute_share(world)
     steps = []
     for step in range(world):
-        f = 0.0
+        f = b = 0.0
         calls = ring_calls(rank, ring_source(rank, world, step), world, layout, s.causal)
         for c in calls:
-            f += softmax_flops(s.B, s.H, (c.q_stop - c.q_start) * piece, c.keys * piece, s.D,
-                               c.causal)
-        n = len(calls) if with_calls else 0
-        steps.append(((n * k.softmax_call_ms + f / (k.softmax_fwd_tflops * 1e9)) / share,
-                      (n * k.bwd_call_ms + 2.5 * f / (k.softmax_bwd_tflops * 1e9)) / share))
+            cf, cb = softmax_kernel_ms(machine, s.B, s.H, (c.q_stop - c.q_start) * piece,
+                                       c.keys * piece, s.D, c.causal)
+            f, b = f + cf, b + cb
+        n = len(calls)
+        steps.append(((n * k.softmax_call_ms + f) / share, (n * k.bwd_call_ms + b) / share))
     return steps
+
+
+def _gather_compute(shape: SoftmaxShape, world: int, layout: str, machine: Machine,
+                    rank: int) -> tuple[float, float]:
+    """(fwd, bwd) kernel ms of the all-gather schedules' calls on ``rank``, all heads, without
+    the calls' fixed costs: one call per local chunk against its arranged prefix of keys
+    (:func:`sp_attention.softmax.plan.gather_plan`; a bottom-right causal call where the
+    chunk's own diagonal is among them)."""
+    from ..softmax.plan import gather_plan
+    s = shape
+    n = num_chunks(world, layout)
+    piece = s.T_local * world // n
+    share = machine.compute_share(world)
+    f = b = 0.0
+    for c in gather_plan(rank, world, layout, 1, 0, n // world, s.causal).calls:
+        cf, cb = softmax_kernel_ms(machine, s.B, s.H, (c.q_stop - c.q_start) * piece,
+                                   c.keys * piece, s.D, c.causal)
+        f, b = f + cf, b + cb
+    return f / share, b / share
 
 
 def _overlapped(compute: float, comm: float, nbytes: float, machine: Machine) -> float:
@@ -121,14 +139,12 @@ def _allgather(shape: SoftmaxShape, world: int, layout: str, machine: Machine,
                topo: Topology, rank: int, stride: int) -> tuple[_Sched, _Sched]:
     k, s = machine.kernels, shape
     units = s.Hkv // stride
-    steps = _ring_compute(shape, world, layout, machine, rank, with_calls=False)
+    kf, kb = _gather_compute(shape, world, layout, machine, rank)
     share = machine.compute_share(world)
     calls = num_chunks(world, layout) // world                 # one call per local chunk
     rate = k.softmax_ag_rate
-    cf = (sum(f for f, _ in steps) / rate / units
-          + calls * (k.softmax_call_ms + k.softmax_ag_call_fwd_ms) / share)
-    cb = (sum(b for _, b in steps) / rate / units
-          + calls * (k.bwd_call_ms + k.softmax_ag_call_bwd_ms) / share)
+    cf = kf / rate / units + calls * (k.softmax_call_ms + k.softmax_ag_call_fwd_ms) / share
+    cb = kb / rate / units + calls * (k.bwd_call_ms + k.softmax_ag_call_bwd_ms) / share
     link = topo.collective_link(machine)
     unit_kv = 2 * s.B * s.T_local * stride * s.D               # elements per rank and unit
     cshare = machine.comm_share(world)
