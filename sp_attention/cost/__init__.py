@@ -45,7 +45,12 @@ rank's K and V; links per message from the topology):
   when compute per step exceeds it, but moving its bytes slows the kernels beside it. The
   backward's dK/dV accumulators travel with K/V and the last one home is exposed.
 * softmax ``allgather``: per head stride a K/V all-gather (double-buffered: the first is
-  exposed); the backward reduce-scatters fp32 dK/dV per stride (the last is exposed).
+  exposed); the backward reduce-scatters fp32 dK/dV per stride (the last is exposed). Its
+  kernel calls are its own: one per local chunk against the keys arranged before it.
+* an attention call's pairs (:func:`.common.softmax_kernel_ms`): a GPU kernel skips the masked
+  triangle (a causal call's FLOPs are the pairs it keeps); the CPU ``math`` backend computes the
+  call's whole block and masks it (``Kernels.softmax_mask``: the mask costs that many × the
+  block's forward in each direction).
 
 Per-rank memory of the schedules' own buffers: :func:`linear_memory`, :func:`softmax_memory`;
 :func:`rank_memory` adds a model-level estimate (weights, optimizer, activations) given by the
