@@ -12,7 +12,6 @@ the median of the slowest rank's round time and of the mean over ranks; plus the
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -22,9 +21,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import emit  # noqa: E402
 from sp_attention import build_sp_context  # noqa: E402
 from sp_attention.cost.linear import _round_messages  # noqa: E402
-from sp_attention.layout import holder_of_leaf, num_chunks, scan_position, tree_scan_schedule  # noqa: E402
+from sp_attention.layout import (holder_of_leaf, num_chunks, scan_position,  # noqa: E402
+                                 tree_scan_schedule)
 from sp_attention.linear import scan_blelloch  # noqa: E402
 
 
@@ -89,13 +90,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=200)
     p.add_argument("--out")
     a = p.parse_args()
-    rows = run_distributed(worker, a.max_world, a, timeout=1800.0)[0]
-    for r in rows:
-        line = json.dumps(r)
-        print(line, flush=True)
-        if a.out:
-            with open(a.out, "a") as f:
-                f.write(line + "\n")
+    for r in run_distributed(worker, a.max_world, a, timeout=1800.0)[0]:
+        emit(r, a.out, 0)
 
 
 if __name__ == "__main__":
