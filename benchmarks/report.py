@@ -30,7 +30,8 @@ from sp_attention.cost import (LINEAR_SCANS, SOFTMAX_PRESETS, LinearShape,  # no
                                linear_step, softmax_memory, softmax_step)
 from sp_attention.calibrate import (fit_kernels, fit_scan_host,  # noqa: E402
                                    typical_probe_rows)
-from sp_attention.machine import H200_NVLINK_IB400, Link, machine_from_dict  # noqa: E402
+from sp_attention.machine import (CPU_GLOO, H200_NVLINK_IB400, Link,  # noqa: E402
+                                  machine_from_dict)
 from benchmarks.report_plots import (PRESET_OF, TOLERANCE, plot_measured,  # noqa: E402
                                      plot_pred_vs_meas, plot_projection)
 
@@ -189,9 +190,10 @@ def cpu_run_machines(rows) -> tuple[dict, dict]:
 
     def refit(r):
         m = machine_from_dict(r["machine"])
-        if probes[r["run"]]:
+        if probes[r["run"]]:     # this code's reading of a CPU attention call (the math backend)
+            base = dataclasses.replace(m.kernels, softmax_mask=CPU_GLOO.kernels.softmax_mask)
             m = dataclasses.replace(m, kernels=fit_kernels(
-                typical_probe_rows(probes[r["run"]]), m.kernels))
+                typical_probe_rows(probes[r["run"]]), base))
         return m
     run_m = {r["run"]: refit(r) for r in rows
              if r.get("bench") == "cost_cpu_machine" and r.get("world") is None}
@@ -496,9 +498,12 @@ def write_markdown(path, name, inputs, points, checks, mem, proj, cpu_links=()) 
          "(`Kernels.msg_us` per message a rank posts, `scan_msg_us` per linear-scan element "
          "message, `fold_us` of the all-gather scan, the attention call per direction, "
          "`corun`: ranks computing side by side); a run recorded before the probe measured "
-         "them takes them from `machine.CPU_GLOO`. Each CPU file is checked on its own; "
-         "`heldout` was recorded after the model's last change (nothing in the model was "
-         "fitted to it).",
+         "them takes them from `machine.CPU_GLOO`. The kernels of every run are refitted "
+         "here from its own probe rows with today's fit (the median of a shape's probes; a "
+         "CPU attention call computes its whole block, `Kernels.softmax_mask`), so a file "
+         "recorded by older code is judged by today's model. Each CPU file is checked on its "
+         "own; `heldout*`, `quiet2` and `h200host16*` were recorded after model changes that "
+         "nothing was fitted to; `h200host16*` ran on the 16-vCPU H200 host, a core per rank.",
          "",
          f"![predicted vs measured]({name}_pred_vs_meas.png)",
          ""] + md_errors(points) + [
