@@ -164,6 +164,7 @@ def _host_rows(rank: int, world: int, nxt: int, prv: int, group, barrier) -> lis
         ms = time_ms(batch, "cpu", iters=10, repeats=5, barrier=barrier)
         rows.append(_row("msgs", "cpu", world=world, msgs=2 * m, ms=_slowest(ms, group, "cpu")))
     rows += _scan_rows(world, group, barrier)
+    rows.append(_msg_cpu_row(rank, world, nxt, prv, group, barrier))
     g = torch.Generator().manual_seed(rank)
     q, k, v, do = (torch.randn(1, 128, 4, 32, generator=g) * 0.1 for _ in range(4))
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
@@ -177,6 +178,27 @@ def _host_rows(rank: int, world: int, nxt: int, prv: int, group, barrier) -> lis
     rows.append(_row("corun", "cpu", world=world, ms_alone=_slowest(alone, group, "cpu"),
                      ms=_slowest(together, group, "cpu")))
     return rows
+
+
+def _msg_cpu_row(rank: int, world: int, nxt: int, prv: int, group, barrier, n: int = 20,
+                 wait_s: float = 2e-3) -> dict:
+    """Row ``msg_cpu``: the CPU time (every thread of both processes) of one small message from
+    group rank 0 to group rank 1 (``nxt`` of 0, ``prv`` of 1: global ranks) while rank 1 waits
+    for it (rank 0 sleeps ``wait_s`` before each send, as a rank computes before it sends), in
+    µs per message."""
+    x = torch.ones(1024)
+    barrier()
+    t0 = time.process_time()
+    for _ in range(n):
+        if rank == 0:
+            time.sleep(wait_s)
+            dist.send(x, nxt, group=group)
+        elif rank == 1:
+            dist.recv(x, prv, group=group)
+    cpu = torch.tensor([(time.process_time() - t0) * 1e6 if rank < 2 else 0.0],
+                       dtype=torch.float64)
+    dist.all_reduce(cpu, group=group)
+    return _row("msg_cpu", "cpu", world=world, us=float(cpu.item()) / n, wait_s=wait_s)
 
 
 _SCAN_PROBE = dict(B=1, H=8, K=32, V=32)     # one fp32 scan element of 32 KiB
@@ -223,8 +245,9 @@ def fit_scan_host(rows: Sequence[dict], machine: Machine) -> Machine:
 
 
 def fit_host(rows: Sequence[dict], base):
-    """``Kernels.msg_us`` (the slope of the ``msgs`` rows per message a rank posts) and
-    ``Kernels.corun`` (the ``corun`` row: together ÷ alone, at least 1) from
+    """``Kernels.msg_us`` (the slope of the ``msgs`` rows per message a rank posts),
+    ``Kernels.corun`` (the ``corun`` row: together ÷ alone, at least 1) and
+    ``Kernels.msg_cpu_us`` (the ``msg_cpu`` rows) from
     :func:`probe_links` rows; ``base`` where the rows are missing (GPU, one rank)."""
     kw = {}
     msgs = [(r["msgs"], r["ms"]) for r in rows if r["what"] == "msgs"]
@@ -237,6 +260,9 @@ def fit_host(rows: Sequence[dict], base):
     corun = [r for r in rows if r["what"] == "corun"]
     if corun:
         kw["corun"] = max(corun[0]["ms"] / corun[0]["ms_alone"], 1.0)
+    cpu = [r["us"] for r in rows if r["what"] == "msg_cpu"]
+    if cpu:
+        kw["msg_cpu_us"] = statistics.median(cpu)
     return dataclasses.replace(base, **kw)
 
 

@@ -114,6 +114,12 @@ class Kernels:
         corun: how much slower a rank computes while the other ranks compute beside it
             (shared caches and memory bandwidth) than alone; CPU: the plain linear kernel on
             every rank of the probe's group at once ÷ on one. Applies from two ranks on.
+        msg_cpu_us: CPU time one point-to-point message costs its two processes in all (the
+            posting at both ends, the backend's I/O threads, the wake-up of a receiver that
+            slept), counted only in the work-conserving bound: where the ranks have cores to
+            spare it runs beside the others, where they outnumber the cores it takes theirs
+            (each message end at least ``msg_us``). Probe: process time of both ends over
+            messages to a receiver that has been waiting. 0 on a GPU.
         softmax_mask: how a causal attention call is costed. None: the kernel skips the
             masked triangle (flash, cuDNN), and a causal call's FLOPs are the pairs it keeps.
             A number m: the kernel computes every (query, key) pair of the call's block and
@@ -143,6 +149,7 @@ class Kernels:
     fold_us: float = 0.0
     corun: float = 1.0
     softmax_mask: Optional[float] = None
+    msg_cpu_us: float = 0.0
 
     @property
     def bwd_call_ms(self) -> float:
@@ -235,7 +242,8 @@ class Machine:
 # Kernels fields added after calibrations were first saved (see machine_from_dict); a
 # calibration without ``softmax_mask`` had its attention rates fitted to causal FLOPs counted
 # at half the square, so it keeps the field's default (None), which reads them that way.
-_LATER_KERNEL_FIELDS = ("softmax_bwd_call_ms", "msg_us", "scan_msg_us", "fold_us", "corun")
+_LATER_KERNEL_FIELDS = ("softmax_bwd_call_ms", "msg_us", "scan_msg_us", "fold_us", "corun",
+                        "msg_cpu_us")
 
 
 def machine_from_dict(d: dict) -> Machine:
@@ -284,7 +292,9 @@ H200_NVLINK_IB400 = Machine(
 # 2026-11-24 15:34 (load ~3), corun 1.08 from the quiet run's plain kernel on 2 ranks at
 # once ÷ alone (2026-11-24_quiet_cpu_gloo_cost.jsonl, median of 3 runs); the attention
 # call's figures (every pair of a block computed, the mask 0.8 × the block's forward on
-# top) from two quiet probes of causal and non-causal calls at T = 32…256, 2026-11-24 19:01.
+# top) from two quiet probes of causal and non-causal calls at T = 32…256, 2026-11-24 19:01;
+# a message's CPU (both processes, every thread, to a receiver that waited 2 ms) 165–238 µs
+# in four probes at 2, 4, 8 processes (19:50-20:10): 200.
 CPU_GLOO = Machine(
     name="cpu-gloo",
     source="default: the project's 2-core CPU machine, gloo (benchmarks/results/"
@@ -294,7 +304,7 @@ CPU_GLOO = Machine(
                     mem_gbps=66.0, op_us=2.5, softmax_bwd_workspace=8.0,
                     linear_rank_contiguous=1.11, linear_rank_zigzag=1.08, cores=2,
                     softmax_bwd_call_ms=0.24, msg_us=24.0, scan_msg_us=18.0, fold_us=108.0,
-                    corun=1.08, softmax_mask=0.8),
+                    corun=1.08, softmax_mask=0.8, msg_cpu_us=200.0),
     intra=Link(alpha_p2p_us=84.0, p2p_gbps=2.4, alpha_coll_us=160.0, coll_gbps=1.3,
                step_us=160.0),
     inter=Link(alpha_p2p_us=84.0, p2p_gbps=2.4, alpha_coll_us=160.0, coll_gbps=1.3,

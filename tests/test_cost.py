@@ -426,6 +426,28 @@ def test_work_bound_takes_over_when_ranks_outnumber_cores():
     assert linear_step(LIN, 8, "zigzag", "ring", H200).work_ms == 0.0
 
 
+def test_message_cpu_counts_in_the_work_bound_only():
+    """``Kernels.msg_cpu_us``: a message's whole CPU cost (both ends) shares the cores, so
+    once P > cores a softmax ring's work bound grows by its message ends × msg_cpu_us / 2
+    × P / cores (fwd: 4 ends per hop, K and V sent and received); with a core per rank
+    nothing changes (the bound does not bind)."""
+    s = SoftmaxShape(1, 128, 8, 4, 32, 4)
+    base = _cpu_bare(softmax_call_ms=1.0, corun=1.0)
+    cost = dataclasses.replace(base, kernels=dataclasses.replace(base.kernels,
+                                                                 msg_cpu_us=400.0))
+    for P in (3, 4, 8):
+        t0, t = (softmax_step(s, P, "zigzag", "ring", "ring", m) for m in (base, cost))
+        assert t.fwd_ms - t0.fwd_ms == pytest.approx((P - 1) * 4 * 0.2 * P / 2, rel=1e-6)
+    wide = dataclasses.replace(cost, kernels=dataclasses.replace(cost.kernels, cores=64))
+    wide0 = dataclasses.replace(base, kernels=dataclasses.replace(base.kernels, cores=64))
+    for kind in ("ring", "allgather"):
+        assert softmax_step(s, 8, "zigzag", kind, kind, wide).total_ms == pytest.approx(
+            softmax_step(s, 8, "zigzag", kind, kind, wide0).total_ms)
+    rows = [dict(what="msg_cpu", us=300.0), dict(what="msg_cpu", us=200.0),
+            dict(what="msg_cpu", us=250.0)]
+    assert calibrate.fit_host(rows, CPU_GLOO.kernels).msg_cpu_us == 250.0
+
+
 @pytest.mark.parametrize("kind", ["linear", "softmax"])
 def test_work_bound_monotonic_in_world_and_bytes(kind):
     def work(P, n):
@@ -518,3 +540,18 @@ def test_probe_fit_recovers_the_attention_figures_and_the_mask():
     assert got.softmax_mask is None
     assert got.softmax_fwd_tflops == pytest.approx(0.03)
     assert got.softmax_bwd_call_ms == pytest.approx(0.3)
+
+
+def test_cpu_calibration_end_to_end(tmp_path):
+    """``python -m sp_attention.calibrate`` on CPU (2 gloo processes): the kernels (attention
+    calls causal and not), the links and the host terms, the message's CPU among them."""
+    out, raw = tmp_path / "cal.json", tmp_path / "raw.jsonl"
+    m = calibrate.main(["--device", "cpu", "--out", str(out), "--jsonl", str(raw)])
+    rows = [json.loads(line) for line in raw.read_text().splitlines()]
+    whats = {r["what"] for r in rows}
+    assert {"p2p", "all_gather", "msgs", "corun", "msg_cpu", "scan_blelloch", "linear",
+            "softmax", "memory"} <= whats
+    assert {r["causal"] for r in rows if r["what"] == "softmax"} == {True, False}
+    k = m.kernels
+    assert k.msg_cpu_us > 0 and k.msg_us > 0 and k.softmax_mask is not None
+    assert load_machine("cpu", str(out)) == m

@@ -23,7 +23,9 @@ rank, and all of this is inert there). Each direction's time is the larger of tw
   kernel on the critical path still takes core time from the other ranks once P > cores.
 
 Host work is time on the same cores: per point-to-point message a rank posts
-(``Kernels.msg_us``; a linear scan's element messages ``scan_msg_us`` more), the all-gather
+(``Kernels.msg_us``; a linear scan's element messages ``scan_msg_us`` more; in the work
+bound each message end costs at least half the message's whole CPU, ``msg_cpu_us``, which
+includes the backend's I/O threads and the wake-up of a receiver that slept), the all-gather
 scan's fold (``fold_us``), each attention call (``softmax_call_ms`` forward,
 ``softmax_bwd_call_ms`` backward); ranks computing side by side run ``Kernels.corun`` slower
 than one alone. These host terms are measured on CPU and 0 on a GPU (the host runs ahead).

@@ -7,8 +7,8 @@ from typing import Optional
 
 from ..layout import holder_of_leaf, num_chunks, scan_position, tree_scan_schedule
 from ..machine import Machine
-from .common import (LINEAR_SCANS, LinearShape, StepTime, Topology, _combine_ms, _msgs_ms,
-                     linear_flops, side_by_side, work_bound)
+from .common import (LINEAR_SCANS, LinearShape, StepTime, Topology, _combine_ms, _msg_work_ms,
+                     _msgs_ms, linear_flops, side_by_side, work_bound)
 
 
 def _scan_msgs_ms(machine: Machine, world: int, msgs: int, shared: bool = True) -> float:
@@ -108,16 +108,18 @@ def _scan_ms(schedule: str, world: int, layout: str, reverse: bool, S: int, mach
 def _scan_work_ms(schedule: str, world: int, layout: str, reverse: bool, S: int,
                   machine: Machine) -> float:
     """CPU work of one scan summed over the ranks (ms at a rank's rate beside the others):
-    every message a rank posts (``msg_us + scan_msg_us``), each message's bytes once at the
-    link's rate (on a CPU the link is the cores: gloo copies through them), every combine;
-    the all-gather: each rank's two postings, the bytes it receives and its fold. Latency is
-    no work: a rank waiting for a message frees its core."""
+    every message end a rank handles (the scan's own ``scan_msg_us`` and the message's CPU,
+    :func:`~.common._msg_work_ms`), each message's bytes once at the link's rate (on a CPU the
+    link is the cores: gloo copies through them), every combine; the all-gather: each rank's
+    collective (one message sent and received: it waits once), the bytes it receives and its
+    fold.
+    Latency is no work: a rank waiting for a message frees its core."""
     L = num_chunks(world, layout)
     if L == 1:
         return 0.0
     k = machine.kernels
     holder = [holder_of_leaf(scan_position(p, L, reverse), world, layout) for p in range(L)]
-    post = (k.msg_us + k.scan_msg_us) * 1e-3
+    post = k.scan_msg_us * 1e-3 + _msg_work_ms(machine, 1)
     wire = S / machine.intra.p2p_gbps * 1e-6
     side = side_by_side(machine, world)
     if schedule == "ring":
@@ -136,7 +138,7 @@ def _scan_work_ms(schedule: str, world: int, layout: str, reverse: bool, S: int,
     if schedule == "allgather":
         n = L // world
         fold = (4 * k.op_us * 1e-3 + k.fold_us * 1e-3
-                + (L + n) * S / k.mem_gbps * 1e-6 + 2 * k.msg_us * 1e-3)
+                + (L + n) * S / k.mem_gbps * 1e-6 + _msg_work_ms(machine, 2))
         recv = (world - 1) * n * S / machine.intra.coll_gbps * 1e-6
         return world * (side * fold + recv)
     raise ValueError(f"unknown linear scan {schedule!r}; use one of {LINEAR_SCANS}")

@@ -7,8 +7,8 @@ from typing import Optional
 
 from ..layout import num_chunks
 from ..machine import Link, Machine
-from .common import (SoftmaxShape, StepTime, Topology, _msgs_ms, softmax_kernel_ms,
-                     work_bound)
+from .common import (SoftmaxShape, StepTime, Topology, _msg_work_ms, _msgs_ms,
+                     softmax_kernel_ms, work_bound)
 
 
 def _ring_link(topo: Topology, machine: Machine) -> Link:
@@ -118,15 +118,16 @@ def _ring(shape: SoftmaxShape, world: int, layout: str, machine: Machine, topo: 
     core = machine.core_share(world)
     steps_f, steps_b = sum(f for f, _ in steps), sum(b for _, b in steps)
     n_hops = world - 1
-    work_f = (steps_f + n_hops * (kv_msgs + add)) * core + wire_f
-    work_b = (steps_b + n_hops * add + (2 * n_hops - 1) * kv_msgs) * core + wire_b
+    kv_work = _msg_work_ms(machine, 4)
+    work_f = (steps_f + n_hops * add) * core + n_hops * kv_work + wire_f
+    work_b = (steps_b + n_hops * add) * core + (2 * n_hops - 1) * kv_work + wire_b
     if world > 1:            # the last accumulator goes home with nothing left to hide it
         last = s.kv_bytes * (1.0 if world == 2 else wide / s.itemsize)
         home = link.p2p_ms(last)
-        tail = kv_msgs + (k.op_us * 1e-3 + 3 * last / k.mem_gbps * 1e-6) / share
-        bwd += home + tail
+        merge = (k.op_us * 1e-3 + 3 * last / k.mem_gbps * 1e-6) / share
+        bwd += home + kv_msgs + merge
         comm_b += home
-        work_b += tail * core + home - link.p2p_ms(0)
+        work_b += merge * core + kv_work + home - link.p2p_ms(0)
     return (_Sched(fwd, steps_f, comm_f, work_f), _Sched(bwd, steps_b, comm_b, work_b))
 
 
@@ -166,13 +167,15 @@ def _allgather(shape: SoftmaxShape, world: int, layout: str, machine: Machine,
     # compute: the same kernel work at the full-width rate (what the ring's calls cost), so
     # the all-gather calls' own overheads count as what the schedule adds
     ring = _ring_compute(shape, world, layout, machine, rank)
-    # the rank's CPU work: its calls, arrangements and postings, and the bytes it receives
-    # (gather) or sends (reduce-scatter) at the collective rate; the collectives' latency is
-    # no work (a waiting rank frees its core)
+    # the rank's CPU work: its calls and arrangements, each collective as one message sent
+    # and one received (the rank posts it and waits once; the backend passes the pieces on
+    # without waking it), and the bytes it receives (gather) or sends (reduce-scatter) at the
+    # collective rate; the collectives' latency is no work (a waiting rank frees its core)
     core = machine.core_share(world)
     coll = 1e-6 / link.coll_gbps if world > 1 else 0.0
-    work_f = units * ((post + cf + arrange) * core + g_bytes * coll)
-    work_b = units * ((2 * post + cb + arrange + slot) * core + (g_bytes + s_bytes) * coll)
+    msgs = _msg_work_ms(machine, 2) if world > 1 else 0.0
+    work_f = units * ((cf + arrange) * core + msgs + g_bytes * coll)
+    work_b = units * ((cb + arrange + slot) * core + 2 * msgs + (g_bytes + s_bytes) * coll)
     return (_Sched(fwd, sum(f for f, _ in ring), units * gather, work_f),
             _Sched(bwd, sum(b for _, b in ring), units * (gather + scatter), work_b))
 
