@@ -18,6 +18,17 @@ def _ring_link(topo: Topology, machine: Machine) -> Link:
     return min(links, key=lambda l: l.p2p_gbps)
 
 
+def _calls_ms(shape: SoftmaxShape, calls, piece: int, machine: Machine) -> tuple[float, float]:
+    """(fwd, bwd) kernel ms of attention ``calls`` (plan ``Call``s over pieces of ``piece``
+    tokens) on one rank alone, without their fixed costs."""
+    s, f, b = shape, 0.0, 0.0
+    for c in calls:
+        cf, cb = softmax_kernel_ms(machine, s.B, s.H, (c.q_stop - c.q_start) * piece,
+                                   c.keys * piece, s.D, c.causal)
+        f, b = f + cf, b + cb
+    return f, b
+
+
 def _ring_compute(shape: SoftmaxShape, world: int, layout: str, machine: Machine,
                   rank: int) -> list[tuple[float, float]]:
     """(fwd, bwd) kernel ms of each ring step of ``rank`` (its calls from
@@ -29,12 +40,8 @@ def _ring_compute(shape: SoftmaxShape, world: int, layout: str, machine: Machine
     share = machine.compute_share(world)
     steps = []
     for step in range(world):
-        f = b = 0.0
         calls = ring_calls(rank, ring_source(rank, world, step), world, layout, s.causal)
-        for c in calls:
-            cf, cb = softmax_kernel_ms(machine, s.B, s.H, (c.q_stop - c.q_start) * piece,
-                                       c.keys * piece, s.D, c.causal)
-            f, b = f + cf, b + cb
+        f, b = _calls_ms(s, calls, piece, machine)
         n = len(calls)
         steps.append(((n * k.softmax_call_ms + f) / share, (n * k.bwd_call_ms + b) / share))
     return steps
@@ -47,15 +54,11 @@ def _gather_compute(shape: SoftmaxShape, world: int, layout: str, machine: Machi
     (:func:`sp_attention.softmax.plan.gather_plan`; a bottom-right causal call where the
     chunk's own diagonal is among them)."""
     from ..softmax.plan import gather_plan
-    s = shape
     n = num_chunks(world, layout)
-    piece = s.T_local * world // n
     share = machine.compute_share(world)
-    f = b = 0.0
-    for c in gather_plan(rank, world, layout, 1, 0, n // world, s.causal).calls:
-        cf, cb = softmax_kernel_ms(machine, s.B, s.H, (c.q_stop - c.q_start) * piece,
-                                   c.keys * piece, s.D, c.causal)
-        f, b = f + cf, b + cb
+    f, b = _calls_ms(shape, gather_plan(rank, world, layout, 1, 0, n // world,
+                                        shape.causal).calls,
+                     shape.T_local * world // n, machine)
     return f / share, b / share
 
 
