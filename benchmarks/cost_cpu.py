@@ -208,7 +208,11 @@ def worker(rank: int, world: int, a) -> list:
         dist.barrier()
     out, machine = [], None
     if rank == 0:
-        machine = calibrate("cpu", link_rows, typical_probe_rows(kernel_rows), 2)
+        # corun from every probe of two processes side by side (the pair's and the group of
+        # 2's), resume from every probe (always group ranks 0 and 1, the others idle)
+        host = [r for P, _, links, _ in measured for r in links
+                if (r["what"] == "corun" and P == 2) or r["what"] == "resume"]
+        machine = calibrate("cpu", link_rows + host, typical_probe_rows(kernel_rows), 2)
         machine = dataclasses.replace(machine, kernels=dataclasses.replace(
             machine.kernels, linear_rank_contiguous=f["contiguous"],
             linear_rank_zigzag=f["zigzag"]),

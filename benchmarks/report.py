@@ -28,7 +28,7 @@ from sp_attention.cost import (LINEAR_SCANS, SOFTMAX_PRESETS, LinearShape,  # no
                                SoftmaxShape, Topology, choose_linear_scan,
                                choose_softmax_preset, cp_efficiency, linear_memory,
                                linear_step, softmax_memory, softmax_step)
-from sp_attention.calibrate import (fit_kernels, fit_scan_host,  # noqa: E402
+from sp_attention.calibrate import (fit_host, fit_kernels, fit_scan_host,  # noqa: E402
                                    typical_probe_rows)
 from sp_attention.machine import (CPU_GLOO, H200_NVLINK_IB400, Link,  # noqa: E402
                                   machine_from_dict)
@@ -176,10 +176,12 @@ def cpu_run_machines(rows) -> tuple[dict, dict]:
     """``({run: machine}, {(run, P): machine with the links probed among P})`` of the CPU/gloo
     runs, their kernels refitted from the run's own probe rows by this code's
     :func:`~sp_attention.calibrate.fit_kernels` (a change to the fit applies to every recorded
-    run; what the rows do not inform stays as recorded). The machine at P also takes the
-    scans' host terms from the scans probed among the P processes
+    run; what the rows do not inform stays as recorded), ``corun`` from every probe of two
+    processes side by side in the run, ``resume`` from every probe of it (a run recorded
+    before that probe: the ``CPU_GLOO`` default). The machine at P also takes the scans' host
+    terms from the scans probed among the P processes
     (:func:`~sp_attention.calibrate.fit_scan_host`), like its links."""
-    probes, scans = defaultdict(list), defaultdict(list)
+    probes, scans, host = defaultdict(list), defaultdict(list), defaultdict(list)
     for r in rows:
         if r.get("bench") != "calibrate" or "run" not in r:      # a cost_cpu run's probes
             continue
@@ -187,6 +189,9 @@ def cpu_run_machines(rows) -> tuple[dict, dict]:
             probes[r["run"]].append(r)
         elif r.get("what", "").startswith("scan_"):
             scans[(r["run"], r["world"])].append(r)
+        elif ((r.get("what") == "corun" and r.get("world") == 2 and "ms_alone" in r)
+              or r.get("what") == "resume"):    # as cost_cpu.py fits them
+            host[r["run"]].append(r)
 
     def refit(r):
         m = machine_from_dict(r["machine"])
@@ -194,6 +199,8 @@ def cpu_run_machines(rows) -> tuple[dict, dict]:
             base = dataclasses.replace(m.kernels, softmax_mask=CPU_GLOO.kernels.softmax_mask)
             m = dataclasses.replace(m, kernels=fit_kernels(
                 typical_probe_rows(probes[r["run"]]), base))
+        if host[r["run"]]:
+            m = dataclasses.replace(m, kernels=fit_host(host[r["run"]], m.kernels))
         return m
     run_m = {r["run"]: refit(r) for r in rows
              if r.get("bench") == "cost_cpu_machine" and r.get("world") is None}

@@ -149,7 +149,8 @@ def _host_rows(rank: int, world: int, nxt: int, prv: int, group, barrier) -> lis
     to the next rank and received from the previous one in one ``batch_isend_irecv`` (each
     further message is host work: the ``P2POp``, the work object, gloo's hand-off to its I/O
     thread and back); and the plain linear kernel run by every rank of the group at once
-    against rank 0 running it alone (the ranks share caches and memory bandwidth)."""
+    against each rank running it alone, timed the same way (the ranks share caches and memory
+    bandwidth), the row holding the median over the ranks of each."""
     from .linear import lightning_attention
     rows = []
     for m in (1, 2, 4, 8):
@@ -172,12 +173,65 @@ def _host_rows(rank: int, world: int, nxt: int, prv: int, group, barrier) -> lis
 
     def kernel():
         torch.autograd.grad(lightning_attention(q, k, v, slopes), (q, k, v), do)
-    alone = time_ms(kernel, "cpu", iters=5, repeats=5) if rank == 0 else 0.0
-    barrier()
+
+    def idle():
+        pass
+    # each rank alone (the others pass the same barriers idle), then all at once: the same
+    # timing either way, so only the company differs
+    alone = [time_ms(kernel if rank == r else idle, "cpu", iters=5, repeats=5,
+                     barrier=barrier) for r in range(world)][rank]
     together = time_ms(kernel, "cpu", iters=5, repeats=5, barrier=barrier)
-    rows.append(_row("corun", "cpu", world=world, ms_alone=_slowest(alone, group, "cpu"),
-                     ms=_slowest(together, group, "cpu")))
-    return rows
+    rows.append(_row("corun", "cpu", world=world,
+                     ms_alone=_median_rank(alone, rank, group, world),
+                     ms=_median_rank(together, rank, group, world)))
+    resume = _resume_row(rank, world, nxt, prv, group, barrier, kernel)
+    return rows + ([resume] if resume else [])
+
+
+def _resume_row(rank: int, world: int, nxt: int, prv: int, group, barrier, kernel,
+                n: int = 10, rounds: int = 5) -> Optional[dict]:
+    """Row ``resume``: what a received message costs its receiver (group rank 1: process
+    time, every thread) more when the sender (group rank 0) computes ``kernel`` before each
+    send on the receiver's own core than on another one (the median of ``rounds`` alternating
+    blocks of ``n`` messages each way), in µs per message: the refill of
+    caches the others' work evicted while the receiver waited, which every receive pays where
+    the ranks outnumber the cores. The two ranks are pinned for the probe and then set back;
+    None without a second CPU to pin to (or without ``os.sched_setaffinity``)."""
+    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cpus = torch.tensor([mine[0] if mine else -1, mine[1] if len(mine) > 1 else -1]
+                        if rank == 1 else [0, 0], dtype=torch.int64)
+    dist.all_reduce(cpus, group=group)       # the receiver's first two CPUs, to every rank
+    if int(cpus.min()) < 0:
+        return None
+    x, cpu = torch.ones(1024), {"apart": [], "same": []}
+    for _ in range(rounds):      # alternating blocks: a slow spell falls on both alike
+        for where, sender_cpu in (("apart", int(cpus[1])), ("same", int(cpus[0]))):
+            if rank < 2:
+                os.sched_setaffinity(0, {int(cpus[0]) if rank == 1 else sender_cpu})
+            barrier()
+            t0 = time.process_time()
+            for _ in range(n):
+                if rank == 0:
+                    kernel()
+                    dist.send(x, nxt, group=group)
+                elif rank == 1:
+                    dist.recv(x, prv, group=group)
+            cpu[where].append((time.process_time() - t0) * 1e6 / n)
+    if rank < 2:
+        os.sched_setaffinity(0, mine)
+    t = torch.tensor([statistics.median(cpu["same"]) - statistics.median(cpu["apart"])
+                      if rank == 1 else 0.0], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return _row("resume", "cpu", world=world, us=float(t.item()))
+
+
+def _median_rank(ms: float, rank: int, group, world: int) -> float:
+    """The median over the group's ranks of a per-rank time (one rank's bad spell on a shared
+    machine does not set a machine-wide factor)."""
+    t = torch.zeros(world, dtype=torch.float64)
+    t[rank] = ms
+    dist.all_reduce(t, group=group)
+    return statistics.median(t.tolist())
 
 
 def _msg_cpu_row(rank: int, world: int, nxt: int, prv: int, group, barrier, n: int = 20,
@@ -246,7 +300,9 @@ def fit_scan_host(rows: Sequence[dict], machine: Machine) -> Machine:
 
 def fit_host(rows: Sequence[dict], base):
     """``Kernels.msg_us`` (the slope of the ``msgs`` rows per message a rank posts),
-    ``Kernels.corun`` (the ``corun`` row: together ÷ alone, at least 1) and
+    ``Kernels.resume_us`` (the ``resume`` rows, at least 0),
+    ``Kernels.corun`` (the ``corun`` rows: together ÷ alone, the median over the rows given,
+    at least 1) and
     ``Kernels.msg_cpu_us`` (the ``msg_cpu`` rows) from
     :func:`probe_links` rows; ``base`` where the rows are missing (GPU, one rank)."""
     kw = {}
@@ -257,12 +313,15 @@ def fit_host(rows: Sequence[dict], base):
         slope = (sum((x - mx) * (y - my) for x, y in msgs)
                  / sum((x - mx) ** 2 for x, _ in msgs))
         kw["msg_us"] = max(slope, 0.0) * 1e3
-    corun = [r for r in rows if r["what"] == "corun"]
+    corun = [r["ms"] / r["ms_alone"] for r in rows if r["what"] == "corun"]
     if corun:
-        kw["corun"] = max(corun[0]["ms"] / corun[0]["ms_alone"], 1.0)
+        kw["corun"] = max(statistics.median(corun), 1.0)
     cpu = [r["us"] for r in rows if r["what"] == "msg_cpu"]
     if cpu:
         kw["msg_cpu_us"] = statistics.median(cpu)
+    resume = [r["us"] for r in rows if r["what"] == "resume"]
+    if resume:
+        kw["resume_us"] = max(statistics.median(resume), 0.0)
     return dataclasses.replace(base, **kw)
 
 

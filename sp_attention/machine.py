@@ -120,6 +120,13 @@ class Kernels:
             spare it runs beside the others, where they outnumber the cores it takes theirs
             (each message end at least ``msg_us``). Probe: process time of both ends over
             messages to a receiver that has been waiting. 0 on a GPU.
+        resume_us: CPU time a received message costs its receiver on top of
+            ``msg_cpu_us`` where the ranks outnumber the cores: the other ranks ran on its
+            core while it waited, and it resumes with its caches refilled by their work.
+            Counted only in the work-conserving bound, only from ``cores`` + 1 ranks on.
+            Probe: a receiver's process time per message from a sender that computes the
+            plain kernel on the receiver's own core before each send, less the same from a
+            sender on another core. 0 on a GPU.
         softmax_mask: how a causal attention call is costed. None: the kernel skips the
             masked triangle (flash, cuDNN), and a causal call's FLOPs are the pairs it keeps.
             A number m: the kernel computes every (query, key) pair of the call's block and
@@ -150,6 +157,7 @@ class Kernels:
     corun: float = 1.0
     softmax_mask: Optional[float] = None
     msg_cpu_us: float = 0.0
+    resume_us: float = 0.0
 
     @property
     def bwd_call_ms(self) -> float:
@@ -243,7 +251,7 @@ class Machine:
 # calibration without ``softmax_mask`` had its attention rates fitted to causal FLOPs counted
 # at half the square, so it keeps the field's default (None), which reads them that way.
 _LATER_KERNEL_FIELDS = ("softmax_bwd_call_ms", "msg_us", "scan_msg_us", "fold_us", "corun",
-                        "msg_cpu_us")
+                        "msg_cpu_us", "resume_us")
 
 
 def machine_from_dict(d: dict) -> Machine:
@@ -294,7 +302,9 @@ H200_NVLINK_IB400 = Machine(
 # call's figures (every pair of a block computed, the mask 0.8 × the block's forward on
 # top) from two quiet probes of causal and non-causal calls at T = 32…256, 2026-11-24 19:01;
 # a message's CPU (both processes, every thread, to a receiver that waited 2 ms) 165–238 µs
-# in four probes at 2, 4, 8 processes (19:50-20:10): 200.
+# in four probes at 2, 4, 8 processes (19:50-20:10): 200; what a receive costs more where
+# the sender's kernel ran on the receiver's core (the `resume` probe, 2026-11-24 21:00-21:10,
+# eight probes from -11 to 153 µs, median ~60): 60.
 CPU_GLOO = Machine(
     name="cpu-gloo",
     source="default: the project's 2-core CPU machine, gloo (benchmarks/results/"
@@ -304,7 +314,7 @@ CPU_GLOO = Machine(
                     mem_gbps=66.0, op_us=2.5, softmax_bwd_workspace=8.0,
                     linear_rank_contiguous=1.11, linear_rank_zigzag=1.08, cores=2,
                     softmax_bwd_call_ms=0.24, msg_us=24.0, scan_msg_us=18.0, fold_us=108.0,
-                    corun=1.08, softmax_mask=0.8, msg_cpu_us=200.0),
+                    corun=1.08, softmax_mask=0.8, msg_cpu_us=200.0, resume_us=60.0),
     intra=Link(alpha_p2p_us=84.0, p2p_gbps=2.4, alpha_coll_us=160.0, coll_gbps=1.3,
                step_us=160.0),
     inter=Link(alpha_p2p_us=84.0, p2p_gbps=2.4, alpha_coll_us=160.0, coll_gbps=1.3,

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 
 import pytest
 
@@ -448,6 +449,39 @@ def test_message_cpu_counts_in_the_work_bound_only():
     assert calibrate.fit_host(rows, CPU_GLOO.kernels).msg_cpu_us == 250.0
 
 
+def test_resume_counts_per_receive_only_where_ranks_outnumber_cores():
+    """``Kernels.resume_us``: each message a rank receives costs it that much more CPU once
+    the ranks outnumber the cores (P > 2 here): a softmax ring's forward bound grows by
+    (P − 1) hops × 2 receives × resume × P / cores; at P = cores and with a core per rank
+    nothing changes; linear scans pay it per receive too. The fit takes the median of the
+    ``resume`` rows, at least 0."""
+    s = SoftmaxShape(1, 128, 8, 4, 32, 4)
+    base = _cpu_bare(softmax_call_ms=1.0, corun=1.0, msg_cpu_us=400.0)
+    cost = dataclasses.replace(base, kernels=dataclasses.replace(base.kernels, resume_us=100.0))
+    for P in (3, 4, 8):
+        t0, t = (softmax_step(s, P, "zigzag", "ring", "ring", m) for m in (base, cost))
+        assert t.fwd_ms - t0.fwd_ms == pytest.approx((P - 1) * 2 * 0.1 * P / 2, rel=1e-6)
+    for kind in ("ring", "allgather"):
+        assert softmax_step(s, 2, "zigzag", kind, kind, cost).total_ms == pytest.approx(
+            softmax_step(s, 2, "zigzag", kind, kind, base).total_ms)
+    lin = LinearShape(1, 128, 4, 32, 32, 4)
+    for sched in ("ring", "blelloch", "allgather"):
+        w0, w = (linear_step(lin, 6, "zigzag", sched, m).work_ms for m in (base, cost))
+        assert w > w0
+        assert linear_step(lin, 2, "zigzag", sched, cost).total_ms == pytest.approx(
+            linear_step(lin, 2, "zigzag", sched, base).total_ms)
+    rows = [dict(what="resume", us=u) for u in (40.0, 120.0, 70.0)]
+    assert calibrate.fit_host(rows, CPU_GLOO.kernels).resume_us == 70.0
+    assert calibrate.fit_host([dict(what="resume", us=-5.0)], CPU_GLOO.kernels).resume_us == 0
+    assert H200.kernels.resume_us == 0.0
+
+
+def test_corun_fit_takes_the_median_of_its_probes():
+    """One probe's bad spell (a rank slowed by something else) does not set the factor."""
+    rows = [dict(what="corun", ms=m, ms_alone=2.0) for m in (2.1, 3.3, 2.2)]
+    assert calibrate.fit_host(rows, CPU_GLOO.kernels).corun == pytest.approx(1.1)
+
+
 @pytest.mark.parametrize("kind", ["linear", "softmax"])
 def test_work_bound_monotonic_in_world_and_bytes(kind):
     def work(P, n):
@@ -551,6 +585,8 @@ def test_cpu_calibration_end_to_end(tmp_path):
     whats = {r["what"] for r in rows}
     assert {"p2p", "all_gather", "msgs", "corun", "msg_cpu", "scan_blelloch", "linear",
             "softmax", "memory"} <= whats
+    if len(os.sched_getaffinity(0)) > 1:            # the resume probe pins to two CPUs
+        assert "resume" in whats
     assert {r["causal"] for r in rows if r["what"] == "softmax"} == {True, False}
     k = m.kernels
     assert k.msg_cpu_us > 0 and k.msg_us > 0 and k.softmax_mask is not None

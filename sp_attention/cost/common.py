@@ -189,12 +189,15 @@ def _msgs_ms(machine: Machine, world: int, msgs: int, shared: bool = True) -> fl
     return t / machine.compute_share(world) if shared else t
 
 
-def _msg_work_ms(machine: Machine, ends: float) -> float:
-    """CPU work of ``ends`` message ends (a send or a receive each) one rank handles: half a
-    message's whole CPU cost (``Kernels.msg_cpu_us``) or its posting alone (``msg_us``),
-    whichever is larger. Work only: it shares the cores, it is not on the critical path."""
+def _msg_work_ms(machine: Machine, ends: float, world: int) -> float:
+    """CPU work of ``ends`` message ends (a send or a receive each, as many of either) one
+    rank handles: half a message's whole CPU cost (``Kernels.msg_cpu_us``) or its posting
+    alone (``msg_us``), whichever is larger; where the ``world`` ranks outnumber the cores,
+    each receive also ``Kernels.resume_us`` (the receiver resumes with caches the others
+    refilled). Work only: it shares the cores, it is not on the critical path."""
     k = machine.kernels
-    return ends * max(k.msg_us, k.msg_cpu_us / 2) * 1e-3
+    over = k.cores is not None and world > k.cores
+    return ends * (max(k.msg_us, k.msg_cpu_us / 2) + (k.resume_us / 2 if over else 0.0)) * 1e-3
 
 
 def side_by_side(machine: Machine, world: int) -> float:

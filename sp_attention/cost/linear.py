@@ -119,7 +119,7 @@ def _scan_work_ms(schedule: str, world: int, layout: str, reverse: bool, S: int,
         return 0.0
     k = machine.kernels
     holder = [holder_of_leaf(scan_position(p, L, reverse), world, layout) for p in range(L)]
-    post = k.scan_msg_us * 1e-3 + _msg_work_ms(machine, 1)
+    post = k.scan_msg_us * 1e-3 + _msg_work_ms(machine, 1, world)
     wire = S / machine.intra.p2p_gbps * 1e-6
     side = side_by_side(machine, world)
     if schedule == "ring":
@@ -138,7 +138,7 @@ def _scan_work_ms(schedule: str, world: int, layout: str, reverse: bool, S: int,
     if schedule == "allgather":
         n = L // world
         fold = (4 * k.op_us * 1e-3 + k.fold_us * 1e-3
-                + (L + n) * S / k.mem_gbps * 1e-6 + _msg_work_ms(machine, 2))
+                + (L + n) * S / k.mem_gbps * 1e-6 + _msg_work_ms(machine, 2, world))
         recv = (world - 1) * n * S / machine.intra.coll_gbps * 1e-6
         return world * (side * fold + recv)
     raise ValueError(f"unknown linear scan {schedule!r}; use one of {LINEAR_SCANS}")

@@ -121,7 +121,7 @@ def _ring(shape: SoftmaxShape, world: int, layout: str, machine: Machine, topo: 
     core = machine.core_share(world)
     steps_f, steps_b = sum(f for f, _ in steps), sum(b for _, b in steps)
     n_hops = world - 1
-    kv_work = _msg_work_ms(machine, 4)
+    kv_work = _msg_work_ms(machine, 4, world)
     work_f = (steps_f + n_hops * add) * core + n_hops * kv_work + wire_f
     work_b = (steps_b + n_hops * add) * core + (2 * n_hops - 1) * kv_work + wire_b
     if world > 1:            # the last accumulator goes home with nothing left to hide it
@@ -176,7 +176,7 @@ def _allgather(shape: SoftmaxShape, world: int, layout: str, machine: Machine,
     # collective rate; the collectives' latency is no work (a waiting rank frees its core)
     core = machine.core_share(world)
     coll = 1e-6 / link.coll_gbps if world > 1 else 0.0
-    msgs = _msg_work_ms(machine, 2) if world > 1 else 0.0
+    msgs = _msg_work_ms(machine, 2, world) if world > 1 else 0.0
     work_f = units * ((cf + arrange) * core + msgs + g_bytes * coll)
     work_b = units * ((cb + arrange + slot) * core + 2 * msgs + (g_bytes + s_bytes) * coll)
     return (_Sched(fwd, sum(f for f, _ in ring), units * gather, work_f),
