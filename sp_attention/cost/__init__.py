@@ -25,7 +25,9 @@ rank, and all of this is inert there). Each direction's time is the larger of tw
 Host work is time on the same cores: per point-to-point message a rank posts
 (``Kernels.msg_us``; a linear scan's element messages ``scan_msg_us`` more; in the work
 bound each message end costs at least half the message's whole CPU, ``msg_cpu_us``, which
-includes the backend's I/O threads and the wake-up of a receiver that slept), the all-gather
+includes the backend's I/O threads and the wake-up of a receiver that slept; where the
+ranks outnumber the cores each receive ``resume_us`` more, the receiver resuming with caches
+the others' work refilled), the all-gather
 scan's fold (``fold_us``), each attention call (``softmax_call_ms`` forward,
 ``softmax_bwd_call_ms`` backward); ranks computing side by side run ``Kernels.corun`` slower
 than one alone. These host terms are measured on CPU and 0 on a GPU (the host runs ahead).
