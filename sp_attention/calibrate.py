@@ -196,12 +196,17 @@ def _resume_row(rank: int, world: int, nxt: int, prv: int, group, barrier, kerne
     blocks of ``n`` messages each way), in µs per message: the refill of
     caches the others' work evicted while the receiver waited, which every receive pays where
     the ranks outnumber the cores. The two ranks are pinned for the probe and then set back;
-    None without a second CPU to pin to (or without ``os.sched_setaffinity``)."""
+    None on every rank where the sender may not run on both of the receiver's first two CPUs
+    (or without ``os.sched_setaffinity``)."""
     mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     cpus = torch.tensor([mine[0] if mine else -1, mine[1] if len(mine) > 1 else -1]
                         if rank == 1 else [0, 0], dtype=torch.int64)
     dist.all_reduce(cpus, group=group)       # the receiver's first two CPUs, to every rank
-    if int(cpus.min()) < 0:
+    # the sender must be allowed on both (a launcher may give each rank its own CPUs): every
+    # rank learns the answer before any pinning, so all skip the probe together
+    ok = torch.tensor([0 if rank == 0 and not {int(c) for c in cpus} <= set(mine) else 1])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if world < 2 or int(cpus.min()) < 0 or not int(ok):
         return None
     x, cpu = torch.ones(1024), {"apart": [], "same": []}
     for _ in range(rounds):      # alternating blocks: a slow spell falls on both alike
