@@ -46,7 +46,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sp_attention import build_sp_context  # noqa: E402
 from sp_attention.calibrate import (calibrate, fit_link, fit_scan_host,  # noqa: E402
-                                    probe_kernels, probe_links, time_ms, typical_probe_rows)
+                                    pair_host_rows, probe_kernels, probe_links, time_ms,
+                                    typical_probe_rows)
 from sp_attention.cost import (LINEAR_SCANS, SOFTMAX_PRESETS, LinearShape,  # noqa: E402
                                SoftmaxShape, linear_step, softmax_step)
 from sp_attention.linear import lightning_attention  # noqa: E402
@@ -208,10 +209,8 @@ def worker(rank: int, world: int, a) -> list:
         dist.barrier()
     out, machine = [], None
     if rank == 0:
-        # corun from every probe of two processes side by side (the pair's and the group of
-        # 2's), resume from every probe (always group ranks 0 and 1, the others idle)
-        host = [r for P, _, links, _ in measured for r in links
-                if (r["what"] == "corun" and P == 2) or r["what"] == "resume"]
+        # the host terms of two processes from every probe of the job that has them
+        host = pair_host_rows(r for _, _, links, _ in measured for r in links)
         machine = calibrate("cpu", link_rows + host, typical_probe_rows(kernel_rows), 2)
         machine = dataclasses.replace(machine, kernels=dataclasses.replace(
             machine.kernels, linear_rank_contiguous=f["contiguous"],

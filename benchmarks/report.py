@@ -29,7 +29,7 @@ from sp_attention.cost import (LINEAR_SCANS, SOFTMAX_PRESETS, LinearShape,  # no
                                choose_softmax_preset, cp_efficiency, linear_memory,
                                linear_step, softmax_memory, softmax_step)
 from sp_attention.calibrate import (fit_host, fit_kernels, fit_scan_host,  # noqa: E402
-                                   typical_probe_rows)
+                                   pair_host_rows, typical_probe_rows)
 from sp_attention.machine import (CPU_GLOO, H200_NVLINK_IB400, Link,  # noqa: E402
                                   machine_from_dict)
 from benchmarks.report_plots import (PRESET_OF, TOLERANCE, plot_measured,  # noqa: E402
@@ -181,7 +181,7 @@ def cpu_run_machines(rows) -> tuple[dict, dict]:
     before that probe: the ``CPU_GLOO`` default). The machine at P also takes the scans' host
     terms from the scans probed among the P processes
     (:func:`~sp_attention.calibrate.fit_scan_host`), like its links."""
-    probes, scans, host = defaultdict(list), defaultdict(list), defaultdict(list)
+    probes, scans, links = defaultdict(list), defaultdict(list), defaultdict(list)
     for r in rows:
         if r.get("bench") != "calibrate" or "run" not in r:      # a cost_cpu run's probes
             continue
@@ -189,9 +189,8 @@ def cpu_run_machines(rows) -> tuple[dict, dict]:
             probes[r["run"]].append(r)
         elif r.get("what", "").startswith("scan_"):
             scans[(r["run"], r["world"])].append(r)
-        elif ((r.get("what") == "corun" and r.get("world") == 2 and "ms_alone" in r)
-              or r.get("what") == "resume"):    # as cost_cpu.py fits them
-            host[r["run"]].append(r)
+        else:
+            links[r["run"]].append(r)
 
     def refit(r):
         m = machine_from_dict(r["machine"])
@@ -199,8 +198,9 @@ def cpu_run_machines(rows) -> tuple[dict, dict]:
             base = dataclasses.replace(m.kernels, softmax_mask=CPU_GLOO.kernels.softmax_mask)
             m = dataclasses.replace(m, kernels=fit_kernels(
                 typical_probe_rows(probes[r["run"]]), base))
-        if host[r["run"]]:
-            m = dataclasses.replace(m, kernels=fit_host(host[r["run"]], m.kernels))
+        pair = pair_host_rows(links[r["run"]])     # as cost_cpu.py fits them
+        if pair:
+            m = dataclasses.replace(m, kernels=fit_host(pair, m.kernels))
         return m
     run_m = {r["run"]: refit(r) for r in rows
              if r.get("bench") == "cost_cpu_machine" and r.get("world") is None}

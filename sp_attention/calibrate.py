@@ -198,6 +198,8 @@ def _resume_row(rank: int, world: int, nxt: int, prv: int, group, barrier, kerne
     the ranks outnumber the cores. The two ranks are pinned for the probe and then set back;
     None on every rank where the sender may not run on both of the receiver's first two CPUs
     (or without ``os.sched_setaffinity``)."""
+    if world < 2:
+        return None
     mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     cpus = torch.tensor([mine[0] if mine else -1, mine[1] if len(mine) > 1 else -1]
                         if rank == 1 else [0, 0], dtype=torch.int64)
@@ -206,22 +208,15 @@ def _resume_row(rank: int, world: int, nxt: int, prv: int, group, barrier, kerne
     # rank learns the answer before any pinning, so all skip the probe together
     ok = torch.tensor([0 if rank == 0 and not {int(c) for c in cpus} <= set(mine) else 1])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    if world < 2 or int(cpus.min()) < 0 or not int(ok):
+    if int(cpus.min()) < 0 or not int(ok):
         return None
-    x, cpu = torch.ones(1024), {"apart": [], "same": []}
+    cpu = {"apart": [], "same": []}
     for _ in range(rounds):      # alternating blocks: a slow spell falls on both alike
         for where, sender_cpu in (("apart", int(cpus[1])), ("same", int(cpus[0]))):
             if rank < 2:
                 os.sched_setaffinity(0, {int(cpus[0]) if rank == 1 else sender_cpu})
             barrier()
-            t0 = time.process_time()
-            for _ in range(n):
-                if rank == 0:
-                    kernel()
-                    dist.send(x, nxt, group=group)
-                elif rank == 1:
-                    dist.recv(x, prv, group=group)
-            cpu[where].append((time.process_time() - t0) * 1e6 / n)
+            cpu[where].append(_message_cpu_us(rank, nxt, prv, group, n, kernel))
     if rank < 2:
         os.sched_setaffinity(0, mine)
     t = torch.tensor([statistics.median(cpu["same"]) - statistics.median(cpu["apart"])
@@ -245,19 +240,25 @@ def _msg_cpu_row(rank: int, world: int, nxt: int, prv: int, group, barrier, n: i
     group rank 0 to group rank 1 (``nxt`` of 0, ``prv`` of 1: global ranks) while rank 1 waits
     for it (rank 0 sleeps ``wait_s`` before each send, as a rank computes before it sends), in
     µs per message."""
-    x = torch.ones(1024)
     barrier()
+    us = _message_cpu_us(rank, nxt, prv, group, n, lambda: time.sleep(wait_s))
+    cpu = torch.tensor([us if rank < 2 else 0.0], dtype=torch.float64)
+    dist.all_reduce(cpu, group=group)
+    return _row("msg_cpu", "cpu", world=world, us=float(cpu.item()), wait_s=wait_s)
+
+
+def _message_cpu_us(rank: int, nxt: int, prv: int, group, n: int, before_send) -> float:
+    """This process's CPU time (every thread) per message while group rank 0 sends ``n``
+    small messages to group rank 1, calling ``before_send`` before each (the other ranks: 0)."""
+    x = torch.ones(1024)
     t0 = time.process_time()
     for _ in range(n):
         if rank == 0:
-            time.sleep(wait_s)
+            before_send()
             dist.send(x, nxt, group=group)
         elif rank == 1:
             dist.recv(x, prv, group=group)
-    cpu = torch.tensor([(time.process_time() - t0) * 1e6 if rank < 2 else 0.0],
-                       dtype=torch.float64)
-    dist.all_reduce(cpu, group=group)
-    return _row("msg_cpu", "cpu", world=world, us=float(cpu.item()) / n, wait_s=wait_s)
+    return (time.process_time() - t0) * 1e6 / n if rank < 2 else 0.0
 
 
 _SCAN_PROBE = dict(B=1, H=8, K=32, V=32)     # one fp32 scan element of 32 KiB
@@ -301,6 +302,15 @@ def fit_scan_host(rows: Sequence[dict], machine: Machine) -> Machine:
         t0, t1 = at(0.0), at(1.0)
         kw[field] = max((r["ms"] - t0) / (t1 - t0), 0.0) if t1 > t0 else 0.0
     return dataclasses.replace(machine, kernels=dataclasses.replace(machine.kernels, **kw))
+
+
+def pair_host_rows(rows) -> list[dict]:
+    """Of :func:`probe_links` rows from groups of any size, those that describe two processes,
+    as :func:`fit_host` reads them for a machine calibrated on two: ``corun`` probed in a
+    group of two, ``resume`` from every group (always group ranks 0 and 1, the others
+    idle)."""
+    return [r for r in rows if r.get("what") == "resume"
+            or (r.get("what") == "corun" and r.get("world") == 2)]
 
 
 def fit_host(rows: Sequence[dict], base):
