@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .caches import LRU
 from .context import SPContext
 from .layout import ring_neighbors
 
@@ -147,20 +148,63 @@ def scatter_reduce_along(x: torch.Tensor, ctx: SPContext, dim: int = 0,
 def p2p_exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
                  ctx: SPContext) -> list:
     """Post sends ``(tensor, dst_group_rank)`` and receives ``(tensor, src_group_rank)`` as one
-    ``batch_isend_irecv``; returns the work handles (wait on them before reading receives).
+    batch; returns the work handles (wait on them before reading receives).
 
     Messages between one pair of ranks are matched in posting order, so callers must post them
     in an order every rank agrees on (e.g. sorted by a global message id).
+
+    On a backend that coalesces point-to-point operations (NCCL) the batch is one group of the
+    process group's own ``send``/``recv`` (one kernel launch, one work handle): what
+    ``dist.batch_isend_irecv`` does, without its per-call Python bookkeeping, which costs a
+    GPU step's host tens of µs per message. Elsewhere (gloo) each message is posted on its
+    own. Peers are group ranks.
     """
     for _, r in list(sends) + list(recvs):
         if r == ctx.rank or not 0 <= r < ctx.world_size:
             raise ValueError(f"p2p_exchange: peer {r} is not another rank of a group of size "
                              f"{ctx.world_size} (this rank is {ctx.rank})")
-    ops = [dist.P2POp(dist.isend, t, ctx.global_rank(r), ctx.group) for t, r in sends]
-    ops += [dist.P2POp(dist.irecv, t, ctx.global_rank(r), ctx.group) for t, r in recvs]
-    if not ops:
+    if not sends and not recvs:
         return []
+    pg = ctx.group
+    device = (sends[0] if sends else recvs[0])[0].device
+    mode = _p2p_mode(pg, device)
+    if mode == "coalesced":
+        pg._start_coalescing(device)
+        for t, r in sends:
+            pg.send([t], r, 0)
+        for t, r in recvs:
+            pg.recv([t], r, 0)
+        return [pg._end_coalescing(device)]
+    if mode == "direct":
+        return [pg.send([t], r, 0) for t, r in sends] + [pg.recv([t], r, 0) for t, r in recvs]
+    ops = [dist.P2POp(dist.isend, t, ctx.global_rank(r), pg) for t, r in sends]
+    ops += [dist.P2POp(dist.irecv, t, ctx.global_rank(r), pg) for t, r in recvs]
     return dist.batch_isend_irecv(ops)
+
+
+# (group, device type) -> how p2p_exchange posts on that group: decided once per group
+_P2P_MODES = LRU(64)
+
+
+def _p2p_mode(pg, device: torch.device) -> str:
+    """``"coalesced"`` (the group's own send/recv between ``_start_coalescing`` and
+    ``_end_coalescing``, as ``batch_isend_irecv`` does on NCCL), ``"direct"`` (its own send/recv
+    one by one, as ``batch_isend_irecv`` does on gloo) or ``"batch"`` (``batch_isend_irecv``
+    itself, for a process-group object without those methods)."""
+    return _P2P_MODES.get((pg, device.type), lambda: _probe_p2p_mode(pg, device))
+
+
+def _probe_p2p_mode(pg, device: torch.device) -> str:
+    if type(pg) is not dist.ProcessGroup or not (hasattr(pg, "send") and hasattr(pg, "recv")):
+        return "batch"
+    try:
+        coalesces = bool(pg._get_backend(device).supports_coalescing)
+    except (AttributeError, RuntimeError):
+        return "batch"
+    if not coalesces:
+        return "direct"
+    return "coalesced" if hasattr(pg, "_start_coalescing") and hasattr(pg, "_end_coalescing") \
+        else "batch"
 
 
 class RingComm:

@@ -36,13 +36,16 @@ from .leaf import leaf_backward, leaf_output
 from .leaves import leaves_backward, leaves_output
 from .packed import packed_grads, packed_output
 from .packed_plan import linear_packing
-from .scan_allgather import allgather_scan
-from .scan_blelloch import blelloch_scan
-from .scan_ring import ring_scan
+from .scan_allgather import allgather_rows, allgather_scan
+from .scan_blelloch import blelloch_rows, blelloch_scan
+from .scan_ring import ring_rows, ring_scan
 
-__all__ = ["lightning_attention", "IMPLS", "DEFAULT_IMPL", "SCANS", "resolve_impl", "leaf_rows", "scan_rows"]
+__all__ = ["lightning_attention", "IMPLS", "DEFAULT_IMPL", "SCANS", "SCAN_ROWS", "resolve_impl",
+           "leaf_rows", "scan_rows"]
 
 SCANS = {"blelloch": blelloch_scan, "allgather": allgather_scan, "ring": ring_scan}
+# the same schedules on this rank's elements as rows of one tensor (what the layer calls)
+SCAN_ROWS = {"blelloch": blelloch_rows, "allgather": allgather_rows, "ring": ring_rows}
 IMPLS = tuple(SCANS) + ("auto",)
 # The one default scan choice; routes that do not name a scan pass None and get this (read at
 # call time, so every route follows a change of this line).
@@ -82,12 +85,11 @@ def scan_rows(x: torch.Tensor, A: torch.Tensor, ctx: SPContext, impl: str,
     (``reverse``: the gradient arriving at its end), in the same row layout, fp32 (fp64 for
     fp64 inputs)."""
     n = len(ctx.leaves)
-    if n == 1:                  # contiguous: the rows are the leaf, no split or stack
-        return SCANS[impl]([A], [x], ctx, reverse=reverse)[0]
-    parts = list(x.view(x.shape[0] // n, n, *x.shape[1:]).unbind(1))
-    As = list(A.view(A.shape[0] // n, n, *A.shape[1:]).unbind(1))
-    out = SCANS[impl](As, parts, ctx, reverse=reverse)
-    return torch.stack(out, 1).view(x.shape)
+    B = x.shape[0] // n
+    # leaf j's element: batch rows j, j + n, … (the rows are batch-major); views for B = 1
+    out = SCAN_ROWS[impl](A.reshape(B, n, -1).transpose(0, 1), x.reshape(B, n, -1).transpose(0, 1),
+                          ctx, reverse)                                    # [n, B·H, K·V]
+    return out.reshape(n, B, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
 
 
 def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:

@@ -12,8 +12,11 @@ each, host-bound on a GPU): the prefix entering scan position p is
     S_in(p) = Σ_{q<p} (Π_{q<r<p} A_r) · b_q
 
 and the products are exp(Σ log A_r), a 0/1 band matrix times log A — no division by A and no
-difference of cumulative sums (both break when A underflows to 0). log A is clamped at −1e4,
-whose exp is exactly 0 in fp32 and fp64, so an underflowed A still contributes an exact 0.
+difference of cumulative sums (both break when A underflows to 0). Each rank sends log A
+(clamped at −1e4, whose exp is exactly 0 in fp32 and fp64, so an underflowed A still
+contributes an exact 0) in place of A, and the band matrices address the gathered rows as
+they arrive (rank-major), so a call is: stage, log, all-gather, one batched matmul for the
+weights, one batched GEMM for the states.
 """
 from __future__ import annotations
 
@@ -25,46 +28,77 @@ import torch
 from ..caches import LRU
 from ..comm import all_gather_flat
 from ..context import SPContext
-from .scan_common import Element, ScanMap, check_elements, scan_map
+from .scan_common import ScanMap, rows_to_list, scan_map
 
 _LOG_FLOOR = -1.0e4
 
 
 @functools.lru_cache(maxsize=256)
-def _host_plan(leaves: ScanMap) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Index and band tensors of the fold on the host (pure rank arithmetic, a few hundred
-    bytes each; bounded by the element maps a process meets, compared by content).
-
-    ``order[pos]`` is the row of the gathered buffer holding scan position ``pos``; for each
-    local position p: ``between[p, q, r] = 1`` iff q < r < p (the A factors that carry b_q to
-    p), and ``before[p, q] = 1`` iff q < p.
-    """
-    num = leaves.num
+def host_plan(leaves: ScanMap, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fold's band matrices over the gathered rows (pure rank arithmetic, a few hundred
+    bytes; bounded by the element maps a process meets, compared by content): for each local
+    position p (in the caller's order) and the ``world · max_per_rank`` gathered rows i, j:
+    ``between[p, i, j] = 1`` iff row i's position lies strictly between row j's and p (the A
+    factors that carry b_j to p), ``before[p, j] = 1`` iff row j's position is before p.
+    Padding rows hold no position and are never counted."""
+    pos = torch.full((world * leaves.max_per_rank,), -1, dtype=torch.int64)
+    for position in range(leaves.num):
+        pos[leaves.row(position)] = position
+    real = pos >= 0
     p = torch.tensor(leaves.local_positions, dtype=torch.int64)[:, None, None]
-    q = torch.arange(num)[None, :, None]
-    r = torch.arange(num)[None, None, :]
-    order = torch.tensor([leaves.row(i) for i in range(num)], dtype=torch.int64)
-    return order, (q < r) & (r < p), q[..., 0] < p[..., 0]
+    i, j = pos[None, :, None], pos[None, None, :]
+    between = (j < i) & (i < p) & real[None, :, None] & real[None, None, :]
+    before = (pos[None, :] < p[..., 0]) & real[None, :]
+    return between, before
 
 
-# The plan's copies on the devices that run the fold, made once per (element map, dtype,
-# device): a host-to-device copy per call would be a device sync per call. A training process
-# folds on one device, in one dtype and in both directions per CP group: a handful of entries
-# (packed documents: a few per batch's plan); the bound keeps a process that meets many
-# groups, plans, devices or dtypes from holding device memory for ever (a dropped plan is
-# copied again on its next use).
-_DEVICE_PLANS = LRU(16)
+class AllgatherRun:
+    """The all-gather scan bound to buffers of one element size, dtype, device and group size
+    (the send and gathered buffers and the band matrices, made once)."""
+
+    def __init__(self, leaves: ScanMap, world: int, n_a: int, kv: int, dtype: torch.dtype,
+                 device: torch.device):
+        width, m = n_a * (1 + kv), leaves.max_per_rank
+        self.n_a, self.kv, self.n = n_a, kv, len(leaves.local_positions)
+        self.send = torch.zeros(m, width, dtype=dtype, device=device)
+        self.log_a = self.send[:self.n, :n_a]
+        self.gathered = torch.empty(world * m, width, dtype=dtype, device=device)
+        between, before = host_plan(leaves, world)
+        self.between = between.to(device=device, dtype=dtype)          # [n, rows i, rows j]
+        self.before = before.to(device=device, dtype=dtype)[:, None]     # [n, 1, rows j]
+        self.g_log_a_t = self.gathered[:, :n_a].t()                     # [n_a, rows]
+        rows = world * m
+        self.g_b = self.gathered[:, n_a:].view(rows, n_a, kv).transpose(0, 1)  # [n_a, rows, kv]
+
+    def __call__(self, A: torch.Tensor, b: torch.Tensor, ctx: SPContext) -> torch.Tensor:
+        if self.n:
+            torch.cat([A.reshape(self.n, -1), b.reshape(self.n, -1)], dim=1,
+                      out=self.send[:self.n])
+            torch.log(self.log_a, out=self.log_a).clamp_min_(_LOG_FLOOR)
+        all_gather_flat(self.gathered, self.send, ctx)
+        if not self.n:
+            return self.send.new_zeros(0, self.n_a, self.kv)
+        # w[p, x, j] = exp(Σ_i log A[i, x] · between[p, i, j]), 0 unless row j precedes p
+        w = torch.matmul(self.g_log_a_t, self.between).exp_().mul_(self.before)  # [n, n_a, rows]
+        # S_in[p, x] = Σ_j w[p, x, j] b[j, x]: one batched GEMM over x = (batch, head)
+        return torch.bmm(w.transpose(0, 1), self.g_b).transpose(0, 1)           # [n, n_a, kv]
 
 
-def _fold_plan(leaves: ScanMap, dtype: torch.dtype, device: torch.device
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(order, between, before)`` of :func:`_host_plan` on ``device`` (the bands in
-    ``dtype``)."""
-    def make():
-        order, between, before = _host_plan(leaves)
-        return (order.to(device), between.to(device=device, dtype=dtype),
-                before.to(device=device, dtype=dtype))
-    return _DEVICE_PLANS.get((leaves, dtype, device), make)
+# bound scans: (ScanMap, world, n_a, kv, dtype, device); see scan_common._RUNS for the bound
+_RUNS = LRU(32)
+
+
+def allgather_rows(A: torch.Tensor, b: torch.Tensor, ctx: SPContext, reverse: bool = False,
+                   holders: Optional[tuple] = None) -> torch.Tensor:
+    """This rank's elements as rows (``A [n, …]``, ``b [n, …]``; ``n`` may be 0, the shapes
+    then give the element size) -> the exclusive prefix (suffix if ``reverse``) ``b`` of each,
+    ``[n, n_a, kv]``."""
+    leaves = scan_map(ctx, reverse, holders)
+    n_a = A.shape[1:].numel()
+    kv = b.shape[1:].numel() // n_a
+    run = _RUNS.get((leaves, ctx.world_size, n_a, kv, b.dtype, b.device),
+                    lambda: AllgatherRun(leaves, ctx.world_size, n_a, kv, b.dtype, b.device))
+    return run(A, b, ctx)
 
 
 def allgather_scan(A: list, b: list, ctx: SPContext, reverse: bool = False,
@@ -72,30 +106,6 @@ def allgather_scan(A: list, b: list, ctx: SPContext, reverse: bool = False,
     """Exclusive prefix (suffix if ``reverse``) ``b`` state for each of this rank's leaves
     (``holders``: the elements' holders in scan order, default the layout's leaves). A rank
     holding no element passes ``like`` (a tensor shaped as one ``b``) for the element size."""
-    leaves = scan_map(ctx, reverse, holders)
-    check_elements(A, b, ctx, leaves)
-    mine = [Element(a, s) for a, s in zip(A, b)]
-    if mine:
-        local = torch.stack([e.pack() for e in mine])                  # [n_local, numel]
-        n_a = mine[0].A.numel()
-    elif like is None:
+    if not A and like is None:
         raise ValueError("allgather_scan: a rank holding no element must pass like=")
-    else:
-        n_a = like.shape[0] * like.shape[1]
-        local = like.new_zeros(0, n_a + like.numel())
-    if local.shape[0] < leaves.max_per_rank:
-        local = torch.cat([local, local.new_zeros(leaves.max_per_rank - local.shape[0],
-                                                  local.shape[1])])
-    gathered = torch.empty((ctx.world_size,) + tuple(local.shape), dtype=local.dtype,
-                           device=local.device)
-    all_gather_flat(gathered, local, ctx)
-    if not mine:
-        return []
-    order, between, before = _fold_plan(leaves, local.dtype, local.device)
-    elems = gathered.view(-1, local.shape[1])[order]                   # rows in scan order
-    log_a = elems[:, :n_a].log().clamp_min(_LOG_FLOOR)                 # [L, B·H]
-    b_all = elems[:, n_a:].view(leaves.num, n_a, -1)                   # [L, B·H, K·V]
-    w = torch.matmul(between, log_a).exp_().mul_(before[..., None])   # [n_local, L, B·H]
-    # S_in[p, x] = Σ_q w[p, q, x] b[q, x]: one batched GEMM over x = (batch, head)
-    s_in = torch.bmm(w.permute(2, 0, 1), b_all.transpose(0, 1)).transpose(0, 1)  # [n, B·H, K·V]
-    return [s_in[i].view_as(e.b) for i, e in enumerate(mine)]
+    return rows_to_list(allgather_rows, A, b, ctx, reverse, holders, like)

@@ -4,56 +4,94 @@ Up-sweep: each tree node's right child receives its left sibling's aggregate (on
 Down-sweep from the identity at the root: the two children exchange values; the left takes the
 parent's prefix, the right the prefix ⊕ left aggregate. Partners come from
 ``layout.tree_scan_schedule``; a rank holding both ends of a pair (zigzag) combines locally.
-Each round is one ``batch_isend_irecv`` with at most one message per peer and direction: the
+Each round is one batched exchange with at most one message per peer and direction: the
 elements a rank sends one peer in a round (zigzag: two leaves whose partners sit on the same
-rank; packed documents: any number) travel packed in one flat fp32 buffer, in the order of the
+rank; packed documents: any number) travel packed in one flat buffer, in the order of the
 round's pairs, which both ends know from the schedule. (gloo's ``batch_isend_irecv`` has a slow
 mode with two messages to one peer.)
+
+The schedule compiles once per element map into a :class:`~.scan_common.Program` (which row
+holds which position's value, what travels where); a call runs its tensor operations and
+messages only (two in-place operations per combine, none for a copy: a value that moves is
+renamed at compile time).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
+
+import torch
 
 from ..comm import p2p_exchange
 from ..context import SPContext
 from ..layout import tree_scan_schedule
-from .scan_common import Element, ScanMap, check_elements, scan_map
+from .scan_common import (IDENTITY, Program, ProgramBuilder, ScanMap, Step, program_run,
+                          rows_to_list, scan_map)
 
 
-def _round(x: dict, pairs, leaves: ScanMap, ctx: SPContext, down: bool) -> None:
+def _round(pb: ProgramBuilder, pairs, down: bool) -> None:
     """One round: up-sweep ``right ← left ⊕ right``; down-sweep ``left ← right``,
     ``right ← right ⊕ left``."""
-    me = ctx.rank
-    template = next(iter(x.values()))
-    out: dict = {}        # peer -> the elements this rank sends it, in pair order
-    arrivals: dict = {}   # peer -> (pair, the end this rank holds) of each element it receives
+    leaves, me = pb.leaves, pb.leaves.rank
+    pre, post, out, arrivals = [], [], {}, {}
     for p in pairs:  # same order on every rank -> both ends agree on each buffer's layout
         hl, hr = leaves.holder(p.left), leaves.holder(p.right)
         if hl == me and hr == me:
-            left, right = x[p.left], x[p.right]
-            if down:
-                x[p.left], x[p.right] = right, right.then(left)
+            left, right = pb.row[p.left], pb.row[p.right]
+            if down:     # the prefix ⊕ left aggregate, into the aggregate's row; left ← prefix
+                pb.fold(pre, left, right)
+                pb.row[p.left], pb.row[p.right] = right, left
             else:
-                x[p.right] = left.then(right)
+                pb.fold(pre, right, left)
             continue
         if hl == me:
-            out.setdefault(hr, []).append(x[p.left])
+            out.setdefault(hr, []).append(pb.row[p.left])
             if down:
                 arrivals.setdefault(hr, []).append((p, "left"))
         elif hr == me:
             arrivals.setdefault(hl, []).append((p, "right"))
             if down:
-                out.setdefault(hl, []).append(x[p.right])
-    sends = [(Element.pack_all(els), peer) for peer, els in sorted(out.items())]
-    recvs = [(template.empty_packed(len(arr)), peer) for peer, arr in sorted(arrivals.items())]
-    for w in p2p_exchange(sends, recvs, ctx):
-        w.wait()
-    for buf, peer in recvs:
-        for (p, side), other in zip(arrivals[peer], template.unpack_all_like(buf)):
-            if side == "right":   # this rank holds the right end; `other` is the left value
-                x[p.right] = x[p.right].then(other) if down else other.then(x[p.right])
-            else:                 # this rank holds the left end; `other` is the parent prefix
-                x[p.left] = other
+                out.setdefault(hl, []).append(pb.row[p.right])
+    recvs = []
+    for peer, arr in sorted(arrivals.items()):
+        first = pb.receive(len(arr))
+        recvs.append((peer, first, len(arr)))
+        for got, (p, side) in enumerate(arr, start=first):
+            if side == "left":          # the parent's prefix
+                pb.row[p.left] = got
+            elif down:                  # the prefix ⊕ the left aggregate that arrived
+                pb.fold(post, got, pb.row[p.right])
+                pb.row[p.right] = got
+            else:                       # the left aggregate ⊕ this right one
+                pb.fold(post, pb.row[p.right], got)
+    pb.steps.append(Step(tuple(pre), tuple((peer, tuple(r)) for peer, r in sorted(out.items())),
+                         tuple(recvs), tuple(post)))
+
+
+@functools.lru_cache(maxsize=256)
+def compile_blelloch(leaves: ScanMap) -> Program:
+    """The tree scan of this rank's elements (pure rank arithmetic, cached per map)."""
+    pb = ProgramBuilder(leaves)
+    if leaves.local_positions:          # a rank holding no element takes part in no exchange
+        sched = tree_scan_schedule(leaves.num)
+        for pairs in sched.up:
+            _round(pb, pairs, down=False)
+        if leaves.is_mine(leaves.num - 1):
+            pb.row[leaves.num - 1] = IDENTITY
+        for pairs in sched.down:
+            _round(pb, pairs, down=True)
+    return pb.finish()
+
+
+def blelloch_rows(A: torch.Tensor, b: torch.Tensor, ctx: SPContext, reverse: bool = False,
+                  holders: Optional[tuple] = None) -> torch.Tensor:
+    """This rank's elements as rows (``A [n, …]``, ``b [n, …]``, ascending global order) ->
+    the exclusive prefix (suffix if ``reverse``) ``b`` of each, ``[n, n_a, kv]``."""
+    leaves = scan_map(ctx, reverse, holders)
+    n_a = A.shape[1:].numel()
+    run = program_run("blelloch", compile_blelloch, leaves, n_a, b.shape[1:].numel() // n_a,
+                      b.dtype, b.device)
+    return run(A, b, ctx, p2p_exchange)
 
 
 def blelloch_scan(A: list, b: list, ctx: SPContext, reverse: bool = False,
@@ -61,17 +99,4 @@ def blelloch_scan(A: list, b: list, ctx: SPContext, reverse: bool = False,
     """Exclusive prefix (suffix if ``reverse``) ``b`` state for each of this rank's leaves
     (``holders``: the elements' holders in scan order, default the layout's leaves; ``like``
     is unused here, see :func:`~.scan_allgather.allgather_scan`)."""
-    leaves = scan_map(ctx, reverse, holders)
-    check_elements(A, b, ctx, leaves)
-    if not leaves.local_positions:      # holds no element: takes part in no exchange
-        return []
-    sched = tree_scan_schedule(leaves.num)
-    x = {pos: Element(a, s) for pos, a, s in zip(leaves.local_positions, A, b)}
-    for pairs in sched.up:
-        _round(x, pairs, leaves, ctx, down=False)
-    last = leaves.num - 1
-    if leaves.is_mine(last):
-        x[last] = Element.identity_like(x[last])
-    for pairs in sched.down:
-        _round(x, pairs, leaves, ctx, down=True)
-    return [x[pos].b for pos in leaves.local_positions]
+    return rows_to_list(blelloch_rows, A, b, ctx, reverse, holders, like)

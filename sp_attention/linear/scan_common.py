@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
+from ..caches import LRU
 from ..context import SPContext
 from ..layout import holder_of_leaf
 
@@ -134,3 +136,193 @@ def check_elements(A: list, b: list, ctx: SPContext, leaves: ScanMap) -> None:
     if len(A) != n or len(b) != n:
         raise ValueError(f"this rank holds {n} scan elements ({ctx.layout}); got {len(A)} A "
                          f"and {len(b)} b elements")
+
+
+# ----------------------------------------------------------------------------- scan programs
+# A schedule compiles, once per ScanMap, into a Program: the rounds this rank takes part in,
+# as operations on *rows*. A row is one element packed as ``[A (n_a numbers) | b (n_a·kv)]``:
+# rows 0 … n−1 are this rank's elements (in ascending global order), then one row per element
+# received in each round, then the identity element (A = 1, b = 0; read only). The data-
+# independent bookkeeping (which position's value sits in which row, which rows travel to
+# whom) is done at compile time, so a call runs only tensor operations and messages: each
+# round, the local combines, one batched exchange, the combines with what arrived.
+# Operations (in place on their first row):
+#   ("fold", dst, first):       dst ← first ⊕ dst   (dst.b += dst.A·first.b, then dst.A *= first.A)
+#   ("chain", dst, elem, inc):  dst.b ← elem.A·inc.b + elem.b   (the ring's running prefix)
+
+IDENTITY = -1       # the identity row while a program is built (the last row once finished)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One round: ``pre`` operations, one exchange (``sends``: ``(peer, rows)``, the rows a peer
+    receives, in order; ``recvs``: ``(peer, first, count)``, filling consecutive receive rows
+    from ``first``), then ``post`` operations."""
+
+    pre: tuple = ()
+    sends: tuple = ()
+    recvs: tuple = ()
+    post: tuple = ()
+
+
+@dataclass(frozen=True)
+class Program:
+    """``num_local`` input rows, ``num_rows`` rows in all (the last is the identity), the
+    rounds, and the row holding each local element's result, in input order."""
+
+    num_local: int
+    num_rows: int
+    steps: tuple
+    out: tuple
+
+
+class ProgramBuilder:
+    """Compile-time state of a program: which row holds each scan position's current value
+    (``row[pos]``), and the rounds so far. Rows written in place must be this rank's inputs or
+    received rows, never the identity (checked)."""
+
+    def __init__(self, leaves: ScanMap):
+        self.leaves = leaves
+        self.row = {pos: i for i, pos in enumerate(leaves.local_positions)}
+        self.num_rows = len(leaves.local_positions)
+        self.steps: list = []
+
+    def receive(self, count: int) -> int:
+        """``count`` fresh receive rows; returns the first."""
+        first = self.num_rows
+        self.num_rows += count
+        return first
+
+    @staticmethod
+    def fold(ops: list, dst: int, first: int) -> None:
+        if dst == IDENTITY:
+            raise AssertionError("a scan program would write the identity row")
+        ops.append(("fold", dst, first))
+
+    def finish(self) -> Program:
+        ident = self.num_rows
+
+        def sub(x):
+            return ident if x == IDENTITY else x
+        steps = tuple(Step(tuple((op[0],) + tuple(sub(r) for r in op[1:]) for op in st.pre),
+                           tuple((peer, tuple(sub(r) for r in rows)) for peer, rows in st.sends),
+                           st.recvs,
+                           tuple((op[0],) + tuple(sub(r) for r in op[1:]) for op in st.post))
+                      for st in self.steps)
+        out = tuple(sub(self.row[p]) for p in self.leaves.local_positions)
+        return Program(len(self.leaves.local_positions), ident + 1, steps, out)
+
+
+class _Rows:
+    """The tensors of one row: the whole row, ``A`` ``[n_a]``, ``A`` as a column ``[n_a, 1]``,
+    ``b`` ``[n_a, kv]``."""
+
+    __slots__ = ("row", "A", "col", "b")
+
+    def __init__(self, row: torch.Tensor, n_a: int):
+        self.row, self.A = row, row[:n_a]
+        self.col, self.b = self.A.unsqueeze(1), row[n_a:].view(n_a, -1)
+
+
+class ProgramRun:
+    """A :class:`Program` bound to buffers of one element size, dtype and device: every row
+    and view is made once, so a call runs the operations and messages only. Used on one
+    stream at a time (the scan's): a call restages the input rows and overwrites the received
+    ones, and returns its results as a fresh tensor."""
+
+    def __init__(self, program: Program, n_a: int, kv: int, dtype: torch.dtype,
+                 device: torch.device):
+        width = n_a * (1 + kv)
+        self.program, self.n_a, self.kv = program, n_a, kv
+        self.buf = torch.zeros(program.num_rows, width, dtype=dtype, device=device)
+        self.buf[-1, :n_a] = 1.0                                     # the identity element
+        self.local = self.buf[:program.num_local]
+        rows = [_Rows(self.buf[i], n_a) for i in range(program.num_rows)]
+        self.steps = [(self._ops(st.pre, rows), self._sends(st.sends, rows, width),
+                       [(self.buf[f:f + c].view(-1), peer) for peer, f, c in st.recvs],
+                       self._ops(st.post, rows)) for st in program.steps]
+        self.out = [rows[r].b for r in program.out]
+
+    @staticmethod
+    def _ops(ops, rows) -> list:
+        out = []
+        for op in ops:
+            if op[0] == "fold":
+                dst, first = rows[op[1]], rows[op[2]]
+                out += [functools.partial(torch.Tensor.addcmul_, dst.b, dst.col, first.b),
+                        functools.partial(torch.Tensor.mul_, dst.A, first.A)]
+            elif op[0] == "chain":
+                dst, elem, inc = rows[op[1]], rows[op[2]], rows[op[3]]
+                out.append(functools.partial(torch.addcmul, elem.b, elem.col, inc.b, out=dst.b))
+            else:
+                raise AssertionError(f"unknown scan operation {op[0]!r}")
+        return out
+
+    def _sends(self, sends, rows, width: int) -> list:
+        """(tensor, peer) per message: a row as it is, several rows stacked into a buffer made
+        once (one message per peer and round; gloo has a slow mode for two to one peer)."""
+        out = []
+        for peer, rs in sends:
+            if len(rs) == 1:
+                out.append((rows[rs[0]].row, peer))
+                continue
+            buf = torch.empty(len(rs), width, dtype=self.buf.dtype, device=self.buf.device)
+            out.append((buf.view(-1), peer, [rows[r].row for r in rs], buf))
+        return out
+
+    def __call__(self, A: torch.Tensor, b: torch.Tensor, ctx: SPContext,
+                 exchange) -> torch.Tensor:
+        """``A [n, n_a]``, ``b [n, n_a, kv]`` (this rank's elements) -> the ``b`` of each
+        element's result ``[n, n_a, kv]``."""
+        if self.program.num_local:
+            torch.cat([A.reshape(A.shape[0], -1), b.reshape(b.shape[0], -1)], dim=1,
+                      out=self.local)
+        for pre, sends, recvs, post in self.steps:
+            for op in pre:
+                op()
+            msgs = []
+            for s in sends:
+                if len(s) == 4:
+                    torch.stack(s[2], out=s[3])
+                msgs.append((s[0], s[1]))
+            for w in exchange(msgs, recvs, ctx):
+                w.wait()
+            for op in post:
+                op()
+        if not self.out:                # holds no element: took part in no exchange
+            return self.buf.new_empty(0, self.n_a, self.kv)
+        return torch.stack(self.out)
+
+
+# bound programs: (schedule, ScanMap, n_a, kv, dtype, device) -> ProgramRun. A training
+# process meets a handful (one per direction and layer shape; packed documents one per
+# batch's holder list); the bound keeps the buffers of plans no longer met from piling up.
+_RUNS = LRU(32)
+
+
+def program_run(name: str, compile_fn, leaves: ScanMap, n_a: int, kv: int,
+                dtype: torch.dtype, device: torch.device) -> ProgramRun:
+    """The bound program of schedule ``name`` for ``leaves`` (made once per key)."""
+    return _RUNS.get((name, leaves, n_a, kv, dtype, device),
+                     lambda: ProgramRun(compile_fn(leaves), n_a, kv, dtype, device))
+
+
+def rows_to_list(rows_fn, A: list, b: list, ctx: SPContext, reverse: bool, holders,
+                 like: Optional[torch.Tensor]) -> list:
+    """The list form of a schedule (``A``: ``[B, H]`` per element, ``b``: ``[B, H, K, V]``)
+    through its row form ``rows_fn(A [n, B·H], b [n, B·H·K·V], ctx, reverse, holders)``. A
+    rank holding no element passes ``like`` (a tensor shaped as one ``b``) where the schedule
+    needs the element size (the all-gather)."""
+    leaves = scan_map(ctx, reverse, holders)
+    check_elements(A, b, ctx, leaves)
+    if A:
+        shape = b[0].shape
+        A2 = torch.stack([a.reshape(-1) for a in A])
+        b2 = torch.stack([x.reshape(-1) for x in b])
+    elif like is None:
+        return []
+    else:
+        n_a = like.shape[0] * like.shape[1]
+        shape, A2, b2 = like.shape, like.new_zeros(0, n_a), like.new_zeros(0, like.numel())
+    out = rows_fn(A2, b2, ctx, reverse, holders)
+    return [o.view(shape) for o in out.unbind(0)]
