@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .context import SPContext
-from .layout import ring_neighbors
+from .planning.layout import ring_neighbors
 
 __all__ = [
     "all_gather_flat", "reduce_scatter_flat", "all_gather_along", "reduce_scatter_along",

@@ -16,7 +16,7 @@ from typing import Optional
 
 from ..comm import p2p_exchange
 from ..context import SPContext
-from ..layout import tree_scan_schedule
+from ..planning.layout import tree_scan_schedule
 from .scan_common import Element, ScanMap, check_elements, scan_map
 
 

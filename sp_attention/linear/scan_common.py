@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..context import SPContext
-from ..layout import holder_of_leaf
+from ..planning.layout import holder_of_leaf
 
 
 @dataclass

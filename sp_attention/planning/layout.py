@@ -1,4 +1,5 @@
-"""Pure rank arithmetic: sequence layouts, ring neighbours and the tree-scan partner schedule.
+"""Pure rank arithmetic: sequence layouts (their names and the default), ring neighbours and
+the tree-scan partner schedule.
 
 Nothing here touches a process group; every function maps integers to integers so it can be
 unit-tested for any P without spawning processes. All ranks are *group* ranks; map them to
@@ -8,6 +9,24 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+LAYOUTS = ("contiguous", "zigzag")
+# The one default: Megatron's split (causal-balanced, what its RoPE and softmax layers assume).
+# Every builder and adapter that does not name a layout reads this constant
+# (sp_attention.DEFAULT_LAYOUT, through sp_attention.context).
+DEFAULT_LAYOUT = "zigzag"
+
+
+
+@runtime_checkable
+class GroupLayout(Protocol):
+    """What the planners read of a context-parallel group: its size and how the sequence is laid
+    out over it (an :class:`~sp_attention.SPContext` is one; the planners never communicate)."""
+
+    world_size: int
+    layout: str
+
 
 # The one padding helper every error message about sequence lengths names.
 PAD_HELPER = "sp_attention.pad_for_layout"

@@ -1,7 +1,7 @@
 """Pure arithmetic of packed-document linear attention across ranks, from a packing plan.
 
 A document start resets the state (``S = 0`` before its first token; no decay or gate carries
-across a boundary). From a :class:`~sp_attention.packing.PackingPlan` (every rank's segments),
+across a boundary). From a :class:`~sp_attention.planning.packing.PackingPlan` (every rank's segments),
 with no tensor and no process group:
 
 * **Local sequences** (:attr:`LinearPacking.pieces`): every segment of a document on this rank
@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ..packing import PackingPlan
+from .packing import PackingPlan
 
 __all__ = ["Piece", "LinearPacking", "linear_packing"]
 

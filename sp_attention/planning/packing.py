@@ -62,9 +62,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .caches import LRU
-from .context import DEFAULT_LAYOUT, LAYOUTS, SPContext
-from .layout import shard_ranges
+from ..caches import LRU
+from .layout import DEFAULT_LAYOUT, LAYOUTS, GroupLayout, shard_ranges
 
 __all__ = ["Segment", "PackingPlan", "plan_packing", "check_cu_seqlens", "resolve_plan",
            "packing_context", "causal_work", "BALANCE_TARGET"]
@@ -488,7 +487,7 @@ class PackingPlan:
     @cached_property
     def is_trivial(self) -> bool:
         """One document spanning the row, every shard exactly the unpacked layout's
-        (:func:`sp_attention.layout.shard_ranges`): the ops take their unpacked path (today's
+        (:func:`sp_attention.planning.layout.shard_ranges`): the ops take their unpacked path (today's
         code and speed)."""
         n = num_chunks_for(self.world_size, self.layout)
         if self.num_docs != 1 or self.padding != 0 or self.row_len % n:
@@ -641,7 +640,7 @@ def _local_len(row_len: int, world: int, layout: str) -> int:
     return -(-row_len // n) * (n // world)
 
 
-def plan_packing(cu_seqlens, ctx: Union[SPContext, int, None] = None, *,
+def plan_packing(cu_seqlens, ctx: Union[GroupLayout, int, None] = None, *,
                  layout: Optional[str] = None, row_len: Optional[int] = None,
                  balance_target: float = BALANCE_TARGET) -> PackingPlan:
     """The packing plan of one packed row over a CP group (cached: the same boundaries give
@@ -684,7 +683,7 @@ def _build(cu: tuple[int, ...], world: int, lay: str, row: int, target: float) -
 
 
 def _world_layout(ctx, layout) -> tuple[int, str]:
-    if isinstance(ctx, SPContext):
+    if isinstance(ctx, GroupLayout):
         if layout is not None and layout != ctx.layout:
             raise ValueError(f"layout={layout!r} contradicts ctx.layout={ctx.layout!r}; drop "
                              "layout= (the plan follows the context)")
@@ -699,7 +698,7 @@ def _world_layout(ctx, layout) -> tuple[int, str]:
     return ctx, lay
 
 
-def packing_context(ctx: SPContext) -> SPContext:
+def packing_context(ctx: GroupLayout) -> GroupLayout:
     """The context framework adapters plan packed batches in (Megatron's core attention and
     batches, HF's attention function and ``prepare_cp_batch``, train.py): ``ctx`` itself on
     more than one rank; on one rank the ``contiguous`` layout, whose plan keeps the row in its
@@ -711,7 +710,7 @@ def packing_context(ctx: SPContext) -> SPContext:
     return ctx
 
 
-def resolve_plan(cu_seqlens, ctx: SPContext, local_len: int, device=None, *,
+def resolve_plan(cu_seqlens, ctx: GroupLayout, local_len: int, device=None, *,
                  row_len: Optional[int] = None) -> PackingPlan:
     """What the ops do with their ``cu_seqlens`` argument: a :class:`PackingPlan` is checked
     against ``ctx`` and the local length; a tensor gives the cached plan for its values (a tensor
@@ -745,7 +744,7 @@ def resolve_plan(cu_seqlens, ctx: SPContext, local_len: int, device=None, *,
     return plan
 
 
-def _plan_of_tensor(t: torch.Tensor, ctx: SPContext,
+def _plan_of_tensor(t: torch.Tensor, ctx: GroupLayout,
                     row_len: Optional[int] = None) -> PackingPlan:
     key = (id(t), ctx.world_size, ctx.layout, row_len)
     if _TENSOR_PLANS.touch(key):

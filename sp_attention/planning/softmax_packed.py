@@ -1,6 +1,6 @@
 """Pure arithmetic of packed-document softmax across ranks: which rows meet which keys.
 
-From a :class:`~sp_attention.packing.PackingPlan` (segments of every rank), with no tensor and
+From a :class:`~sp_attention.planning.packing.PackingPlan` (segments of every rank), with no tensor and
 no process group, so every rule is unit-tested for any P:
 
 * **Own block** (:func:`own_calls`): a rank's queries against its own keys are one varlen
@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..packing import PackingPlan
+from .packing import PackingPlan
 
 __all__ = ["Pair", "PackedCall", "Travel", "CallPolicy", "travel", "own_pairs", "step_pairs",
            "group_calls", "own_calls", "step_calls", "active_steps"]

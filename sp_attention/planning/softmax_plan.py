@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..layout import leaves_of_rank
+from .layout import leaves_of_rank
 
 __all__ = ["Call", "Run", "GatherPlan", "piece_ids", "gather_plan", "ring_calls",
            "stride_widths"]
