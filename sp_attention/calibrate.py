@@ -7,8 +7,9 @@
 
 Measures the library's own ops at world size 1 (linear and softmax attention, fwd and fwd +
 bwd, peak memory; element-wise bandwidth), the NCCL links (ring hops and all-gathers) among
-the first 2, 4, … and all ranks, and one softmax ``ring`` step across all ranks (the overlap
-cost is the value at which the model's step equals it). The fits (:mod:`sp_attention.cost.fit`)
+the first 2, 4, … and all ranks, one softmax ``ring`` step across all ranks (the overlap cost
+is the value at which the model's step equals it) and one linear step per layout (a CP
+rank's kernel factors, likewise). The fits (:mod:`sp_attention.cost.fit`)
 are checked before anything is written (:mod:`sp_attention.cost.plausible`: a rate above the
 device's peak, a negative or absurd latency, a fwd + bwd no slower than its forward, a
 non-finite number): an implausible fit is refused with a message naming each figure, nothing
@@ -16,8 +17,8 @@ is written, and the exit status is 1. Otherwise the :class:`~sp_attention.cost.M
 as JSON to ``--out`` (default :func:`~sp_attention.cost.calibration_path`:
 ``$SP_ATTENTION_CALIBRATION`` or ``~/.cache/sp_attention/calibration.json``) and the raw rows
 as JSON lines to ``--jsonl``; the rows are printed either way. What it cannot measure keeps the
-built-in figure: the inter-node link, a CP rank's kernel factors, the all-gather calls'
-overheads (and the links and overlap on one GPU). About a minute on warm caches.
+built-in figure: the inter-node link, the all-gather calls' overheads (and on one GPU the
+links, the overlap cost and a CP rank's kernel factors). About a minute on warm caches.
 
 Calibration is for GPUs: on a machine without one it says so and exits with status 2, writing
 nothing (on CPU ``auto`` follows a fixed rule, :mod:`sp_attention.cost.choose`).
@@ -46,13 +47,15 @@ from .softmax import context_parallel_attention
 from .testing import run_distributed
 
 __all__ = ["time_ms", "peak_bytes", "link_worlds", "probe_links", "probe_kernels",
-           "probe_overlap", "main"]
+           "probe_overlap", "probe_linear_steps", "main"]
 
 _HOLD_CYCLES = 200_000_000      # a sleep kernel the host enqueues the timed calls behind
+_DEV = "cuda"                   # what the probes run on ("cpu" only in the tests' dry run)
 _LINK_SIZES = (2 ** 20, 2 ** 23, 2 ** 25, 2 ** 27)
 _KERNEL_SHAPES = {"linear": dict(B=1, H=16, K=128, T=(8192, 16384, 32768)),
                   "softmax": dict(B=1, H=32, Hkv=8, D=128, T=(4096, 8192, 16384, 32768))}
 _RING_SHAPE = dict(B=1, T_local=8192, H=32, Hkv=8, D=128)     # Llama-3-8B attention
+_LINEAR_STEP = dict(B=1, T_local=16384, H=16, K=128, V=128)
 NO_GPU = ("sp_attention.calibrate: calibration is for GPUs (the cost model is a GPU model) and "
           "this machine has none; nothing written. On CPU `auto` follows a fixed rule "
           "(sp_attention.cost.choose).")
@@ -95,12 +98,25 @@ def peak_bytes(fn: Callable[[], object], device: str) -> Optional[int]:
 
 
 def _row(what: str, **kw) -> dict:
-    return dict(bench="calibrate", what=what, device=torch.cuda.get_device_name(),
+    return dict(bench="calibrate", what=what, device=_device_name(),
                 torch=torch.__version__, date=time.strftime("%Y-%m-%d"), **kw)
 
 
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if _DEV == "cuda" else _DEV
+
+
+def _dtype() -> torch.dtype:
+    return torch.bfloat16 if _DEV == "cuda" else torch.float32
+
+
+def _barrier(group=None) -> None:
+    dist.barrier(group=group,
+                 device_ids=[torch.cuda.current_device()] if _DEV == "cuda" else None)
+
+
 def _slowest(ms: float, group) -> float:
-    t = torch.tensor([ms], dtype=torch.float64, device="cuda")
+    t = torch.tensor([ms], dtype=torch.float64, device=_DEV)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t.item())
 
@@ -121,12 +137,10 @@ def probe_links(group, sizes: Sequence[int] = _LINK_SIZES) -> list[dict]:
     rank, world = ctx.rank, ctx.world_size
     nxt, prv = ctx.global_ranks[(rank + 1) % world], ctx.global_ranks[(rank - 1) % world]
 
-    def barrier():
-        dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
     rows = []
     for nbytes in sizes:
-        x = torch.ones(nbytes // 4, device="cuda")
-        recv, out = torch.empty_like(x), torch.empty(world * x.numel(), device="cuda")
+        x = torch.ones(nbytes // 4, device=_DEV)
+        recv, out = torch.empty_like(x), torch.empty(world * x.numel(), device=_DEV)
 
         def hop():
             ops = [dist.P2POp(dist.isend, x, nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
@@ -135,7 +149,7 @@ def probe_links(group, sizes: Sequence[int] = _LINK_SIZES) -> list[dict]:
         for what, fn, moved in (("p2p", hop, nbytes),
                                 ("all_gather", lambda: all_gather_flat(out, x, ctx),
                                  (world - 1) * nbytes)):
-            ms = time_ms(fn, iters=10, repeats=5, barrier=barrier)
+            ms = time_ms(fn, iters=10, repeats=5, barrier=lambda: _barrier(group))
             rows.append(_row(what, world=world, bytes=nbytes, bytes_moved=moved,
                              ms=_slowest(ms, group)))
     return rows
@@ -143,11 +157,11 @@ def probe_links(group, sizes: Sequence[int] = _LINK_SIZES) -> list[dict]:
 
 def _linear_rows(shapes: dict) -> list[dict]:
     B, H, K = shapes["B"], shapes["H"], shapes["K"]
-    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device="cuda")
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=_DEV)
     rows = []
     for T in shapes["T"]:
-        g = torch.Generator(device="cuda").manual_seed(T)
-        q, k, v, do = (torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16, generator=g)
+        g = torch.Generator(device=_DEV).manual_seed(T)
+        q, k, v, do = (torch.randn(B, T, H, K, device=_DEV, dtype=_dtype(), generator=g)
                        * 0.1 for _ in range(4))
         q, k, v = (t.requires_grad_(True) for t in (q, k, v))
 
@@ -157,10 +171,11 @@ def _linear_rows(shapes: dict) -> list[dict]:
 
         def fwd_bwd():
             return torch.autograd.grad(lightning_attention(q, k, v, slopes), (q, k, v), do)
-        rows.append(_row("linear", B=B, T=T, H=H, K=K, V=K, dtype="bfloat16",
+        rows.append(_row("linear", B=B, T=T, H=H, K=K, V=K, dtype=str(_dtype())[6:],
                          ms_fwd=time_ms(fwd), ms_fwd_bwd=time_ms(fwd_bwd),
-                         flops_fwd_bwd=linear_flops(LinearShape(B, T, H, K, K, 2)),
-                         peak_bytes=peak_bytes(fwd_bwd, "cuda")))
+                         flops_fwd_bwd=linear_flops(LinearShape(B, T, H, K, K,
+                                                                _dtype().itemsize)),
+                         peak_bytes=peak_bytes(fwd_bwd, _DEV)))
     return rows
 
 
@@ -168,10 +183,10 @@ def _softmax_rows(shapes: dict) -> list[dict]:
     B, H, Hkv, D = shapes["B"], shapes["H"], shapes["Hkv"], shapes["D"]
     rows = []
     for T in shapes["T"]:
-        g = torch.Generator(device="cuda").manual_seed(T)
-        q, do = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        g = torch.Generator(device=_DEV).manual_seed(T)
+        q, do = (torch.randn(B, T, H, D, device=_DEV, dtype=_dtype(), generator=g)
                  for _ in range(2))
-        k, v = (torch.randn(B, T, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(B, T, Hkv, D, device=_DEV, dtype=_dtype(), generator=g)
                 for _ in range(2))
         q, k, v = (t.requires_grad_(True) for t in (q, k, v))
 
@@ -181,18 +196,17 @@ def _softmax_rows(shapes: dict) -> list[dict]:
 
         def fwd_bwd():
             return torch.autograd.grad(context_parallel_attention(q, k, v), (q, k, v), do)
-        rows.append(_row("softmax", B=B, T=T, H=H, Hkv=Hkv, D=D, dtype="bfloat16",
+        rows.append(_row("softmax", B=B, T=T, H=H, Hkv=Hkv, D=D, dtype=str(_dtype())[6:],
                          causal=True, ms_fwd=time_ms(fwd), ms_fwd_bwd=time_ms(fwd_bwd),
                          flops_fwd=softmax_flops(B, H, T, T, D, True),
-                         peak_bytes=peak_bytes(fwd_bwd, "cuda")))
+                         peak_bytes=peak_bytes(fwd_bwd, _DEV)))
     return rows
 
 
-def _memory_rows() -> list[dict]:
-    n = 64 * 2 ** 20
-    x, y = torch.ones(n, device="cuda"), torch.ones(n, device="cuda")
-    a, s1, s2 = (torch.ones(8, device="cuda"), torch.ones(8, 1024, device="cuda"),
-                 torch.ones(8, 1024, device="cuda"))
+def _memory_rows(n: int) -> list[dict]:
+    x, y = torch.ones(n, device=_DEV), torch.ones(n, device=_DEV)
+    a, s1, s2 = (torch.ones(8, device=_DEV), torch.ones(8, 1024, device=_DEV),
+                 torch.ones(8, 1024, device=_DEV))
     ms = time_ms(lambda: y.add_(x), iters=10)
     # a small state combine, A·b1 + b2 (two ops and an allocation): the fixed cost per op
     op = time_ms(lambda: s1.mul(a[:, None]).add_(s2), iters=50) / 2
@@ -201,9 +215,11 @@ def _memory_rows() -> list[dict]:
 
 def probe_kernels(shapes: Optional[dict] = None) -> list[dict]:
     """Rows of the local kernels on this GPU (the library's own ops at world size 1: linear
-    fwd and fwd + bwd, softmax likewise, peak memory) and of element-wise bandwidth."""
+    fwd and fwd + bwd, softmax likewise, peak memory) and of element-wise bandwidth (over
+    ``memory_elems`` fp32 elements)."""
     shapes = shapes or _KERNEL_SHAPES
-    return _linear_rows(shapes["linear"]) + _softmax_rows(shapes["softmax"]) + _memory_rows()
+    return (_linear_rows(shapes["linear"]) + _softmax_rows(shapes["softmax"])
+            + _memory_rows(shapes.get("memory_elems", 64 * 2 ** 20)))
 
 
 def probe_overlap(group, shape: Optional[dict] = None) -> dict:
@@ -213,8 +229,8 @@ def probe_overlap(group, shape: Optional[dict] = None) -> dict:
     s = dict(_RING_SHAPE, **(shape or {}))
     ctx = build_sp_context(group, layout="zigzag")
     T = ctx.world_size * s["T_local"]
-    g = torch.Generator(device="cuda").manual_seed(T)       # the same tensors on every rank
-    full = [torch.randn(s["B"], T, h, s["D"], device="cuda", dtype=torch.bfloat16, generator=g)
+    g = torch.Generator(device=_DEV).manual_seed(T)       # the same tensors on every rank
+    full = [torch.randn(s["B"], T, h, s["D"], device=_DEV, dtype=_dtype(), generator=g)
             for h in (s["H"], s["Hkv"], s["Hkv"], s["H"])]
     q, k, v, do = (shard_sequence(t, ctx, 1).contiguous() for t in full)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
@@ -222,29 +238,56 @@ def probe_overlap(group, shape: Optional[dict] = None) -> dict:
     def step():
         return torch.autograd.grad(context_parallel_attention(q, k, v, ctx=ctx, preset="ring"),
                                    (q, k, v), do)
-    ms = time_ms(step, iters=5, repeats=5,
-                 barrier=lambda: dist.barrier(group=group,
-                                              device_ids=[torch.cuda.current_device()]))
-    return _row("softmax_ring", world=ctx.world_size, itemsize=2, ms_fwd_bwd=_slowest(ms, group),
-                **s)
+    ms = time_ms(step, iters=5, repeats=5, barrier=lambda: _barrier(group))
+    return _row("softmax_ring", world=ctx.world_size, itemsize=_dtype().itemsize,
+                ms_fwd_bwd=_slowest(ms, group), **s)
 
 
-def _probe_group(rank: int, world: int) -> tuple[list, list, list]:
+def probe_linear_steps(group, shape: Optional[dict] = None, scan: str = "allgather") -> list:
+    """One linear fwd + bwd across ``group`` per layout (``scan``, bf16; default: H 16, K = V
+    128 at 16K tokens per rank), the slowest rank's time: the rows a CP rank's kernel factors
+    are fitted to."""
+    s = dict(_LINEAR_STEP, **(shape or {}))
+    H = s["H"]
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=_DEV)
+    g = torch.Generator(device=_DEV).manual_seed(dist.get_rank(group))
+    q, k, do = (torch.randn(s["B"], s["T_local"], H, s["K"], device=_DEV,
+                            dtype=_dtype(), generator=g) * 0.1 for _ in range(3))
+    v = torch.randn(s["B"], s["T_local"], H, s["V"], device=_DEV, dtype=_dtype(),
+                    generator=g) * 0.1
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    rows = []
+    for layout in ("contiguous", "zigzag"):
+        ctx = build_sp_context(group, layout=layout)
+
+        def step(ctx=ctx):
+            return torch.autograd.grad(lightning_attention(q, k, v, slopes, ctx=ctx, impl=scan),
+                                       (q, k, v), do)
+        ms = time_ms(step, iters=5, repeats=5, barrier=lambda: _barrier(group))
+        rows.append(_row("linear_step", world=ctx.world_size, layout=layout, scan=scan,
+                         itemsize=_dtype().itemsize, ms_fwd_bwd=_slowest(ms, group), **s))
+    return rows
+
+
+def _probe_group(rank: int, world: int, shapes: Optional[dict] = None) -> tuple[list, list, list]:
     """Every rank's part: the links among the first 2, 4, … ranks, the kernels (each rank on
-    its own GPU at once; rank 0's rows kept), the ring step across all. Rows from rank 0."""
+    its own GPU at once; rank 0's rows kept), the softmax ring step and the linear steps
+    across all. Rows from rank 0. ``shapes`` (the tests' dry run): ``sizes``, ``kernels``,
+    ``ring``, ``linear`` instead of the defaults."""
+    shapes = shapes or {}
     link_rows = []
     for size in link_worlds(world):
         group = dist.new_group(list(range(size)))        # every rank creates every group
         if rank < size:
-            link_rows += probe_links(group)
-    kernel_rows = probe_kernels()
-    dist.barrier(device_ids=[torch.cuda.current_device()])
-    overlap_rows = [probe_overlap(dist.new_group(list(range(world))))] if world > 1 else []
-    return (link_rows, kernel_rows, overlap_rows) if rank == 0 else ([], [], [])
-
-
-def _spawned(rank: int, world: int) -> tuple[list, list, list]:
-    return _probe_group(rank, world)
+            link_rows += probe_links(group, shapes.get("sizes", _LINK_SIZES))
+    kernel_rows = probe_kernels(shapes.get("kernels"))
+    _barrier()
+    step_rows = []
+    if world > 1:
+        group = dist.new_group(list(range(world)))
+        step_rows = ([probe_overlap(group, shapes.get("ring"))]
+                     + probe_linear_steps(group, shapes.get("linear")))
+    return (link_rows, kernel_rows, step_rows) if rank == 0 else ([], [], [])
 
 
 def _measure(world_arg: int) -> tuple[int, list, list, list]:
@@ -255,30 +298,30 @@ def _measure(world_arg: int) -> tuple[int, list, list, list]:
         dist.init_process_group("nccl")
         rank, world = dist.get_rank(), dist.get_world_size()
         rows = _probe_group(rank, world) if world > 1 else ([], probe_kernels(), [])
-        dist.barrier(device_ids=[torch.cuda.current_device()])
+        _barrier()
         return rank, world, *rows
     world = min(world_arg, torch.cuda.device_count())
     if world < 2:
         return 0, 1, [], probe_kernels(), []
-    return 0, world, *run_distributed(_spawned, world, backend="nccl", timeout=1200)[0]
+    return 0, world, *run_distributed(_probe_group, world, backend="nccl", timeout=1200)[0]
 
 
 def _finish(rank: int, world: int, rows: tuple, a, device: str) -> Optional[Machine]:
-    """Rank 0: fit ``rows`` (links, kernels, ring steps) measured on ``device``, check, write
+    """Rank 0: fit ``rows`` (links, kernels, CP steps) measured on ``device``, check, write
     (or refuse: exit status 1); every rank learns the outcome. Returns the machine (rank 0,
     accepted) or None."""
     machine, problems = None, []
     if rank == 0:
-        link_rows, kernel_rows, overlap_rows = rows
-        for r in (*link_rows, *kernel_rows, *overlap_rows):
+        link_rows, kernel_rows, step_rows = rows
+        for r in (*link_rows, *kernel_rows, *step_rows):
             print(json.dumps(r, sort_keys=True), flush=True)
         links = f"links among {link_worlds(world)} ranks" if link_rows else "links: defaults"
         source = (f"python -m sp_attention.calibrate, {time.strftime('%Y-%m-%d')}, torch "
                   f"{torch.__version__}; {links}; inter-node: default, not measured")
         machine, problems = fit_machine(default_machine(device), device, link_rows,
-                                        kernel_rows, overlap_rows, source)
+                                        kernel_rows, step_rows, source)
     if dist.is_initialized():           # the same exit status on every rank
-        flag = torch.tensor([len(problems)], device="cuda")
+        flag = torch.tensor([len(problems)], device=_DEV)
         dist.broadcast(flag, 0)
         problems = problems or (["see rank 0"] if int(flag.item()) else [])
         dist.destroy_process_group()

@@ -399,7 +399,8 @@ TRUTH = dataclasses.replace(
     kernels=dataclasses.replace(H200.kernels, linear_tflops=60.0, linear_call_ms=0.08,
                                 linear_fwd_share=0.25, softmax_fwd_tflops=500.0,
                                 softmax_bwd_tflops=420.0, softmax_call_ms=0.03,
-                                mem_gbps=2000.0, op_us=5.0),
+                                mem_gbps=2000.0, op_us=5.0, linear_rank_contiguous=1.1,
+                                linear_rank_zigzag=1.05),
     intra=Link(alpha_p2p_us=40.0, p2p_gbps=300.0, alpha_coll_us=25.0, coll_gbps=200.0,
                step_us=4.0))
 
@@ -411,9 +412,20 @@ def _ring_row(m: Machine, P: int = 4) -> dict:
                 itemsize=2, ms_fwd_bwd=t)
 
 
+def _step_rows(m: Machine, P: int = 4) -> list[dict]:
+    """The CP steps the probe times: one softmax ring, one linear step per layout."""
+    shape = LinearShape(1, 16384, 16, 128, 128)
+    return [_ring_row(m, P)] + [
+        dict(what="linear_step", world=P, layout=lay, scan="allgather", B=1, T_local=16384,
+             H=16, K=128, V=128, itemsize=2,
+             ms_fwd_bwd=linear_step(shape, P, lay, "allgather", m).total_ms)
+        for lay in ("contiguous", "zigzag")]
+
+
 def test_fits_recover_the_machine():
     """Rows a machine would measure give that machine back: α/β and the collective's step
-    from P = 2 and 4, the kernels, the overlap cost from one ring step."""
+    from P = 2 and 4, the kernels, the overlap cost from one ring step, a CP rank's kernel
+    factors from one linear step per layout."""
     a, b = fit.fit_latency_rate([(x, 0.05 + x * 2e-9) for x in (2 ** 16, 2 ** 20, 2 ** 24)])
     assert a == pytest.approx(0.05) and b == pytest.approx(2e-9)
     link = fit.fit_link(_link_rows(TRUTH.intra), H200.intra)
@@ -421,10 +433,11 @@ def test_fits_recover_the_machine():
         assert link[f] == pytest.approx(getattr(TRUTH.intra, f), rel=1e-6), f
     assert fit.fit_link(_link_rows(TRUTH.intra, (2,)), H200.intra)["step_us"] == 2.0
     m, problems = fit.fit_machine(H200, H100, _link_rows(TRUTH.intra),
-                                  _kernel_rows(TRUTH.kernels), [_ring_row(TRUTH)])
+                                  _kernel_rows(TRUTH.kernels), _step_rows(TRUTH))
     assert problems == [] and m.device == H100
     for f in ("linear_tflops", "linear_call_ms", "linear_fwd_share", "softmax_fwd_tflops",
-              "softmax_bwd_tflops", "softmax_call_ms", "mem_gbps", "op_us"):
+              "softmax_bwd_tflops", "softmax_call_ms", "mem_gbps", "op_us",
+              "linear_rank_contiguous", "linear_rank_zigzag"):
         assert getattr(m.kernels, f) == pytest.approx(getattr(TRUTH.kernels, f), rel=1e-6), f
     assert m.overlap_cost == pytest.approx(2.5, rel=1e-6)
     # a tiny negative intercept is noise (taken as 0); a large one is refused
@@ -458,6 +471,10 @@ def test_fit_refuses_implausible_figures():
     huge = _ring_row(dataclasses.replace(TRUTH, overlap_cost=0.0))
     huge["ms_fwd_bwd"] *= 100
     assert any("overlap_cost" in p for p in _refused(good_l, good_k, [huge]))
+    fast_step = _step_rows(TRUTH)
+    fast_step[2]["ms_fwd_bwd"] = 0.01          # faster than any kernel work: factor 0
+    assert any("linear_rank_zigzag = 0 is not positive" in p
+               for p in _refused(good_l, good_k, fast_step))
 
 
 def test_calibrate_writes_only_a_plausible_gpu_fit(tmp_path, capsys):
@@ -474,15 +491,53 @@ def test_calibrate_writes_only_a_plausible_gpu_fit(tmp_path, capsys):
     assert e.value.code == 1 and not out.exists() and not raw.exists()
     assert "refused, nothing written" in capsys.readouterr().err
     m = calibrate._finish(0, 4, (_link_rows(TRUTH.intra), _kernel_rows(TRUTH.kernels),
-                                 [_ring_row(TRUTH)]), a, H100)
+                                 _step_rows(TRUTH)), a, H100)
     assert load_machine(H100, str(out)) == m and m.overlap_cost == pytest.approx(2.5)
-    assert len(raw.read_text().splitlines()) == len(_kernel_rows(TRUTH.kernels)) + 17
+    assert len(raw.read_text().splitlines()) == len(_kernel_rows(TRUTH.kernels)) + 16 + 3
     assert "links among [2, 4] ranks" in m.source
     out.unlink()
     with pytest.raises(SystemExit) as e:
         calibrate.main(["--out", str(out)])
     assert e.value.code == 2 and not out.exists()
     assert "calibration is for GPUs" in capsys.readouterr().err
+
+
+_TINY = dict(sizes=(1024, 4096), ring=dict(T_local=32, H=4, Hkv=2, D=8),
+             linear=dict(T_local=64, H=2, K=8, V=8),
+             kernels={"linear": dict(B=1, H=2, K=8, T=(64, 128)),
+                      "softmax": dict(B=1, H=4, Hkv=2, D=8, T=(32, 64)), "memory_elems": 4096})
+
+
+def _dry_probe(rank: int, world: int):
+    """The probe's every step on gloo at tiny shapes, each timing a call or two."""
+    calibrate._DEV = "cpu"
+
+    def fake_time(fn, iters=5, repeats=5, warmup=2, barrier=None):
+        if barrier:
+            barrier()
+        fn()
+        return 1.0 + rank
+    calibrate.time_ms = fake_time
+    return calibrate._probe_group(rank, world, _TINY)
+
+
+def test_probe_dry_run_on_gloo():
+    """What `torchrun -m sp_attention.calibrate` runs on the GPUs, run on CPU processes (the
+    tensors on CPU, the timer faked): every rank enters the same groups and collectives, rank 0
+    holds rows of every kind with the fields the fits read, and the fits run on them."""
+    from sp_attention.testing import run_distributed
+    rows = run_distributed(_dry_probe, 3, timeout=300)
+    assert rows[1] == rows[2] == ([], [], [])
+    links, kernels, steps = rows[0]
+    assert calibrate.link_worlds(3) == [2, 3] and calibrate.link_worlds(4) == [2, 4]
+    assert sorted((r["what"], r["world"], r["bytes"]) for r in links) == sorted(
+        (w, P, n) for w in ("p2p", "all_gather") for P in (2, 3) for n in (1024, 4096))
+    assert all(r["ms"] == 2.0 or r["world"] == 3 and r["ms"] == 3.0 for r in links)
+    assert [r["what"] for r in kernels] == ["linear"] * 2 + ["softmax"] * 2 + ["memory"]
+    assert [(r["what"], r.get("layout")) for r in steps] == [
+        ("softmax_ring", None), ("linear_step", "contiguous"), ("linear_step", "zigzag")]
+    assert all(r["world"] == 3 and r["ms_fwd_bwd"] == 3.0 for r in steps)
+    fit.fit_machine(H200, H100, links, kernels, steps)        # runs (the fake times are no fit)
 
 
 # ----------------------------------------------------------------------------- report

@@ -5,7 +5,8 @@ functions of the rows (tested on synthetic rows without a GPU).
 Row kinds (the ``what`` field): ``p2p`` and ``all_gather`` (one per size and group size:
 ``world``, ``bytes_moved``, ``ms``), ``linear`` and ``softmax`` (one kernel per size: ``ms_fwd``,
 ``ms_fwd_bwd``, FLOPs, peak bytes), ``memory`` (element-wise bandwidth), ``softmax_ring`` (a
-softmax ``ring`` step across the group: what the overlap cost is fitted to).
+softmax ``ring`` step across the group: what the overlap cost is fitted to), ``linear_step``
+(a linear CP step per layout: what a CP rank's kernel factors are fitted to).
 """
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ import statistics
 from typing import Optional, Sequence
 
 from ..planning.schedules import PRESETS
-from .common import SoftmaxShape, Topology
+from .common import LinearShape, SoftmaxShape, Topology
+from .linear import linear_step
 from .machine import Kernels, Link, Machine
 from .plausible import check_figures
 from .softmax import softmax_step
 
-__all__ = ["fit_latency_rate", "fit_link", "fit_kernels", "fit_overlap", "check_rows",
-           "fit_machine"]
+__all__ = ["fit_latency_rate", "fit_link", "fit_kernels", "fit_overlap", "fit_rank_factors",
+           "check_rows", "fit_machine"]
 
 # A fitted latency below zero by at most this share of the smallest measured time is noise:
 # it is taken as 0 and the rest refitted. Further below zero, the fit is refused.
@@ -138,27 +140,50 @@ def _ring_shape(row: dict) -> SoftmaxShape:
                         row.get("itemsize", 2))
 
 
+def _solve(at, meas: float, low: float, high: float) -> float:
+    """The ``x`` in ``[low, high]`` at which the non-decreasing ``at(x)`` equals ``meas``
+    (bisection); ``low`` / ``high`` where ``meas`` lies beyond ``at`` of them."""
+    if meas <= at(low):
+        return low
+    if meas >= at(high):
+        return high
+    lo, hi = low, high
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if at(mid) < meas else (lo, mid)
+    return (lo + hi) / 2
+
+
 def fit_overlap(row: dict, machine: Machine, high: float = 40.0) -> float:
     """``Machine.overlap_cost`` at which the model's ``ring`` step (fwd + bwd, zigzag, one
     node) equals the measured one in ``row`` (``softmax_ring``): 0 where the model without it
     is already as slow; ``high`` (refused by the checks) where no value up to it explains the
-    step. The step is non-decreasing in the cost: bisection."""
+    step."""
     shape, P = _ring_shape(row), row["world"]
 
     def at(x: float) -> float:
         m = dataclasses.replace(machine, overlap_cost=x)
         return softmax_step(shape, P, "zigzag", *PRESETS["ring"], m,
                             Topology.single_node(P)).total_ms
-    meas = row["ms_fwd_bwd"]
-    if meas <= at(0.0):
-        return 0.0
-    if meas >= at(high):
-        return high
-    lo, hi = 0.0, high
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if at(mid) < meas else (lo, mid)
-    return (lo + hi) / 2
+    return _solve(at, row["ms_fwd_bwd"], 0.0, high)
+
+
+def fit_rank_factors(rows: Sequence[dict], machine: Machine, high: float = 40.0) -> dict:
+    """``Kernels.linear_rank_<layout>`` at which the model's linear step (fwd + bwd, one node,
+    the row's scan) equals each ``linear_step`` row (the median per layout); ``high``
+    (refused by the checks) where no factor up to it explains the step."""
+    got: dict = {}
+    for r in rows:
+        shape = LinearShape(r["B"], r["T_local"], r["H"], r["K"], r["V"], r.get("itemsize", 2))
+        field = f"linear_rank_{r['layout']}"
+
+        def at(x: float, r=r, shape=shape, field=field) -> float:
+            m = dataclasses.replace(machine, kernels=dataclasses.replace(machine.kernels,
+                                                                         **{field: x}))
+            return linear_step(shape, r["world"], r["layout"], r["scan"], m,
+                               Topology.single_node(r["world"])).total_ms
+        got.setdefault(field, []).append(_solve(at, r["ms_fwd_bwd"], 0.0, high))
+    return {f: statistics.median(v) for f, v in got.items()}
 
 
 def check_rows(rows: Sequence[dict]) -> list[str]:
@@ -181,13 +206,15 @@ def check_rows(rows: Sequence[dict]) -> list[str]:
 
 
 def fit_machine(base: Machine, device: str, link_rows: Sequence[dict],
-                kernel_rows: Sequence[dict], overlap_rows: Sequence[dict] = (),
+                kernel_rows: Sequence[dict], step_rows: Sequence[dict] = (),
                 source: str = "") -> tuple[Optional[Machine], list[str]]:
     """The machine the rows describe on top of ``base`` (what they do not inform: the
-    inter-node link, the rank factors, the all-gather calls' overheads; the intra-node link
-    and the overlap cost without link rows), and what is implausible about it: ``(machine,
-    [])``, or ``(None, problems)`` (nothing fitted is usable then)."""
-    problems = check_rows(list(link_rows) + list(kernel_rows) + list(overlap_rows))
+    inter-node link, the all-gather calls' overheads; without several ranks also the
+    intra-node link, the overlap cost and a CP rank's kernel factors), and what is implausible
+    about it: ``(machine, [])``, or ``(None, problems)`` (nothing fitted is usable then).
+    ``step_rows``: ``softmax_ring`` and ``linear_step`` rows (the overlap cost is fitted
+    first, then the linear factors with it)."""
+    problems = check_rows(list(link_rows) + list(kernel_rows) + list(step_rows))
     if problems:
         return None, problems
     try:
@@ -201,10 +228,18 @@ def fit_machine(base: Machine, device: str, link_rows: Sequence[dict],
     machine = dataclasses.replace(base, name=f"calibrated {device}", device=device,
                                   kernels=Kernels(**kernels), intra=Link(**link),
                                   source=source or base.source)
-    if overlap_rows:
-        cost = statistics.median(fit_overlap(r, machine) for r in overlap_rows)
+    ring = [r for r in step_rows if r["what"] == "softmax_ring"]
+    if ring:
+        cost = statistics.median(fit_overlap(r, machine) for r in ring)
         problems = check_figures(kernels, {"intra": link}, cost, device)
         if problems:
             return None, problems
         machine = dataclasses.replace(machine, overlap_cost=cost)
+    factors = fit_rank_factors([r for r in step_rows if r["what"] == "linear_step"], machine)
+    if factors:
+        kernels.update(factors)
+        problems = check_figures(kernels, {"intra": link}, machine.overlap_cost, device)
+        if problems:
+            return None, problems
+        machine = dataclasses.replace(machine, kernels=Kernels(**kernels))
     return machine, []

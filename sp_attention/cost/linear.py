@@ -83,8 +83,8 @@ def linear_step(shape: LinearShape, world: int, layout: str, schedule: str, mach
     scan runs on a side stream beside the chunk-state recomputation (half the forward
     kernel), its bytes costing the kernels ``overlap_cost``."""
     k = machine.kernels
-    rank = (k.linear_rank_zigzag if layout == "zigzag" else
-            1.0 if world == 1 else k.linear_rank_contiguous)
+    rank = (1.0 if world == 1 else      # one rank: the kernel itself, as calibrated
+            k.linear_rank_zigzag if layout == "zigzag" else k.linear_rank_contiguous)
     kern = rank * (k.linear_call_ms + linear_flops(shape) / (k.linear_tflops * 1e9))
     k_fwd = kern * k.linear_fwd_share
     k_bwd = kern - k_fwd

@@ -76,9 +76,11 @@ class Kernels:
             convention of :func:`sp_attention.cost.linear_flops`.
         linear_call_ms: fixed time of one linear fwd + bwd (launch tails; per rank step).
         linear_fwd_share: forward's share of the linear fwd + bwd time.
-        linear_rank_contiguous, linear_rank_zigzag: a CP rank's own kernel work (its
-            leaves, the state passes) ÷ the plain kernel on the same tokens, by layout
-            (``benchmarks/linear_rank_programs.py``; the slowest rank).
+        linear_rank_contiguous, linear_rank_zigzag: a CP rank's kernel work at P > 1 (its
+            leaves, the state passes, what the scan's side stream takes from them) ÷ the
+            plain kernel on the same tokens, by layout. Built in: each rank's program alone
+            on one H200 (``benchmarks/linear_rank_programs.py``, the slowest rank); the probe
+            fits them to a linear CP step across the GPUs it runs on.
         softmax_fwd_tflops, softmax_bwd_tflops: attention kernel rates over the (query, key)
             pairs a call keeps (a causal kernel skips the masked triangle); backward FLOPs are
             2.5 × forward.

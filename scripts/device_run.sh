@@ -9,7 +9,7 @@
 # so the whole check ends within 6 minutes. Needs the 0.19 wheel on PYTHONPATH:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && \
-#   bash megatron_patches/device_run.sh
+#   bash scripts/device_run.sh
 set -u
 OUT=${OUT:-/tmp/mp_out}
 mkdir -p "$OUT"

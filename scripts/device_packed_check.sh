@@ -11,9 +11,9 @@
 #     be finite and fall.
 # Prints what it checked and ends with "PASS" or "FAIL: ..." (exit status 0 / 1). Needs the
 # 0.19 wheel (and fla-core for the fla path): ../shared/tools/device-wheels.sh, carry .whl.
-#   bash megatron_patches/device_packed_check.sh
+#   bash scripts/device_packed_check.sh
 set -u
-. "$(dirname "$0")/../scripts/device_env.sh"
+. "$(dirname "$0")/device_env.sh"
 export CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS=4
 fail=""
 python3 -c "import sys, torch, megatron.core as m; print('python', sys.version.split()[0],
