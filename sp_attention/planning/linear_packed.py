@@ -1,8 +1,8 @@
 """Pure arithmetic of packed-document linear attention across ranks, from a packing plan.
 
 A document start resets the state (``S = 0`` before its first token; no decay or gate carries
-across a boundary). From a :class:`~sp_attention.planning.packing.PackingPlan` (every rank's segments),
-with no tensor and no process group:
+across a boundary). From a :class:`~sp_attention.planning.packing.PackingPlan` (every rank's
+segments), with no tensor and no process group:
 
 * **Local sequences** (:attr:`LinearPacking.pieces`): every segment of a document on this rank
   is one sequence of the local varlen computation: a whole document starts from zero; a

@@ -487,8 +487,8 @@ class PackingPlan:
     @cached_property
     def is_trivial(self) -> bool:
         """One document spanning the row, every shard exactly the unpacked layout's
-        (:func:`sp_attention.planning.layout.shard_ranges`): the ops take their unpacked path (today's
-        code and speed)."""
+        (:func:`sp_attention.planning.layout.shard_ranges`): the ops take their unpacked path
+        (today's code and speed)."""
         n = num_chunks_for(self.world_size, self.layout)
         if self.num_docs != 1 or self.padding != 0 or self.row_len % n:
             return False

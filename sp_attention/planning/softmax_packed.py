@@ -1,7 +1,7 @@
 """Pure arithmetic of packed-document softmax across ranks: which rows meet which keys.
 
-From a :class:`~sp_attention.planning.packing.PackingPlan` (segments of every rank), with no tensor and
-no process group, so every rule is unit-tested for any P:
+From a :class:`~sp_attention.planning.packing.PackingPlan` (segments of every rank), with no
+tensor and no process group, so every rule is unit-tested for any P:
 
 * **Own block** (:func:`own_calls`): a rank's queries against its own keys are one varlen
   causal problem over its document groups (invariant 1 of the plan: a document's segments on a
