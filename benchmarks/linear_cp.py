@@ -1,6 +1,6 @@
 """Benchmark: context-parallel linear attention with decay (lightning_attention) per scan schedule.
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/linear_cp.py --out results/linear.jsonl
+    torchrun --standalone --nproc-per-node 2 benchmarks/linear_cp.py --out linear.jsonl
     python benchmarks/linear_cp.py                      # P = 1
     torchrun --standalone --nproc-per-node 8 benchmarks/linear_cp.py --device cpu   # gloo dry run
 
@@ -28,11 +28,12 @@ from benchmarks.common import (COMM_VARIANTS, base_parser, cp_groups, device_nam
                                emit, host_ahead_lost, host_ms, init_dist, time_ms)
 from sp_attention import LinearTuning, SPContext, build_sp_context  # noqa: E402
 from sp_attention.linear import lightning_attention  # noqa: E402
-from sp_attention.linear.attention import SCANS, leaf_rows, scan_rows  # noqa: E402
+from sp_attention.linear.attention import leaf_rows, scan_rows  # noqa: E402
 from sp_attention.linear.fla_ops import resolve_backend  # noqa: E402
 from sp_attention.linear.leaf import leaf_state, state_grad_local  # noqa: E402
 from sp_attention.linear.leaves import leaves_backward, leaves_output  # noqa: E402
 from sp_attention.linear.slope_constants import leaf_transition  # noqa: E402
+from sp_attention.planning.schedules import LINEAR_SCANS  # noqa: E402
 
 
 def _phases(q, k, v, slopes, do, ctx, impl, backend, timer, tuning) -> dict:
@@ -223,7 +224,7 @@ class _Run:
 
 def main() -> None:
     p = base_parser(__doc__.splitlines()[1])
-    p.add_argument("--impls", nargs="+", default=list(SCANS))
+    p.add_argument("--impls", nargs="+", default=list(LINEAR_SCANS))
     p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"])
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (base_parser, device_name, emit, host_ahead_lost,  # noqa: E402
                                kernel_table, peak_mem_gb, parse_or_summarize, time_ms)
 from sp_attention import LinearTuning, SPContext, lightning_attention  # noqa: E402
-from sp_attention.layout import leaves_of_rank  # noqa: E402
+from sp_attention.planning.layout import leaves_of_rank  # noqa: E402
 from sp_attention.linear.attention import leaf_rows, scan_rows  # noqa: E402
 from sp_attention.linear.decay import Decay  # noqa: E402
 from sp_attention.linear.leaves import leaves_backward, leaves_output  # noqa: E402

@@ -14,7 +14,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import base_parser, device_name, emit, init_dist, time_ms  # noqa: E402
 from sp_attention import build_sp_context  # noqa: E402
-from sp_attention.layout import ring_neighbors  # noqa: E402
+from sp_attention.planning.layout import ring_neighbors  # noqa: E402
 from sp_attention.comm import all_gather_flat, reduce_scatter_flat  # noqa: E402
 
 

@@ -115,8 +115,8 @@ def check(a, device, kern, dtype) -> None:
     import torch
 
     from sp_attention.linear.decay import Decay
-    from sp_attention.linear.packed_plan import linear_packing
-    from sp_attention.packing import plan_packing
+    from sp_attention.planning.linear_packed import linear_packing
+    from sp_attention.planning.packing import plan_packing
     sys.path.insert(0, os.path.join(ROOT, "tests", "linear"))
     from packed_cases import per_document_reference
     rng = random.Random(5)
@@ -203,8 +203,8 @@ def perf(a, device, kern) -> None:
 
     from benchmarks.common import time_ms
     from sp_attention.linear.decay import Decay
-    from sp_attention.linear.packed_plan import linear_packing
-    from sp_attention.packing import plan_packing
+    from sp_attention.planning.linear_packed import linear_packing
+    from sp_attention.planning.packing import plan_packing
     H, K = a.heads, a.head_dim
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=device)

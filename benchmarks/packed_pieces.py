@@ -48,14 +48,14 @@ from benchmarks.common import (base_parser, device_name, emit, host_ahead_lost, 
                                parse_or_summarize, peak_mem_gb, time_ms)
 from benchmarks.softmax_pieces import fake_cp_group  # noqa: E402
 from sp_attention import SoftmaxTuning, SPContext, context_parallel_attention  # noqa: E402
-from sp_attention.packing import causal_work, plan_packing  # noqa: E402
+from sp_attention.planning.packing import causal_work, plan_packing  # noqa: E402
 from sp_attention.softmax.backends import get_backend  # noqa: E402
 from sp_attention.softmax.merge import merge_blocks_  # noqa: E402
 from sp_attention.softmax.naive import packed_attention_reference  # noqa: E402
 from sp_attention.softmax.packed_allgather import (packed_allgather_backward,  # noqa: E402
                                                    packed_allgather_forward)
-from sp_attention.softmax.packed_plan import (CallPolicy, PackedCall, Pair,  # noqa: E402
-                                              own_calls, step_calls, travel)
+from sp_attention.planning.softmax_packed import (CallPolicy, PackedCall, Pair,  # noqa: E402
+                                                  own_calls, step_calls, travel)
 from sp_attention.softmax.packed_ring import packed_ring_backward, packed_ring_forward  # noqa
 from sp_attention.softmax.varlen import call_backward, call_forward  # noqa: E402
 from sp_attention.testing import rel_rms  # noqa: E402

@@ -37,7 +37,7 @@ import time
 from datetime import date
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from sp_attention.packing import causal_work, plan_packing  # noqa: E402
+from sp_attention.planning.packing import causal_work, plan_packing  # noqa: E402
 
 LAYOUTS = ("zigzag", "te_2p", "contiguous")
 

@@ -1,6 +1,6 @@
 """Benchmark: context-parallel causal GQA softmax attention (Llama-3-8B attention shape).
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/softmax_cp.py --out results/softmax.jsonl
+    torchrun --standalone --nproc-per-node 2 benchmarks/softmax_cp.py --out softmax.jsonl
     torchrun --standalone --nproc-per-node 8 benchmarks/softmax_cp.py --device cpu   # gloo dry run
 
 Per T_local: the single-GPU kernel (our fastest backend, cuDNN on Hopper) on the *global*
@@ -22,9 +22,10 @@ from benchmarks.common import (COMM_VARIANTS, base_parser, cp_groups, device_nam
                                emit, init_dist, time_ms)
 from sp_attention import build_sp_context, shard_sequence  # noqa: E402
 from sp_attention.softmax import context_parallel_attention  # noqa: E402
+from sp_attention.planning.schedules import PRESETS  # noqa: E402
 from sp_attention.softmax.backends import get_backend  # noqa: E402
 
-PAIRS = [("ring", "allgather"), ("ring", "ring"), ("allgather", "allgather"), ("allgather", "ring")]
+PAIRS = list(PRESETS.values())      # every preset's (fwd, bwd)
 
 
 def flops(B, H, T, D, causal, fwd_bwd):
@@ -131,8 +132,8 @@ def main() -> None:
         do = torch.randn(B, T, H, D, device=device, dtype=dtype, generator=g)
         base = {"bench": "softmax_cp", "world": world, "B": B, "T_local": T_local, "H": H,
                 "Hkv": Hkv, "K": D, "V": D, "dtype": str(dtype).replace("torch.", ""),
-                "causal": causal, "device": device_name(dev), "backend": backend.name,
-                "timing": mode}
+                "causal": causal, "layout": "zigzag", "device": device_name(dev),
+                "backend": backend.name, "timing": mode}
         # single-GPU baselines (no communication): the global problem, and T_local alone
         ref = {}
         for name, Tq in (("single_global", T), ("single_t_local", T_local)):

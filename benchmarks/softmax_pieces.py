@@ -37,14 +37,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (base_parser, device_name, emit, host_ahead_lost,  # noqa: E402
                                kernel_table, peak_mem_gb, parse_or_summarize, time_ms)
 from sp_attention import SPContext  # noqa: E402
-from sp_attention.layout import ring_source, shard_ranges  # noqa: E402
+from sp_attention.planning.layout import ring_source, shard_ranges  # noqa: E402
 from sp_attention.softmax.bwd_allgather import allgather_backward  # noqa: E402
 from sp_attention.softmax.bwd_ring import ring_backward  # noqa: E402
 from sp_attention.softmax.fwd_allgather import allgather_forward  # noqa: E402
 from sp_attention.softmax.fwd_ring import ring_forward  # noqa: E402
 from sp_attention.softmax.attention import default_heads_k_stride  # noqa: E402
 from sp_attention.softmax.backends import get_backend  # noqa: E402
-from sp_attention.softmax.plan import ring_calls  # noqa: E402
+from sp_attention.planning.softmax_plan import ring_calls  # noqa: E402
 
 
 SUMMARY_COLS = ["impl", "layout", "world", "rank", "stride", "T_local", "timing", "ms_fwd",

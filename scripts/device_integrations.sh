@@ -3,7 +3,7 @@
 #   first_call  the first linear fwd+bwd in a fresh Triton cache (the package unpacks its
 #               shipped autotune results itself)
 #   train_1b    train.py ~1B Llama and hybrid presets at CP = 1: tokens/s, MFU (summary.json)
-#   checks      GPU tests (-m gpu) beside megatron_patches/device_run.sh (Megatron launcher)
+#   checks      GPU tests (-m gpu) beside scripts/device_run.sh (Megatron launcher)
 # Usage: bash scripts/device_integrations.sh [first_call] [train_1b] [checks]
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
@@ -25,7 +25,7 @@ for step in ${*:-first_call train_1b checks}; do
     checks)
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/linear tests/softmax \
         > "$OUT/gpu_tests.log" 2>&1 &
-      OUT=$OUT/megatron bash megatron_patches/device_run.sh > /dev/null 2>&1
+      OUT=$OUT/megatron bash scripts/device_run.sh > /dev/null 2>&1
       wait
       tail -n 15 "$OUT/gpu_tests.log"; cat "$OUT/megatron/summary.txt" | grep -v -i warn ;;
   esac

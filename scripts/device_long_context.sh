@@ -27,7 +27,7 @@ for step in ${*:-loss sweep1}; do
       grep -v '^{' "$OUT/$step.log" | grep -i "error\|Traceback" | tail -5
       python3 benchmarks/long_context.py --table "$OUT/long_context.jsonl" ;;
     launcher)   # Megatron-LM's trainer (megatron_patches.pretrain_gpt) with --recompute-*
-      OUT=$OUT/launcher bash megatron_patches/device_recompute_check.sh > /dev/null 2>&1
+      OUT=$OUT/launcher bash scripts/device_recompute_check.sh > /dev/null 2>&1
       cat "$OUT/launcher/summary.txt" ;;
     tests)
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/train \

@@ -7,7 +7,7 @@ all-gather schedules. Every public function takes an explicit :class:`SPContext`
 from .context import (DEFAULT_LAYOUT, LAYOUTS, CPGroupOptions, SPContext, build_sp_context,
                       new_cp_group)
 from .linear import lightning_attention
-from .packing import PackingPlan, plan_packing
+from .planning.packing import PackingPlan, plan_packing
 from .sharding import (pad_for_layout, pad_to_multiple, shard_position_ids, shard_sequence,
                        shift_labels, unshard_sequence)
 from .softmax import SoftmaxSchedule, context_parallel_attention

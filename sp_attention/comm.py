@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .caches import LRU
 from .context import SPContext
-from .layout import ring_neighbors
+from .planning.layout import ring_neighbors
 
 __all__ = [
     "all_gather_flat", "reduce_scatter_flat", "all_gather_along", "reduce_scatter_along",

@@ -12,12 +12,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from .layout import leaves_of_rank
-
-LAYOUTS = ("contiguous", "zigzag")
-# The one default: Megatron's split (causal-balanced, what its RoPE and softmax layers assume).
-# Every builder and adapter that does not name a layout reads this constant.
-DEFAULT_LAYOUT = "zigzag"
+from .planning.layout import DEFAULT_LAYOUT, LAYOUTS, leaves_of_rank
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Sequence, Union
 import torch
 
 from .context import SPContext
-from .layout import leaves_of_rank, num_chunks, shard_ranges
+from .planning.layout import leaves_of_rank, num_chunks, shard_ranges
 
 __all__ = ["shard_sequence", "unshard_sequence", "shard_position_ids", "shift_labels",
            "pad_to_multiple", "pad_for_layout"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .planning.schedules import MIN_QUERY_HEADS_PER_CALL
 from .validation import is_int
 
 __all__ = ["LinearTuning", "SoftmaxTuning"]
@@ -74,8 +75,8 @@ class SoftmaxTuning:
 
     Attributes:
         min_query_heads_per_call: the default ``heads_k_stride`` is the smallest divisor of the
-            local KV heads giving at least this many query heads per kernel call (8 heads x
-            32 tiles of 128 rows at a 4K-token chunk = 256 CTAs, about two waves on 132 SMs).
+            local KV heads giving at least this many query heads per kernel call
+            (:data:`sp_attention.planning.schedules.MIN_QUERY_HEADS_PER_CALL`, 8: why there).
         check_every_call: as :attr:`LinearTuning.check_every_call`.
         pack_kv: the ring schedules copy K and V into one buffer per hop and send one message,
             instead of sending them as two messages straight from their own storage (the
@@ -92,7 +93,7 @@ class SoftmaxTuning:
             calls); False starts a new call at every gap instead.
     """
 
-    min_query_heads_per_call: int = 8
+    min_query_heads_per_call: int = MIN_QUERY_HEADS_PER_CALL
     check_every_call: bool = False
     pack_kv: bool = False
     packed_dense_min: int = 1 << 20

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .context import SPContext
-from .layout import PAD_HELPER
+from .planning.layout import PAD_HELPER
 
 __all__ = ["PAD_HELPER", "is_int", "resolve_ctx", "check_tensors", "check_local_length",
            "sdpa_hint", "autocast_inputs", "autocast_off"]

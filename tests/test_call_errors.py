@@ -114,7 +114,7 @@ def test_sdpa_layout_hints_and_padding_helper_single_device():
     with pytest.raises(ValueError, match=r"sp_attention.pad_for_layout.*\[B, H, T, D\]"):
         context_parallel_attention(q, q, q, ctx=single)
     with pytest.raises(ValueError, match="sp_attention.pad_for_layout"):
-        from sp_attention.layout import chunk_size
+        from sp_attention.planning.layout import chunk_size
         chunk_size(7, 2, "zigzag")
     with pytest.raises(TypeError, match="not a member"):
         lightning_attention(q, q, q, SLOPES, ctx=-100)

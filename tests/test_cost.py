@@ -1,25 +1,26 @@
 """The cost model (pure functions, no process group): monotonic in P and bytes, crossovers where
-the formulas put them, the decision functions, calibration JSON, the probe's fits, and the
-report on a tiny synthetic input."""
+the formulas put them, the decision functions and the CPU rule, the calibration file, the
+probe's fits and their refusal of implausible figures, and the report on synthetic rows."""
 import dataclasses
 import json
 import logging
 import math
-import os
 
 import pytest
 
-from sp_attention import auto, calibrate, cost, machine
+from sp_attention import calibrate, cost
 from sp_attention.context import SPContext
-from sp_attention.cost.common import softmax_kernel_ms
-from sp_attention.cost import (LINEAR_SCANS, SOFTMAX_PRESETS, LinearShape, SoftmaxShape,
-                               Topology, choose_linear_scan, choose_softmax_preset,
-                               linear_memory, linear_scan_ms, linear_step, softmax_memory,
+from sp_attention.cost import (H200_NVLINK_IB400, Kernels, Link, LinearShape, Machine,
+                               SoftmaxShape, Topology, auto, choose_linear_scan,
+                               choose_softmax_preset, linear_memory, linear_scan_ms, linear_step,
+                               load_machine, machine_from_dict, save_machine, softmax_memory,
                                softmax_step)
-from sp_attention.machine import (CPU_GLOO, H200_NVLINK_IB400, Link, Machine, load_machine,
-                                  machine_from_dict, save_machine)
+from sp_attention.cost import fit, machine, plausible
+from sp_attention.cost.common import softmax_kernel_ms
+from sp_attention.planning.schedules import DEFAULT_PRESET, LINEAR_SCANS, PRESETS
 
 H200 = H200_NVLINK_IB400
+H100 = "NVIDIA H100 80GB HBM3"
 LIN = LinearShape(1, 8192, 16, 128, 128)
 SOFT = SoftmaxShape(1, 8192, 32, 8, 128)
 
@@ -36,19 +37,18 @@ def _bare(alpha_p2p=50.0, alpha_coll=20.0, step=0.0, gbps=100.0, overlap=0.0) ->
 
 def test_public_api_pinned():
     assert cost.__all__ == [
-        "LinearShape", "SoftmaxShape", "Topology", "StepTime", "Choice", "LINEAR_SCANS",
-        "SOFTMAX_PRESETS", "linear_flops", "softmax_flops", "linear_scan_ms", "linear_step",
-        "softmax_step", "choose_linear_scan", "choose_softmax_preset", "log_choice",
-        "cp_efficiency", "linear_memory", "softmax_memory", "rank_memory"]
-    assert machine.__all__ == ["Link", "Kernels", "Machine", "H200_NVLINK_IB400", "CPU_GLOO",
+        "LinearShape", "SoftmaxShape", "Topology", "StepTime", "Choice", "linear_flops",
+        "softmax_flops", "linear_scan_ms", "linear_step", "softmax_step",
+        "choose_linear_scan", "choose_softmax_preset", "cpu_linear_scan",
+        "cpu_softmax_preset", "log_choice", "cp_efficiency", "linear_memory",
+        "softmax_memory", "rank_memory", "Link", "Kernels", "Machine", "H200_NVLINK_IB400",
+        "default_machine", "calibration_path", "load_machine", "save_machine",
+        "machine_from_dict", "implausible"]
+    assert machine.__all__ == ["Link", "Kernels", "Machine", "H200_NVLINK_IB400",
                                "default_machine", "calibration_path", "load_machine",
                                "save_machine", "machine_from_dict"]
     assert auto.__all__ == ["machine_for", "topology_for", "auto_linear_scan",
                             "auto_softmax_preset"]
-    # the model's names are the library's names
-    from sp_attention.linear.attention import SCANS
-    from sp_attention.softmax.attention import PRESETS
-    assert set(LINEAR_SCANS) == set(SCANS) and SOFTMAX_PRESETS == PRESETS
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
@@ -56,8 +56,7 @@ def test_public_api_pinned():
 def test_linear_monotonic_in_world_and_bytes(schedule, layout):
     # one node: every P; across nodes of 8 (a clipped tree's rounds cross node edges
     # differently for different P, so only whole nodes compare): powers of two
-    for m, topo, Ps in ((H200, lambda P: None, range(2, 41)), (CPU_GLOO, lambda P: None,
-                                                               range(2, 41)),
+    for m, topo, Ps in ((H200, lambda P: None, range(2, 41)),
                         (H200, lambda P: Topology.packed(P, 8), [2 ** i for i in range(1, 11)])):
         prev = 0.0
         for P in Ps:
@@ -71,9 +70,9 @@ def test_linear_monotonic_in_world_and_bytes(schedule, layout):
         prev = t
 
 
-@pytest.mark.parametrize("preset", list(SOFTMAX_PRESETS))
+@pytest.mark.parametrize("preset", list(PRESETS))
 def test_softmax_monotonic_in_world_and_bytes(preset):
-    f, b = SOFTMAX_PRESETS[preset]
+    f, b = PRESETS[preset]
     for topo in (lambda P: None, lambda P: Topology.packed(P, 8)):
         prev = 0.0
         for P in (2, 3, 4, 6, 8, 12, 16, 32):
@@ -166,7 +165,7 @@ def test_choices_are_the_cheapest_and_deterministic():
         assert s.name == min(s.predicted, key=lambda n: s.predicted[n].total_ms)
     m = _bare()    # world 1: no scan at all, every schedule ties -> the fixed tie order
     assert choose_linear_scan(LIN, 1, "contiguous", m).name == "allgather"
-    # the measured 2 x H200 picks (benchmarks/results/cost_report.md)
+    # the picks measured fastest on 2 x H200
     assert choose_softmax_preset(SOFT, 2, "zigzag", H200).name == "ring"
     assert choose_linear_scan(LinearShape(1, 32768, 16, 128, 128), 2, "contiguous",
                               H200).name == "allgather"
@@ -174,8 +173,8 @@ def test_choices_are_the_cheapest_and_deterministic():
 
 def test_softmax_choice_respects_memory_limit():
     big = SoftmaxShape(1, 32768, 32, 8, 128)
-    need = {n: softmax_memory(big, 64, "zigzag", *SOFTMAX_PRESETS[n], H200)["peak"]
-            for n in SOFTMAX_PRESETS}
+    need = {n: softmax_memory(big, 64, "zigzag", *PRESETS[n], H200)["peak"]
+            for n in PRESETS}
     limit = (need["ring"] + max(need.values())) / 2
     c = choose_softmax_preset(big, 64, "zigzag", H200, memory_limit_bytes=limit)
     assert all(need[n] <= limit for n in c.predicted)
@@ -194,26 +193,6 @@ def test_log_choice_once_per_shape(caplog):
         assert not cost.log_choice("linear scan", key, c, m)
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 1 and c.name in msgs[0] and "blelloch" in msgs[0]
-
-
-def test_auto_helpers_from_tensors(monkeypatch, tmp_path, caplog):
-    import torch
-    monkeypatch.setenv("SP_ATTENTION_CALIBRATION", str(tmp_path / "none.json"))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    auto._machine.cache_clear()
-    ctx = SPContext(None, 0, 1, (0,), "zigzag")
-    q = torch.zeros(1, 64, 2, 16)
-    with caplog.at_level(logging.INFO, logger="sp_attention.cost"):
-        c = auto.auto_linear_scan(ctx, q, q)
-        s = auto.auto_softmax_preset(ctx, q, q[:, :, :1])
-    assert c.name in LINEAR_SCANS and s.name in SOFTMAX_PRESETS
-    assert auto.machine_for(q.device) is CPU_GLOO
-    from types import SimpleNamespace
-    four = SimpleNamespace(world_size=4, global_ranks=(0, 1, 2, 3))
-    assert auto.topology_for(four, CPU_GLOO).nodes == (0, 0, 1, 1)   # LOCAL_WORLD_SIZE=2
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert not auto.topology_for(four, CPU_GLOO).spans_nodes
-    assert any("auto linear scan" in r.getMessage() for r in caplog.records)
 
 
 def test_memory_model_matches_the_recorded_h200_peaks():
@@ -240,354 +219,383 @@ def test_memory_model_matches_the_recorded_h200_peaks():
     assert r["model"] == est.total
 
 
-def test_calibration_json_round_trip(tmp_path, monkeypatch):
-    path = str(tmp_path / "sub" / "cal.json")
-    m = dataclasses.replace(CPU_GLOO, name="x", device="cpu",
-                            kernels=dataclasses.replace(CPU_GLOO.kernels, linear_tflops=1.5))
-    assert save_machine(m, path) == path
-    assert load_machine("cpu", path) == m
-    assert load_machine("NVIDIA H200", path) is H200     # measured elsewhere: defaults
-    monkeypatch.setenv("SP_ATTENTION_CALIBRATION", path)
-    assert machine.calibration_path() == path and load_machine("cpu") == m
-    monkeypatch.delenv("SP_ATTENTION_CALIBRATION")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert machine.calibration_path() == str(tmp_path / "sp_attention" / "calibration.json")
-    with open(path, "w") as f:
-        f.write("{not json")
-    with pytest.raises(ValueError, match="not a usable sp_attention calibration"):
-        load_machine("cpu", path)
-    d = m.to_dict()
-    d["kernels"]["bogus"] = 1
-    with pytest.raises(ValueError, match="re-run"):
-        machine_from_dict(d)
-    with pytest.raises(ValueError, match="gbps"):
-        Link(1.0, 0.0, 1.0, 1.0, 0.0)
-    with pytest.raises(ValueError, match="linear_fwd_share"):
-        dataclasses.replace(CPU_GLOO.kernels, linear_fwd_share=1.5)
 
 
-def test_probe_fits_recover_alpha_beta_and_rates():
-    pts = [(x, 0.05 + x * 2e-9) for x in (2 ** 16, 2 ** 20, 2 ** 24)]
-    a, b = calibrate.fit_latency_rate(pts)
-    assert a == pytest.approx(0.05) and b == pytest.approx(2e-9)
-    rows = [dict(what="p2p", bytes_moved=x, ms=0.05 + x / 300e9 * 1e3) for x in (1e6, 8e6, 3e7)]
-    rows += [dict(what="all_gather", bytes_moved=x, ms=0.02 + x / 250e9 * 1e3)
-             for x in (1e6, 8e6, 3e7)]
-    link = calibrate.fit_link(rows, 2, H200.intra)
-    assert link.alpha_p2p_us == pytest.approx(50) and link.p2p_gbps == pytest.approx(300)
-    assert link.alpha_coll_us == pytest.approx(20) and link.coll_gbps == pytest.approx(250)
-    kr = [dict(what="linear", flops_fwd_bwd=f, ms_fwd_bwd=0.1 + f / 5e10, ms_fwd=0.3 * (
-        0.1 + f / 5e10)) for f in (1e9, 4e9)]
-    k = calibrate.fit_kernels(kr, CPU_GLOO.kernels)
-    assert k.linear_tflops == pytest.approx(50.0) and k.linear_call_ms == pytest.approx(0.1)
-    assert k.linear_fwd_share == pytest.approx(0.3)
-
-
-def test_report_renders_from_a_tiny_input(tmp_path):
-    from benchmarks import report
-    rows = [
-        dict(bench="linear_cp", impl="fla_chunk_simple_gla", world=1, T_local=4096, B=1, H=16,
-             K=128, V=128, timing="queued", ms_fwd_bwd=0.3, date="2026-11-23"),
-        dict(bench="linear_cp", impl="ring", layout="zigzag", world=2, T_local=4096, B=1,
-             H=16, K=128, V=128, timing="queued", ms_fwd_bwd=0.45, date="2026-11-23"),
-        dict(bench="linear_cp", impl="allgather", layout="zigzag", world=2, T_local=4096, B=1,
-             H=16, K=128, V=128, timing="queued", ms_fwd_bwd=0.40, date="2026-11-23"),
-        dict(bench="softmax_cp", impl="ring/ring", stride="default", world=2, T_local=4096,
-             B=1, H=32, Hkv=8, K=128, ms_fwd_bwd=2.6, tflops_per_gpu=400.0,
-             ratio_vs_t_local=0.9, date="2026-11-23")]
-    src = tmp_path / "tiny.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = report.main([str(src), "--out-dir", str(tmp_path), "--name", "r",
-                       "--projection-p", "2", "16", "--projection-t", "4096"])
-    assert len(out["points"]) == 3 and out["checks"][0]["best"] == "allgather"
-    md = (tmp_path / "r.md").read_text()
-    assert "Which schedule when" in md and "r_projection.png" in md
-    for name in ("pred_vs_meas", "throughput", "ratio", "projection"):
-        png = tmp_path / f"r_{name}.png"
-        assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
-
-
-def test_probe_runs_on_cpu_and_saves(tmp_path):
-    """The probe's kernel part at tiny shapes (the GPU run uses the same code at its shapes)."""
-    shapes = {"linear": dict(B=1, H=2, K=8, T=(32, 64)),
-              "softmax": dict(B=1, H=2, Hkv=1, D=8, T=(16, 32))}
-    rows = calibrate.probe_kernels("cpu", shapes)
-    assert [r["what"] for r in rows] == ["linear", "linear", "softmax", "softmax", "memory"]
-    assert all(r["ms_fwd_bwd"] > r["ms_fwd"] > 0 for r in rows if r["what"] != "memory")
-    m = calibrate.calibrate("cpu", [], rows, 1)
-    assert m.device == "cpu" and m.kernels.cores >= 1 and m.intra == CPU_GLOO.intra
-    assert "links: defaults" in m.source
-    path = save_machine(m, str(tmp_path / "c.json"))
-    assert load_machine("cpu", path) == m
-
-
-def _cpu_bare(**kernels) -> Machine:
-    """CPU ranks on 2 cores with free kernels and links except the host terms given."""
+def test_softmax_calls_cost_per_schedule():
+    """Ring: one call per step (zigzag), each at the call's fixed cost in each direction;
+    all-gather: its own calls (one per local chunk and stride unit), not the ring's."""
+    s = SoftmaxShape(1, 128, 8, 4, 32, 4)
     m = _bare(alpha_p2p=0.0, alpha_coll=0.0, gbps=1e9)
-    k = dataclasses.replace(m.kernels, cores=2, softmax_fwd_tflops=1e12,
-                            softmax_bwd_tflops=1e12, linear_tflops=1e12, **kernels)
-    return dataclasses.replace(m, kernels=k, links_world=2)
-
-
-def test_host_terms_add_what_their_counts_say():
-    """Per message a rank posts: ``msg_us`` (+ ``scan_msg_us`` in a linear scan), CPU time at
-    the share of the ranks taking part; the all-gather scan's fold ``fold_us``; none of it on
-    a GPU machine (defaults 0)."""
-    m = _cpu_bare(msg_us=10.0, scan_msg_us=5.0, fold_us=100.0)
-    for P in (2, 3, 4, 8):
-        share = min(1.0, 2 / P)
-        # ring chain: the two ends of each of the P − 1 hops post one message each, sharing
-        # the cores with the ranks the chain has passed (hop p: ranks 0 … p − 2 go on with
-        # their step), so with p + 1 ranks busy on 2 cores it takes max(1, (p + 1) / 2) as long
-        assert linear_scan_ms("ring", LIN, P, "contiguous", m) == pytest.approx(
-            sum(2 * 15e-3 * max(1.0, (p + 1) / 2) for p in range(1, P)))
-        assert linear_scan_ms("allgather", LIN, P, "zigzag", m) == pytest.approx(
-            (100e-3 + 2 * 10e-3) / share)
-    # contiguous P = 4 tree: up (0,1)(2,3) then (1,3); down (1,3) then (0,1)(2,3): one message
-    # per rank up, two (both ways) down; 4, 2, 2, 4 ranks take part
-    want = 15e-3 * (1 / 0.5 + 1 / 1.0 + 2 / 1.0 + 2 / 0.5)
-    assert linear_scan_ms("blelloch", LIN, 4, "contiguous", m) == pytest.approx(want)
-    assert H200.kernels.msg_us == H200.kernels.scan_msg_us == H200.kernels.fold_us == 0.0
-
-
-def test_corun_slows_compute_not_links():
-    m = _cpu_bare(corun=1.25)
-    assert m.compute_share(1) == 1.0 and m.compute_share(2) == pytest.approx(0.8)
-    assert m.compute_share(8) == pytest.approx(0.25 / 1.25)
-    assert m.comm_share(2) == 1.0 and m.comm_share(8) == pytest.approx(0.25)
-    assert H200.compute_share(8) == 1.0
-
-
-def test_softmax_call_costs_per_direction_and_schedule():
-    """Ring: one call per step (zigzag), each direction at its own fixed cost; all-gather: its
-    own calls (one per local chunk and stride unit), not the ring's."""
-    s = SoftmaxShape(1, 128, 8, 4, 32, 4)
+    m = dataclasses.replace(m, kernels=dataclasses.replace(
+        m.kernels, softmax_call_ms=1.0, softmax_fwd_tflops=1e12, softmax_bwd_tflops=1e12))
     for P in (2, 4, 8):
-        base = _cpu_bare()
-        m = dataclasses.replace(base, kernels=dataclasses.replace(
-            base.kernels, softmax_call_ms=1.0, softmax_bwd_call_ms=3.0, mem_gbps=1e12))
-        share = min(1.0, 2 / P)
         ring = softmax_step(s, P, "zigzag", "ring", "ring", m)
-        assert ring.fwd_ms == pytest.approx(P * 1.0 / share, rel=1e-6)
-        assert ring.bwd_ms == pytest.approx(P * 3.0 / share, rel=1e-6)
+        assert ring.fwd_ms == pytest.approx(P * 1.0, rel=1e-6)
+        assert ring.bwd_ms == pytest.approx(P * 1.0, rel=1e-6)
         ag = softmax_step(s, P, "zigzag", "allgather", "allgather", m, heads_k_stride=4)
-        assert ag.fwd_ms == pytest.approx(2 * 1.0 / share, rel=1e-6)
-        assert ag.bwd_ms == pytest.approx(2 * 3.0 / share, rel=1e-6)
-    assert H200.kernels.bwd_call_ms == H200.kernels.softmax_call_ms
-
-
-def test_probe_host_fits_recover_the_terms():
-    """``fit_host``: the slope per posted message and together ÷ alone; ``fit_scan_host``
-    inverts the model's scan times."""
-    rows = [dict(what="msgs", msgs=2 * n, ms=0.1 + 2 * n * 0.03) for n in (1, 2, 4, 8)]
-    rows.append(dict(what="corun", ms=2.2, ms_alone=2.0))
-    k = calibrate.fit_host(rows, CPU_GLOO.kernels)
-    assert k.msg_us == pytest.approx(30.0) and k.corun == pytest.approx(1.1)
-    assert calibrate.fit_host([dict(what="corun", ms=1.0, ms_alone=2.0)], k).corun == 1.0
-    truth = dataclasses.replace(CPU_GLOO, kernels=dataclasses.replace(
-        CPU_GLOO.kernels, scan_msg_us=70.0, fold_us=250.0))
-    shape = LinearShape(1, 64, 8, 32, 32, 4)
-    scan_rows = [dict(what=f"scan_{s}", world=2, layout="zigzag", B=1, H=8, K=32, V=32,
-                      ms=linear_scan_ms(s, shape, 2, "zigzag", truth))
-                 for s in ("blelloch", "allgather")]
-    got = calibrate.fit_scan_host(scan_rows, CPU_GLOO).kernels
-    assert got.scan_msg_us == pytest.approx(70.0) and got.fold_us == pytest.approx(250.0)
-
-
-def test_old_calibration_gets_later_fields_from_the_default():
-    d = CPU_GLOO.to_dict()
-    for f in ("msg_us", "scan_msg_us", "fold_us", "corun", "softmax_bwd_call_ms",
-              "softmax_mask"):
-        del d["kernels"][f]
-    d["kernels"]["linear_tflops"] = 9.0
-    m = machine_from_dict(d)
-    assert m.kernels.linear_tflops == 9.0 and m.kernels.msg_us == CPU_GLOO.kernels.msg_us
-    assert m.kernels.corun == CPU_GLOO.kernels.corun
-    # its attention rates were fitted to causal FLOPs at half the square: read them so
-    assert m.kernels.softmax_mask is None and CPU_GLOO.kernels.softmax_mask is not None
-
-
-def test_work_bound_takes_over_when_ranks_outnumber_cores():
-    """Σ CPU work ÷ cores bounds a CPU step from below: a softmax ring's K/V bytes (gloo
-    copies them on the cores) hide behind the kernels while every rank has a core (they cost
-    the overlap charge, once per hop), but once P > cores every rank's copying takes core time
-    from the others: each hop then costs its bytes × P / cores. Inert on a GPU."""
-    s = SoftmaxShape(1, 128, 8, 4, 32, 4)
-    fast = dataclasses.replace(_cpu_bare(softmax_call_ms=1.0, corun=1.0), overlap_cost=1.0)
-    wire = 0.05                                                  # ms per K/V hop
-    link = dataclasses.replace(fast.intra, p2p_gbps=s.kv_bytes / wire * 1e-6)
-    slow = dataclasses.replace(fast, intra=link, inter=link)
-    for P in (1, 2, 3, 4, 8):
-        t0, t = (softmax_step(s, P, "zigzag", "ring", "ring", m) for m in (fast, slow))
-        assert t.fwd_ms - t0.fwd_ms == pytest.approx((P - 1) * wire * max(1.0, P / 2), rel=1e-3)
-        assert t.work_ms <= t.total_ms * (1 + 1e-9)
-        if P > 2:                 # the bound is the step: it exceeds the critical path
-            assert t.total_ms == pytest.approx(t.work_ms)
-    assert softmax_step(SOFT, 8, "zigzag", "ring", "ring", H200).work_ms == 0.0
-    assert linear_step(LIN, 8, "zigzag", "ring", H200).work_ms == 0.0
-
-
-def test_message_cpu_counts_in_the_work_bound_only():
-    """``Kernels.msg_cpu_us``: a message's whole CPU cost (both ends) shares the cores, so
-    once P > cores a softmax ring's work bound grows by its message ends × msg_cpu_us / 2
-    × P / cores (fwd: 4 ends per hop, K and V sent and received); with a core per rank
-    nothing changes (the bound does not bind)."""
-    s = SoftmaxShape(1, 128, 8, 4, 32, 4)
-    base = _cpu_bare(softmax_call_ms=1.0, corun=1.0)
-    cost = dataclasses.replace(base, kernels=dataclasses.replace(base.kernels,
-                                                                 msg_cpu_us=400.0))
-    for P in (3, 4, 8):
-        t0, t = (softmax_step(s, P, "zigzag", "ring", "ring", m) for m in (base, cost))
-        assert t.fwd_ms - t0.fwd_ms == pytest.approx((P - 1) * 4 * 0.2 * P / 2, rel=1e-6)
-    wide = dataclasses.replace(cost, kernels=dataclasses.replace(cost.kernels, cores=64))
-    wide0 = dataclasses.replace(base, kernels=dataclasses.replace(base.kernels, cores=64))
-    for kind in ("ring", "allgather"):
-        assert softmax_step(s, 8, "zigzag", kind, kind, wide).total_ms == pytest.approx(
-            softmax_step(s, 8, "zigzag", kind, kind, wide0).total_ms)
-    rows = [dict(what="msg_cpu", us=300.0), dict(what="msg_cpu", us=200.0),
-            dict(what="msg_cpu", us=250.0)]
-    assert calibrate.fit_host(rows, CPU_GLOO.kernels).msg_cpu_us == 250.0
-
-
-def test_resume_counts_per_receive_only_where_ranks_outnumber_cores():
-    """``Kernels.resume_us``: each message a rank receives costs it that much more CPU once
-    the ranks outnumber the cores (P > 2 here): a softmax ring's forward bound grows by
-    (P − 1) hops × 2 receives × resume × P / cores; at P = cores and with a core per rank
-    nothing changes; linear scans pay it per receive too. The fit takes the median of the
-    ``resume`` rows, at least 0."""
-    s = SoftmaxShape(1, 128, 8, 4, 32, 4)
-    base = _cpu_bare(softmax_call_ms=1.0, corun=1.0, msg_cpu_us=400.0)
-    cost = dataclasses.replace(base, kernels=dataclasses.replace(base.kernels, resume_us=100.0))
-    for P in (3, 4, 8):
-        t0, t = (softmax_step(s, P, "zigzag", "ring", "ring", m) for m in (base, cost))
-        assert t.fwd_ms - t0.fwd_ms == pytest.approx((P - 1) * 2 * 0.1 * P / 2, rel=1e-6)
-    for kind in ("ring", "allgather"):
-        assert softmax_step(s, 2, "zigzag", kind, kind, cost).total_ms == pytest.approx(
-            softmax_step(s, 2, "zigzag", kind, kind, base).total_ms)
-    lin = LinearShape(1, 128, 4, 32, 32, 4)
-    for sched in ("ring", "blelloch", "allgather"):
-        w0, w = (linear_step(lin, 6, "zigzag", sched, m).work_ms for m in (base, cost))
-        assert w > w0
-        assert linear_step(lin, 2, "zigzag", sched, cost).total_ms == pytest.approx(
-            linear_step(lin, 2, "zigzag", sched, base).total_ms)
-    rows = [dict(what="resume", us=u) for u in (40.0, 120.0, 70.0)]
-    assert calibrate.fit_host(rows, CPU_GLOO.kernels).resume_us == 70.0
-    assert calibrate.fit_host([dict(what="resume", us=-5.0)], CPU_GLOO.kernels).resume_us == 0
-    assert H200.kernels.resume_us == 0.0
-
-
-def test_corun_fit_takes_the_median_of_its_probes():
-    """One probe's bad spell (a rank slowed by something else) does not set the factor."""
-    rows = [dict(what="corun", ms=m, ms_alone=2.0) for m in (2.1, 3.3, 2.2)]
-    assert calibrate.fit_host(rows, CPU_GLOO.kernels).corun == pytest.approx(1.1)
-
-
-@pytest.mark.parametrize("kind", ["linear", "softmax"])
-def test_work_bound_monotonic_in_world_and_bytes(kind):
-    def work(P, n):
-        if kind == "linear":
-            return linear_step(LinearShape(1, 128, 4, n, n, 4), P, "zigzag", "blelloch",
-                               CPU_GLOO).work_ms
-        return softmax_step(SoftmaxShape(1, 128, 8, 4, n, 4), P, "zigzag", "ring", "ring",
-                            CPU_GLOO).work_ms
-    for n in (16, 32, 64):
-        ws = [work(P, n) for P in range(1, 17)]
-        assert all(b > a for a, b in zip(ws, ws[1:])), (n, ws)
-    assert work(8, 16) < work(8, 32) < work(8, 64)
-
-
-def _dense(mask=0.5, **kernels) -> Machine:
-    """Free links and host terms; attention calls that compute their whole block."""
-    m = _cpu_bare(**kernels)
-    return dataclasses.replace(m, kernels=dataclasses.replace(
-        m.kernels, cores=None, corun=1.0, softmax_fwd_tflops=1.0, softmax_bwd_tflops=2.0,
-        softmax_call_ms=0.0, softmax_bwd_call_ms=0.0, mem_gbps=1e12, op_us=0.0,
-        softmax_mask=mask))
-
-
-def test_softmax_mask_costs_a_causal_call_as_its_full_block_and_more():
-    """``softmax_mask`` None: a causal call does the pairs it keeps; m: the full block, plus
-    m × the block's forward time in each direction."""
-    full = cost.softmax_flops(1, 8, 64, 64, 32, False)
-    keep = cost.softmax_flops(1, 8, 64, 64, 32, True)
-    skip = dataclasses.replace(_dense(), kernels=dataclasses.replace(
-        _dense().kernels, softmax_mask=None))
-    f, b = softmax_kernel_ms(skip, 1, 8, 64, 64, 32, True)
-    assert f == pytest.approx(keep / 1e9) and b == pytest.approx(2.5 * keep / 2e9)
-    f, b = softmax_kernel_ms(_dense(0.5), 1, 8, 64, 64, 32, True)
-    assert f == pytest.approx(1.5 * full / 1e9)
-    assert b == pytest.approx(2.5 * full / 2e9 + 0.5 * full / 1e9)
-    assert softmax_kernel_ms(_dense(0.5), 1, 8, 64, 64, 32, False) == pytest.approx(
-        (full / 1e9, 2.5 * full / 2e9))
-    with pytest.raises(ValueError, match="softmax_mask"):
-        dataclasses.replace(CPU_GLOO.kernels, softmax_mask=-1.0)
+        assert ag.fwd_ms == pytest.approx(2 * 1.0, rel=1e-6)
+    with pytest.raises(ValueError, match="no formula"):
+        softmax_step(s, 2, "zigzag", "a2a", "ring", m)
 
 
 def test_allgather_attention_costs_its_own_calls():
     """The all-gather schedules make one call per local chunk against its prefix of keys
     (``gather_plan``): zigzag P = 2, rank 0 holds pieces 0 and 3 of 64 tokens, so its calls
-    are 64 × 64 and 64 × 256 keys, both causal (the diagonal last). A math-like kernel pays
-    each call's whole block and the mask."""
-    m = _dense(0.5)
+    are 64 × 64 (causal) and 64 × 256 keys with the diagonal last (causal): the pairs kept."""
+    m = _bare(alpha_p2p=0.0, alpha_coll=0.0, gbps=1e9)
+    m = dataclasses.replace(m, kernels=dataclasses.replace(
+        m.kernels, softmax_fwd_tflops=1.0, softmax_bwd_tflops=2.0))
     s = SoftmaxShape(1, 128, 8, 4, 32, 4)
     t = softmax_step(s, 2, "zigzag", "allgather", "allgather", m, heads_k_stride=4)
-    work = cost.softmax_flops(1, 8, 64, 64 + 256, 32, False)
-    assert t.fwd_ms == pytest.approx(1.5 * work / 1e9, rel=1e-6)
-    ring = softmax_step(s, 2, "zigzag", "ring", "ring", m)
-    # the ring: its own block (128 × 128, causal), then piece 3 against rank 1's pieces 1, 2
-    own, other = (cost.softmax_flops(1, 8, 128, 128, 32, False),
-                  cost.softmax_flops(1, 8, 64, 128, 32, False))
-    assert ring.fwd_ms == pytest.approx((1.5 * own + other) / 1e9, rel=1e-6)
+    work = cost.softmax_flops(1, 8, 64, 64, 32, True) + cost.softmax_flops(1, 8, 64, 256, 32,
+                                                                           True)
+    assert t.fwd_ms == pytest.approx(work / 1e9, rel=1e-6)
+    f, b = softmax_kernel_ms(m, 1, 8, 64, 64, 32, True)
+    keep = cost.softmax_flops(1, 8, 64, 64, 32, True)
+    assert f == pytest.approx(keep / 1e9) and b == pytest.approx(2.5 * keep / 2e9)
 
 
-def _probe_rows(k, Ts=(32, 64, 128, 256), causal=(True, False)) -> list[dict]:
-    """The softmax probe rows a machine with kernels ``k`` would measure."""
-    m = dataclasses.replace(CPU_GLOO, kernels=k)
+# ----------------------------------------------------------------------------- CPU rule
+@pytest.mark.parametrize("world,layout,want", [
+    (2, "contiguous", "ring"), (3, "contiguous", "allgather"), (2, "zigzag", "allgather"),
+    (8, "zigzag", "allgather"), (16, "contiguous", "allgather"), (9, "zigzag", "blelloch"),
+    (17, "contiguous", "blelloch"), (64, "zigzag", "blelloch")])
+def test_cpu_rule(world, layout, want, monkeypatch, caplog):
+    """On CPU tensors `auto` runs the fixed rule (leaves: ≤ 2 ring, ≤ 16 allgather, beyond
+    blelloch; softmax: the default preset), whatever the cost model would say, and logs it."""
+    import torch
+    assert cost.cpu_linear_scan(world, layout) == want
+    ctx = SPContext(object(), 0, world, tuple(range(world)), layout)
+    q = torch.zeros(1, 64, 2, 16)
+    assert auto.machine_for(q.device) is None
+    with caplog.at_level(logging.INFO, logger="sp_attention.cost"):
+        assert auto.auto_linear_scan(ctx, q, q).name == want
+        assert auto.auto_softmax_preset(ctx, q, q[:, :, :1]).name == DEFAULT_PRESET
+    assert any("CPU rule" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr("sp_attention.planning.schedules.DEFAULT_PRESET", "ag_ring")
+    assert cost.cpu_softmax_preset() == "ag_ring"          # read when asked
+    with pytest.raises(ValueError, match="GPU model"):
+        cost.default_machine("cpu")
+
+
+def test_auto_helpers_on_a_gpu_machine(monkeypatch, caplog):
+    """With a machine (a GPU's), `auto` is the cost model's pick for the call's shape."""
+    import torch
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    ctx = SPContext(object(), 0, 4, (0, 1, 2, 3), "zigzag")
+    q = torch.zeros(1, 4096, 16, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, 4096, 4, 128, dtype=torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="sp_attention.cost"):
+        c = auto.auto_linear_scan(ctx, q, q, machine=H200)
+        s = auto.auto_softmax_preset(ctx, q, k, machine=H200)
+    topo = Topology((0, 0, 1, 1))                                   # LOCAL_WORLD_SIZE=2
+    assert auto.topology_for(ctx) == topo
+    assert c.name == choose_linear_scan(LinearShape(1, 4096, 16, 128, 128), 4, "zigzag", H200,
+                                        topo).name
+    assert s.name == choose_softmax_preset(SoftmaxShape(1, 4096, 16, 4, 128), 4, "zigzag",
+                                           H200, topo).name
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert not auto.topology_for(ctx).spans_nodes
+    assert any("auto linear scan" in r.getMessage() for r in caplog.records)
+
+
+# ----------------------------------------------------------------------------- calibration
+def test_calibration_json_round_trip(tmp_path, monkeypatch):
+    path = str(tmp_path / "sub" / "cal.json")
+    m = dataclasses.replace(H200, name="x", device=H100,
+                            kernels=dataclasses.replace(H200.kernels, linear_tflops=81.5))
+    assert save_machine(m, path) == path
+    assert load_machine(H100, path) == m
+    assert load_machine("NVIDIA H200", path) is H200     # measured elsewhere: defaults
+    with pytest.raises(ValueError, match="GPU model"):
+        load_machine("cpu", path)
+    monkeypatch.setenv("SP_ATTENTION_CALIBRATION", path)
+    assert cost.calibration_path() == path and load_machine(H100) == m
+    monkeypatch.delenv("SP_ATTENTION_CALIBRATION")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cost.calibration_path() == str(tmp_path / "sp_attention" / "calibration.json")
+    # a calibration written before the CPU terms were dropped: read without them
+    d = m.to_dict()
+    d["kernels"].update(cores=None, msg_us=0.0, resume_us=0.0, softmax_mask=None)
+    d.update(scan_hidden=True, links_world=2)
+    assert machine_from_dict(d) == m
+    d["kernels"]["bogus"] = 1
+    with pytest.raises(ValueError, match="re-run"):
+        machine_from_dict(d)
+    # a file with figures no GPU can have is refused, naming them
+    bad = dataclasses.replace(m, kernels=dataclasses.replace(m.kernels,
+                                                             softmax_bwd_tflops=1e21))
+    save_machine(bad, path)
+    with pytest.raises(ValueError, match="softmax_bwd_tflops = 1e\\+21"):
+        load_machine(H100, path)
+    with open(path, "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match="not a usable sp_attention calibration"):
+        load_machine(H100, path)
+    with pytest.raises(ValueError, match="gbps"):
+        Link(1.0, 0.0, 1.0, 1.0, 0.0)
+    with pytest.raises(ValueError, match="linear_fwd_share"):
+        dataclasses.replace(H200.kernels, linear_fwd_share=1.5)
+
+
+def test_plausibility_names_what_is_wrong():
+    assert cost.implausible(H200) == []
+    assert plausible.device_peak(H100).tflops == 989.0
+    assert plausible.device_peak("NVIDIA GH200 480GB").mem_gbps == 4900.0
+    assert plausible.device_peak("Some Future GPU") is plausible.UNKNOWN_PEAK
+    k, links = dataclasses.asdict(H200.kernels), {"intra": dataclasses.asdict(H200.intra)}
+    cases = [(dict(softmax_bwd_tflops=1e21), {}, "softmax_bwd_tflops = 1e+21 TFLOP/s is above "
+                                                 "the NVIDIA H100 80GB HBM3's peak"),
+             (dict(linear_tflops=1200.0), {}, "linear_tflops"),
+             (dict(mem_gbps=9000.0), {}, "mem_gbps"),
+             (dict(linear_call_ms=-0.5), {}, "linear_call_ms = -0.5 ms is negative"),
+             (dict(linear_fwd_share=1.2), {}, "linear_fwd_share"),
+             (dict(softmax_call_ms=math.nan), {}, "softmax_call_ms = nan is not a finite"),
+             ({}, dict(alpha_p2p_us=-21.5), "alpha_p2p_us = -21.5 µs is negative"),
+             ({}, dict(alpha_coll_us=5e4), "alpha_coll_us = 5e+04 µs is above any link"),
+             ({}, dict(p2p_gbps=800.0), "p2p_gbps = 800 GB/s is above"),
+             ({}, dict(coll_gbps=0.0), "coll_gbps = 0 GB/s is not positive")]
+    for kern, link, want in cases:
+        got = plausible.check_figures({**k, **kern}, {"intra": {**links["intra"], **link}},
+                                      3.0, H100)
+        assert len(got) == 1 and want in got[0], (kern, link, got)
+    assert "overlap_cost" in plausible.check_figures(k, links, 25.0, H100)[0]
+    assert plausible.check_figures({**k, "linear_tflops": 3000.0}, links, 3.0,
+                                   "Some Future GPU") == []
+
+
+def _kernel_rows(k: Kernels) -> list[dict]:
+    """The kernel probe rows a GPU with kernels ``k`` would measure."""
     rows = []
-    for T in Ts:
-        for c in causal:
-            f, b = softmax_kernel_ms(m, 1, 8, T, T, 32, c)
-            f, b = f + k.softmax_call_ms, b + k.bwd_call_ms
-            rows.append(dict(what="softmax", B=1, T=T, H=8, Hkv=4, D=32, causal=c, ms_fwd=f,
-                             ms_fwd_bwd=f + b, flops_fwd=cost.softmax_flops(1, 8, T, T, 32, c)))
+    for T in (8192, 16384, 32768):
+        flops = cost.linear_flops(LinearShape(1, T, 16, 128, 128))
+        fb = k.linear_call_ms + flops / (k.linear_tflops * 1e9)
+        rows.append(dict(what="linear", T=T, flops_fwd_bwd=flops, ms_fwd_bwd=fb,
+                         ms_fwd=k.linear_fwd_share * fb))
+    for T in (4096, 8192, 16384):
+        f = cost.softmax_flops(1, 32, T, T, 128, True)
+        ms_f = k.softmax_call_ms + f / (k.softmax_fwd_tflops * 1e9)
+        rows.append(dict(what="softmax", B=1, T=T, H=32, Hkv=8, D=128, dtype="bfloat16",
+                         flops_fwd=f, ms_fwd=ms_f,
+                         ms_fwd_bwd=ms_f + k.softmax_call_ms + 2.5 * f / (k.softmax_bwd_tflops
+                                                                          * 1e9)))
+    rows.append(dict(what="memory", bytes_moved=3e9, ms=3e9 / (k.mem_gbps * 1e6),
+                     op_ms=k.op_us * 1e-3))
     return rows
 
 
-def test_probe_fit_recovers_the_attention_figures_and_the_mask():
-    truth = dataclasses.replace(CPU_GLOO.kernels, softmax_call_ms=0.2, softmax_bwd_call_ms=0.3,
-                                softmax_fwd_tflops=0.03, softmax_bwd_tflops=0.05,
-                                softmax_mask=0.7)
-    names = ("softmax_call_ms", "softmax_bwd_call_ms", "softmax_fwd_tflops",
-             "softmax_bwd_tflops", "softmax_mask")
-    got = calibrate.fit_kernels(_probe_rows(truth), CPU_GLOO.kernels)
-    for n in names:
-        assert getattr(got, n) == pytest.approx(getattr(truth, n)), n
-    # causal rows alone (a probe recorded before the non-causal rows): the mask is taken as
-    # known, and the rest still comes out
-    got = calibrate.fit_kernels(_probe_rows(truth, causal=(True,)),
-                                dataclasses.replace(CPU_GLOO.kernels, softmax_mask=0.7))
-    for n in names:
-        assert getattr(got, n) == pytest.approx(getattr(truth, n)), n
-    # a kernel that skips the masked triangle (GPU): FLOPs as counted, no mask
-    gpu = dataclasses.replace(truth, softmax_mask=None)
-    got = calibrate.fit_kernels(_probe_rows(gpu, causal=(True,)), gpu)
-    assert got.softmax_mask is None
-    assert got.softmax_fwd_tflops == pytest.approx(0.03)
-    assert got.softmax_bwd_call_ms == pytest.approx(0.3)
+def _link_rows(link: Link, worlds=(2, 4)) -> list[dict]:
+    rows = []
+    for P in worlds:
+        for n in (2 ** 20, 2 ** 23, 2 ** 25, 2 ** 27):
+            rows.append(dict(what="p2p", world=P, bytes=n, bytes_moved=n, ms=link.p2p_ms(n)))
+            rows.append(dict(what="all_gather", world=P, bytes=n, bytes_moved=(P - 1) * n,
+                             ms=link.collective_ms(P, (P - 1) * n)))
+    return rows
 
 
-def test_cpu_calibration_end_to_end(tmp_path):
-    """``python -m sp_attention.calibrate`` on CPU (2 gloo processes): the kernels (attention
-    calls causal and not), the links and the host terms, the message's CPU among them."""
+TRUTH = dataclasses.replace(
+    H200, device=H100, overlap_cost=2.5,
+    kernels=dataclasses.replace(H200.kernels, linear_tflops=60.0, linear_call_ms=0.08,
+                                linear_fwd_share=0.25, softmax_fwd_tflops=500.0,
+                                softmax_bwd_tflops=420.0, softmax_call_ms=0.03,
+                                mem_gbps=2000.0, op_us=5.0, linear_rank_contiguous=1.1,
+                                linear_rank_zigzag=1.05),
+    intra=Link(alpha_p2p_us=40.0, p2p_gbps=300.0, alpha_coll_us=25.0, coll_gbps=200.0,
+               step_us=4.0))
+
+
+def _ring_row(m: Machine, P: int = 4) -> dict:
+    shape = SoftmaxShape(1, 8192, 32, 8, 128)
+    t = softmax_step(shape, P, "zigzag", "ring", "ring", m).total_ms
+    return dict(what="softmax_ring", world=P, B=1, T_local=8192, H=32, Hkv=8, D=128,
+                itemsize=2, ms_fwd_bwd=t)
+
+
+def _step_rows(m: Machine, P: int = 4) -> list[dict]:
+    """The CP steps the probe times: one softmax ring, one linear step per layout."""
+    shape = LinearShape(1, 16384, 16, 128, 128)
+    return [_ring_row(m, P)] + [
+        dict(what="linear_step", world=P, layout=lay, scan="allgather", B=1, T_local=16384,
+             H=16, K=128, V=128, itemsize=2,
+             ms_fwd_bwd=linear_step(shape, P, lay, "allgather", m).total_ms)
+        for lay in ("contiguous", "zigzag")]
+
+
+def test_fits_recover_the_machine():
+    """Rows a machine would measure give that machine back: α/β and the collective's step
+    from P = 2 and 4, the kernels, the overlap cost from one ring step, a CP rank's kernel
+    factors from one linear step per layout."""
+    a, b = fit.fit_latency_rate([(x, 0.05 + x * 2e-9) for x in (2 ** 16, 2 ** 20, 2 ** 24)])
+    assert a == pytest.approx(0.05) and b == pytest.approx(2e-9)
+    link = fit.fit_link(_link_rows(TRUTH.intra), H200.intra)
+    for f in ("alpha_p2p_us", "p2p_gbps", "alpha_coll_us", "coll_gbps", "step_us"):
+        assert link[f] == pytest.approx(getattr(TRUTH.intra, f), rel=1e-6), f
+    assert fit.fit_link(_link_rows(TRUTH.intra, (2,)), H200.intra)["step_us"] == 2.0
+    m, problems = fit.fit_machine(H200, H100, _link_rows(TRUTH.intra),
+                                  _kernel_rows(TRUTH.kernels), _step_rows(TRUTH))
+    assert problems == [] and m.device == H100
+    for f in ("linear_tflops", "linear_call_ms", "linear_fwd_share", "softmax_fwd_tflops",
+              "softmax_bwd_tflops", "softmax_call_ms", "mem_gbps", "op_us",
+              "linear_rank_contiguous", "linear_rank_zigzag"):
+        assert getattr(m.kernels, f) == pytest.approx(getattr(TRUTH.kernels, f), rel=1e-6), f
+    assert m.overlap_cost == pytest.approx(2.5, rel=1e-6)
+    # a tiny negative intercept is noise (taken as 0); a large one is refused
+    assert fit.fit_latency_rate([(1.0, 1.0 - 1e-4), (2.0, 2.0 - 1e-4)])[0] == 0.0
+    assert fit.fit_latency_rate([(1.0, 0.5), (2.0, 1.5)])[0] == pytest.approx(-0.5)
+
+
+def _refused(link_rows, kernel_rows, overlap_rows=()) -> list[str]:
+    m, problems = fit.fit_machine(H200, H100, link_rows, kernel_rows, overlap_rows)
+    assert (m is None) == bool(problems)
+    return problems
+
+
+def test_fit_refuses_implausible_figures():
+    """A rate above the device's peak, a negative latency, a fwd + bwd no slower than its
+    forward, a non-finite time: refused with a message naming each."""
+    good_k, good_l = _kernel_rows(TRUTH.kernels), _link_rows(TRUTH.intra)
+    assert _refused(good_l, good_k) == []
+    fast = dataclasses.replace(TRUTH.kernels, softmax_bwd_tflops=5000.0)
+    assert any("softmax_bwd_tflops" in p and "peak" in p
+               for p in _refused(good_l, _kernel_rows(fast)))
+    rows = [r for r in good_l if r["what"] != "p2p"]      # a hop's latency far below zero
+    rows += [dict(what="p2p", world=2, bytes=n, bytes_moved=n, ms=-0.0215 + n / 300e6)
+             for n in (2 ** 25, 2 ** 26, 2 ** 27)]
+    assert any("alpha_p2p_us = -21.5 µs is negative" in p for p in _refused(rows, good_k))
+    swapped = [dict(r, ms_fwd=r["ms_fwd_bwd"] * 1.1) if r["what"] == "linear" else r
+               for r in good_k]
+    assert any("no slower than its forward" in p for p in _refused(good_l, swapped))
+    nan = [dict(r, ms=math.nan) if r["what"] == "memory" else r for r in good_k]
+    assert any("not a positive time" in p for p in _refused(good_l, nan))
+    huge = _ring_row(dataclasses.replace(TRUTH, overlap_cost=0.0))
+    huge["ms_fwd_bwd"] *= 100
+    assert any("overlap_cost" in p for p in _refused(good_l, good_k, [huge]))
+    fast_step = _step_rows(TRUTH)
+    fast_step[2]["ms_fwd_bwd"] = 0.01          # faster than any kernel work: factor 0
+    assert any("linear_rank_zigzag = 0 is not positive" in p
+               for p in _refused(good_l, good_k, fast_step))
+
+
+def test_calibrate_writes_only_a_plausible_gpu_fit(tmp_path, capsys):
+    """The probe's last step: an implausible fit exits 1 and writes nothing (neither the
+    calibration nor the raw rows); a plausible one writes both. Without a GPU the probe
+    explains that calibration is for GPUs and exits 2, writing nothing."""
+    import argparse
     out, raw = tmp_path / "cal.json", tmp_path / "raw.jsonl"
-    m = calibrate.main(["--device", "cpu", "--out", str(out), "--jsonl", str(raw)])
-    rows = [json.loads(line) for line in raw.read_text().splitlines()]
-    whats = {r["what"] for r in rows}
-    assert {"p2p", "all_gather", "msgs", "corun", "msg_cpu", "scan_blelloch", "linear",
-            "softmax", "memory"} <= whats
-    if len(os.sched_getaffinity(0)) > 1:            # the resume probe pins to two CPUs
-        assert "resume" in whats
-    assert {r["causal"] for r in rows if r["what"] == "softmax"} == {True, False}
-    k = m.kernels
-    assert k.msg_cpu_us > 0 and k.msg_us > 0 and k.softmax_mask is not None
-    assert load_machine("cpu", str(out)) == m
+    a = argparse.Namespace(out=str(out), jsonl=str(raw))
+    bad = [dict(r, ms_fwd=r["ms_fwd_bwd"] * 2) if r["what"] == "softmax" else r
+           for r in _kernel_rows(TRUTH.kernels)]
+    with pytest.raises(SystemExit) as e:
+        calibrate._finish(0, 4, (_link_rows(TRUTH.intra), bad, []), a, H100)
+    assert e.value.code == 1 and not out.exists() and not raw.exists()
+    assert "refused, nothing written" in capsys.readouterr().err
+    m = calibrate._finish(0, 4, (_link_rows(TRUTH.intra), _kernel_rows(TRUTH.kernels),
+                                 _step_rows(TRUTH)), a, H100)
+    assert load_machine(H100, str(out)) == m and m.overlap_cost == pytest.approx(2.5)
+    assert len(raw.read_text().splitlines()) == len(_kernel_rows(TRUTH.kernels)) + 16 + 3
+    assert "links among [2, 4] ranks" in m.source
+    out.unlink()
+    with pytest.raises(SystemExit) as e:
+        calibrate.main(["--out", str(out)])
+    assert e.value.code == 2 and not out.exists()
+    assert "calibration is for GPUs" in capsys.readouterr().err
+
+
+_TINY = dict(sizes=(1024, 4096), ring=dict(T_local=32, H=4, Hkv=2, D=8),
+             linear=dict(T_local=64, H=2, K=8, V=8),
+             kernels={"linear": dict(B=1, H=2, K=8, T=(64, 128)),
+                      "softmax": dict(B=1, H=4, Hkv=2, D=8, T=(32, 64)), "memory_elems": 4096})
+
+
+def _dry_probe(rank: int, world: int):
+    """The probe's every step on gloo at tiny shapes, each timing a call or two."""
+    calibrate._DEV = "cpu"
+
+    def fake_time(fn, iters=5, repeats=5, warmup=2, barrier=None):
+        if barrier:
+            barrier()
+        fn()
+        return 1.0 + rank
+    calibrate.time_ms = fake_time
+    return calibrate._probe_group(rank, world, _TINY)
+
+
+def test_probe_dry_run_on_gloo():
+    """What `torchrun -m sp_attention.calibrate` runs on the GPUs, run on CPU processes (the
+    tensors on CPU, the timer faked): every rank enters the same groups and collectives, rank 0
+    holds rows of every kind with the fields the fits read, and the fits run on them."""
+    from sp_attention.testing import run_distributed
+    rows = run_distributed(_dry_probe, 3, timeout=300)
+    assert rows[1] == rows[2] == ([], [], [])
+    links, kernels, steps = rows[0]
+    assert calibrate.link_worlds(3) == [2, 3] and calibrate.link_worlds(4) == [2, 4]
+    assert sorted((r["what"], r["world"], r["bytes"]) for r in links) == sorted(
+        (w, P, n) for w in ("p2p", "all_gather") for P in (2, 3) for n in (1024, 4096))
+    assert all(r["ms"] == 2.0 or r["world"] == 3 and r["ms"] == 3.0 for r in links)
+    assert [r["what"] for r in kernels] == ["linear"] * 2 + ["softmax"] * 2 + ["memory"]
+    assert [(r["what"], r.get("layout")) for r in steps] == [
+        ("softmax_ring", None), ("linear_step", "contiguous"), ("linear_step", "zigzag")]
+    assert all(r["world"] == 3 and r["ms_fwd_bwd"] == 3.0 for r in steps)
+    fit.fit_machine(H200, H100, links, kernels, steps)        # runs (the fake times are no fit)
+
+
+# ----------------------------------------------------------------------------- report
+def _bench_rows(m: Machine, device: str = H100) -> list[dict]:
+    """linear_cp / softmax_cp rows at P = 1, 2, 4 whose times are the model's own."""
+    rows = []
+    for P in (1, 2, 4):
+        for layout in ("contiguous", "zigzag"):
+            for scan in LINEAR_SCANS:
+                t = linear_step(LinearShape(1, 8192, 16, 128, 128), P, layout, scan, m)
+                rows.append(dict(bench="linear_cp", world=P, B=1, T_local=8192, H=16, K=128,
+                                 V=128, dtype="bfloat16", impl=scan, layout=layout,
+                                 timing="queued", ms_fwd_bwd=t.total_ms, device=device))
+        for name, (f, b) in PRESETS.items():
+            t = softmax_step(SoftmaxShape(1, 8192, 32, 8, 128), P, "zigzag", f, b, m)
+            rows.append(dict(bench="softmax_cp", world=P, B=1, T_local=8192, H=32, Hkv=8,
+                             K=128, dtype="bfloat16", impl=f"{f}/{b}", stride="default",
+                             layout="zigzag", timing="queued", ms_fwd_bwd=t.total_ms,
+                             device=device))
+    rows.append(dict(rows[0], timing="eager", ms_fwd_bwd=1e3))       # another timing mode
+    rows.append(dict(rows[1], device="cpu"))                         # no CPU model
+    return rows
+
+
+def test_report_on_synthetic_rows(tmp_path, capsys):
+    """The report reads linear_cp / softmax_cp rows at P = 1, 2, 4 and a calibration: rows
+    that are the calibration's own predictions give 0 error and `auto` at the best; a
+    schedule made 20 % faster than predicted shows as the error and as auto's miss."""
+    from benchmarks import report
+    cal = tmp_path / "cal.json"
+    save_machine(TRUTH, str(cal))
+    rows = _bench_rows(TRUTH)
+    src = tmp_path / "rows.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = report.main([str(src), "--calibration", str(cal), "--out-dir", str(tmp_path),
+                       "--no-projection"])
+    assert len(out["points"]) == 3 * (6 + 4)
+    assert all(abs(p["error"]) < 1e-9 for p in out["points"])
+    assert len(out["checks"]) == 3 * 3 and all(c["ok"] for c in out["checks"])
+    assert out["summary"][-1] == "acceptance: PASS"
+    text = capsys.readouterr().out
+    assert "acceptance: PASS" in text and (tmp_path / "cost_report.md").exists()
+    # the schedule auto does not pick at P = 4 linear zigzag, measured 20 % faster than best
+    c = next(c for c in out["checks"] if (c["kind"], c["world"], c["layout"])
+             == ("linear", 4, "zigzag"))
+    best = min(r["ms_fwd_bwd"] for r in rows if r["bench"] == "linear_cp" and r["world"] == 4
+               and r["layout"] == "zigzag" and r["timing"] == "queued")
+    other = next(s for s in LINEAR_SCANS if s != c["pick"])
+    for r in rows:
+        if (r["bench"], r["world"], r["layout"], r["impl"]) == ("linear_cp", 4, "zigzag", other):
+            r["ms_fwd_bwd"] = 0.8 * best
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = report.main([str(src), "--calibration", str(cal), "--out-dir", str(tmp_path)])
+    c = next(c for c in out["checks"] if (c["kind"], c["world"], c["layout"])
+             == ("linear", 4, "zigzag"))
+    assert c["best"] == other and not c["ok"] and c["slower"] == pytest.approx(0.25)
+    assert out["summary"][-1] == "acceptance: FAIL"
+    assert "Projection" in (tmp_path / "cost_report.md").read_text()
+    with pytest.raises(SystemExit):
+        report.main([str(src), "--calibration", str(cal), "--out-dir", str(tmp_path),
+                     "--no-projection", "--strict"])

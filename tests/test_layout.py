@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from sp_attention import layout as L
+from sp_attention.planning import layout as L
 
 
 @pytest.mark.parametrize("P", range(1, 65))

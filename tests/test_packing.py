@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from sp_attention import SPContext, plan_packing, shard_sequence
-from sp_attention.layout import shard_ranges
-from sp_attention.packing import PackingPlan, causal_work, resolve_plan
+from sp_attention.planning.layout import shard_ranges
+from sp_attention.planning.packing import PackingPlan, causal_work, resolve_plan
 
 
 def _cu(lengths):
@@ -37,7 +37,7 @@ def _random_lengths(rng, total, kind):
 
 
 def check_invariants(plan: PackingPlan):
-    """Every property a consumer may rely on (module doc of sp_attention.packing)."""
+    """Every property a consumer may rely on (module doc of sp_attention.planning.packing)."""
     P, L, cu = plan.world_size, plan.local_len, plan.cu_seqlens
     n_chunks = 2 * P if plan.layout == "zigzag" else P
     assert L == -(-plan.row_len // n_chunks) * (n_chunks // P)

@@ -1,33 +1,66 @@
-"""What ``impl="auto"`` / ``preset="auto"`` run: the cheapest predicted schedule, logged once
-per layer shape; and the CP efficiency of a predicted step."""
+"""What ``impl="auto"`` / ``preset="auto"`` run: on a GPU the cheapest predicted schedule
+(:func:`choose_linear_scan`, :func:`choose_softmax_preset`), logged once per layer shape; on
+CPU the fixed rule below; and the CP efficiency of a predicted step.
+
+**The CPU rule** (the one place it is written; :mod:`.auto` applies it to CPU tensors). CPU
+timing on shared cores does not repeat within the model's tolerance (the same configuration
+measured ×0.74–1.58 apart), so no time model is fitted there; ``auto`` follows the schedules'
+structure instead:
+
+* linear scan (:func:`cpu_linear_scan`), by the number of leaves ``L`` (P contiguous, 2P
+  zigzag): ``ring`` for ``L ≤ 2`` (one hop); ``allgather`` for ``L ≤ 16`` (one collective and
+  a fold of at most 16 states); ``blelloch`` beyond (2⌈log2 L⌉ rounds instead of L − 1 hops or
+  a fold of L states);
+* softmax preset (:func:`cpu_softmax_preset`): the default preset
+  (:data:`sp_attention.planning.schedules.DEFAULT_PRESET`).
+"""
 from __future__ import annotations
 
 import logging
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, Union
 
-from ..machine import Machine
-from .common import (SOFTMAX_PRESETS, LINEAR_SCANS, Choice, LinearShape, SoftmaxShape,
-                     StepTime, Topology)
+from ..planning import schedules
+from ..planning.layout import num_chunks
+from ..planning.schedules import LINEAR_SCANS
+from .common import Choice, LinearShape, SoftmaxShape, StepTime, Topology
 from .linear import linear_step
+from .machine import Machine
 from .memory import softmax_memory
-from .softmax import softmax_step
+from .softmax import modelled_presets, softmax_step
 
 logger = logging.getLogger("sp_attention.cost")
 
 _LINEAR_TIE_ORDER = ("allgather", "ring", "blelloch")
 _SOFTMAX_TIE_ORDER = ("ring", "ring_ag", "allgather", "ag_ring")
+CPU_RING_LEAVES = 2          # the CPU rule's bounds (see the module docstring)
+CPU_ALLGATHER_LEAVES = 16
+
+
+def cpu_linear_scan(world: int, layout: str) -> str:
+    """The linear scan ``auto`` runs on CPU (the module docstring's rule)."""
+    leaves = num_chunks(world, layout)
+    if leaves <= CPU_RING_LEAVES:
+        return "ring"
+    return "allgather" if leaves <= CPU_ALLGATHER_LEAVES else "blelloch"
+
+
+def cpu_softmax_preset() -> str:
+    """The softmax preset ``auto`` runs on CPU: the default preset (read now)."""
+    return schedules.DEFAULT_PRESET
 
 
 def _pick(times: Mapping[str, StepTime], order: Sequence[str]) -> str:
     """Cheapest by total; exact ties go to the earlier name of ``order`` (deterministic, so
     every rank that predicts the same times picks the same schedule)."""
-    return min(times, key=lambda n: (times[n].total_ms, order.index(n)))
+    return min(times, key=lambda n: (times[n].total_ms,
+                                     order.index(n) if n in order else len(order), n))
 
 
 def choose_linear_scan(shape: LinearShape, world: int, layout: str, machine: Machine,
                        topology: Optional[Topology] = None,
                        candidates: Sequence[str] = LINEAR_SCANS) -> Choice:
-    """The scan ``impl="auto"`` runs: the cheapest predicted fwd + bwd of ``candidates``."""
+    """The scan ``impl="auto"`` runs on GPUs: the cheapest predicted fwd + bwd of
+    ``candidates``."""
     times = {c: linear_step(shape, world, layout, c, machine, topology) for c in candidates}
     return Choice(_pick(times, _LINEAR_TIE_ORDER), times)
 
@@ -36,13 +69,14 @@ def choose_softmax_preset(shape: SoftmaxShape, world: int, layout: str, machine:
                           topology: Optional[Topology] = None,
                           heads_k_stride: Optional[int] = None,
                           memory_limit_bytes: Optional[float] = None,
-                          candidates: Sequence[str] = tuple(SOFTMAX_PRESETS)) -> Choice:
-    """The preset ``preset="auto"`` runs: the cheapest predicted fwd + bwd of ``candidates``
-    whose buffers (:func:`softmax_memory`) fit ``memory_limit_bytes`` (None: no limit).
-    Raises ``ValueError`` if none fits."""
+                          candidates: Optional[Sequence[str]] = None) -> Choice:
+    """The preset ``preset="auto"`` runs on GPUs: the cheapest predicted fwd + bwd of
+    ``candidates`` (None: every preset the model predicts) whose buffers
+    (:func:`softmax_memory`) fit ``memory_limit_bytes`` (None: no limit). Raises
+    ``ValueError`` if none fits."""
     times, excluded = {}, {}
-    for name in candidates:
-        f, b = SOFTMAX_PRESETS[name]
+    for name in modelled_presets() if candidates is None else candidates:
+        f, b = schedules.PRESETS[name]
         if memory_limit_bytes is not None:
             need = softmax_memory(shape, world, layout, f, b, machine, heads_k_stride)["peak"]
             if need > memory_limit_bytes:
@@ -59,15 +93,15 @@ def choose_softmax_preset(shape: SoftmaxShape, world: int, layout: str, machine:
 _LOGGED: set = set()
 
 
-def log_choice(kind: str, key: tuple, choice: Choice, machine: Machine) -> bool:
+def log_choice(kind: str, key: tuple, choice: Choice, machine: Union[Machine, str]) -> bool:
     """Log ``choice`` once per ``(kind, key)`` (a layer shape) at INFO on the
-    ``sp_attention.cost`` logger, with the predicted time of every alternative; True when it
-    logged."""
+    ``sp_attention.cost`` logger, with the predicted time of every alternative and where the
+    figures come from (``machine``, or a string such as ``"cpu"``); True when it logged."""
     if (kind, key) in _LOGGED:
         return False
     _LOGGED.add((kind, key))
-    logger.info("auto %s for %s on %s [%s]: %s", kind, key, machine.name, machine.source,
-                choice.describe())
+    where = machine if isinstance(machine, str) else f"{machine.name} [{machine.source}]"
+    logger.info("auto %s for %s on %s: %s", kind, key, where, choice.describe())
     return True
 
 

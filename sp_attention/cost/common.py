@@ -1,18 +1,13 @@
 """What every part of the cost model shares: the layer shapes, where the ranks sit
 (:class:`Topology`), the predicted times (:class:`StepTime`, :class:`Choice`), the kernels'
-FLOP counts, and the machine terms both kinds of attention use (a state combine, the host work
-of posted messages)."""
+FLOP counts and times, and a state combine."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from ..machine import Link, Machine
-
-LINEAR_SCANS = ("blelloch", "allgather", "ring")
-SOFTMAX_PRESETS = {"ring": ("ring", "ring"), "ring_ag": ("ring", "allgather"),
-                   "allgather": ("allgather", "allgather"), "ag_ring": ("allgather", "ring")}
-_CHUNK = 64          # the chunk length of the linear kernels (fla's and ours)
+from ..planning.schedules import CHUNK
+from .machine import Link, Machine
 
 
 def _positive_ints(obj, *names: str) -> None:
@@ -106,15 +101,12 @@ class Topology:
 @dataclass(frozen=True)
 class StepTime:
     """Predicted times of one layer's step (ms, slowest rank): ``compute_ms`` is the kernels'
-    share, ``comm_ms`` every transfer as if alone (hidden or not), ``work_ms`` the
-    work-conserving bound of fwd + bwd (:func:`work_bound`; 0 with a device per rank). Each
-    direction's time is the larger of its critical path and its bound."""
+    share, ``comm_ms`` every transfer as if alone (hidden or not)."""
 
     fwd_ms: float
     bwd_ms: float
     compute_ms: float
     comm_ms: float
-    work_ms: float = 0.0
 
     @property
     def total_ms(self) -> float:
@@ -135,6 +127,8 @@ class Choice:
     excluded: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def describe(self) -> str:
+        if not self.predicted:
+            return f"{self.name} (the fixed CPU rule: no time model)"
         ranked = sorted(self.predicted.items(), key=lambda kv: kv[1].total_ms)
         parts = [f"{n} {t.total_ms:.3g} (fwd {t.fwd_ms:.3g})" for n, t in ranked]
         out = f"{self.name}; predicted fwd+bwd ms: " + ", ".join(parts)
@@ -149,7 +143,7 @@ def linear_flops(shape: LinearShape) -> float:
     ``2·B·T·H·(2·K·V + C·(K + V))`` (states ``kᵀv``, output ``q·S``, the intra-chunk
     ``q·kᵀ`` and its product with ``v``, chunk C = 64), backward twice the forward."""
     s = shape
-    return 3 * 2 * s.B * s.T_local * s.H * (2 * s.K * s.V + _CHUNK * (s.K + s.V))
+    return 3 * 2 * s.B * s.T_local * s.H * (2 * s.K * s.V + CHUNK * (s.K + s.V))
 
 
 def softmax_flops(B: int, H: int, rows: int, keys: int, D: int, causal_diag: bool) -> float:
@@ -163,54 +157,14 @@ def softmax_flops(B: int, H: int, rows: int, keys: int, D: int, causal_diag: boo
 def softmax_kernel_ms(machine: Machine, B: int, H: int, rows: int, keys: int, D: int,
                       causal_diag: bool) -> tuple[float, float]:
     """(fwd, bwd) ms of one attention call's pairs on one rank alone, without the call's fixed
-    cost: a kernel that skips the masked triangle (``Kernels.softmax_mask`` None) does the
-    FLOPs of :func:`softmax_flops`; one that computes the whole block and masks it pays the
-    full block, and a causal call ``softmax_mask`` × the block's forward time more in each
-    direction."""
+    cost: the FLOPs of :func:`softmax_flops` (a GPU kernel skips the masked triangle) at the
+    kernels' rates."""
     k = machine.kernels
-    dense = k.softmax_mask is not None
-    f = softmax_flops(B, H, rows, keys, D, causal_diag and not dense)
-    fwd, bwd = f / (k.softmax_fwd_tflops * 1e9), 2.5 * f / (k.softmax_bwd_tflops * 1e9)
-    mask = k.softmax_mask * fwd if dense and causal_diag else 0.0
-    return fwd + mask, bwd + mask
+    f = softmax_flops(B, H, rows, keys, D, causal_diag)
+    return f / (k.softmax_fwd_tflops * 1e9), 2.5 * f / (k.softmax_bwd_tflops * 1e9)
 
 
-# ----------------------------------------------------------------------------- machine terms
-def _combine_ms(machine: Machine, nbytes: float) -> float:
+def combine_ms(machine: Machine, nbytes: float) -> float:
     """``A·x + b`` on one state: reads two, writes one."""
     k = machine.kernels
     return k.op_us * 1e-3 + 3 * nbytes / k.mem_gbps * 1e-6
-
-
-def _msgs_ms(machine: Machine, world: int, msgs: int, shared: bool = True) -> float:
-    """Host work of ``msgs`` point-to-point messages one rank posts (``Kernels.msg_us`` each):
-    CPU time, so on shared cores (``shared``) it takes ``1 / compute_share`` as long."""
-    t = msgs * machine.kernels.msg_us * 1e-3
-    return t / machine.compute_share(world) if shared else t
-
-
-def _msg_work_ms(machine: Machine, ends: float, world: int) -> float:
-    """CPU work of ``ends`` message ends (a send or a receive each, as many of either) one
-    rank handles: half a message's whole CPU cost (``Kernels.msg_cpu_us``) or its posting
-    alone (``msg_us``), whichever is larger; where the ``world`` ranks outnumber the cores,
-    each receive also ``Kernels.resume_us`` (the receiver resumes with caches the others
-    refilled). Work only: it shares the cores, it is not on the critical path."""
-    k = machine.kernels
-    over = k.cores is not None and world > k.cores
-    return ends * (max(k.msg_us, k.msg_cpu_us / 2) + (k.resume_us / 2 if over else 0.0)) * 1e-3
-
-
-def side_by_side(machine: Machine, world: int) -> float:
-    """How much slower a rank computes with the others computing beside it
-    (``Kernels.corun`` from two ranks on, where ranks share cores; 1 otherwise)."""
-    return machine.kernels.corun if machine.kernels.cores is not None and world > 1 else 1.0
-
-
-def work_bound(machine: Machine, world: int, rank_work_ms: float) -> float:
-    """The work-conserving bound of a step whose ``world`` ranks share ``Kernels.cores``
-    cores: each rank has ``rank_work_ms`` of CPU work (at its rate beside the others, see
-    :func:`side_by_side`), so the step takes at least ``world · rank_work_ms / cores``,
-    however the ranks wait on each other (a waiting rank gives its core to the others).
-    0 where every rank has its own device (``cores`` None: a GPU)."""
-    cores = machine.kernels.cores
-    return 0.0 if cores is None else world * rank_work_ms / cores

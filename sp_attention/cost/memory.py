@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from ..layout import num_chunks
-from ..machine import Machine
-from .common import _CHUNK, LinearShape, SoftmaxShape
-from .softmax import _default_stride
+from ..planning.layout import num_chunks
+from ..planning.schedules import CHUNK, default_heads_k_stride
+from .common import LinearShape, SoftmaxShape
+from .machine import Machine
 
 
 def linear_memory(shape: LinearShape, world: int, layout: str, schedule: str) -> dict:
@@ -23,7 +23,7 @@ def linear_memory(shape: LinearShape, world: int, layout: str, schedule: str) ->
     s = shape
     n = num_chunks(world, layout) // world
     rows = s.B * s.T_local * s.H
-    chunks = n * -(-(s.T_local // n) // _CHUNK)
+    chunks = n * -(-(s.T_local // n) // CHUNK)
     states = s.B * chunks * s.H * s.K * s.V * 4
     state = s.state_bytes
     L = n * world
@@ -62,7 +62,7 @@ def softmax_memory(shape: SoftmaxShape, world: int, layout: str, fwd: str, bwd: 
         acc = (q_bytes * wide / s.itemsize + lse) if world > 2 else 0
         out["fwd"] = slots + acc + q_bytes + lse
     else:        # out, LSE, send / receive buffers and the arrangement scratch
-        stride = heads_k_stride or _default_stride(s)
+        stride = heads_k_stride or default_heads_k_stride(s.Hkv, s.H // s.Hkv)
         unit = 2 * s.B * s.T_local * stride * s.D * s.itemsize
         out["fwd"] = 2 * unit + 3 * world * unit + 2 * (q_bytes + lse)
     if bwd == "ring":
@@ -80,7 +80,7 @@ def softmax_memory(shape: SoftmaxShape, world: int, layout: str, fwd: str, bwd: 
         # arrangement scratch, two fp32 reduce-scatter slots; then the unit's calls: each
         # keeps its dK/dV until the unit scatters them, and the kernel gets contiguous copies
         # of its strided head slices of q, dout and out
-        stride = heads_k_stride or _default_stride(s)
+        stride = heads_k_stride or default_heads_k_stride(s.Hkv, s.H // s.Hkv)
         unit = 2 * s.B * s.T_local * stride * s.D                  # one rank's unit, elements
         heads = stride * s.H // s.Hkv
         per_chunk = s.T_local * world // num_chunks(world, layout)

@@ -21,10 +21,12 @@ from typing import Optional, Union
 
 import torch
 
-from ..auto import auto_linear_scan
 from ..call_check import agree_across_ranks
 from ..context import SPContext
-from ..packing import PackingPlan, resolve_plan
+from ..cost.auto import auto_linear_scan
+from ..planning.linear_packed import linear_packing
+from ..planning.packing import PackingPlan, resolve_plan
+from ..planning.schedules import LINEAR_IMPLS as IMPLS
 from ..precision import acc_dtype
 from ..tuning import LinearTuning
 from ..validation import autocast_inputs, autocast_off, resolve_ctx
@@ -35,7 +37,6 @@ from .kernel_set import FlaKernels, resolve_kernels
 from .leaf import leaf_backward, leaf_output
 from .leaves import leaves_backward, leaves_output
 from .packed import packed_grads, packed_output
-from .packed_plan import linear_packing
 from .scan_allgather import allgather_rows, allgather_scan
 from .scan_blelloch import blelloch_rows, blelloch_scan
 from .scan_ring import ring_rows, ring_scan
@@ -46,7 +47,6 @@ __all__ = ["lightning_attention", "IMPLS", "DEFAULT_IMPL", "SCANS", "SCAN_ROWS",
 SCANS = {"blelloch": blelloch_scan, "allgather": allgather_scan, "ring": ring_scan}
 # the same schedules on this rank's elements as rows of one tensor (what the layer calls)
 SCAN_ROWS = {"blelloch": blelloch_rows, "allgather": allgather_rows, "ring": ring_rows}
-IMPLS = tuple(SCANS) + ("auto",)
 # The one default scan choice; routes that do not name a scan pass None and get this (read at
 # call time, so every route follows a change of this line).
 DEFAULT_IMPL = "auto"

@@ -15,13 +15,14 @@ from typing import Optional, Union
 
 import torch
 
+from ..planning.schedules import CHUNK
 from ..precision import acc_dtype
+from .gated_naive import chunked_gated_core
 from .gates import GateSums, chunk_local_sums
 from .slope_constants import fla_g_gamma, leaf_transition
+from .torch_ops import chunked_core
 
-__all__ = ["Decay", "as_decay", "CHUNK"]
-
-CHUNK = 64  # the chunk of both backends (fla's BT); gate sums are taken per chunk of it
+__all__ = ["Decay", "as_decay"]
 
 
 @dataclass(frozen=True)
@@ -65,9 +66,7 @@ class Decay:
         """The torch backend's chunked form: ``(o, S_end)`` in fp32/fp64, differentiable
         (in g too)."""
         if self.gated:
-            from .gated_naive import chunked_gated_core
             return chunked_gated_core(q, k, v, self.g, scale, S_in, chunk)
-        from .torch_ops import chunked_core
         return chunked_core(q, k, v, self.slopes, scale, S_in, chunk)
 
     def weights(self, T: int, end_state: bool, dtype: torch.dtype, device) -> torch.Tensor:

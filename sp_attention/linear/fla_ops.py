@@ -21,11 +21,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["BACKENDS", "CHUNK", "fla_import_error", "resolve_backend"]
+__all__ = ["BACKENDS", "fla_import_error", "resolve_backend"]
 
 BACKENDS = ("torch", "fla")
 _FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-CHUNK = 64  # chunk size of both backends (fla's default BT; a power of two is required there)
 
 
 @functools.lru_cache(maxsize=1)

@@ -21,6 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..precision import acc_dtype
+from .varlen import chunk_indices, cu_seqlens_tensor
 
 __all__ = ["GateSums", "chunk_local_sums", "gate_sums", "gate_sums_torch", "RCP_LN2"]
 
@@ -71,7 +72,6 @@ def chunk_local_sums(g: torch.Tensor, chunk: int = 64, cu_seqlens: Optional[tupl
     import triton
 
     from .gate_kernel import _chunk_local_sums_kernel
-    from .varlen import chunk_indices, cu_seqlens_tensor
     g = g.contiguous()
     R, T, H = g.shape
     if cu_seqlens is not None:

@@ -31,10 +31,11 @@ from typing import Optional, Union
 
 import torch
 
+from ..planning.schedules import CHUNK
 from ..precision import acc_dtype
 from ..validation import autocast_off
 from .decay import Decay, as_decay
-from .fla_ops import CHUNK, fla_import_error, resolve_backend
+from .fla_ops import fla_import_error, resolve_backend
 from .gates import GateSums
 from .slope_constants import decay_weights, fla_g_gamma
 from .torch_ops import decay_powers

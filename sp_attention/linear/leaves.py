@@ -22,9 +22,9 @@ from typing import Callable, Optional, Union
 import torch
 
 from ..caches import LRU
+from ..planning.schedules import CHUNK
 from ..precision import acc_dtype
 from ..tuning import LinearTuning
-from .fla_ops import CHUNK
 from .kernel_set import FlaKernels, resolve_kernels
 from .decay import Decay, as_decay
 from .leaf import decayed_sum, leaf_backward, leaf_output, leaf_state

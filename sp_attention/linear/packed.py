@@ -19,11 +19,14 @@ from typing import Callable, Optional
 
 import torch
 
+from ..planning.linear_packed import LinearPacking
+from ..planning.schedules import CHUNK
 from ..precision import acc_dtype
-from .decay import CHUNK, Decay
+from .decay import Decay
+from .gates import chunk_local_sums
 from .leaf import decayed_sum
 from .leaves import state_dtype
-from .packed_plan import LinearPacking
+from .slope_constants import fla_g_gamma
 from .varlen import chunk_indices, cu_seqlens_tensor
 
 __all__ = ["packed_output", "packed_grads", "varlen_layout"]
@@ -179,10 +182,8 @@ def _varlen_args(q, decay: Decay, lp: LinearPacking, kern):
     cu, _ = varlen_layout(lp, B)
     cu_t, ci = cu_seqlens_tensor(cu, q.device), chunk_indices(cu, CHUNK, q.device)
     if decay.gated:
-        from .gates import chunk_local_sums
         gates = dict(g=chunk_local_sums(_flat(decay.g), CHUNK, cu)[0], g_gamma=None)
     else:
-        from .slope_constants import fla_g_gamma
         gates = dict(g=None, g_gamma=fla_g_gamma(decay.slopes, q.device))
     return cu, cu_t, ci, gates
 

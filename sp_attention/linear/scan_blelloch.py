@@ -24,7 +24,7 @@ import torch
 
 from ..comm import p2p_exchange
 from ..context import SPContext
-from ..layout import tree_scan_schedule
+from ..planning.layout import tree_scan_schedule
 from .scan_common import (IDENTITY, Program, ProgramBuilder, ScanMap, Step, program_run,
                           rows_to_list, scan_map)
 

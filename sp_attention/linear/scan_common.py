@@ -20,7 +20,7 @@ import torch
 
 from ..caches import LRU
 from ..context import SPContext
-from ..layout import holder_of_leaf
+from ..planning.layout import holder_of_leaf
 
 
 @dataclass

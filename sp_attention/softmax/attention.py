@@ -13,9 +13,10 @@ from typing import Optional, Union
 
 import torch
 
-from ..auto import auto_softmax_preset
 from ..call_check import agree_across_ranks
 from ..context import SPContext
+from ..cost.auto import auto_softmax_preset
+from ..planning.softmax_packed import CallPolicy
 from ..tuning import SoftmaxTuning
 from ..validation import (autocast_inputs, autocast_off, check_local_length, check_tensors,
                           resolve_ctx)
@@ -25,7 +26,6 @@ from .fwd_allgather import allgather_forward
 from .fwd_ring import ring_forward
 from .backends import KernelBackend, get_backend
 from .packed import PackedAttention, PackedConfig, packed_plan_for
-from .packed_plan import CallPolicy
 from .schedule import (BWD_SCHEDULES, DEFAULT_PRESET, FWD_SCHEDULES, PRESETS, SoftmaxSchedule,
                        default_heads_k_stride)
 

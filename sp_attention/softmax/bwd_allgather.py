@@ -29,10 +29,10 @@ import torch
 
 from ..comm import AsyncReduceScatter
 from ..context import SPContext
+from ..planning.softmax_plan import gather_plan, stride_widths
+from ..precision import acc_dtype
 from .gather import KVGather, Unit, arrange_keys, max_unit_numel, scatter_key_grads
 from .backends import KernelBackend
-from ..precision import acc_dtype
-from .plan import gather_plan, stride_widths
 
 __all__ = ["allgather_backward", "backward_units"]
 

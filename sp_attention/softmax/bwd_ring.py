@@ -43,10 +43,10 @@ import torch
 
 from ..comm import p2p_exchange
 from ..context import SPContext
-from ..layout import ring_neighbors, ring_source
-from .backends import KernelBackend
+from ..planning.layout import ring_neighbors, ring_source
+from ..planning.softmax_plan import ring_calls
 from ..precision import acc_dtype
-from .plan import ring_calls
+from .backends import KernelBackend
 from .ring_buffers import KVRing
 
 __all__ = ["ring_backward", "hop_dtypes", "hop_chunks"]

@@ -18,10 +18,10 @@ from typing import Optional
 import torch
 
 from ..context import SPContext
+from ..planning.softmax_plan import gather_plan
+from ..precision import acc_dtype
 from .gather import KVGather, Unit, arrange_keys, max_unit_numel
 from .backends import KernelBackend
-from ..precision import acc_dtype
-from .plan import gather_plan
 
 __all__ = ["allgather_forward"]
 

@@ -23,11 +23,11 @@ from typing import Optional
 import torch
 
 from ..context import SPContext
-from ..layout import ring_source
-from .backends import KernelBackend
+from ..planning.layout import ring_source
+from ..planning.softmax_plan import ring_calls
 from ..precision import acc_dtype
+from .backends import KernelBackend
 from .merge import merge_blocks_
-from .plan import ring_calls
 from .ring_buffers import KVRing
 
 __all__ = ["ring_forward"]

@@ -20,7 +20,7 @@ import torch
 
 from ..comm import all_gather_flat
 from ..context import SPContext
-from .plan import GatherPlan, Run
+from ..planning.softmax_plan import GatherPlan, Run
 
 __all__ = ["Unit", "KVGather", "arrange_keys", "scatter_key_grads", "max_unit_numel"]
 

@@ -15,9 +15,9 @@ from typing import Optional
 import torch
 
 from ..context import SPContext
-from ..packing import PackingPlan, resolve_plan
+from ..planning.packing import PackingPlan, resolve_plan
+from ..planning.softmax_packed import CallPolicy
 from .packed_allgather import packed_allgather_backward, packed_allgather_forward
-from .packed_plan import CallPolicy
 from .packed_ring import packed_ring_backward, packed_ring_forward
 
 __all__ = ["PackedConfig", "PackedAttention", "packed_plan_for"]

@@ -22,13 +22,13 @@ import torch
 
 from ..comm import AsyncReduceScatter
 from ..context import SPContext
-from ..packing import PackingPlan
+from ..planning.packing import PackingPlan
+from ..planning.softmax_packed import CallPolicy, step_calls, travel
+from ..planning.softmax_plan import stride_widths
 from ..precision import acc_dtype
 from .gather import KVGather, Unit, max_unit_numel
 from .merge import merge_blocks_
-from .packed_plan import CallPolicy, step_calls, travel
 from .packed_ring import accumulator_dtype, own_backward, own_forward
-from .plan import stride_widths
 from .varlen import call_backward, call_forward
 
 __all__ = ["packed_allgather_forward", "packed_allgather_backward"]

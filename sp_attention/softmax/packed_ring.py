@@ -22,10 +22,11 @@ import torch
 
 from ..comm import p2p_exchange
 from ..context import SPContext
-from ..packing import PackingPlan
+from ..planning.packing import PackingPlan
+from ..planning.softmax_packed import (CallPolicy, active_steps, own_calls, step_calls,
+                                       step_pairs, travel)
 from ..precision import acc_dtype
 from .merge import merge_blocks_
-from .packed_plan import CallPolicy, active_steps, own_calls, step_calls, step_pairs, travel
 from .ring_buffers import KVRing
 from .varlen import call_backward, call_forward
 

@@ -11,52 +11,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from ..tuning import SoftmaxTuning
+from ..planning.schedules import (AUTO_PRESET, BWD_SCHEDULES, DEFAULT_PRESET, FWD_SCHEDULES,
+                                  PRESET_NAMES, PRESETS, default_heads_k_stride)
 from ..validation import is_int
 from .backends import BACKEND_NAMES
 
 __all__ = ["SoftmaxSchedule", "PRESETS", "PRESET_NAMES", "AUTO_PRESET", "DEFAULT_PRESET",
            "FWD_SCHEDULES", "BWD_SCHEDULES", "STRIDE_FIELDS", "default_heads_k_stride"]
 
-FWD_SCHEDULES = ("ring", "allgather")
-BWD_SCHEDULES = ("ring", "allgather")
-
-PRESETS: dict[str, tuple[str, str]] = {
-    # ring forward + all-gather / async fp32 reduce-scatter backward with head strides: the
-    # product's "fwd-ring/bwd-flash". The forward overlaps P - 1 small hops with no exposed
-    # gather; the backward overlaps everything but one stride's gather and reduce-scatter.
-    "ring_ag": ("ring", "allgather"),
-    "ring": ("ring", "ring"),                 # ring-flash-attention: p2p only, O(1) buffers
-    "allgather": ("allgather", "allgather"),  # no LSE merge; best for small P within a node
-    "ag_ring": ("allgather", "ring"),
-}
-# Default by measurement (2x H200, Llama-3-8B attention, benchmarks/results): ring/ring was the
-# fastest pair at T_local 8K (0.76 of one GPU vs 0.66 for ring/allgather) and 32K (0.925 vs
-# 0.910). Revisit when the all-gather backward's per-stride overhead is fixed.
-DEFAULT_PRESET = "ring"
-# "auto": the cost model's cheapest predicted pair for the call's shape, group and links
-# (sp_attention.auto.auto_softmax_preset), resolved when the op sees its tensors.
-AUTO_PRESET = "auto"
-PRESET_NAMES = tuple(PRESETS) + (AUTO_PRESET,)
-
 STRIDE_FIELDS = ("heads_k_stride", "bwd_head_first_stride", "bwd_head_last_stride")
-_DEFAULT_TUNING = SoftmaxTuning()
-
-
-def default_heads_k_stride(kv_heads: int, group: int,
-                           tuning: SoftmaxTuning = _DEFAULT_TUNING) -> int:
-    """Smallest divisor ``s`` of the local KV heads with ``s · group >=
-    tuning.min_query_heads_per_call`` (8) query heads per call (all local KV heads if none).
-
-    Why: only the first gather and the last reduce-scatter of the all-gather schedules are
-    exposed, and they move ``s / Hkv`` of the traffic, so ``s`` should be small; but each
-    kernel call covers ``s · group`` query heads and must still fill the GPU. Llama-3-8B
-    (8 local KV heads, group 4) gets ``s = 2`` (4 strides); group 8 gets ``s = 1``.
-    """
-    for s in range(1, kv_heads + 1):
-        if kv_heads % s == 0 and s * group >= tuning.min_query_heads_per_call:
-            return s
-    return kv_heads
 
 
 @dataclass(frozen=True)

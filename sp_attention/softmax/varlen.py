@@ -29,10 +29,10 @@ import torch
 from torch import Tensor
 
 from ..caches import LRU
+from ..planning.softmax_packed import PackedCall, Pair
 from .backend_common import default_scale
 from .backend_cuda import flash_varlen_bwd, flash_varlen_fwd
 from .backend_math import math_backward, math_forward
-from .packed_plan import PackedCall, Pair
 
 __all__ = ["call_forward", "call_backward", "pair_mask", "varlen_sequences"]
 

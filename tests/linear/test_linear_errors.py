@@ -77,16 +77,19 @@ def test_slope_values_checked_once_per_version_and_again_after_an_inplace_change
 @pytest.mark.parametrize("world,layout", [(2, "contiguous"), (2, "zigzag"), (5, "zigzag"),
                                           (16, "contiguous"), (64, "zigzag")])
 def test_auto_is_the_cost_models_pick(world, layout, monkeypatch):
-    """`auto` runs what sp_attention.cost predicts cheapest for the call's shape, P, layout
-    and links; one rank: ring (nothing crosses); no tensors (a header): "auto"."""
-    from sp_attention import auto
-    from sp_attention.cost import Choice, LinearShape, choose_linear_scan
+    """`auto` runs the CPU rule on CPU tensors, and on a GPU what sp_attention.cost predicts
+    cheapest for the call's shape, P, layout and links; one rank: ring (nothing crosses); no
+    tensors (a header): "auto"."""
+    from sp_attention.cost import (H200_NVLINK_IB400, Choice, LinearShape, auto,
+                                   choose_linear_scan, cpu_linear_scan)
     from sp_attention.linear.attention import resolve_impl
     ctx = SPContext(object(), 0, world, tuple(range(world)), layout)
     q, v = torch.zeros(1, 64, 4, 16), torch.zeros(1, 64, 4, 8)
-    m = auto.machine_for(q.device)
-    want = choose_linear_scan(LinearShape(1, 64, 4, 16, 8, 4), world, layout, m,
-                              auto.topology_for(ctx, m)).name
+    assert auto.machine_for(q.device) is None
+    assert resolve_impl("auto", ctx, q, v) == cpu_linear_scan(world, layout)
+    monkeypatch.setattr(auto, "machine_for", lambda device: H200_NVLINK_IB400)
+    want = choose_linear_scan(LinearShape(1, 64, 4, 16, 8, 4), world, layout,
+                              H200_NVLINK_IB400, auto.topology_for(ctx)).name
     assert resolve_impl("auto", ctx, q, v) == resolve_impl(None, ctx, q, v) == want
     assert resolve_impl("auto", ctx) == "auto"
     assert resolve_impl("blelloch", ctx, q, v) == "blelloch"

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from sp_attention.linear.packed_plan import linear_packing
-from sp_attention.packing import plan_packing
+from sp_attention.planning.linear_packed import linear_packing
+from sp_attention.planning.packing import plan_packing
 
 
 def _rows(seed: int, n: int = 25):

@@ -11,12 +11,26 @@ import pytest
 import torch
 
 from sp_attention.context import SPContext
-from sp_attention.cost.linear import _round_messages
-from sp_attention.layout import holder_of_leaf, num_chunks, scan_position, tree_scan_schedule
+from sp_attention.planning.layout import (holder_of_leaf, num_chunks, scan_position,
+                                         tree_scan_schedule)
 from sp_attention.linear import scan_blelloch
 from sp_attention.linear.scan_common import Element
 
 ELEMENT = 2 * 3 + 2 * 3 * 4 * 5        # numbers in one packed element (A [2, 3], b [2, 3, 4, 5])
+
+
+def _round_messages(holder: list, pairs, down: bool) -> set:
+    """The messages ``(sender, receiver)`` a tree round must post: one per peer and direction
+    (a down-sweep pair exchanges both ways)."""
+    msgs = set()
+    for pr in pairs:
+        a, b = holder[pr.left], holder[pr.right]
+        if a != b:
+            msgs.add((a, b))
+            if down:
+                msgs.add((b, a))
+    return msgs
+
 
 def _run(world: int, layout: str, holders, reverse: bool, monkeypatch):
     L = len(holders) if holders is not None else num_chunks(world, layout)
@@ -76,7 +90,7 @@ def test_one_message_per_peer_and_direction_per_round(world, layout, monkeypatch
         for sends, recvs, n in (c for rank in calls for c in rank):
             assert len(sends) == len(set(sends)) and len(recvs) == len(set(recvs))
             most = max(most, n)
-        # the cost model counts exactly these messages (sp_attention.cost.linear)
+        # one message per peer and direction, no more, no fewer
         holder = [holder_of_leaf(scan_position(p, L, reverse), world, layout) for p in range(L)]
         for i, pairs in enumerate(sched.up + sched.down):
             msgs = _round_messages(holder, pairs, down=i >= len(sched.up))

@@ -3,7 +3,7 @@ sharded state dict: the linear layers' output-norm weight exists in some layers 
 layer's tensors must be keyed by its layer number, not stacked over all layers (0.19.2's
 torch_dist save refused the stacked form: "Invalid access pattern"). A gated layer's gate
 parameters (``A_log``, ``dt_bias``, ``gate_proj.weight``) are sharded over TP by their heads.
-The save and resume themselves run on the GPU machine (megatron_patches/device_run.sh); Megatron's writer starts
+The save and resume themselves run on the GPU machine (scripts/device_run.sh); Megatron's writer starts
 worker processes, which the test harness's daemonic ranks cannot."""
 import warnings
 

@@ -12,7 +12,7 @@ def test_ring_backward_hop_dtypes(layout, causal):
     every hop agree on its dtype; a 16-bit hop carries at most one kernel output (simulated by
     counting contributions along each block's path); P = 2 zigzag causal sends 16-bit."""
     from sp_attention.softmax.bwd_ring import hop_dtypes
-    from sp_attention.softmax.plan import ring_calls
+    from sp_attention.planning.softmax_plan import ring_calls
     lo, hi = torch.bfloat16, torch.float32
     for P in range(2, 17):
         table = [hop_dtypes(r, P, layout, causal, lo, hi) for r in range(P)]
@@ -38,7 +38,7 @@ def test_ring_backward_hop_chunks(layout, causal):
     message); P = 2 zigzag causal: rank 1 returns one chunk, rank 0 both; contiguous causal:
     rank 0 sends nothing."""
     from sp_attention.softmax.bwd_ring import hop_chunks
-    from sp_attention.softmax.plan import ring_calls
+    from sp_attention.planning.softmax_plan import ring_calls
     for P in range(2, 17):
         table = [hop_chunks(r, P, layout, causal) for r in range(P)]
         for r in range(P):

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from sp_attention import plan_packing
-from sp_attention.softmax.packed_plan import (CallPolicy, Pair, active_steps, group_calls,
-                                              own_calls, step_calls, step_pairs, travel)
+from sp_attention.planning.softmax_packed import (CallPolicy, Pair, active_steps, group_calls,
+                                                  own_calls, step_calls, step_pairs, travel)
 from tests.test_packing import _random_lengths, _cu
 
 

@@ -68,10 +68,11 @@ def test_auto_preset_resolves_to_the_cost_models_pair():
 
 
 def test_auto_preset_runs_the_cost_models_pick(monkeypatch):
-    """context_parallel_attention(preset="auto") runs the pair sp_attention.auto returns (a
-    fake two-rank context: the config is built before any collective)."""
-    from sp_attention import SPContext, auto
-    from sp_attention.cost import Choice
+    """context_parallel_attention(preset="auto") runs the pair sp_attention.cost.auto returns
+    (a fake two-rank context: the config is built before any collective): on CPU tensors the
+    CPU rule's preset, on a GPU the cost model's pick."""
+    from sp_attention import SPContext
+    from sp_attention.cost import H200_NVLINK_IB400, Choice, auto, cpu_softmax_preset
     from sp_attention.softmax.attention import _config
     from sp_attention.tuning import SoftmaxTuning
     ctx = SPContext(object(), 0, 2, (0, 1), "zigzag")
@@ -80,6 +81,9 @@ def test_auto_preset_runs_the_cost_models_pick(monkeypatch):
     opts = dict(fwd=None, bwd=None, heads_k_stride=None, bwd_head_first_stride=None,
                 bwd_head_last_stride=None, causal=True, softmax_scale=None, backend="math",
                 return_lse=False)
+    cfg = _config(q, k, k, ctx, SoftmaxTuning(), preset="auto", **opts)
+    assert (cfg.fwd, cfg.bwd) == PRESETS[cpu_softmax_preset()] == PRESETS[DEFAULT_PRESET]
+    monkeypatch.setattr(auto, "machine_for", lambda device: H200_NVLINK_IB400)
     for name, pair in PRESETS.items():
         monkeypatch.setattr(auto, "_softmax_choice", lambda *a, n=name: Choice(n, {}))
         cfg = _config(q, k, k, ctx, SoftmaxTuning(), preset="auto", **opts)

@@ -6,7 +6,8 @@ schedule; the arrangement runs must rebuild the arrangement; zigzag must balance
 """
 import pytest
 
-from sp_attention.softmax.plan import Call, gather_plan, piece_ids, ring_calls, stride_widths
+from sp_attention.planning.softmax_plan import (Call, gather_plan, piece_ids, ring_calls,
+                                                stride_widths)
 
 WORLDS = [1, 2, 3, 4, 5, 7, 8, 16, 64]
 
