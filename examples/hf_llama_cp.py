@@ -30,7 +30,7 @@ from models.hf import (LinearLlamaConfig, LinearLlamaForCausalLM, causal_lm_loss
 from sp_attention import SoftmaxSchedule  # noqa: E402
 from sp_attention.linear import IMPLS  # noqa: E402
 from sp_attention.linear.attention import resolve_impl  # noqa: E402
-from sp_attention.reduce import all_reduce_gradients  # noqa: E402
+from sp_train.reduce import all_reduce_gradients  # noqa: E402
 from sp_attention.softmax.schedule import PRESET_NAMES  # noqa: E402
 
 

@@ -23,7 +23,7 @@ Contract of :func:`build_gpt_model` (megatron-core 0.16.1 on CPU/gloo in fp32 wi
   ``!= -100``; Megatron's per-token loss is *not* zero at the ``-100`` that ``shift_labels``
   puts at each sequence's end, so an unmasked mean is off by ~1/T); backward it, then sum the
   gradients over Megatron's DP×CP group (:func:`grad_reduce_group`) with
-  ``sp_attention.reduce.all_reduce_gradients`` (no TP reduction is needed without sequence
+  ``sp_train.reduce.all_reduce_gradients`` (no TP reduction is needed without sequence
   parallelism). Megatron's own DDP/optimizer does the same on GPUs.
 - Parallelism invariance: with ``use_cpu_initialization=True`` Megatron draws every weight's
   full master tensor from the torch RNG and keeps the TP slice, so equal seeds give the same
@@ -53,6 +53,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from sp_attention import SoftmaxSchedule, build_sp_context
 from sp_attention.linear import IMPLS as LINEAR_IMPLS
+from sp_train.reduce import global_token_mean
 
 from .core_attention import resolve_groups
 from .options import MODEL_KINDS as KINDS
@@ -78,7 +79,7 @@ class HiddenStatesGPTModel(GPTModel):
     final norm) instead of logits or per-token losses.
 
     For a loss that applies the output layer itself without ever holding ``[s, b, V]`` logits
-    (``megatron_patches.trainer.loss.linear_cross_entropy`` with :func:`output_weight`).
+    (``sp_train.loss.linear_cross_entropy`` with :func:`output_weight`).
     Everything else — parameters, output layer, state dict, checkpoints — is ``GPTModel``'s;
     only the step after the decoder (``_postprocess``, called with keywords by megatron-core
     0.16 and 0.19 alike) hands back its input. Multi-token prediction is not supported.
@@ -221,7 +222,6 @@ def global_loss_share(token_loss: torch.Tensor, labels: torch.Tensor, group, *,
         labels: the same shard of the shifted labels ``[b, s/cp]``.
         group: the ranks whose tokens make up the global batch.
     """
-    from sp_attention.reduce import global_token_mean
     if labels.shape != token_loss.shape:
         raise ValueError(f"labels {tuple(labels.shape)} must have the shape of the per-token "
                          f"loss {tuple(token_loss.shape)}: pass the labels the model got")

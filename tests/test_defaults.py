@@ -74,8 +74,8 @@ def test_both_clis_follow_the_constants(monkeypatch):
     read when used) and the sequence-length rule of the layout."""
     import argparse
     from megatron_patches.args import add_arguments, options_from_args
-    from megatron_patches.trainer.args import parse_args
-    from megatron_patches.trainer.progress import describe_attention
+    from sp_train.args import parse_args
+    from sp_train.progress import describe_attention
     _patch_defaults(monkeypatch)
     ns = add_arguments(argparse.ArgumentParser()).parse_args(["--sp-model-kind", "hybrid"])
     for k, v in dict(context_parallel_size=2, tensor_model_parallel_size=1, seq_length=6,

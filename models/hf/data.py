@@ -19,8 +19,8 @@ the boundaries travel to the attention function as ``cu_seq_lens_q/k`` (HF's fla
 where the same plan is looked up: attention stays inside each document on every rank.
 
 The loss of the global batch is ``Σ token losses / global count of real tokens``; each rank
-computes its share with :func:`sp_attention.reduce.global_token_mean`, and summing gradients
-over DP × CP (:func:`sp_attention.reduce.all_reduce_gradients`) gives the unsharded gradient.
+computes its share with :func:`sp_train.reduce.global_token_mean`, and summing gradients
+over DP × CP (:func:`sp_train.reduce.all_reduce_gradients`) gives the unsharded gradient.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from sp_attention import (SPContext, pad_for_layout, shard_position_ids, shard_sequence,
                           shift_labels)
 from sp_attention.packing import PackingPlan, packing_context, plan_packing
-from sp_attention.reduce import global_token_mean
+from sp_train.reduce import global_token_mean
 
 __all__ = ["CPBatch", "prepare_cp_batch", "causal_lm_loss", "global_loss_value"]
 
@@ -237,7 +237,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor,
     tokens make up one global batch — the CP group, or DP × CP when data parallelism is used too
     (None: this process only). Returns ``Σ local token losses / global count of real tokens``;
     backpropagate it, then sum gradients over DP × CP with
-    ``sp_attention.reduce.all_reduce_gradients(model.parameters(), dp_cp_group)``. Log
+    ``sp_train.reduce.all_reduce_gradients(model.parameters(), dp_cp_group)``. Log
     :func:`global_loss_value`.
     """
     if logits.shape[:-1] != labels.shape:

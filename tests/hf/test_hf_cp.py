@@ -23,7 +23,7 @@ from transformers import (DataCollatorWithFlattening, LlamaConfig,  # noqa: E402
 from models.hf import (CPSchedule, LinearLlamaConfig, LinearLlamaForCausalLM,  # noqa: E402
                        causal_lm_loss, global_loss_value, hybrid_layer_kinds,
                        prepare_cp_batch, prepare_model_for_cp)
-from sp_attention.reduce import all_reduce_gradients  # noqa: E402
+from sp_train.reduce import all_reduce_gradients  # noqa: E402
 from sp_attention.softmax import PRESETS  # noqa: E402
 from sp_attention.testing import rel_rms, run_distributed  # noqa: E402
 

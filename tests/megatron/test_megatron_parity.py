@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from sp_attention import shard_position_ids, shard_sequence, shift_labels
-from sp_attention.reduce import all_reduce_gradients
+from sp_train.reduce import all_reduce_gradients
 from sp_attention.testing import rel_rms, run_distributed
 
 pytest.importorskip("megatron.core")

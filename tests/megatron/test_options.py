@@ -11,7 +11,7 @@ import pytest
 from megatron_patches.args import add_arguments
 from megatron_patches.options import (SP_OPTIONS, default_hybrid_pattern, expand_pattern,
                                       model_pattern)
-from megatron_patches.trainer.args import RENAMED, TrainArgs, build_parser, parse_args
+from sp_train.args import RENAMED, TrainArgs, build_parser, parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -108,7 +108,7 @@ def test_cli_modules_import_no_megatron():
     """The option table, the launcher's arguments and train.py's argument checks (and so
     ``--help`` and every command-line error) need no Megatron import."""
     code = ("import sys, megatron_patches.options, megatron_patches.args, "
-            "megatron_patches.trainer.args; print(sorted(m for m in sys.modules "
+            "sp_train.args; print(sorted(m for m in sys.modules "
             "if m.startswith('megatron.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
