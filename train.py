@@ -114,7 +114,7 @@ def agree(share: torch.Tensor, signum: Optional[int], tp: int) -> tuple[float, O
 
 def save(args, step, model, optimizer, groups, layout, hooks: TrainHooks) -> None:
     meta = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "model": args.model_signature(),
-            "args": {k: v for k, v in vars(args).items()}}
+            "args": args.flag_values()}
     path = ckpt.save_checkpoint(args.save, step, model, optimizer, tp_rank=groups.tp_rank,
                                 meta=meta, group=None,
                                 checksums=not args.no_checkpoint_checksums,
@@ -162,7 +162,7 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
                                      group=None)
 
     n_params = count_params(model, layout.tp)
-    attn = describe_attention(args.model_options(), cp_ctx, args.local_attention_only)
+    attn = describe_attention(args.sp_options, cp_ctx, args.local_attention_only)
     rank0_print(
         f"train.py | {args.sp_model_kind} {args.num_layers}L d{args.hidden_size} "
         f"{args.num_attention_heads}h ({n_params / 1e6:.2f}M params) | {layout.summary()} | "

@@ -19,8 +19,7 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Sequence
 
-from megatron_patches.options import (MEGATRON_IMPL, MODEL_KINDS, UsageError, check_sp_options, option,
-                       seq_multiple)
+from megatron_patches.options import MODEL_KINDS, SPOptions, UsageError, option, seq_multiple
 from .data import ENCODINGS as DATA_ENCODINGS
 from .data import PACKINGS
 from .loss import LOSS_IMPLS
@@ -98,7 +97,10 @@ def _sp(dest: str):
 
 @dataclass
 class TrainArgs:
-    """Everything train.py needs; field names are the flags' (``--dashed-names``)."""
+    """Everything train.py needs; field names are the flags' (``--dashed-names``). Built, it
+    also holds ``sp_options``: our attention options as one checked
+    :class:`~megatron_patches.options.SPOptions` (built once, here; the model, the header and
+    the memory estimate read it)."""
     sp_model_kind: str = _sp("sp_model_kind")
     preset: str = _f("tiny", "model shape: tiny (per --sp-model-kind: d64 softmax, d128 linear "
                      "and hybrid, 2 layers, 256 tokens; learns the copy task on CPU), 1b "
@@ -246,23 +248,17 @@ class TrainArgs:
         if heads % g:
             raise UsageError(f"--num-attention-heads {heads} is not divisible by "
                              f"--num-query-groups {g}; use a divisor of the head count")
-        if self.context_parallel_impl == MEGATRON_IMPL:
+        try:        # every rule between our options, heads divisible by TP: SPOptions'
+            self.sp_options = SPOptions.from_flags(
+                self, num_layers=self.num_layers, num_attention_heads=heads,
+                num_query_groups=g, tensor_model_parallel_size=self.tensor_model_parallel_size)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if self.sp_options.megatron_attention:
             raise UsageError("--context-parallel-impl megatron (Megatron/TransformerEngine "
                              "attention) is the Megatron-LM launcher's (python -m "
                              "megatron_patches.pretrain_gpt); train.py runs our CP attention: "
                              "drop it or pick auto, blelloch, allgather or ring")
-        self.model_options()
-
-    def model_options(self) -> dict:
-        """Our attention options, checked against the model (``options.check_sp_options``):
-        ``kind``, ``pattern``, ``cp_impl``, ``softmax_schedule``, ``slope_schedule``."""
-        tp, g = self.tensor_model_parallel_size, self.num_query_groups
-        try:
-            return check_sp_options(self, num_layers=self.num_layers,
-                                    kv_heads_per_tp_rank=g // tp if tp > 0 and g % tp == 0
-                                    else g)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
 
     def _check_training(self) -> None:
         for name in ("train_iters", "global_batch_size", "seq_length"):
@@ -308,8 +304,12 @@ class TrainArgs:
         return name in self.set_by_user
 
     def layer_kinds(self) -> str:
-        """One letter per layer: S softmax, L linear."""
-        return self.model_options()["pattern"]
+        """One letter per layer: S softmax, L linear, G gated."""
+        return self.sp_options.pattern
+
+    def flag_values(self) -> dict:
+        """The parsed flags (every field), e.g. for a checkpoint's record of its run."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "set_by_user"}
 
     def model_signature(self) -> dict:
         """What a checkpoint must match to load (see checkpoint.check_compatible)."""
@@ -323,9 +323,8 @@ class TrainArgs:
         length taken from the preset is rounded up to the CP layout's multiple (so the default
         run works at every CP size); one given with --seq-length must already be one."""
         tp, cp = self.tensor_model_parallel_size, self.context_parallel_size
-        if tp < 1 or (cp is not None and cp < 1):
-            raise UsageError("--tensor-model-parallel-size and --context-parallel-size must be "
-                             ">= 1")
+        if cp is not None and cp < 1:       # TP >= 1: SPOptions' rule
+            raise UsageError("--context-parallel-size must be >= 1")
         if cp is None:
             if world_size % tp:
                 raise UsageError(f"world size {world_size} is not divisible by "
@@ -338,11 +337,6 @@ class TrainArgs:
                              f"launch a multiple of {tp * cp} processes or change "
                              "--tensor-model-parallel-size / --context-parallel-size")
         self._fit_seq_length(cp)
-        for name, n in (("--num-attention-heads", self.num_attention_heads),
-                        ("--num-query-groups", self.num_query_groups)):
-            if n % tp:
-                raise UsageError(f"{name} {n} is not divisible by TP = {tp}; pick "
-                                 "--tensor-model-parallel-size dividing it")
         if self.ffn_hidden_size % tp:
             raise UsageError(f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
                              f"TP = {tp}")

@@ -23,6 +23,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from megatron_patches.options import UsageError
+from megatron_patches.packing import pack_batch, packed_seq_params, rows_cu_seqlens
+from sp_attention import plan_packing
 
 __all__ = ["Rows", "CopyTask", "TokenFile", "build_dataset", "packed_micro_batch", "pad_vocab",
            "dp_rows", "ENCODINGS", "PACKINGS", "load_tokenizer"]
@@ -295,7 +297,6 @@ def packed_micro_batch(rows: Rows, mb: slice, ctx, device, *, local_only: bool =
     labels, loss_mask [1, L], Megatron PackedSeqParams)``. ``local_only`` (the
     ``--local-attention-only`` baseline, whose model sees a CP group of one): the parameters
     describe this rank's own document pieces, so attention never leaves the rank."""
-    from megatron_patches.packing import pack_batch, packed_seq_params, rows_cu_seqlens
     cu = rows_cu_seqlens(rows.cu_seqlens[mb], rows.tokens.shape[1])
     local, params, plan = pack_batch({"tokens": rows.tokens[mb], "labels": rows.labels[mb],
                                       "loss_mask": rows.loss_mask[mb]}, cu, ctx,
@@ -303,7 +304,9 @@ def packed_micro_batch(rows: Rows, mb: slice, ctx, device, *, local_only: bool =
     if local_only:      # the shard's document groups, its trailing padding one more
         own = plan.local_cu_seqlens(ctx.rank)
         own = own if own[-1] == plan.local_len else own + (plan.local_len,)
-        params = packed_seq_params(torch.tensor(own))
+        # the model's CP group is this rank alone: one rank, the row in its order
+        params = packed_seq_params(torch.tensor(own),
+                                   plan=plan_packing(own, 1, layout="contiguous"))
     return local["tokens"], local["position_ids"], local["labels"], local["loss_mask"], params
 
 

@@ -11,6 +11,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from sp_attention.linear.attention import resolve_impl
+from sp_attention.softmax import PRESETS
+
 __all__ = ["flops_per_token", "peak_flops", "memory_gb", "Progress", "plot_losses",
            "read_log", "describe_attention"]
 
@@ -195,22 +198,20 @@ def plot_losses(curves: dict, path: str, *, chance: Optional[float] = None,
     return path
 
 
-def describe_attention(options: dict, ctx, local_only: bool = False) -> str:
+def describe_attention(options, ctx, local_only: bool = False) -> str:
     """The header's attention part: each layer kind's schedule as it will run over ``ctx``
-    (``options``: ``TrainArgs.model_options()``)."""
-    from sp_attention.linear.attention import resolve_impl
-    from sp_attention.softmax import PRESETS
+    (``options``: the run's :class:`~megatron_patches.options.SPOptions`)."""
     if local_only:
         return "local shard only (baseline, no cross-rank attention)"
-    pattern, parts = options["pattern"], []
+    pattern, parts = options.pattern, []
     if "S" in pattern:
-        s = options["softmax_schedule"]
+        s = options.softmax_schedule
         name = "auto (cost model)" if s.is_auto else next(
             (n for n, pair in PRESETS.items() if pair == (s.fwd, s.bwd)), f"{s.fwd}/{s.bwd}")
         parts.append(f"softmax {name}")
     for letter, name in (("L", "linear"), ("G", "gated")):
         if letter in pattern:
-            scan = resolve_impl(options["cp_impl"], ctx)
+            scan = resolve_impl(options.context_parallel_impl, ctx)
             parts.append(f"{name} scan {'auto (cost model)' if scan == 'auto' else scan}")
     if ctx.world_size == 1:
         return " + ".join(p.split(" ")[0] for p in parts) + " on one rank (CP 1)"

@@ -91,13 +91,9 @@ def build_model(args: TrainArgs, layout: Layout, groups: Groups, vocab_size: int
         from megatron.core import tensor_parallel
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     config = transformer_config(args, layout, bf16=bf16, on_gpu=on_gpu)
-    opts = args.model_options()
     kw = {} if groups.model_pgs is None else {"pg_collection": groups.model_pgs}
-    model = build_gpt_model(config, kind=opts["kind"], vocab_size=vocab_size,
+    model = build_gpt_model(config, args.sp_options, vocab_size=vocab_size,
                             max_sequence_length=args.seq_length,
-                            hybrid_pattern=opts["pattern"], cp_impl=opts["cp_impl"],
-                            softmax_schedule=opts["softmax_schedule"],
-                            slope_schedule=opts["slope_schedule"],
                             return_hidden_states=args.loss_impl != "megatron", **kw)
     if bf16:
         # What Megatron's Float16Module does to the model: every parameter in bf16. Megatron's

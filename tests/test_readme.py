@@ -77,9 +77,8 @@ def _resolves(dotted: str) -> bool:
 
 
 def test_modules_and_names_in_the_library_docs_exist():
-    """``sp_attention.x.y`` / ``sp_train.x.y`` in the docs and ``:mod:`.x``` / ``:func:`.x.f```
-    in docstrings
-    name a module or an attribute that exists."""
+    """``sp_attention.x.y`` / ``sp_train.x.y`` in the docs and ``:mod:`.x``` /
+    ``:func:`.x.f``` in docstrings name a module or an attribute that exists."""
     missing = []
     for doc in DOCS:
         text = open(os.path.join(ROOT, doc), encoding="utf-8").read()

@@ -79,7 +79,7 @@ def test_patterns():
     # gated linear layers: their own kind and letter, mixed freely with L and S
     assert model_pattern("gated", 2) == "GG" and model_pattern("hybrid", 6, "GLS") == "GLSGLS"
     assert parse_args(["--sp-model-kind", "gated", "--context-parallel-impl", "blelloch"]
-                      ).model_options()["cp_impl"] == "blelloch"      # G layers scan too
+                      ).sp_options.context_parallel_impl == "blelloch"      # G layers scan too
     with pytest.raises(ValueError, match="no linear layer with fixed slopes"):
         parse_args(["--sp-model-kind", "gated", "--sp-slope-schedule", "lightning"])
     with pytest.raises(ValueError, match="no linear layer with fixed slopes"):

@@ -92,11 +92,11 @@ def _extra_checks(rank, tmp):
     """World 4: bad input on every rank; checkpoints across layouts."""
     import train
     base = _argv("softmax", 1, 2, f"{tmp}/bad")
-    _expect_error(base + ["--tensor-model-parallel-size", "3"], "not divisible by TP×CP")
+    _expect_error(base + ["--tensor-model-parallel-size", "4"], "not divisible by TP×CP")
     _expect_error(base + ["--seq-length", "30"], "divisible by 2·CP")
     _expect_error(base + ["--tensor-model-parallel-size", "4", "--context-parallel-size", "1",
-                          "--num-attention-heads", "2"], "--num-attention-heads 2 is not "
-                  "divisible by TP = 4")
+                          "--num-attention-heads", "2"], "--num-attention-heads 2 and "
+                  "--num-query-groups 2 must be divisible by --tensor-model-parallel-size 4")
     _expect_error(base + ["--data-path", f"{tmp}/missing.txt"], "does not exist")
     _expect_error(base + ["--context-parallel-impl", "blelloch"], "does not fit")
     _expect_error(base + ["--recompute-granularity", "full"], "needs a GPU")

@@ -24,8 +24,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     (["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"], 6,
      "not divisible by TP×CP"),
     (["--seq-length", "250", "--context-parallel-size", "2"], 2, "multiple of 4"),
-    (["--tensor-model-parallel-size", "3", "--context-parallel-size", "1"], 3,
-     "not divisible by TP = 3"),
     (["--global-batch-size", "6", "--context-parallel-size", "1"], 4, "multiple of"),
 ])
 def test_layout_errors_name_the_fix(argv, world, needle):
@@ -45,6 +43,7 @@ def test_layout_errors_name_the_fix(argv, world, needle):
      "must divide 6: e.g. 'LLS'"),
     (["--sp-model-kind", "hybrid", "--sp-hybrid-pattern", "LLLS"], "must divide 2: e.g. 'LS'"),
     (["--context-parallel-impl", "megatron"], "Megatron-LM launcher"),
+    (["--tensor-model-parallel-size", "3"], "must be divisible by --tensor-model-parallel-size 3"),
     (["--sp-model-kind", "linear", "--softmax-cp-preset", "ring_ag"], "no softmax layer"),
     (["--preset", "tiny-linear"], "invalid choice"),
 ])
