@@ -17,8 +17,10 @@ __all__: list = []
 def _alias(old: str, new: str, as_main: bool) -> None:
     """Make module ``old`` the module ``new`` (run as ``__main__`` when ``as_main``), warning
     once at the importer's line."""
+    # the line that imports the old path; run as a script: the script itself (__main__, whose
+    # DeprecationWarnings Python shows by default)
     warnings.warn(f"{old} moved to {new}; the old path will be removed in the next release",
-                  DeprecationWarning, stacklevel=3)
+                  DeprecationWarning, stacklevel=2 if as_main else 3)
     if as_main:
         runpy.run_module(new, run_name="__main__", alter_sys=True)
     else:
