@@ -26,6 +26,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from sp_attention import build_sp_context
 
+from . import args as megatron_args
 from .core_attention import LinearCoreAttention, SoftmaxCoreAttention, resolve_groups
 from .gated_attention import GatedCoreAttention, GatedSelfAttention
 from .options import LAYER_KINDS, SPOptions, expand_pattern, take_renamed
@@ -197,8 +198,7 @@ class ArgsCoreAttention:
     """
 
     def __new__(cls, *args, kind: str = "pattern", **kwargs):
-        from .args import options_from_megatron_args
-        options = options_from_megatron_args()
+        options = megatron_args.options_from_megatron_args()
         layer_number = kwargs.get("layer_number", args[1] if len(args) > 1 else 1)
         if kind == "pattern":
             kind = LAYER_KINDS[options.pattern[layer_number - 1]]
