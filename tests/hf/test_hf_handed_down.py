@@ -14,11 +14,11 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import models.hf.attention as hf_attention  # noqa: E402
 import models.hf.data as hf_data  # noqa: E402
-import sp_attention.packing as packing  # noqa: E402
 from megatron_patches.args import add_arguments  # noqa: E402
 from megatron_patches.options import SPOptions  # noqa: E402
 from models.hf import (LinearLlamaConfig, LinearLlamaForCausalLM, prepare_cp_batch,  # noqa: E402
                        prepare_model_for_cp)
+from tests.plan_counting import count_plan_calls  # noqa: E402
 
 
 def _tiny(cls_config=LlamaConfig, **extra):
@@ -65,15 +65,7 @@ def test_command_line_options_reach_the_op(monkeypatch):
 def test_the_packing_plan_travels_with_the_batch(monkeypatch):
     """prepare_cp_batch plans the row once; every layer's attention takes that plan from the
     forward kwargs. A batch with boundaries only (built elsewhere) is planned from them."""
-    calls = {"plan": 0, "lookup": 0}
-
-    def counted(name, fn):
-        return lambda *a, **kw: calls.__setitem__(name, calls[name] + 1) or fn(*a, **kw)
-
-    plan = counted("plan", packing.plan_packing)
-    monkeypatch.setattr(packing, "plan_packing", plan)
-    monkeypatch.setattr(hf_data, "plan_packing", plan)
-    monkeypatch.setattr(packing, "_plan_of_tensor", counted("lookup", packing._plan_of_tensor))
+    calls = count_plan_calls(monkeypatch, hf_data)
     model = _hybrid(("linear", "softmax", "gated", "softmax"))
     handle = prepare_model_for_cp(model, None)
     ids = torch.randint(0, 64, (1, 24))

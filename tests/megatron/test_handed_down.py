@@ -16,9 +16,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 import megatron_patches.args as margs  # noqa: E402
 import megatron_patches.core_attention as core  # noqa: E402
 import megatron_patches.packing as mpacking  # noqa: E402
-import sp_attention.packing as packing  # noqa: E402
 from megatron_patches.options import SPOptions  # noqa: E402
 from megatron_patches.packing import PLAN_ATTRIBUTE, packed_seq_params  # noqa: E402
+from tests.plan_counting import count_plan_calls  # noqa: E402
 
 
 @pytest.fixture
@@ -106,15 +106,7 @@ def test_the_packing_plan_travels_with_the_batch(one_rank, monkeypatch):
     from sp_train.data import CopyTask, packed_micro_batch
     args, layout, model = _train_model(["--sp-model-kind", "hybrid", "--packing", "documents",
                                         "--global-batch-size", "2", "--num-layers", "4"])
-    calls = {"plan": 0, "lookup": 0}
-
-    def counted(name, fn):
-        return lambda *a, **kw: calls.__setitem__(name, calls[name] + 1) or fn(*a, **kw)
-
-    plan = counted("plan", packing.plan_packing)
-    monkeypatch.setattr(packing, "plan_packing", plan)
-    monkeypatch.setattr(mpacking, "plan_packing", plan)
-    monkeypatch.setattr(packing, "_plan_of_tensor", counted("lookup", packing._plan_of_tensor))
+    calls = count_plan_calls(monkeypatch, mpacking)
     data = CopyTask(args.seq_length, args.copy_vocab, args.seed, packed=True)
     rows = data.batch(0, args.global_batch_size)
     outs = []
