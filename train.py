@@ -13,7 +13,7 @@ default; packed documents: a micro-batch's rows end to end, cut by their packing
 forward and backward over its micro-batches, sums the gradients over DP × CP and steps AdamW.
 The default data is a copy task that only a model whose attention crosses CP ranks can learn,
 so the run itself shows that context parallelism is correct. gloo on CPU, NCCL + bf16 on GPUs; nothing is patched globally.
-Reusable pieces live in ``megatron_patches/trainer/`` (see its README).
+Reusable pieces live in ``sp_train/`` (see its README).
 """
 from __future__ import annotations
 
@@ -32,18 +32,18 @@ for _msg in ("Transformer Engine and Apex are not installed", "Apex is not insta
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megatron_patches.trainer import checkpoint as ckpt  # noqa: E402
-from megatron_patches.trainer.args import TrainArgs, UsageError, parse_args
-from megatron_patches.trainer.data import build_dataset, packed_micro_batch
-from megatron_patches.trainer.launch import (BAD_INPUT_EXIT_STATUS, STOP_SIGNALS, StopSignals,
+from sp_train import checkpoint as ckpt  # noqa: E402
+from sp_train.args import TrainArgs, UsageError, parse_args
+from sp_train.data import build_dataset, packed_micro_batch
+from sp_train.launch import (BAD_INPUT_EXIT_STATUS, STOP_SIGNALS, StopSignals,
                                              TrainHooks, init_distributed)
-from megatron_patches.trainer.loss import check_loss_impl, micro_batch_loss, step_token_count
-from megatron_patches.trainer.optim import MasterAdamW, lr_at
-from megatron_patches.trainer.progress import (Progress, describe_attention, flops_per_token,
+from sp_train.loss import check_loss_impl, micro_batch_loss, step_token_count
+from sp_train.optim import MasterAdamW, lr_at
+from sp_train.progress import (Progress, describe_attention, flops_per_token,
                                                peak_flops, plot_losses, read_log)
-from megatron_patches.trainer.setup import build_model, check_memory, count_params, init_groups
+from sp_train.setup import build_model, check_memory, count_params, init_groups
 from sp_attention import build_sp_context, shard_position_ids, shard_sequence
-from sp_attention.reduce import all_reduce_gradients
+from sp_train.reduce import all_reduce_gradients
 
 
 def rank0_print(*a) -> None:
@@ -114,7 +114,7 @@ def agree(share: torch.Tensor, signum: Optional[int], tp: int) -> tuple[float, O
 
 def save(args, step, model, optimizer, groups, layout, hooks: TrainHooks) -> None:
     meta = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "model": args.model_signature(),
-            "args": {k: v for k, v in vars(args).items()}}
+            "args": args.flag_values()}
     path = ckpt.save_checkpoint(args.save, step, model, optimizer, tp_rank=groups.tp_rank,
                                 meta=meta, group=None,
                                 checksums=not args.no_checkpoint_checksums,
@@ -162,7 +162,7 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
                                      group=None)
 
     n_params = count_params(model, layout.tp)
-    attn = describe_attention(args.model_options(), cp_ctx, args.local_attention_only)
+    attn = describe_attention(args.sp_options, cp_ctx, args.local_attention_only)
     rank0_print(
         f"train.py | {args.sp_model_kind} {args.num_layers}L d{args.hidden_size} "
         f"{args.num_attention_heads}h ({n_params / 1e6:.2f}M params) | {layout.summary()} | "

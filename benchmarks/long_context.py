@@ -91,8 +91,8 @@ def predicted_s(row, tflops: float, build_s: float, capacity_gib: float = 139.0)
     selective) at ``tflops``, plus the build; ~0 for a row the estimate refuses."""
     if estimate_gib(row) > capacity_gib:
         return 0.5
-    from megatron_patches.trainer.args import parse_args
-    from megatron_patches.trainer.progress import flops_per_token
+    from sp_train.args import parse_args
+    from sp_train.progress import flops_per_token
     kind, seq, mode, mb, gbs, loss, steps = row
     a = parse_args(argv_of(row, "/tmp"))
     fpt = flops_per_token(num_layers=a.num_layers, hidden_size=a.hidden_size,
@@ -105,9 +105,9 @@ def predicted_s(row, tflops: float, build_s: float, capacity_gib: float = 139.0)
 
 
 def estimate_gib(row) -> float:
-    from megatron_patches.trainer.args import parse_args
-    from megatron_patches.trainer.data import pad_vocab
-    from megatron_patches.trainer.setup import memory_estimate
+    from sp_train.args import parse_args
+    from sp_train.data import pad_vocab
+    from sp_train.setup import memory_estimate
     a = parse_args(argv_of(row, "/tmp"))
     return memory_estimate(a, a.layout(1), pad_vocab(VOCAB, 1), bf16=True)[2].total / 2**30
 

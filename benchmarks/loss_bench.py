@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _impls(args, tp_group):
-    from megatron_patches.trainer.loss import linear_cross_entropy
+    from sp_train.loss import linear_cross_entropy
 
     def plain(h, w, y):
         return F.cross_entropy((h @ w.t()).float(), y, ignore_index=-100, reduction="sum")
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     args = p.parse_args(argv)
     import torch.distributed as dist
-    from megatron_patches.trainer.launch import init_distributed
+    from sp_train.launch import init_distributed
     init_distributed()
     tp_group = dist.new_group([0])
     impls = _impls(args, tp_group)

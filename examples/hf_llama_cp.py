@@ -30,7 +30,7 @@ from models.hf import (LinearLlamaConfig, LinearLlamaForCausalLM, causal_lm_loss
 from sp_attention import SoftmaxSchedule  # noqa: E402
 from sp_attention.linear import IMPLS  # noqa: E402
 from sp_attention.linear.attention import resolve_impl  # noqa: E402
-from sp_attention.reduce import all_reduce_gradients  # noqa: E402
+from sp_train.reduce import all_reduce_gradients  # noqa: E402
 from sp_attention.softmax.schedule import PRESET_NAMES  # noqa: E402
 
 
@@ -97,7 +97,7 @@ def main():
     model = build_model(args).to(device)
     schedule = SoftmaxSchedule(preset=args.softmax_cp_preset)
     handle = prepare_model_for_cp(model, cp_group, schedule=schedule,
-                                  linear_impl=args.context_parallel_impl)
+                                  context_parallel_impl=args.context_parallel_impl)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     data = torch.Generator().manual_seed(1000 + dp_index)   # CP ranks share their DP row's data
     if rank == 0:

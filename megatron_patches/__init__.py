@@ -12,9 +12,12 @@ stays cheap):
   prebuilt specs for Megatron-LM's ``--spec megatron_patches.specs <name>``;
 - :mod:`.rotary`: RoPE in the model's CP layout, on any device;
 - :mod:`.options` (no Megatron import): the table of our command-line options that builds both
-  CLIs (train.py and the launcher), the layer-pattern rules and shared checks;
+  CLIs (train.py and the launcher), the layer-pattern rules, and ``SPOptions``, the one checked
+  options value both build once and hand down;
+- :mod:`.packing`: THD batches cut by the packing plan, which travels with the batch;
 - :mod:`.args`: the options as Megatron-LM's ``extra_args_provider`` + validation;
 - :mod:`.pretrain_gpt`: ``torchrun -m megatron_patches.pretrain_gpt`` on megatron.training.
 
-See megatron_patches/README.md.
+train.py's trainer is the package ``sp_train`` (``megatron_patches.trainer`` is a deprecated
+alias for one release). See megatron_patches/README.md.
 """

@@ -16,20 +16,22 @@ parser is built from (same names, meanings, choices, defaults and help)::
     --softmax-bwd-head-last-stride N
 
 :func:`validate_args` raises ``ValueError`` naming the flag to change for every combination
-that cannot work or that Megatron would silently ignore. ``--reset-attention-mask
---reset-position-ids`` (documents split at EOD) are honoured at every CP size: the launcher
+that cannot work or that Megatron would silently ignore, and returns our options as one
+:class:`~megatron_patches.options.SPOptions` (kept for :func:`options_of`: the checks run once
+per run). ``--reset-attention-mask --reset-position-ids`` (documents split at EOD) are honoured at every CP size: the launcher
 packs each micro-batch into a THD row cut by our packing plan (:mod:`megatron_patches.packing`).
 """
 from __future__ import annotations
 
 import argparse
+import weakref
 from typing import Optional
 
-from .options import (CP_IMPLS, MEGATRON_IMPL, MODEL_KINDS, SOFTMAX_FLAGS, add_sp_options,
-                      check_sp_options, seq_multiple)
+from .options import (CP_IMPLS, MEGATRON_IMPL, MODEL_KINDS, SPOptions, add_sp_options,
+                      seq_multiple)
 
-__all__ = ["add_arguments", "validate_args", "options_from_args", "options_from_megatron_args",
-           "CP_IMPLS", "MEGATRON_IMPL", "MODEL_KINDS"]
+__all__ = ["add_arguments", "validate_args", "options_from_args", "options_of",
+           "options_from_megatron_args", "CP_IMPLS", "MEGATRON_IMPL", "MODEL_KINDS"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -50,23 +52,13 @@ def _kind_from_spec(args) -> Optional[str]:
                 spec[1] if len(spec) > 1 else "", "unknown")
 
 
-def _check_megatron_impl(args, kind: str, spec_kind: Optional[str]) -> None:
-    if spec_kind is not None:
-        raise ValueError("--spec megatron_patches.specs ... needs our attention: drop "
-                         "--context-parallel-impl megatron (or pick blelloch/allgather/ring/auto)")
-    if kind != "softmax":
-        raise ValueError(f"--sp-model-kind {kind}: linear-attention layers need our scan; set "
-                         "--context-parallel-impl to blelloch, allgather, ring or auto")
+def _check_megatron_impl(args) -> None:
+    """``--context-parallel-impl megatron`` against Megatron-LM's own flags (the rules between
+    our options live in :class:`~megatron_patches.options.SPOptions`)."""
     if getattr(args, "reset_attention_mask", False):
         raise ValueError("--reset-attention-mask: this launcher packs documents (THD batches cut "
                          "by our packing plan) for our attention only, not for Megatron's; drop "
                          "--context-parallel-impl megatron or --reset-attention-mask")
-    given = [f"--{n.replace('_', '-')}" for n in SOFTMAX_FLAGS + ("sp_slope_schedule",)
-             if getattr(args, n, None) is not None]
-    if given:
-        raise ValueError(f"{', '.join(given)} would be ignored with --context-parallel-impl "
-                         "megatron (Megatron/TE attention); drop --context-parallel-impl "
-                         "megatron or those flags")
 
 
 def _check_megatron_flags(args) -> None:
@@ -102,57 +94,66 @@ def _check_megatron_flags(args) -> None:
                          "would be ignored; drop it and choose --softmax-cp-preset instead")
 
 
-def _checked(args) -> Optional[dict]:
-    """Validate; return :func:`options_from_args`' dict, or None for Megatron's attention."""
-    impl = args.context_parallel_impl
-    if impl is not None and impl not in CP_IMPLS:
-        raise ValueError(f"--context-parallel-impl {impl}: use one of {CP_IMPLS}")
+def _check_seq_length(args) -> None:
+    cp, seq = args.context_parallel_size, args.seq_length
+    multiple = seq_multiple(cp)
+    if seq is None or seq % multiple:
+        raise ValueError(f"--seq-length {seq} must be a multiple of {multiple} for "
+                         f"--context-parallel-size {cp} (the CP layout splits each sequence "
+                         "into that many chunks); pad or change it")
+
+
+def options_from_args(args) -> SPOptions:
+    """Validate Megatron-LM's parsed ``args`` (a namespace with our arguments) and return our
+    :class:`~megatron_patches.options.SPOptions` (``context_parallel_impl="megatron"``:
+    Megatron's own attention). Raises ``ValueError`` naming the flag to change."""
     spec_kind = _kind_from_spec(args)
     if spec_kind == "unknown":
         raise ValueError(f"--spec {' '.join(args.spec)}: megatron_patches.specs offers "
                          "softmax_layer_spec, linear_layer_spec, gated_layer_spec and "
                          "hybrid_layer_spec")
-    kind = spec_kind or args.sp_model_kind
-    if kind not in MODEL_KINDS:
-        raise ValueError(f"--sp-model-kind {kind}: use one of {MODEL_KINDS}")
-    if impl == MEGATRON_IMPL:
-        _check_megatron_impl(args, kind, spec_kind)
-        return None
-    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
-    seq, multiple = args.seq_length, seq_multiple(args.context_parallel_size)
-    if seq is None or seq % multiple:
-        raise ValueError(f"--seq-length {seq} must be a multiple of {multiple} for "
-                         f"--context-parallel-size {cp} (the CP layout splits each sequence "
-                         "into that many chunks); pad or change it")
+    if spec_kind is not None and getattr(args, "context_parallel_impl", None) == MEGATRON_IMPL:
+        raise ValueError("--spec megatron_patches.specs ... needs our attention: drop "
+                         "--context-parallel-impl megatron (or pick blelloch/allgather/ring/auto)")
     heads = args.num_attention_heads
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
-    if heads % tp or groups % tp:
-        raise ValueError(f"--num-attention-heads {heads} and --num-query-groups {groups} must be "
-                         f"divisible by --tensor-model-parallel-size {tp}")
-    opts = check_sp_options(args, num_layers=args.num_layers, kv_heads_per_tp_rank=groups // tp,
-                            kind=kind)
+    options = SPOptions.from_flags(args, model_kind=spec_kind, num_layers=args.num_layers,
+                                   num_attention_heads=heads, num_query_groups=groups,
+                                   tensor_model_parallel_size=args.tensor_model_parallel_size)
+    if options.megatron_attention:
+        _check_megatron_impl(args)
+        return options
+    _check_seq_length(args)
     _check_megatron_flags(args)
-    return opts
+    return options
 
 
-def validate_args(args) -> None:
-    """Check our arguments against Megatron-LM's parsed ``args`` (a namespace). Raises
-    ``ValueError`` naming the flag to change."""
-    _checked(args)
+# validate_args' last result: (a weak reference to Megatron-LM's args namespace, its options).
+# Not an attribute of the namespace: Megatron pickles its args into checkpoints.
+_VALIDATED: list = []
 
 
-def options_from_args(args) -> dict:
-    """Validated model options from a parsed namespace: ``kind``, ``pattern`` (one letter per
-    layer), ``cp_impl`` (None: the library's default scan; ``"megatron"``: Megatron's own
-    attention), ``softmax_schedule``, ``slope_schedule``."""
-    opts = _checked(args)
-    if opts is None:
-        return {"kind": args.sp_model_kind, "cp_impl": MEGATRON_IMPL}
-    return opts
+def validate_args(args) -> SPOptions:
+    """Check our arguments against Megatron-LM's parsed ``args`` before Megatron initialises
+    anything; return our :class:`~megatron_patches.options.SPOptions` and keep it for
+    :func:`options_of` (the launcher's model provider and the prebuilt specs), so the checks run
+    once per run. Raises ``ValueError`` naming the flag to change."""
+    options = options_from_args(args)
+    _VALIDATED[:] = [(weakref.ref(args), options)]
+    return options
 
 
-def options_from_megatron_args() -> dict:
-    """:func:`options_from_args` of Megatron-LM's global args (``megatron.training.get_args``)."""
+def options_of(args) -> SPOptions:
+    """The options :func:`validate_args` returned for ``args`` (validated now if it did not
+    run for them, e.g. under your own ``pretrain_gpt.py``)."""
+    if _VALIDATED and _VALIDATED[0][0]() is args:
+        return _VALIDATED[0][1]
+    return validate_args(args)
+
+
+def options_from_megatron_args() -> SPOptions:
+    """Our options for Megatron-LM's global args (``megatron.training.get_args``): the value
+    :func:`validate_args` kept."""
     try:
         from megatron.training import get_args
     except ImportError as e:
@@ -164,4 +165,4 @@ def options_from_megatron_args() -> dict:
         raise RuntimeError("our arguments are missing: pass extra_args_provider="
                            "megatron_patches.args.add_arguments to parse_and_validate_args / "
                            "pretrain")
-    return options_from_args(args)
+    return options_of(args)

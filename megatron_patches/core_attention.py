@@ -41,11 +41,10 @@ from megatron.core.transformer.module import MegatronModule
 
 from sp_attention import (SoftmaxSchedule, SPContext, build_sp_context,
                           context_parallel_attention, lightning_attention)
-from sp_attention.linear import IMPLS as LINEAR_IMPLS
-from sp_attention.linear.slopes import SLOPE_SCHEDULES, decay_slopes
+from sp_attention.linear.slopes import decay_slopes
 from sp_attention.packing import packing_context
 
-from .options import DEFAULT_SLOPE_SCHEDULE
+from .options import DEFAULT_SLOPE_SCHEDULE, take_renamed
 from .packing import check_packed_seq_params, plan_of
 
 __all__ = ["SoftmaxCoreAttention", "LinearCoreAttention", "resolve_groups", "softmax_schedule_of"]
@@ -150,12 +149,8 @@ class _CPCoreAttention(MegatronModule):
         self.tp_group = tp_group
         self.tp_size, self.tp_rank = _size_rank(tp_group)
         cp_size, _ = _size_rank(cp_group)
-        heads, groups = config.num_attention_heads, config.num_query_groups or \
-            config.num_attention_heads
-        if heads % self.tp_size or groups % self.tp_size:
-            raise ValueError(f"num_attention_heads ({heads}) and num_query_groups ({groups}) must "
-                             f"be divisible by tensor_model_parallel_size ({self.tp_size})")
-        self.heads_per_rank = heads // self.tp_size
+        # heads divisible by TP: SPOptions' rule (and Megatron's own SelfAttention asserts it)
+        self.heads_per_rank = config.num_attention_heads // self.tp_size
         self.head_dim = config.kv_channels
         self.softmax_scale = self.head_dim ** -0.5 if softmax_scale is None else softmax_scale
         self.sp_ctx = _layer_context(sp_context, cp_group, cp_size)
@@ -211,11 +206,8 @@ class SoftmaxCoreAttention(_CPCoreAttention):
                  sp_context: Optional[SPContext] = None, softmax_schedule=None, **kwargs):
         super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout,
                          softmax_scale, cp_comm_type, pg_collection, sp_context)
-        schedule = softmax_schedule_of(softmax_schedule)
-        if schedule.heads_k_stride is not None:     # the head-count rules, now, on every rank
-            local_groups = (config.num_query_groups or config.num_attention_heads) // self.tp_size
-            schedule.local_stride(local_groups, schedule.heads_k_stride)
-        self.softmax_schedule = schedule
+        # its rules against the head counts: SPOptions' (and the op's, on every call)
+        self.softmax_schedule = softmax_schedule_of(softmax_schedule)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
@@ -237,31 +229,30 @@ class LinearCoreAttention(_CPCoreAttention):
     norm: linear attention's output scale grows with the sequence). The norm is per head so a
     TP rank normalises only its own heads; its weight is TP-sharded like the heads.
 
-    Spec params: ``cp_impl`` (scan: blelloch / allgather / ring / auto; None: the library's
-    ``DEFAULT_IMPL``, read at each call), ``slope_schedule`` (``sp_attention.linear.slopes``;
-    None: :data:`~megatron_patches.options.DEFAULT_SLOPE_SCHEDULE`), ``sp_context``. GQA: K/V
-    go to ``lightning_attention`` with their ``ng`` heads; it maps query head i to group
+    Spec params: ``context_parallel_impl`` (the scan, ``--context-parallel-impl``: blelloch /
+    allgather / ring / auto, handed to ``lightning_attention(impl=...)``; None: the library's
+    ``DEFAULT_IMPL``, read at each call; its name is checked by
+    :class:`~megatron_patches.options.SPOptions` and by the op), ``slope_schedule``
+    (``sp_attention.linear.slopes``; None: the default), ``sp_context``. GQA: K/V go to
+    ``lightning_attention`` with their ``ng`` heads; it maps query head i to group
     ``i // (np / ng)``, Megatron's mapping.
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  cp_comm_type: Optional[str] = None, pg_collection=None,
-                 sp_context: Optional[SPContext] = None, cp_impl: Optional[str] = None,
+                 sp_context: Optional[SPContext] = None,
+                 context_parallel_impl: Optional[str] = None,
                  slope_schedule: Optional[str] = None, **kwargs):
         super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout,
                          softmax_scale, cp_comm_type, pg_collection, sp_context)
-        slope_schedule = DEFAULT_SLOPE_SCHEDULE if slope_schedule is None else slope_schedule
-        if cp_impl is not None and cp_impl not in LINEAR_IMPLS:
-            raise ValueError(f"cp_impl={cp_impl!r}: linear layers scan with one of {LINEAR_IMPLS} "
-                             "(--context-parallel-impl)")
-        if slope_schedule not in SLOPE_SCHEDULES:
-            raise ValueError(f"slope_schedule={slope_schedule!r}: use one of {SLOPE_SCHEDULES}")
-        self.cp_impl, self.slope_schedule = cp_impl, slope_schedule
+        self.context_parallel_impl = take_renamed(kwargs, "cp_impl", "context_parallel_impl",
+                                                  context_parallel_impl)
+        self.slope_schedule = DEFAULT_SLOPE_SCHEDULE if slope_schedule is None else slope_schedule
         first = self.tp_rank * self.heads_per_rank
         # This TP rank's heads' slopes, fp32. A plain attribute, not a buffer: Megatron's
         # Float16Module casts buffers to bf16, which would round the decay rates.
-        self._slopes = decay_slopes(config.num_attention_heads, slope_schedule,
+        self._slopes = decay_slopes(config.num_attention_heads, self.slope_schedule,
                                     layer_number=self.layer_number,
                                     num_layers=max(config.num_layers, self.layer_number)
                                     )[first:first + self.heads_per_rank].contiguous()
@@ -293,8 +284,8 @@ class LinearCoreAttention(_CPCoreAttention):
         q, decay = self._decay(q)
         packed = {} if plan is None else {"cu_seqlens": plan}
         o = lightning_attention(q, k, v, ctx=self.sp_ctx if plan is None else self.packed_ctx,
-                                impl=self.cp_impl, scale=float(self.softmax_scale), **decay,
-                                **packed)
+                                impl=self.context_parallel_impl, scale=float(self.softmax_scale),
+                                **decay, **packed)
         return self._output(self._out_norm(o, q.dtype), packed=plan is not None)
 
     def _decay(self, q: torch.Tensor):

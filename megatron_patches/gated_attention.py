@@ -45,17 +45,17 @@ _TUNING = LinearTuning(check_gate_values=False)
 class GatedCoreAttention(LinearCoreAttention):
     """Linear attention with a per-token, per-head decay gate over Megatron's CP group (see
     the module docstring). Used with :class:`GatedSelfAttention`, whose query carries the gate
-    projection ``x·W`` as its last channel. Spec params: ``cp_impl``, ``sp_context`` (as
-    :class:`~megatron_patches.core_attention.LinearCoreAttention`)."""
+    projection ``x·W`` as its last channel. Spec params: ``context_parallel_impl``,
+    ``sp_context`` (as :class:`~megatron_patches.core_attention.LinearCoreAttention`)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  cp_comm_type: Optional[str] = None, pg_collection=None, sp_context=None,
-                 cp_impl: Optional[str] = None, **kwargs):
+                 context_parallel_impl: Optional[str] = None, **kwargs):
         kwargs.pop("slope_schedule", None)              # no fixed slopes in a gated layer
         super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout,
-                         softmax_scale, cp_comm_type, pg_collection, sp_context, cp_impl,
-                         **kwargs)
+                         softmax_scale, cp_comm_type, pg_collection, sp_context,
+                         context_parallel_impl, **kwargs)
         from megatron.core.tensor_parallel import (ColumnParallelLinear,
                                                    set_tensor_model_parallel_attributes)
         heads = config.num_attention_heads

@@ -23,7 +23,7 @@ Contract of :func:`build_gpt_model` (megatron-core 0.16.1 on CPU/gloo in fp32 wi
   ``!= -100``; Megatron's per-token loss is *not* zero at the ``-100`` that ``shift_labels``
   puts at each sequence's end, so an unmasked mean is off by ~1/T); backward it, then sum the
   gradients over Megatron's DP×CP group (:func:`grad_reduce_group`) with
-  ``sp_attention.reduce.all_reduce_gradients`` (no TP reduction is needed without sequence
+  ``sp_train.reduce.all_reduce_gradients`` (no TP reduction is needed without sequence
   parallelism). Megatron's own DDP/optimizer does the same on GPUs.
 - Parallelism invariance: with ``use_cpu_initialization=True`` Megatron draws every weight's
   full master tensor from the torch RNG and keeps the TP slice, so equal seeds give the same
@@ -52,15 +52,15 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from sp_attention import SoftmaxSchedule, build_sp_context
-from sp_attention.linear import IMPLS as LINEAR_IMPLS
+from sp_train.reduce import global_token_mean
 
 from .core_attention import resolve_groups
 from .options import MODEL_KINDS as KINDS
-from .options import model_pattern
+from .options import SPOptions, model_pattern, take_renamed
 from .rotary import install_cp_rope, link_packed_rope
-from .specs import block_spec
+from .specs import block_spec, options_spec_kwargs
 
-__all__ = ["build_gpt_model", "KINDS", "POSITION_EMBEDDINGS", "tp_shard_state_dict",
+__all__ = ["build_gpt_model", "model_options", "KINDS", "POSITION_EMBEDDINGS", "tp_shard_state_dict",
            "grad_reduce_group", "cp_context", "layer_pattern", "global_loss_share",
            "HiddenStatesGPTModel", "output_weight"]
 
@@ -78,7 +78,7 @@ class HiddenStatesGPTModel(GPTModel):
     final norm) instead of logits or per-token losses.
 
     For a loss that applies the output layer itself without ever holding ``[s, b, V]`` logits
-    (``megatron_patches.trainer.loss.linear_cross_entropy`` with :func:`output_weight`).
+    (``sp_train.loss.linear_cross_entropy`` with :func:`output_weight`).
     Everything else — parameters, output layer, state dict, checkpoints — is ``GPTModel``'s;
     only the step after the decoder (``_postprocess``, called with keywords by megatron-core
     0.16 and 0.19 alike) hands back its input. Multi-token prediction is not supported.
@@ -96,12 +96,10 @@ def output_weight(model: GPTModel) -> torch.Tensor:
     return model.output_layer.weight
 
 
-def _check(config: TransformerConfig, kind, cp_impl, position_embedding_type, pg_collection):
+def _check(config: TransformerConfig, position_embedding_type) -> None:
     if not isinstance(config, TransformerConfig):
         raise TypeError(f"config must be a megatron.core TransformerConfig, got "
                         f"{type(config).__name__}")
-    if cp_impl is not None and cp_impl not in LINEAR_IMPLS:
-        raise ValueError(f"cp_impl={cp_impl!r}: use one of {LINEAR_IMPLS}")
     if position_embedding_type not in POSITION_EMBEDDINGS:
         raise ValueError(f"position_embedding_type={position_embedding_type!r}: use one of "
                          f"{POSITION_EMBEDDINGS}")
@@ -111,16 +109,34 @@ def _check(config: TransformerConfig, kind, cp_impl, position_embedding_type, pg
     if not config.use_cpu_initialization and not torch.cuda.is_available():
         raise ValueError("no CUDA device: set use_cpu_initialization=True in the "
                          "TransformerConfig to build on CPU")
-    tp = config.tensor_model_parallel_size
-    groups = config.num_query_groups or config.num_attention_heads
-    if config.num_attention_heads % tp or groups % tp:
-        raise ValueError(f"num_attention_heads ({config.num_attention_heads}) and "
-                         f"num_query_groups ({groups}) must be divisible by "
-                         f"tensor_model_parallel_size ({tp})")
 
 
-def build_gpt_model(config: TransformerConfig, *, kind: str, vocab_size: int,
-                    max_sequence_length: int, cp_impl: Optional[str] = None,
+def model_options(config: TransformerConfig, options: Optional[SPOptions] = None,
+                  **pieces) -> SPOptions:
+    """The :class:`~megatron_patches.options.SPOptions` of a model with ``config``: ``options``
+    for this config (:meth:`~megatron_patches.options.SPOptions.with_model`), or one built from
+    ``pieces`` (``kind``, ``hybrid_pattern``, ``context_parallel_impl``, ``softmax_schedule``,
+    ``slope_schedule``) and the config's layer and head counts."""
+    heads = config.num_attention_heads
+    facts = dict(num_layers=config.num_layers, num_attention_heads=heads,
+                 num_query_groups=config.num_query_groups or heads,
+                 tensor_model_parallel_size=config.tensor_model_parallel_size)
+    if options is None:
+        if pieces.get("kind") is None:
+            raise TypeError("build_gpt_model needs options= (an SPOptions) or kind=")
+        return SPOptions(model_kind=pieces.pop("kind"), **pieces, **facts)
+    given = sorted(k for k, v in pieces.items() if v is not None)
+    if given:
+        raise TypeError(f"pass options= or {', '.join(given)}=, not both")
+    if not isinstance(options, SPOptions):
+        raise TypeError(f"options must be a megatron_patches.options.SPOptions, got "
+                        f"{type(options).__name__}")
+    return options.with_model(**facts)
+
+
+def build_gpt_model(config: TransformerConfig, options: Optional[SPOptions] = None, *,
+                    vocab_size: int, max_sequence_length: int, kind: Optional[str] = None,
+                    context_parallel_impl: Optional[str] = None,
                     softmax_schedule: Optional[SoftmaxSchedule] = None,
                     hybrid_pattern: Optional[str] = None, slope_schedule: Optional[str] = None,
                     layout: Optional[str] = None, position_embedding_type: str = "rope",
@@ -131,18 +147,23 @@ def build_gpt_model(config: TransformerConfig, *, kind: str, vocab_size: int,
     Args:
         config: Megatron ``TransformerConfig`` (``attention_dropout=0``; TP and CP sizes as
             initialised in ``parallel_state``; ``pipeline_model_parallel_size=1``).
-        kind: ``"softmax"`` (Llama-style), ``"linear"`` (linear attention with decay) or
-            ``"hybrid"`` (``hybrid_pattern``).
-        vocab_size, max_sequence_length: as for ``GPTModel``.
-        cp_impl: the linear layers' cross-rank scan: blelloch / allgather / ring / auto; None:
-            the library's ``sp_attention.linear.DEFAULT_IMPL``, read at each call.
+        options: our attention options, one :class:`~megatron_patches.options.SPOptions`
+            (train.py's and the launcher's, built once from the command line); or give its
+            pieces instead:
+        kind: ``"softmax"`` (Llama-style), ``"linear"`` (linear attention with decay),
+            ``"gated"`` or ``"hybrid"`` (``hybrid_pattern``).
+        context_parallel_impl: the linear layers' cross-rank scan (``--context-parallel-impl``:
+            blelloch / allgather / ring / auto; None: the library's
+            ``sp_attention.linear.DEFAULT_IMPL``, read at each call). ``cp_impl=``, its old
+            name, works for one release.
         softmax_schedule: :class:`sp_attention.SoftmaxSchedule` (preset, head strides, backend)
-            of softmax layers; None: the library's default, read when the layers are built.
-        hybrid_pattern: ``L`` (linear) / ``S`` (softmax) per layer, repeated to ``num_layers``
-            (must divide it); ``"LLLS"``: three linear layers to one softmax layer. None:
-            ``megatron_patches.options.default_hybrid_pattern(num_layers)``.
+            of softmax layers; None: the library's default.
+        hybrid_pattern: ``L`` (linear) / ``G`` (gated) / ``S`` (softmax) per layer, repeated to
+            ``num_layers`` (must divide it); ``"LLLS"``: three linear layers to one softmax
+            layer. None: ``megatron_patches.options.default_hybrid_pattern(num_layers)``.
         slope_schedule: linear layers' decay schedule (``sp_attention.linear.slopes``); None:
             ``megatron_patches.options.DEFAULT_SLOPE_SCHEDULE``.
+        vocab_size, max_sequence_length: as for ``GPTModel``.
         layout: how sequences lie over the CP group (``"zigzag"``, ``"contiguous"``); None:
             ``sp_attention.DEFAULT_LAYOUT``, read now. The model's one ``SPContext``
             (``model.sp_context``) carries it to every layer and the RoPE; shard data with it.
@@ -153,17 +174,25 @@ def build_gpt_model(config: TransformerConfig, *, kind: str, vocab_size: int,
         return_hidden_states: build a :class:`HiddenStatesGPTModel` (forward returns the final
             hidden states; apply the output layer in the loss with :func:`output_weight`).
 
-    See the module docstring for the input/output and gradient contract.
+    The rules between the options (and heads divisible by TP) are
+    :class:`~megatron_patches.options.SPOptions`'; the model keeps its options as
+    ``model.sp_options``. See the module docstring for the input/output and gradient contract.
     """
-    _check(config, kind, cp_impl, position_embedding_type, pg_collection)
-    pattern = layer_pattern(kind, config.num_layers, hybrid_pattern)
+    _check(config, position_embedding_type)
+    scan = take_renamed(gpt_kwargs, "cp_impl", "context_parallel_impl", context_parallel_impl)
+    options = model_options(config, options, kind=kind, context_parallel_impl=scan,
+                            softmax_schedule=softmax_schedule, hybrid_pattern=hybrid_pattern,
+                            slope_schedule=slope_schedule)
+    if options.megatron_attention:
+        raise ValueError("--context-parallel-impl megatron builds Megatron's own model (the "
+                         "launcher does); build_gpt_model runs our attention: pick blelloch, "
+                         "allgather, ring or auto")
     ctx = cp_context(pg_collection, layout=layout)
-    spec = block_spec(pattern, config.num_layers, cp_impl=cp_impl,
-                      softmax_schedule=softmax_schedule, slope_schedule=slope_schedule,
-                      sp_context=ctx)
+    spec = block_spec(options.pattern, config.num_layers, sp_context=ctx,
+                      **options_spec_kwargs(options))
     if pg_collection is not None:
         gpt_kwargs["pg_collection"] = pg_collection
-    if len(set(pattern)) > 1:
+    if len(set(options.pattern)) > 1:
         # Layers of different kinds hold different parameters (a linear layer's output norm),
         # which Megatron's distributed checkpoint cannot stack into one tensor per name over
         # all layers ("Invalid access pattern", seen saving a hybrid on 0.19.2): its own switch
@@ -184,7 +213,8 @@ def build_gpt_model(config: TransformerConfig, *, kind: str, vocab_size: int,
                             "seq_len_interpolation_factor"))
     else:           # THD batches: positions come from the embeddings, nothing to rotate
         link_packed_rope(model, None)
-    model.sp_layer_pattern = pattern
+    model.sp_options = options
+    model.sp_layer_pattern = options.pattern
     model.sp_context = ctx
     return model
 
@@ -221,7 +251,6 @@ def global_loss_share(token_loss: torch.Tensor, labels: torch.Tensor, group, *,
         labels: the same shard of the shifted labels ``[b, s/cp]``.
         group: the ranks whose tokens make up the global batch.
     """
-    from sp_attention.reduce import global_token_mean
     if labels.shape != token_loss.shape:
         raise ValueError(f"labels {tuple(labels.shape)} must have the shape of the per-token "
                          f"loss {tuple(token_loss.shape)}: pass the labels the model got")

@@ -6,15 +6,20 @@ one help text, one set of choices and one default in both. Where Megatron-LM own
 carries the ``sp-`` prefix in both CLIs alike (``--sp-model-kind``, ``--sp-hybrid-pattern``,
 ``--sp-slope-schedule``); the softmax schedule flags are ``--softmax-*``.
 
-The layer-pattern rules (:func:`expand_pattern`, :func:`default_hybrid_pattern`,
-:func:`model_pattern`) and :func:`check_sp_options` (what both CLIs refuse, before any process
-group exists) live here too. This module imports nothing from Megatron, so train.py's argument
-checks and ``--help`` stay cheap.
+The table yields one frozen value, :class:`SPOptions` (model kind, layer pattern, the linear
+layers' scan, the softmax schedule, the slope schedule), whose construction holds every rule
+between our options (what both CLIs refuse, before any process group exists); it is built once
+per run and handed down to the model builders, the launcher's specs, the core attentions and
+HF's ``prepare_model_for_cp``. The layer-pattern rules (:func:`expand_pattern`,
+:func:`default_hybrid_pattern`, :func:`model_pattern`) live here too. This module imports
+nothing from Megatron, so train.py's argument checks and ``--help`` stay cheap.
 """
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import sp_attention.context as _context
@@ -30,8 +35,9 @@ from sp_attention.softmax.schedule import PRESET_NAMES
 __all__ = ["UsageError", "Option", "SP_OPTIONS", "add_sp_options", "option", "MODEL_KINDS",
            "LAYER_KINDS", "SCAN_LETTERS",
            "MEGATRON_IMPL", "CP_IMPLS", "DEFAULT_SLOPE_SCHEDULE", "SOFTMAX_FLAGS",
-           "expand_pattern", "default_hybrid_pattern", "model_pattern", "check_sp_options",
-           "softmax_schedule", "seq_multiple"]
+           "expand_pattern", "default_hybrid_pattern", "model_pattern", "SPOptions",
+           "softmax_schedule", "seq_multiple", "take_renamed"]
+
 
 class UsageError(ValueError):
     """A bad command line: the same on every rank of a node (a function of the flags, the world
@@ -49,8 +55,10 @@ MODEL_KINDS = tuple(_KIND_LETTER)
 
 MEGATRON_IMPL = "megatron"           # launcher only: Megatron's own attention (TE)
 CP_IMPLS = LINEAR_IMPLS + (MEGATRON_IMPL,)
-SOFTMAX_FLAGS = ("softmax_cp_preset", "softmax_heads_k_stride", "softmax_bwd_head_first_stride",
-                 "softmax_bwd_head_last_stride")
+# The --softmax-* flags (their attributes) and the SoftmaxSchedule field each one sets.
+SOFTMAX_FLAGS = {"softmax_cp_preset": "preset", "softmax_heads_k_stride": "heads_k_stride",
+                 "softmax_bwd_head_first_stride": "bwd_head_first_stride",
+                 "softmax_bwd_head_last_stride": "bwd_head_last_stride"}
 
 
 @dataclass(frozen=True)
@@ -210,68 +218,227 @@ def seq_multiple(cp: int) -> int:
     return num_chunks(cp, _context.DEFAULT_LAYOUT)
 
 
-# --- what both CLIs check ---------------------------------------------------------------
+def take_renamed(kwargs: dict, old: str, new: str, value: Any) -> Any:
+    """``value`` (the keyword ``new``), or what ``kwargs`` holds under ``new``'s old name ``old``
+    (popped, with a ``DeprecationWarning``: old keywords work for one release)."""
+    if old not in kwargs:
+        return value
+    old_value = kwargs.pop(old)
+    warnings.warn(f"{old}= is now {new}= (one name for the linear scan, from "
+                  "--context-parallel-impl down); the old keyword goes in the next release",
+                  DeprecationWarning, stacklevel=3)
+    if value is not None and old_value is not None and value != old_value:
+        raise TypeError(f"{old}={old_value!r} and {new}={value!r} disagree: pass {new}= only")
+    return old_value if value is None else value
+
+
+# --- the options object: every rule between our options ---------------------------------
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
 def softmax_schedule(ns) -> SoftmaxSchedule:
-    """The :class:`~sp_attention.SoftmaxSchedule` of the ``--softmax-*`` flags in ``ns``; an
-    invalid combination raises naming the flags."""
+    """The :class:`~sp_attention.SoftmaxSchedule` of the ``--softmax-*`` flags in ``ns``
+    (:data:`SOFTMAX_FLAGS`: each flag's schedule field; absent flags: the library's defaults);
+    an invalid combination raises naming the flags."""
     try:
-        return SoftmaxSchedule(preset=getattr(ns, "softmax_cp_preset", None),
-                               heads_k_stride=getattr(ns, "softmax_heads_k_stride", None),
-                               bwd_head_first_stride=getattr(ns, "softmax_bwd_head_first_stride",
-                                                             None),
-                               bwd_head_last_stride=getattr(ns, "softmax_bwd_head_last_stride",
-                                                            None))
+        return SoftmaxSchedule(**{name: getattr(ns, dest, None)
+                                  for dest, name in SOFTMAX_FLAGS.items()})
     except ValueError as e:
         raise ValueError(f"{e} [flags: --softmax-cp-preset, --softmax-heads-k-stride, "
                          "--softmax-bwd-head-first/last-stride]") from None
 
 
-def check_sp_options(ns, *, num_layers: int, kv_heads_per_tp_rank: int,
-                     kind: Optional[str] = None) -> dict:
-    """Check our options in ``ns`` (a namespace with :data:`SP_OPTIONS`' attributes) against
-    the model; return what the model builders take: ``kind``, ``pattern`` (one letter per
-    layer), ``cp_impl`` (None: the library's default scan), ``softmax_schedule``,
-    ``slope_schedule``. ``kind`` overrides ``ns.sp_model_kind`` (the launcher's ``--spec``).
-    Each error names the flag to change."""
-    kind = ns.sp_model_kind if kind is None else kind
-    if kind not in MODEL_KINDS:
-        raise ValueError(f"--sp-model-kind {kind}: use one of {MODEL_KINDS}")
-    try:
-        pattern = model_pattern(kind, num_layers, getattr(ns, "sp_hybrid_pattern", None))
-    except ValueError as e:
-        raise ValueError(f"--sp-hybrid-pattern: {e}") from None
-    impl = getattr(ns, "context_parallel_impl", None)
-    if impl is not None and impl not in CP_IMPLS:
-        raise ValueError(f"--context-parallel-impl {impl}: use one of {CP_IMPLS}")
-    has_scan, has_softmax = any(c in pattern for c in SCAN_LETTERS), "S" in pattern
-    if impl not in (None, "auto", MEGATRON_IMPL) and not has_scan:
-        hint = (f" (--softmax-cp-preset {impl} sets the softmax schedule)" if impl in PRESETS
-                else "")
-        raise ValueError(f"--context-parallel-impl {impl} does not fit --sp-model-kind {kind}: "
-                         "it picks the linear layers' scan and the model has only softmax "
-                         f"layers; drop it or use --context-parallel-impl auto{hint}")
-    given = [_flag(n) for n in SOFTMAX_FLAGS if getattr(ns, n, None) is not None]
-    if given and not has_softmax:
-        raise ValueError(f"{', '.join(given)} would be ignored: the model has no softmax layer "
-                         f"(--sp-model-kind {kind}); drop it")
-    schedule = softmax_schedule(ns)
-    stride = schedule.heads_k_stride
-    if has_softmax and stride is not None:
-        if kv_heads_per_tp_rank % stride:
-            raise ValueError(f"--softmax-heads-k-stride {stride} must divide the "
-                             f"{kv_heads_per_tp_rank} KV heads per TP rank")
+def _set_softmax_flags(schedule: SoftmaxSchedule) -> list[str]:
+    """The flags whose schedule fields differ from the default schedule (what a user set)."""
+    default = SoftmaxSchedule()
+    if schedule == default:
+        return []
+    return [_flag(dest) for dest, name in SOFTMAX_FLAGS.items()
+            if getattr(schedule, name) != getattr(default, name)] or ["softmax_schedule"]
+
+
+@dataclass(frozen=True)
+class SPOptions:
+    """Our attention options of one model, checked: the one value both CLIs, the launcher's
+    specs, the core attentions and HF's ``prepare_model_for_cp`` are handed.
+
+    Every rule between our options lives in :meth:`__post_init__` (each ``ValueError`` names the
+    flag to change), so a value that exists is valid: build it once — :meth:`from_flags` from a
+    parsed command line (train.py's ``TrainArgs``, the launcher's ``validate_args``), or
+    directly in code (``build_gpt_model`` builds one from its keywords and the config) — and
+    pass it down.
+
+    Attributes:
+        num_layers: the model's layer count (the pattern repeats to it).
+        model_kind: ``--sp-model-kind``: ``softmax``, ``linear``, ``gated`` or ``hybrid``.
+        hybrid_pattern: ``--sp-hybrid-pattern`` as given (hybrid only; None: the default
+            pattern for ``num_layers``, :func:`default_hybrid_pattern`).
+        context_parallel_impl: ``--context-parallel-impl``: the scan of linear and gated
+            layers (``blelloch``, ``allgather``, ``ring``, ``auto``; the ``impl=`` of
+            ``sp_attention.lightning_attention``), or ``megatron`` (the launcher only:
+            Megatron's own attention). None: the library's ``DEFAULT_IMPL``, read at each call.
+        softmax_schedule: the softmax layers' :class:`~sp_attention.SoftmaxSchedule` (the
+            ``--softmax-*`` flags, :func:`softmax_schedule`); None: the library's default,
+            read now.
+        slope_schedule: ``--sp-slope-schedule``: the fixed decay of ``L`` layers; None: the
+            library's ``DEFAULT_SLOPE_SCHEDULE`` (:attr:`slopes`).
+        num_attention_heads, num_query_groups, tensor_model_parallel_size: the model's head
+            counts and TP size, for the rules that need them (None: unknown, rules skipped;
+            HF models have no TP).
+        pattern: derived: one letter per layer (``L`` linear, ``G`` gated, ``S`` softmax).
+    """
+
+    num_layers: int
+    model_kind: str = "softmax"
+    hybrid_pattern: Optional[str] = None
+    context_parallel_impl: Optional[str] = None
+    softmax_schedule: Optional[SoftmaxSchedule] = None
+    slope_schedule: Optional[str] = None
+    num_attention_heads: Optional[int] = None
+    num_query_groups: Optional[int] = None
+    tensor_model_parallel_size: Optional[int] = None
+    pattern: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        kind = self.model_kind
+        if kind not in MODEL_KINDS:
+            raise ValueError(f"--sp-model-kind {kind}: use one of {MODEL_KINDS}")
         try:
-            schedule.local_stride(kv_heads_per_tp_rank, stride)
+            pattern = model_pattern(kind, self.num_layers, self.hybrid_pattern)
         except ValueError as e:
-            raise ValueError(f"{e} [flags: --softmax-bwd-head-first/last-stride]") from None
-    slope = getattr(ns, "sp_slope_schedule", None)
-    if slope is not None and "L" not in pattern:
-        raise ValueError(f"--sp-slope-schedule {slope} would be ignored: the model has no "
-                         f"linear layer with fixed slopes (--sp-model-kind {kind}; gated layers "
-                         "learn their decay); drop it")
-    return {"kind": kind, "pattern": pattern, "cp_impl": impl, "softmax_schedule": schedule,
-            "slope_schedule": DEFAULT_SLOPE_SCHEDULE if slope is None else slope}
+            raise ValueError(f"--sp-hybrid-pattern: {e}") from None
+        object.__setattr__(self, "pattern", pattern)
+        schedule = SoftmaxSchedule() if self.softmax_schedule is None else self.softmax_schedule
+        if not isinstance(schedule, SoftmaxSchedule):
+            raise TypeError(f"softmax_schedule must be an sp_attention.SoftmaxSchedule or None, "
+                            f"got {type(schedule).__name__}")
+        object.__setattr__(self, "softmax_schedule", schedule)
+        self._check_scan()
+        self._check_heads()
+        self._check_softmax()
+        self._check_slopes()
+
+    # -- the rules, one each --------------------------------------------------------------
+    def _check_scan(self) -> None:
+        impl, kind = self.context_parallel_impl, self.model_kind
+        if impl is not None and impl not in CP_IMPLS:
+            raise ValueError(f"--context-parallel-impl {impl}: use one of {CP_IMPLS}")
+        if impl == MEGATRON_IMPL:
+            if self.has_scan:
+                raise ValueError(f"--sp-model-kind {kind}: linear-attention layers need our "
+                                 "scan; set --context-parallel-impl to blelloch, allgather, "
+                                 "ring or auto")
+            ignored = _set_softmax_flags(self.softmax_schedule) + (
+                ["--sp-slope-schedule"] if self.slope_schedule is not None else [])
+            if ignored:
+                raise ValueError(f"{', '.join(ignored)} would be ignored with "
+                                 "--context-parallel-impl megatron (Megatron/TE attention); drop "
+                                 "--context-parallel-impl megatron or those flags")
+        elif impl not in (None, "auto") and not self.has_scan:
+            hint = (f" (--softmax-cp-preset {impl} sets the softmax schedule)" if impl in PRESETS
+                    else "")
+            raise ValueError(f"--context-parallel-impl {impl} does not fit --sp-model-kind "
+                             f"{kind}: it picks the linear layers' scan and the model has only "
+                             f"softmax layers; drop it or use --context-parallel-impl auto{hint}")
+
+    def _check_heads(self) -> None:
+        heads, groups = self.num_attention_heads, self.num_query_groups
+        tp = self.tensor_model_parallel_size
+        if tp is not None and tp < 1:
+            raise ValueError(f"--tensor-model-parallel-size {tp} must be >= 1")
+        if None not in (heads, groups, tp) and (heads % tp or groups % tp):
+            raise ValueError(f"--num-attention-heads {heads} and --num-query-groups {groups} "
+                             f"must be divisible by --tensor-model-parallel-size {tp} (each TP "
+                             "rank holds whole heads); pick a TP size dividing both")
+
+    def _check_softmax(self) -> None:
+        schedule, given = self.softmax_schedule, _set_softmax_flags(self.softmax_schedule)
+        if given and not self.has_softmax:
+            raise ValueError(f"{', '.join(given)} would be ignored: the model has no softmax "
+                             f"layer (--sp-model-kind {self.model_kind}); drop it")
+        kv = self.kv_heads_per_tp_rank
+        stride = schedule.heads_k_stride
+        if self.has_softmax and stride is not None and kv is not None:
+            if kv % stride:
+                raise ValueError(f"--softmax-heads-k-stride {stride} must divide the {kv} KV "
+                                 "heads per TP rank")
+            try:
+                schedule.local_stride(kv, stride)
+            except ValueError as e:
+                raise ValueError(f"{e} [flags: --softmax-bwd-head-first/last-stride]") from None
+
+    def _check_slopes(self) -> None:
+        slope = self.slope_schedule
+        if slope is not None and slope not in SLOPE_SCHEDULES:
+            raise ValueError(f"--sp-slope-schedule {slope}: use one of {SLOPE_SCHEDULES}")
+        if slope is not None and "L" not in self.pattern:
+            raise ValueError(f"--sp-slope-schedule {slope} would be ignored: the model has no "
+                             f"linear layer with fixed slopes (--sp-model-kind "
+                             f"{self.model_kind}; gated layers learn their decay); drop it")
+
+    # -- what the builders read -----------------------------------------------------------
+    @property
+    def has_softmax(self) -> bool:
+        return "S" in self.pattern
+
+    @property
+    def has_scan(self) -> bool:
+        """Whether any layer passes a decay state across CP ranks (``L`` or ``G``)."""
+        return any(c in self.pattern for c in SCAN_LETTERS)
+
+    @property
+    def megatron_attention(self) -> bool:
+        """``--context-parallel-impl megatron``: the launcher builds Megatron's own model."""
+        return self.context_parallel_impl == MEGATRON_IMPL
+
+    @property
+    def slopes(self) -> str:
+        """The slope schedule of ``L`` layers (the default when none was given)."""
+        return DEFAULT_SLOPE_SCHEDULE if self.slope_schedule is None else self.slope_schedule
+
+    @property
+    def kv_heads_per_tp_rank(self) -> Optional[int]:
+        groups, tp = self.num_query_groups, self.tensor_model_parallel_size
+        return None if groups is None else groups // (tp or 1)
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """One kind name per layer (``"linear"``, ``"gated"``, ``"softmax"``): the form HF's
+        ``LinearLlamaConfig.layer_kinds`` takes."""
+        return tuple(LAYER_KINDS[c] for c in self.pattern)
+
+    def with_model(self, **facts) -> "SPOptions":
+        """These options for a model with ``facts`` (``num_layers``, ``num_attention_heads``,
+        ``num_query_groups``, ``tensor_model_parallel_size``; None: unknown): the unset ones
+        filled in, so their rules run now; a contradiction raises."""
+        wrong = [f"{k} {getattr(self, k)} (the model: {v})" for k, v in facts.items()
+                 if v is not None and getattr(self, k) not in (None, v)]
+        if wrong:
+            raise ValueError("the options were built for another model: " + ", ".join(wrong))
+        unset = {k: v for k, v in facts.items() if v is not None and getattr(self, k) is None}
+        return dataclasses.replace(self, **unset) if unset else self
+
+    @classmethod
+    def from_flags(cls, ns, *, model_kind: Optional[str] = None, **model) -> "SPOptions":
+        """The options of a parsed command line ``ns`` (a namespace with :data:`SP_OPTIONS`'
+        attributes); ``model``: ``num_layers`` and, where known, the head counts and TP size.
+        ``model_kind`` overrides ``ns.sp_model_kind`` (the launcher's ``--spec``)."""
+        return cls(model_kind=ns.sp_model_kind if model_kind is None else model_kind,
+                   hybrid_pattern=getattr(ns, "sp_hybrid_pattern", None),
+                   context_parallel_impl=getattr(ns, "context_parallel_impl", None),
+                   softmax_schedule=softmax_schedule(ns),
+                   slope_schedule=getattr(ns, "sp_slope_schedule", None), **model)
+
+    @classmethod
+    def from_layer_kinds(cls, kinds, **options) -> "SPOptions":
+        """The options of a model whose layers are ``kinds`` (one of ``"linear"``,
+        ``"gated"``, ``"softmax"`` per layer, e.g. an HF ``LinearLlamaConfig``'s)."""
+        letters = {v: k for k, v in LAYER_KINDS.items()}
+        try:
+            pattern = "".join(letters[k] for k in kinds)
+        except KeyError as e:
+            raise ValueError(f"layer kind {e.args[0]!r}: use {sorted(letters)}") from None
+        kind = next((k for k, c in _KIND_LETTER.items() if c and set(pattern) == {c}), "hybrid")
+        return cls(num_layers=len(pattern), model_kind=kind,
+                   hybrid_pattern=pattern if kind == "hybrid" else None, **options)

@@ -3,10 +3,13 @@
 Megatron's packed path hands core attention ``packed_seq_params`` with ``qkv_format="thd"``
 (the micro-batch flattened into one row, query ``[t, np, hn]``) and the boundaries of that
 row's documents, ``cu_seqlens_q/kv`` (and their ``_padded`` forms, TransformerEngine's), the same
-on every CP rank. Here those boundaries become the batch's
-:class:`~sp_attention.PackingPlan` (:func:`plan_of`: cached by tensor, so every layer of a
-batch shares one plan and a CUDA tensor costs one copy per batch), and batches are cut with
-the same plan (:func:`pack_batch`): data, attention and RoPE agree on where every token lies.
+on every CP rank. A batch cut by :func:`pack_batch` (our launcher's, train.py's) carries
+its :class:`~sp_attention.PackingPlan` on that object (``params.packing_plan``, set where the
+batch is built: :func:`packed_seq_params`), and every layer uses it (:func:`plan_of`: no
+lookup, no planning). A batch built outside the project has only its boundaries: its plan is
+found from them through ``sp_attention.packing``'s tensor-keyed cache (every layer of a batch
+shares one plan, a CUDA tensor costs one copy per batch). Data, attention and RoPE agree on
+where every token lies.
 
 How this differs from Megatron's ``get_batch_on_this_cp_rank``: Megatron (with
 TransformerEngine) cuts *every* document into ``2·CP`` pieces, each padded to a multiple of
@@ -31,10 +34,12 @@ from sp_attention import SPContext
 from sp_attention.layout import num_chunks
 from sp_attention.packing import PackingPlan, packing_context, plan_packing, resolve_plan
 
-__all__ = ["THD", "plan_of", "check_packed_seq_params", "packed_seq_params", "eod_cu_seqlens",
+__all__ = ["THD", "PLAN_ATTRIBUTE", "plan_of", "check_packed_seq_params", "packed_seq_params", "eod_cu_seqlens",
            "rows_cu_seqlens", "pack_batch"]
 
 THD = "thd"
+# The attribute of Megatron's PackedSeqParams a batch's PackingPlan travels under.
+PLAN_ATTRIBUTE = "packing_plan"
 
 
 def _boundaries(params, which: str) -> Optional[torch.Tensor]:
@@ -63,13 +68,17 @@ def check_packed_seq_params(params) -> torch.Tensor:
 def plan_of(params, ctx: SPContext, local_len: int, device=None) -> PackingPlan:
     """The :class:`~sp_attention.PackingPlan` of a THD batch whose rank shards hold
     ``local_len`` tokens each (the row: ``CP × local_len`` tokens), in
-    :func:`~sp_attention.packing.packing_context` of ``ctx``. Cached by the boundaries tensor:
-    the layers of one batch share the plan; new values cost one host copy."""
+    :func:`~sp_attention.packing.packing_context` of ``ctx``: the plan the batch carries
+    (``params.packing_plan``, :func:`pack_batch`'s; checked against ``ctx`` and the length
+    only), else the plan of its boundaries (a batch built outside the project: cached by the
+    boundaries tensor, so the layers of one batch share it; new values cost one host copy)."""
     cu = check_packed_seq_params(params)
     pctx = packing_context(ctx)
     row = pctx.world_size * local_len
+    carried = getattr(params, PLAN_ATTRIBUTE, None)
     try:
-        plan = resolve_plan(cu, pctx, local_len, device=device, row_len=row)
+        plan = resolve_plan(cu if carried is None else carried, pctx, local_len, device=device,
+                            row_len=row)
     except ValueError as e:
         raise ValueError(f"packed_seq_params: {e} (the THD row is CP × t = {pctx.world_size} × "
                          f"{local_len} tokens; cut batches with "
@@ -82,15 +91,23 @@ def plan_of(params, ctx: SPContext, local_len: int, device=None) -> PackingPlan:
     return plan
 
 
-def packed_seq_params(cu_seqlens: torch.Tensor, device=None):
+def packed_seq_params(cu_seqlens: torch.Tensor, device=None,
+                      plan: Optional[PackingPlan] = None):
     """Megatron ``PackedSeqParams`` (THD) for a packed row with document boundaries
     ``cu_seqlens`` (``[N+1]``, the same on every rank), as int32 on ``device`` (None: the CPU,
-    where our attention reads them without a device sync)."""
+    where our attention reads them without a device sync). ``plan``: the row's packing plan
+    (of these boundaries), carried to every core attention as ``params.packing_plan``."""
     from megatron.core.packed_seq_params import PackedSeqParams
     cu = cu_seqlens.to(device=device, dtype=torch.int32)
     longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    return PackedSeqParams(qkv_format=THD, cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=longest, max_seqlen_kv=longest)
+    params = PackedSeqParams(qkv_format=THD, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    if plan is not None:
+        if tuple(plan.cu_seqlens) != tuple(int(c) for c in cu_seqlens.tolist()):
+            raise ValueError(f"the plan's boundaries {plan.cu_seqlens} are not cu_seqlens "
+                             f"{cu_seqlens.tolist()}: pass the plan of these boundaries")
+        setattr(params, PLAN_ATTRIBUTE, plan)
+    return params
 
 
 def eod_cu_seqlens(tokens: torch.Tensor, eod: int) -> torch.Tensor:
@@ -122,7 +139,7 @@ def pack_batch(tensors: dict, cu_seqlens, ctx: SPContext, *, pad_values: Optiona
     ``local[name] [1, L]`` on ``device`` (plus ``position_ids``: each token's position inside
     its document), Megatron ``PackedSeqParams`` (THD; boundaries on the CPU) and the plan.
     ``pad_values[name]`` fills plan padding (default 0; give labels ``-100`` or a zero loss
-    mask)."""
+    mask). The params carry the plan (``params.packing_plan``) to every core attention."""
     pctx = packing_context(ctx)
     pad_values = pad_values or {}
     n = num_chunks(pctx.world_size, pctx.layout)
@@ -139,4 +156,4 @@ def pack_batch(tensors: dict, cu_seqlens, ctx: SPContext, *, pad_values: Optiona
                                  pad_value=pad_values.get(name, 0)).to(device)
     local["position_ids"] = plan.position_ids(pctx.rank, device).unsqueeze(0)
     cu = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.tensor(cu_seqlens)
-    return local, packed_seq_params(cu), plan
+    return local, packed_seq_params(cu, plan=plan), plan

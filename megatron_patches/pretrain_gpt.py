@@ -77,11 +77,11 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     from megatron.training import get_args, print_rank_0
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from .args import MEGATRON_IMPL, options_from_args
+    from .args import options_of
     from .model import build_gpt_model
 
     args = get_args()
-    opts = options_from_args(args)
+    options = options_of(args)          # what main's validate_args built, once
     if config is None:
         config = core_transformer_config_from_args(args)
     common = dict(vocab_size=args.padded_vocab_size,
@@ -92,19 +92,17 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
                   share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                   position_embedding_type=args.position_embedding_type,
                   rotary_percent=args.rotary_percent)
-    if opts["cp_impl"] == MEGATRON_IMPL:      # Megatron's own attention, local spec
+    if options.megatron_attention:      # Megatron's own attention, local spec
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         print_rank_0("building Megatron's GPT model (--context-parallel-impl megatron)")
         return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
             normalization=args.normalization), rotary_base=args.rotary_base,
             pg_collection=pg_collection, vp_stage=vp_stage, **common)
-    print_rank_0(f"building {opts['kind']} GPT with --context-parallel-impl {opts['cp_impl']}, "
-                 f"layers {opts['pattern']}, softmax {opts['softmax_schedule']}")
-    return build_gpt_model(config, kind=opts["kind"], cp_impl=opts["cp_impl"],
-                           softmax_schedule=opts["softmax_schedule"],
-                           hybrid_pattern=opts["pattern"],
-                           slope_schedule=opts["slope_schedule"], pg_collection=pg_collection,
+    print_rank_0(f"building {options.model_kind} GPT with --context-parallel-impl "
+                 f"{options.context_parallel_impl}, layers {options.pattern}, softmax "
+                 f"{options.softmax_schedule}")
+    return build_gpt_model(config, options, pg_collection=pg_collection,
                            rotary_base=args.rotary_base, vp_stage=vp_stage, **common)
 
 
@@ -257,7 +255,7 @@ def main(argv=None) -> None:
         pass
     args = parse_and_validate_args(extra_args_provider=add_arguments,
                                    args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
-    validate_args(args)     # fail before Megatron initialises anything
+    validate_args(args)     # fail before Megatron initialises anything; the options, once
     datasets_provider.is_distributed = True
     with _prebuilt_dataset_helpers():
         pretrain(pretrain_cfg_container_from_args(args), datasets_provider,

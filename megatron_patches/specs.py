@@ -12,8 +12,8 @@
 - Prebuilt specs for Megatron-LM's ``--spec megatron_patches.specs <name>``:
   ``softmax_layer_spec``, ``linear_layer_spec``, ``gated_layer_spec``, ``hybrid_layer_spec``
   — layer specs whose core
-  attention reads ``--context-parallel-impl`` and our other arguments from Megatron-LM's parsed
-  args when the model is built (one layer spec serves every layer; the hybrid one picks each
+  attention takes ``--context-parallel-impl`` and our other arguments from the options the
+  launcher's argument check built from Megatron-LM's parsed args (once per run) (one layer spec serves every layer; the hybrid one picks each
   layer's kind from ``--sp-hybrid-pattern`` and its layer number).
 """
 from __future__ import annotations
@@ -24,12 +24,16 @@ from typing import Any, Callable, Optional
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from sp_attention import build_sp_context
+
+from . import args as megatron_args
 from .core_attention import LinearCoreAttention, SoftmaxCoreAttention, resolve_groups
 from .gated_attention import GatedCoreAttention, GatedSelfAttention
-from .options import LAYER_KINDS, expand_pattern
+from .options import LAYER_KINDS, SPOptions, expand_pattern, take_renamed
 
 __all__ = ["patch_core_attention", "find_core_attention_slots", "layer_kind", "expand_pattern",
-           "core_attention_spec", "layer_spec", "block_spec", "ArgsCoreAttention",
+           "core_attention_spec", "options_spec_kwargs", "layer_spec", "block_spec",
+           "ArgsCoreAttention",
            "softmax_layer_spec", "linear_layer_spec", "gated_layer_spec", "hybrid_layer_spec",
            "LAYER_KINDS",
            "MEGATRON_LAYOUT"]
@@ -104,26 +108,38 @@ def patch_core_attention(spec: Any, core_attention: Any, *, require: bool = True
     return out
 
 
+def options_spec_kwargs(options: SPOptions) -> dict:
+    """What the core attentions take from ``options``: :func:`core_attention_spec`'s keywords."""
+    return {"context_parallel_impl": options.context_parallel_impl,
+            "softmax_schedule": options.softmax_schedule,
+            "slope_schedule": options.slope_schedule}
+
+
 def layer_kind(pattern: str, layer_number: int, num_layers: int) -> str:
     """``"linear"``, ``"gated"`` or ``"softmax"`` for 1-based global ``layer_number``."""
     return LAYER_KINDS[expand_pattern(pattern, num_layers)[layer_number - 1]]
 
 
-def core_attention_spec(kind: str, *, cp_impl: Optional[str] = None, softmax_schedule=None,
-                        slope_schedule: Optional[str] = None, sp_context=None) -> ModuleSpec:
-    """The core-attention ModuleSpec for one layer kind. None: the library's / adapters'
-    defaults, read when the layer is built; ``sp_context`` None: one over the layer's CP group
-    in ``sp_attention.DEFAULT_LAYOUT``."""
+def core_attention_spec(kind: str, *, context_parallel_impl: Optional[str] = None,
+                        softmax_schedule=None, slope_schedule: Optional[str] = None,
+                        sp_context=None, **renamed) -> ModuleSpec:
+    """The core-attention ModuleSpec for one layer kind, from the pieces of an
+    :class:`~megatron_patches.options.SPOptions` (:func:`options_spec_kwargs`). None: the
+    library's / adapters' defaults, read when the layer is built; ``sp_context`` None: one over
+    the layer's CP group in ``sp_attention.DEFAULT_LAYOUT``."""
+    scan = take_renamed(renamed, "cp_impl", "context_parallel_impl", context_parallel_impl)
+    if renamed:
+        raise TypeError(f"unexpected keywords {sorted(renamed)}")
     if kind == "softmax":
         return ModuleSpec(module=SoftmaxCoreAttention,
                           params={"softmax_schedule": softmax_schedule, "sp_context": sp_context})
     if kind == "linear":
         return ModuleSpec(module=LinearCoreAttention,
-                          params={"cp_impl": cp_impl, "slope_schedule": slope_schedule,
+                          params={"context_parallel_impl": scan, "slope_schedule": slope_schedule,
                                   "sp_context": sp_context})
     if kind == "gated":
         return ModuleSpec(module=GatedCoreAttention,
-                          params={"cp_impl": cp_impl, "sp_context": sp_context})
+                          params={"context_parallel_impl": scan, "sp_context": sp_context})
     raise ValueError(f"unknown layer kind {kind!r}; use one of {sorted(LAYER_KINDS.values())}")
 
 
@@ -175,27 +191,21 @@ class ArgsCoreAttention:
     Constructing it returns a :class:`SoftmaxCoreAttention`, :class:`LinearCoreAttention` or
     :class:`GatedCoreAttention` for the layer: what ``--spec megatron_patches.specs <name>``
     puts in every layer. ``kind``: ``"softmax"``, ``"linear"``, ``"gated"`` or ``"pattern"``
-    (the layer's letter in the pattern).
+    (the layer's letter in the pattern). The options are the one
+    :class:`~megatron_patches.options.SPOptions` the launcher's ``validate_args`` built
+    (:func:`megatron_patches.args.options_from_megatron_args`): checked once per run, not per
+    layer.
     """
 
     def __new__(cls, *args, kind: str = "pattern", **kwargs):
-        from sp_attention import build_sp_context
-
-        from .args import options_from_megatron_args
-        opts = options_from_megatron_args()
-        config = kwargs.get("config", args[0] if args else None)
+        options = megatron_args.options_from_megatron_args()
         layer_number = kwargs.get("layer_number", args[1] if len(args) > 1 else 1)
         if kind == "pattern":
-            kind = LAYER_KINDS[opts["pattern"][layer_number - 1]]
+            kind = LAYER_KINDS[options.pattern[layer_number - 1]]
         _, cp_group = resolve_groups(kwargs.get("pg_collection"))
-        ctx = build_sp_context(cp_group, MEGATRON_LAYOUT)
-        if kind == "softmax":
-            return SoftmaxCoreAttention(*args, softmax_schedule=opts["softmax_schedule"],
-                                        sp_context=ctx, **kwargs)
-        if kind == "gated":
-            return GatedCoreAttention(*args, cp_impl=opts["cp_impl"], sp_context=ctx, **kwargs)
-        return LinearCoreAttention(*args, cp_impl=opts["cp_impl"], sp_context=ctx,
-                                   slope_schedule=opts["slope_schedule"], **kwargs)
+        spec = core_attention_spec(kind, sp_context=build_sp_context(cp_group, MEGATRON_LAYOUT),
+                                   **options_spec_kwargs(options))
+        return spec.module(*args, **spec.params, **kwargs)
 
 
 def _prebuilt(kind: str) -> ModuleSpec:

@@ -66,7 +66,7 @@ def test_megatron_model_follows_the_constants(monkeypatch):
     assert [type(m) for m in layers] == [LinearCoreAttention, SoftmaxCoreAttention]
     assert all(m.sp_ctx is model.sp_context for m in layers)
     assert model.rotary_pos_emb.sp_ctx is model.sp_context
-    _follows(model.sp_context, layers[1].softmax_schedule, layers[0].cp_impl)
+    _follows(model.sp_context, layers[1].softmax_schedule, layers[0].context_parallel_impl)
 
 
 def test_both_clis_follow_the_constants(monkeypatch):
@@ -74,8 +74,8 @@ def test_both_clis_follow_the_constants(monkeypatch):
     read when used) and the sequence-length rule of the layout."""
     import argparse
     from megatron_patches.args import add_arguments, options_from_args
-    from megatron_patches.trainer.args import parse_args
-    from megatron_patches.trainer.progress import describe_attention
+    from sp_train.args import parse_args
+    from sp_train.progress import describe_attention
     _patch_defaults(monkeypatch)
     ns = add_arguments(argparse.ArgumentParser()).parse_args(["--sp-model-kind", "hybrid"])
     for k, v in dict(context_parallel_size=2, tensor_model_parallel_size=1, seq_length=6,
@@ -83,10 +83,10 @@ def test_both_clis_follow_the_constants(monkeypatch):
                      num_layers=2).items():
         setattr(ns, k, v)
     opts = options_from_args(ns)               # seq 6 is a multiple of CP 2 when contiguous
-    _follows(build_sp_context(None), opts["softmax_schedule"], opts["cp_impl"])
+    _follows(build_sp_context(None), opts.softmax_schedule, opts.context_parallel_impl)
     args = parse_args(["--sp-model-kind", "hybrid"])
-    topts = args.model_options()
-    _follows(build_sp_context(None), topts["softmax_schedule"], topts["cp_impl"])
+    topts = args.sp_options
+    _follows(build_sp_context(None), topts.softmax_schedule, topts.context_parallel_impl)
     assert args.layout(6).cp == 6 and args.seq_length == 258    # 256 up to a multiple of 6, not 12
     assert describe_attention(topts, build_sp_context(None)) == "softmax + linear on one rank (CP 1)"
 
@@ -100,5 +100,5 @@ def test_hf_adapter_follows_the_constants(monkeypatch):
                                          num_hidden_layers=1, num_attention_heads=2,
                                          num_key_value_heads=1))
     handle = prepare_model_for_cp(model, None)
-    _follows(handle.ctx, handle.schedule, handle.linear_impl)
+    _follows(handle.ctx, handle.schedule, handle.context_parallel_impl)
     handle.remove()

@@ -16,8 +16,8 @@ def test_ci_runs_the_readme_test_command():
 
 
 # The documents: the top README, the package READMEs and the docstrings of the library, its
-# adapters (megatron_patches, models), train.py and the example.
-_PACKAGES = ("sp_attention", "megatron_patches", "models")
+# adapters (megatron_patches, models), the trainer (sp_train), train.py and the example.
+_PACKAGES = ("sp_attention", "megatron_patches", "models", "sp_train")
 DOCS = (["README.md"]
         + [f for pkg in _PACKAGES
            for f in sorted(glob.glob(f"{pkg}/**/README.md", root_dir=ROOT, recursive=True))]
@@ -25,9 +25,9 @@ DOCS = (["README.md"]
            for f in sorted(glob.glob(f"{pkg}/**/*.py", root_dir=ROOT, recursive=True))]
         + ["train.py", "examples/hf_llama_cp.py"])
 _REPO_DIRS = ("sp_attention/", "tests/", "benchmarks/", "megatron_patches/", "models/",
-              "scripts/", "examples/")
+              "sp_train/", "scripts/", "examples/")
 _PATH = re.compile(r"(?<![\w./-])([\w*-]+(?:/[\w.*-]+)*\.(?:py|md|sh|sbatch))\b")
-_DOTTED = re.compile(r"(?<![\w/.])sp_attention(?:\.[A-Za-z_]\w*)+")
+_DOTTED = re.compile(r"(?<![\w/.])(?:sp_attention|sp_train)(?:\.[A-Za-z_]\w*)+")
 
 
 def _repo_file_names() -> set:
@@ -65,7 +65,7 @@ def _resolves(dotted: str) -> bool:
         try:
             obj = importlib.import_module(".".join(parts[:i]))
         except ModuleNotFoundError as e:
-            if e.name and not e.name.startswith("sp_attention"):
+            if e.name and not e.name.startswith(("sp_attention", "sp_train")):
                 return True         # needs an optional dependency that is not installed
             continue
         for attr in parts[i:]:
@@ -77,8 +77,8 @@ def _resolves(dotted: str) -> bool:
 
 
 def test_modules_and_names_in_the_library_docs_exist():
-    """``sp_attention.x.y`` in the docs and ``:mod:`.x``` / ``:func:`.x.f``` in docstrings
-    name a module or an attribute that exists."""
+    """``sp_attention.x.y`` / ``sp_train.x.y`` in the docs and ``:mod:`.x``` /
+    ``:func:`.x.f``` in docstrings name a module or an attribute that exists."""
     missing = []
     for doc in DOCS:
         text = open(os.path.join(ROOT, doc), encoding="utf-8").read()

@@ -1,9 +1,9 @@
-"""Cross-rank loss share and gradient all-reduce (sp_attention.reduce) on gloo."""
+"""Cross-rank loss share and gradient all-reduce (sp_train.reduce) on gloo."""
 import pytest
 import torch
 import torch.distributed as dist
 
-from sp_attention.reduce import all_reduce_gradients, global_token_mean
+from sp_train.reduce import all_reduce_gradients, global_token_mean
 from sp_attention.testing import run_distributed, seeded
 
 

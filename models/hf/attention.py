@@ -4,7 +4,8 @@
 fresh name (``AttentionInterface.register``) and switches the model to it with the public
 ``model.set_attn_implementation``. The function is a closure over the model's
 :class:`~sp_attention.SPContext`, its softmax :class:`~sp_attention.SoftmaxSchedule` and its
-linear scan: no module globals, so two models with different CP groups (or schedules) live in
+linear scan (the pieces of one checked :class:`~megatron_patches.options.SPOptions`, the value
+both CLIs build): no module globals, so two models with different CP groups (or schedules) live in
 one process, each under its own name.
 
 What HF hands a custom attention function (transformers 5.17 and 5.23, checked in the source):
@@ -20,16 +21,20 @@ linear-attention layers of :mod:`models.hf.linear_llama` (``sp_attention.lightni
 which call ``ALL_ATTENTION_FUNCTIONS`` too and are told apart by their ``is_linear_attention``
 attribute.
 
-Packed documents arrive the way HF's flash path takes them: ``cu_seq_lens_q/k`` in the
-kwargs (the global packed row's boundaries; :func:`models.hf.prepare_cp_batch` puts them
-there, as does ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` at CP = 1), or,
-at CP = 1 only, ``position_ids`` that restart (HF's packed-sequence rule). They give the
-batch's :class:`~sp_attention.PackingPlan` (cached by tensor: one host copy per batch, not
-per layer), and attention stays inside each document.
+Packed documents: a batch cut by :func:`models.hf.prepare_cp_batch` carries its
+:class:`~sp_attention.PackingPlan` to the attention function in the forward kwargs
+(``sp_packing_plan``, beside HF's flash kwargs ``cu_seq_lens_q/k``): every layer uses that
+plan, no lookup. A batch built elsewhere gives its boundaries the way HF's flash path takes
+them, ``cu_seq_lens_q/k`` (the global packed row's; ``DataCollatorWithFlattening(
+return_flash_attn_kwargs=True)`` at CP = 1), or, at CP = 1 only, ``position_ids`` that
+restart (HF's packed-sequence rule): those are planned once per boundaries tensor through
+``sp_attention.packing``'s tensor-keyed cache (one host copy per batch, not per layer).
+Attention stays inside each document.
 """
 from __future__ import annotations
 
 import inspect
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
@@ -40,16 +45,18 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from megatron_patches.options import SPOptions, take_renamed
 from sp_attention import (LinearTuning, SoftmaxSchedule, SPContext, build_sp_context,
                           context_parallel_attention, lightning_attention)
 from sp_attention.caches import LRU
 from sp_attention.linear import IMPLS as LINEAR_IMPLS
 from sp_attention.packing import PackingPlan, packing_context, resolve_plan
 
-__all__ = ["CPSchedule", "CPHandle", "prepare_model_for_cp", "make_cp_attention", "LINEAR_IMPLS"]
+__all__ = ["CPSchedule", "CPHandle", "prepare_model_for_cp", "make_cp_attention", "model_options",
+           "LINEAR_IMPLS"]
 
 # The softmax schedule is the library's one dataclass; CPSchedule is another name for it (the
-# linear layers' scan is prepare_model_for_cp's linear_impl=).
+# linear layers' scan is prepare_model_for_cp's context_parallel_impl=).
 CPSchedule = SoftmaxSchedule
 
 # a gated layer's gates are non-positive by construction: the op need not read them back to
@@ -111,12 +118,23 @@ def _restarts(position_ids) -> Optional[tuple[int, ...]]:
     return cu
 
 
+# The keyword a batch's packing plan travels under, from prepare_cp_batch's model_inputs()
+# through the model's forward kwargs to the attention function.
+PLAN_KWARG = "sp_packing_plan"
+
+
 def packed_plan(ctx: SPContext, q_len: int, device, kwargs: dict) -> Optional[PackingPlan]:
-    """The packing plan of a call (None: unpacked), from HF's ``cu_seq_lens_q/k`` (the global
-    row's boundaries, the row being ``P × q_len`` tokens) or, at CP = 1, restarting
+    """The packing plan of a call (None: unpacked): the batch's own (``sp_packing_plan``, put
+    there by :meth:`models.hf.CPBatch.model_inputs`: no lookup), else from HF's
+    ``cu_seq_lens_q/k`` (the global row's boundaries, the row being ``P × q_len`` tokens; a
+    batch built elsewhere, e.g. by ``DataCollatorWithFlattening``: planned once per boundaries
+    tensor, through ``sp_attention.packing``'s tensor-keyed cache) or, at CP = 1, restarting
     ``position_ids``. Raises for boundaries that cannot be honoured."""
     pctx = packing_context(ctx)
     row = pctx.world_size * q_len
+    carried = kwargs.get(PLAN_KWARG)
+    if carried is not None:
+        return resolve_plan(carried, pctx, q_len)
     for q_name, k_name in _CU_NAMES:
         cu_q, cu_k = kwargs.get(q_name), kwargs.get(k_name)
         if cu_q is None and cu_k is None:
@@ -144,22 +162,19 @@ def decay_kwargs(module, log_decay) -> dict:
     return {"slopes": module.decay_slopes()}
 
 
-def _check_schedule(schedule, linear_impl) -> None:
+def make_cp_attention(ctx: SPContext, schedule: SoftmaxSchedule,
+                      context_parallel_impl: Optional[str] = None, **renamed) -> Callable:
+    """The attention function to register: a closure over ``ctx``, the softmax ``schedule``
+    and the linear layers' scan ``context_parallel_impl`` (None: the library's default, read per
+    call; the op checks the name; ``linear_impl=``, its old name, works for one release)."""
+    scan = take_renamed(renamed, "linear_impl", "context_parallel_impl", context_parallel_impl)
+    if renamed:
+        raise TypeError(f"make_cp_attention() got unexpected keywords {sorted(renamed)}")
+    if not isinstance(ctx, SPContext):
+        raise TypeError(f"ctx must be an SPContext, got {type(ctx).__name__}")
     if not isinstance(schedule, SoftmaxSchedule):
         raise TypeError(f"schedule must be an sp_attention.SoftmaxSchedule (models.hf.CPSchedule),"
                         f" got {type(schedule).__name__}")
-    if linear_impl is not None and linear_impl not in LINEAR_IMPLS:
-        raise ValueError(f"linear_impl={linear_impl!r} is unknown; use one of {LINEAR_IMPLS} "
-                         "(None: the library's default)")
-
-
-def make_cp_attention(ctx: SPContext, schedule: SoftmaxSchedule,
-                      linear_impl: Optional[str] = None) -> Callable:
-    """The attention function to register: a closure over ``ctx``, the softmax ``schedule``
-    and the linear layers' scan ``linear_impl`` (None: the library's default, read per call)."""
-    if not isinstance(ctx, SPContext):
-        raise TypeError(f"ctx must be an SPContext, got {type(ctx).__name__}")
-    _check_schedule(schedule, linear_impl)
     softmax_kwargs = schedule.kwargs()
     # One rank holds the whole sequence in either layout; contiguous takes any length (odd
     # prompts in generate()), zigzag would demand an even one, and keeps a packed row's order.
@@ -181,7 +196,7 @@ def make_cp_attention(ctx: SPContext, schedule: SoftmaxSchedule,
         packed = {} if plan is None else {"cu_seqlens": plan}
         if getattr(module, "is_linear_attention", False):     # K/V with their Hkv heads (GQA)
             out = lightning_attention(q, key.transpose(1, 2), value.transpose(1, 2),
-                                      ctx=run_ctx, impl=linear_impl, scale=scale,
+                                      ctx=run_ctx, impl=scan, scale=scale,
                                       **decay_kwargs(module, kwargs.get("log_decay")),
                                       **packed)
         else:
@@ -192,7 +207,7 @@ def make_cp_attention(ctx: SPContext, schedule: SoftmaxSchedule,
 
     sp_cp_attention.sp_context = ctx                # lets our linear layers recognise it
     sp_cp_attention.sp_schedule = schedule
-    sp_cp_attention.sp_linear_impl = linear_impl
+    sp_cp_attention.sp_context_parallel_impl = scan
     return sp_cp_attention
 
 
@@ -202,11 +217,27 @@ class CPHandle:
 
     name: str
     ctx: SPContext
-    schedule: SoftmaxSchedule
-    linear_impl: Optional[str]
+    options: SPOptions
     previous_implementation: Optional[str]
     model: Any = field(repr=False)
     hook: Any = field(repr=False)
+
+    @property
+    def schedule(self) -> SoftmaxSchedule:
+        """The softmax layers' schedule (``options.softmax_schedule``)."""
+        return self.options.softmax_schedule
+
+    @property
+    def context_parallel_impl(self) -> Optional[str]:
+        """The linear layers' scan (``options.context_parallel_impl``)."""
+        return self.options.context_parallel_impl
+
+    @property
+    def linear_impl(self) -> Optional[str]:
+        """Deprecated name of :attr:`context_parallel_impl` (goes in the next release)."""
+        warnings.warn("CPHandle.linear_impl is now CPHandle.context_parallel_impl",
+                      DeprecationWarning, stacklevel=2)
+        return self.context_parallel_impl
 
     def remove(self) -> None:
         """Remove the input checks and switch the model back to its previous attention. The
@@ -237,10 +268,54 @@ def _check_model(model) -> None:
                          "attention; set config.sliding_window = None")
 
 
+def _layer_kinds(model) -> list[str]:
+    """The model's attention kind per layer: our linear layers say theirs (``is_linear_attention``,
+    ``gated``), every other layer is softmax."""
+    kinds = ["softmax"] * model.config.num_hidden_layers
+    for m in model.modules():
+        if getattr(m, "is_linear_attention", False):
+            kinds[m.layer_idx] = "gated" if getattr(m, "gated", False) else "linear"
+    return kinds
+
+
+def model_options(model, options: Optional[SPOptions] = None, *,
+                  schedule: Optional[SoftmaxSchedule] = None,
+                  context_parallel_impl: Optional[str] = None) -> SPOptions:
+    """The :class:`~megatron_patches.options.SPOptions` of an HF ``model``: ``options`` (checked
+    against the model's layers and heads), or one built from the model's layers and the
+    pieces. Every rule between the options is ``SPOptions``' (e.g. a scan for a model without
+    linear layers raises)."""
+    kinds = _layer_kinds(model)
+    config = model.config
+    heads = config.num_attention_heads
+    facts = dict(num_attention_heads=heads,
+                 num_query_groups=getattr(config, "num_key_value_heads", None) or heads)
+    if options is None:
+        options = SPOptions.from_layer_kinds(kinds, context_parallel_impl=context_parallel_impl,
+                                             softmax_schedule=schedule, **facts)
+    elif schedule is not None or context_parallel_impl is not None:
+        raise TypeError("pass options= or schedule= / context_parallel_impl=, not both")
+    elif not isinstance(options, SPOptions):
+        raise TypeError(f"options must be a megatron_patches.options.SPOptions, got "
+                        f"{type(options).__name__}")
+    else:
+        options = options.with_model(num_layers=len(kinds), **facts)
+        if options.layer_kinds != tuple(kinds):
+            raise ValueError(f"the options describe the layers {options.pattern} but the model's "
+                             f"are {SPOptions.from_layer_kinds(kinds).pattern}: build them for "
+                             "this model (--sp-model-kind, --sp-hybrid-pattern)")
+    if options.megatron_attention:
+        raise ValueError("--context-parallel-impl megatron is the Megatron-LM launcher's; HF "
+                         "models run our attention: pick blelloch, allgather, ring or auto")
+    return options
+
+
 def prepare_model_for_cp(model, cp: Union[SPContext, dist.ProcessGroup, None], *,
+                         options: Optional[SPOptions] = None,
                          schedule: Optional[SoftmaxSchedule] = None,
-                         linear_impl: Optional[str] = None, name: Optional[str] = None,
-                         layout: Optional[str] = None) -> CPHandle:
+                         context_parallel_impl: Optional[str] = None,
+                         name: Optional[str] = None, layout: Optional[str] = None,
+                         **renamed) -> CPHandle:
     """Make ``model`` run its attention split over the CP group ``cp``.
 
     Args:
@@ -248,10 +323,14 @@ def prepare_model_for_cp(model, cp: Union[SPContext, dist.ProcessGroup, None], *
             (Llama, and :class:`models.hf.LinearLlamaForCausalLM` linear / hybrid variants).
         cp: the CP process group (never WORLD by default), an :class:`~sp_attention.SPContext`,
             or None for a single process (CP = 1: same code path, no communication).
+        options: our attention options, one :class:`~megatron_patches.options.SPOptions` (e.g.
+            a command line's, ``SPOptions.from_flags``); it must describe the model's layers.
+            Or give its pieces instead:
         schedule: the softmax layers' :class:`~sp_attention.SoftmaxSchedule` (``CPSchedule``
             is the same class; None: the library's default preset, read now).
-        linear_impl: the linear-attention layers' scan (``blelloch``, ``allgather``, ``ring``,
-            ``auto``; None: the library's ``DEFAULT_IMPL``, read at each call).
+        context_parallel_impl: the linear-attention layers' scan (``blelloch``,
+            ``allgather``, ``ring``, ``auto``; None: the library's ``DEFAULT_IMPL``, read at
+            each call). ``linear_impl=``, its old name, works for one release.
         name: the ``attn_implementation`` name to register; default a fresh
             ``"sp_cp_<id of the model>_<n>"``. A name already registered raises, and so does
             preparing a model that is already prepared.
@@ -260,17 +339,20 @@ def prepare_model_for_cp(model, cp: Union[SPContext, dist.ProcessGroup, None], *
             takes ``handle.ctx``, the same context).
 
     Returns:
-        a :class:`CPHandle` (``.ctx`` is the SPContext to shard batches with).
+        a :class:`CPHandle` (``.ctx`` is the SPContext to shard batches with, ``.options`` the
+        checked options).
 
     Every call of the prepared model must then take CP-local inputs with *global*
     ``position_ids`` and no ``attention_mask`` or ``labels`` (see :func:`prepare_cp_batch` and
     :func:`causal_lm_loss`); a forward pre-hook checks this on every rank before any
     collective. Under CP > 1 the hook also turns ``use_cache`` off (no KV cache under CP).
     """
+    scan = take_renamed(renamed, "linear_impl", "context_parallel_impl", context_parallel_impl)
+    if renamed:
+        raise TypeError(f"prepare_model_for_cp() got unexpected keywords {sorted(renamed)}")
     _check_model(model)
     ctx = _resolve_ctx(cp, layout)
-    schedule = SoftmaxSchedule() if schedule is None else schedule
-    _check_schedule(schedule, linear_impl)
+    options = model_options(model, options, schedule=schedule, context_parallel_impl=scan)
     previous = model.config._attn_implementation
     if _registered_cp_attention(previous) is not None:
         raise ValueError(f"this model is already prepared for CP (attention {previous!r}); call "
@@ -284,13 +366,14 @@ def prepare_model_for_cp(model, cp: Union[SPContext, dist.ProcessGroup, None], *
     if name in registered:
         raise ValueError(f"attention implementation {name!r} is already registered; pass an "
                          "unused name= (or leave it None for a fresh one)")
-    AttentionInterface.register(name, make_cp_attention(ctx, schedule, linear_impl))
+    AttentionInterface.register(name, make_cp_attention(ctx, options.softmax_schedule,
+                                                        options.context_parallel_impl))
     model.set_attn_implementation(name)
     if model.config._attn_implementation != name:
         raise RuntimeError(f"{type(model).__name__} did not switch to attention {name!r}: it does "
                            "not dispatch through AttentionInterface")
     hook = model.register_forward_pre_hook(_input_checker(model, ctx), with_kwargs=True)
-    return CPHandle(name, ctx, schedule, linear_impl, previous, model, hook)
+    return CPHandle(name, ctx, options, previous, model, hook)
 
 
 def _registered_cp_attention(name: Optional[str]) -> Optional[Callable]:

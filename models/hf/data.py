@@ -15,12 +15,13 @@ documents; ``position_ids`` restarting per document, and with ``return_flash_att
 ``cu_seq_lens_q/k`` and ``max_length_q/k``): the row's boundaries give the batch's
 :class:`~sp_attention.PackingPlan` (in :func:`sp_attention.packing.packing_context` of the
 model's context), labels are shifted inside each document, the row is cut by the plan, and
-the boundaries travel to the attention function as ``cu_seq_lens_q/k`` (HF's flash kwargs),
-where the same plan is looked up: attention stays inside each document on every rank.
+the plan travels with the batch to the attention function (``model_inputs()``: the forward
+kwarg ``sp_packing_plan``, beside the boundaries as HF's flash kwargs ``cu_seq_lens_q/k``):
+attention stays inside each document on every rank.
 
 The loss of the global batch is ``Σ token losses / global count of real tokens``; each rank
-computes its share with :func:`sp_attention.reduce.global_token_mean`, and summing gradients
-over DP × CP (:func:`sp_attention.reduce.all_reduce_gradients`) gives the unsharded gradient.
+computes its share with :func:`sp_train.reduce.global_token_mean`, and summing gradients
+over DP × CP (:func:`sp_train.reduce.all_reduce_gradients`) gives the unsharded gradient.
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ import torch.nn.functional as F
 from sp_attention import (SPContext, pad_for_layout, shard_position_ids, shard_sequence,
                           shift_labels)
 from sp_attention.packing import PackingPlan, packing_context, plan_packing
-from sp_attention.reduce import global_token_mean
+from sp_train.reduce import global_token_mean
+
+from .attention import PLAN_KWARG
 
 __all__ = ["CPBatch", "prepare_cp_batch", "causal_lm_loss", "global_loss_value"]
 
@@ -70,13 +73,16 @@ class CPBatch:
 
     def model_inputs(self) -> dict:
         """Keyword arguments for the prepared model: ``model(**batch.model_inputs())`` (packed:
-        also the global row's boundaries as HF's ``cu_seq_lens_q/k``, ``max_length_q/k``)."""
+        also the global row's boundaries as HF's ``cu_seq_lens_q/k``, ``max_length_q/k``, and
+        the batch's plan, ``sp_packing_plan``, which reaches every attention call: the plan is
+        built once per batch, here)."""
         out = {"input_ids": self.input_ids, "position_ids": self.position_ids}
         if self.plan is not None:
             cu = self.plan.cu_seqlens
             longest = max(b - a for a, b in zip(cu, cu[1:]))
             out.update(cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens,
                        max_length_q=longest, max_length_k=longest)
+            out[PLAN_KWARG] = self.plan
         return out
 
 
@@ -237,7 +243,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor,
     tokens make up one global batch — the CP group, or DP × CP when data parallelism is used too
     (None: this process only). Returns ``Σ local token losses / global count of real tokens``;
     backpropagate it, then sum gradients over DP × CP with
-    ``sp_attention.reduce.all_reduce_gradients(model.parameters(), dp_cp_group)``. Log
+    ``sp_train.reduce.all_reduce_gradients(model.parameters(), dp_cp_group)``. Log
     :func:`global_loss_value`.
     """
     if logits.shape[:-1] != labels.shape:

@@ -16,7 +16,7 @@ import torch.distributed as dist  # noqa: E402
 
 from models.hf import (causal_lm_loss, global_loss_value, prepare_cp_batch,  # noqa: E402
                        prepare_model_for_cp)
-from sp_attention.reduce import all_reduce_gradients  # noqa: E402
+from sp_train.reduce import all_reduce_gradients  # noqa: E402
 from sp_attention.testing import rel_rms, run_distributed  # noqa: E402
 
 from test_hf_cp import _cases, _models  # noqa: E402

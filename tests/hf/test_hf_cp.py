@@ -23,7 +23,7 @@ from transformers import (DataCollatorWithFlattening, LlamaConfig,  # noqa: E402
 from models.hf import (CPSchedule, LinearLlamaConfig, LinearLlamaForCausalLM,  # noqa: E402
                        causal_lm_loss, global_loss_value, hybrid_layer_kinds,
                        prepare_cp_batch, prepare_model_for_cp)
-from sp_attention.reduce import all_reduce_gradients  # noqa: E402
+from sp_train.reduce import all_reduce_gradients  # noqa: E402
 from sp_attention.softmax import PRESETS  # noqa: E402
 from sp_attention.testing import rel_rms, run_distributed  # noqa: E402
 
@@ -87,9 +87,9 @@ def _compare(tag, got, ref):
         assert e <= GRAD_RTOL, f"{tag}: grad {name} rel RMS {e:.2e}"
 
 
-def _check(model, ref, ids, mask, group, schedule, tag, linear_impl=None):
+def _check(model, ref, ids, mask, group, schedule, tag, scan=None):
     m = copy.deepcopy(model)
-    handle = prepare_model_for_cp(m, group, schedule=schedule, linear_impl=linear_impl)
+    handle = prepare_model_for_cp(m, group, schedule=schedule, context_parallel_impl=scan)
     _compare(tag, _cp_step(m, handle, ids, mask, group), ref)
 
 
@@ -107,16 +107,16 @@ def check_equivalence(rank, world, max_linear_world=3):
         ref = _reference(models["linear"], ids, mask)
         for impl in (LINEAR_IMPLS if case == "plain" else ("auto",)):
             _check(models["linear"], ref, ids, mask, group, None,
-                   f"P={world} linear {impl} {case}", linear_impl=impl)
+                   f"P={world} linear {impl} {case}", scan=impl)
         ref = _reference(models["hybrid"], ids, mask)
         for preset in (PRESETS if case == "plain" else ("ring",)):
             _check(models["hybrid"], ref, ids, mask, group,
                    CPSchedule(preset=preset), f"P={world} hybrid {preset} {case}",
-                   linear_impl="blelloch")
+                   scan="blelloch")
         ref = _reference(models["gated"], ids, mask)      # gated + softmax layers
         for impl in (LINEAR_IMPLS if case == "plain" else ("auto",)):
             _check(models["gated"], ref, ids, mask, group, None,
-                   f"P={world} gated {impl} {case}", linear_impl=impl)
+                   f"P={world} gated {impl} {case}", scan=impl)
     return True
 
 
@@ -190,8 +190,8 @@ def check_bad_input(rank, world):
         prepare_model_for_cp(model, group)
     with pytest.raises(ValueError, match="preset"):
         CPSchedule(preset="nope")
-    with pytest.raises(ValueError, match="linear_impl='tree'"):
-        prepare_model_for_cp(_models()["linear"], group, linear_impl="tree")
+    with pytest.raises(ValueError, match="--context-parallel-impl tree: use one of"):
+        prepare_model_for_cp(_models()["linear"], group, context_parallel_impl="tree")
     share = causal_lm_loss(model(**inputs).logits, batch.labels, group)
     share.backward()
     return global_loss_value(share, group)

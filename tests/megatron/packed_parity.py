@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from sp_attention.linear.slopes import decay_slopes
-from sp_attention.reduce import all_reduce_gradients
+from sp_train.reduce import all_reduce_gradients
 from sp_attention.testing import rel_rms
 
 from plain_gpt import packed_reference
@@ -84,7 +84,7 @@ def linear_slopes(pattern: str, heads: int) -> dict:
 def references(model, heads: int, groups: int) -> dict:
     """On a 1×1×1 ``model`` (its initial state): the plain-torch reference and the model's own
     THD run on the whole global batch (per-token loss row, mean, gradients)."""
-    from sp_attention.reduce import global_token_mean
+    from sp_train.reduce import global_token_mean
     tokens = megatron_batch(slice(0, len(ROW_CU)))["tokens"]
     pattern = model.sp_layer_pattern
     sd = {n: t.detach().clone() for n, t in model.state_dict().items()
@@ -120,7 +120,7 @@ def check(model, refs: dict, tp_rank: int, tp: int, dp_rank: int, dp: int, tag: 
     """The model at its layout (TP×CP×DP groups initialised) against both references; returns
     the worst gradient error."""
     from megatron_patches.model import _tp_slice, grad_reduce_group
-    from sp_attention.reduce import global_token_mean
+    from sp_train.reduce import global_token_mean
     per = len(ROW_CU) // dp
     rows = slice(dp_rank * per, (dp_rank + 1) * per)
     loss, mask, plan = run(model, rows)

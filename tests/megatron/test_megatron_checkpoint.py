@@ -32,7 +32,7 @@ def _worker(rank, world):
             attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
             params_dtype=torch.float32, tensor_model_parallel_size=world)
         return build_gpt_model(cfg, kind="hybrid", vocab_size=64, max_sequence_length=16,
-                               cp_impl="blelloch", hybrid_pattern="LLGS")
+                               context_parallel_impl="blelloch", hybrid_pattern="LLGS")
 
     model = build(1)
     sd = model.sharded_state_dict()

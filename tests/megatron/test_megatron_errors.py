@@ -92,20 +92,20 @@ def test_good_arguments_give_options():
     opts = options_from_args(_args(*GOOD, "--softmax-cp-preset", "ring_ag",
                                    "--softmax-heads-k-stride", "2",
                                    "--softmax-bwd-head-first-stride", "1"))
-    assert opts["cp_impl"] == "blelloch" and opts["pattern"] == "LLLS"
-    assert opts["softmax_schedule"] == SoftmaxSchedule("ring_ag", heads_k_stride=2,
-                                                       bwd_head_first_stride=1)
+    assert opts.context_parallel_impl == "blelloch" and opts.pattern == "LLLS"
+    assert opts.softmax_schedule == SoftmaxSchedule("ring_ag", heads_k_stride=2,
+                                                    bwd_head_first_stride=1)
     spec = options_from_args(_args("--context-parallel-impl", "auto",
                                    spec=["megatron_patches.specs", "linear_layer_spec"]))
-    assert spec["kind"] == "linear" and spec["pattern"] == "LLLL"
+    assert spec.model_kind == "linear" and spec.pattern == "LLLL"
     # the defaults: our attention with the library's defaults (None), softmax model
     plain = options_from_args(_args())
-    assert plain["cp_impl"] is None and plain["pattern"] == "SSSS"
-    assert plain["softmax_schedule"] == SoftmaxSchedule()
+    assert plain.context_parallel_impl is None and plain.pattern == "SSSS"
+    assert plain.softmax_schedule == SoftmaxSchedule()
     mega = options_from_args(_args("--context-parallel-impl", "megatron"))
-    assert mega == {"kind": "softmax", "cp_impl": "megatron"}
+    assert mega.megatron_attention and mega.model_kind == "softmax"
     hyb = options_from_args(_args("--sp-model-kind", "hybrid", num_layers=6))
-    assert hyb["pattern"] == "LLSLLS"                # the default pattern fits 6 layers
+    assert hyb.pattern == "LLSLLS"                   # the default pattern fits 6 layers
 
 
 def _config(**kw):
@@ -185,22 +185,35 @@ def test_thd_batches():
 
 
 def test_bad_options():
-    with pytest.raises(ValueError, match="cp_impl"):
-        _make(LinearCoreAttention, cp_impl="tree")
-    with pytest.raises(ValueError, match="slope_schedule"):
+    """The rules between options are SPOptions' (build_gpt_model builds one from its keywords
+    and the config); a core attention built by hand meets the library's own checks."""
+    q, kv = torch.randn(8, 1, 4, 8), torch.randn(8, 1, 2, 8)
+    with pytest.raises(ValueError, match="unknown linear-attention scan impl 'tree'"):
+        _make(LinearCoreAttention, context_parallel_impl="tree")(q, kv, kv, None)
+    with pytest.raises(ValueError, match="slope schedule 'alibi'"):
         _make(LinearCoreAttention, slope_schedule="alibi")
     with pytest.raises(ValueError, match="divisor of the 2 local KV heads"):
-        _make(SoftmaxCoreAttention, softmax_schedule={"preset": "allgather", "heads_k_stride": 4})
+        _make(SoftmaxCoreAttention, softmax_schedule={"preset": "allgather",
+                                                      "heads_k_stride": 4})(q, kv, kv, None)
     with pytest.raises(TypeError, match="SoftmaxSchedule"):
         _make(SoftmaxCoreAttention, softmax_schedule="ring")
     from megatron_patches.model import build_gpt_model
-    for kw, message in ((dict(kind="mamba"), "kind"), (dict(cp_impl="x"), "cp_impl"),
+    from megatron_patches.options import SPOptions
+    for kw, message in ((dict(kind="mamba"), "--sp-model-kind mamba"),
+                        (dict(context_parallel_impl="x"), "--context-parallel-impl x"),
                         (dict(position_embedding_type="yarn"), "position_embedding_type"),
-                        (dict(kind="hybrid", hybrid_pattern="LLS"), "pattern")):
+                        (dict(kind="hybrid", hybrid_pattern="LLS"), "--sp-hybrid-pattern"),
+                        (dict(kind="softmax", softmax_schedule=SoftmaxSchedule(
+                            "allgather", heads_k_stride=4)), "--softmax-heads-k-stride 4")):
         args = dict(kind="linear", vocab_size=16, max_sequence_length=8)
         args.update(kw)
         with pytest.raises(ValueError, match=message):
             build_gpt_model(_config(), **args)
+    with pytest.raises(ValueError, match="num_layers 4 .the model: 2."):
+        build_gpt_model(_config(), SPOptions(4), vocab_size=16, max_sequence_length=8)
+    with pytest.raises(TypeError, match="not both"):
+        build_gpt_model(_config(), SPOptions(2), kind="linear", vocab_size=16,
+                        max_sequence_length=8)
 
 
 def test_linear_gqa_expansion_uses_megatron_group_mapping():
@@ -286,7 +299,7 @@ def test_prebuilt_spec_core_attention_follows_the_pattern(monkeypatch):
     assert kinds == [LinearCoreAttention] * 3 + [SoftmaxCoreAttention]
     linear = ArgsCoreAttention(config=config, layer_number=4, attn_mask_type=AttnMaskType.causal,
                                kind="linear")
-    assert isinstance(linear, LinearCoreAttention) and linear.cp_impl == "blelloch"
+    assert isinstance(linear, LinearCoreAttention) and linear.context_parallel_impl == "blelloch"
 
 
 def test_public_api_is_pinned():
@@ -294,7 +307,7 @@ def test_public_api_is_pinned():
     import megatron_patches.core_attention as c
     import megatron_patches.model as m
     import megatron_patches.specs as s
-    assert set(m.__all__) == {"build_gpt_model", "KINDS", "POSITION_EMBEDDINGS",
+    assert set(m.__all__) == {"build_gpt_model", "model_options", "KINDS", "POSITION_EMBEDDINGS",
                               "tp_shard_state_dict", "grad_reduce_group", "cp_context",
                               "layer_pattern", "global_loss_share", "HiddenStatesGPTModel",
                               "output_weight"}

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from sp_attention import shard_position_ids, shard_sequence, shift_labels
-from sp_attention.reduce import all_reduce_gradients
+from sp_train.reduce import all_reduce_gradients
 from sp_attention.testing import rel_rms, run_distributed
 
 pytest.importorskip("megatron.core")
@@ -43,9 +43,11 @@ def _config(tp: int, cp: int, num_layers: int = 4):
 def _build(tp, cp, kind, pos, seed=1234):
     from megatron_patches.model import build_gpt_model
     torch.manual_seed(seed)
+    scan = None if kind == "softmax" else "blelloch" if cp != 3 else "auto"
     return build_gpt_model(_config(tp, cp), kind=kind, vocab_size=VOCAB,
-                           max_sequence_length=SEQ, cp_impl="blelloch" if cp != 3 else "auto",
-                           position_embedding_type=pos, hybrid_pattern=HYBRID)
+                           max_sequence_length=SEQ, context_parallel_impl=scan,
+                           position_embedding_type=pos,
+                           hybrid_pattern=HYBRID if kind == "hybrid" else None)
 
 
 def _reference(kind, pos, tokens):

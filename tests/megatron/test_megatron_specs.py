@@ -50,7 +50,7 @@ def test_patcher_finds_and_replaces_every_core_attention_slot():
     specs = _megatron_specs()
     assert "gpt_local" in specs and any("stack" in k for k in specs), sorted(specs)
     assert len(find_core_attention_slots(specs["gpt_decoder_block"])) == 4   # one per layer
-    ours = ModuleSpec(module=LinearCoreAttention, params={"cp_impl": "blelloch"})
+    ours = ModuleSpec(module=LinearCoreAttention, params={"context_parallel_impl": "blelloch"})
     for name, spec in specs.items():
         slots = find_core_attention_slots(spec)
         assert slots, f"{name}: no core_attention slot found"
@@ -81,11 +81,14 @@ def test_prebuilt_specs_import_by_name():
 
 
 def test_block_spec_follows_the_pattern():
-    b = block_spec("LLLS", 8, cp_impl="ring")
+    b = block_spec("LLLS", 8, context_parallel_impl="ring")
     kinds = [find_core_attention_slots(s) and _ca(s).module for s in b.layer_specs]
     assert kinds == [LinearCoreAttention] * 3 + [SoftmaxCoreAttention] + \
         [LinearCoreAttention] * 3 + [SoftmaxCoreAttention]
-    assert _ca(b.layer_specs[0]).params["cp_impl"] == "ring"
+    assert _ca(b.layer_specs[0]).params["context_parallel_impl"] == "ring"
+    with pytest.warns(DeprecationWarning, match="cp_impl= is now context_parallel_impl="):
+        old = block_spec("LS", 2, cp_impl="ring")          # the old name, for one release
+    assert _ca(old.layer_specs[0]).params["context_parallel_impl"] == "ring"
     assert expand_pattern("LS", 4) == "LSLS"
     assert [layer_kind("LLLS", n, 4) for n in (1, 4)] == ["linear", "softmax"]
     for bad, n in (("LLX", 3), ("LLS", 4), ("", 2), ("LLLLL", 4)):

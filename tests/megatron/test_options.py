@@ -1,7 +1,9 @@
 """megatron_patches.options: one table builds both CLIs (train.py and the Megatron-LM launcher's
 extra_args_provider) with the same names, meanings, choices, defaults and help; the layer-pattern
-rules; every train.py flag documented. No process group, no Megatron import needed."""
+rules; every train.py flag documented; one options value (SPOptions) holding every rule, built
+once per run. No process group, no Megatron import needed."""
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -9,9 +11,10 @@ import sys
 import pytest
 
 from megatron_patches.args import add_arguments
-from megatron_patches.options import (SP_OPTIONS, default_hybrid_pattern, expand_pattern,
-                                      model_pattern)
-from megatron_patches.trainer.args import RENAMED, TrainArgs, build_parser, parse_args
+from megatron_patches.options import (DEFAULT_SLOPE_SCHEDULE, SP_OPTIONS, SPOptions,
+                                      default_hybrid_pattern, expand_pattern, model_pattern)
+from sp_attention import SoftmaxSchedule
+from sp_train.args import RENAMED, TrainArgs, build_parser, parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -79,7 +82,7 @@ def test_patterns():
     # gated linear layers: their own kind and letter, mixed freely with L and S
     assert model_pattern("gated", 2) == "GG" and model_pattern("hybrid", 6, "GLS") == "GLSGLS"
     assert parse_args(["--sp-model-kind", "gated", "--context-parallel-impl", "blelloch"]
-                      ).model_options()["cp_impl"] == "blelloch"      # G layers scan too
+                      ).sp_options.context_parallel_impl == "blelloch"      # G layers scan too
     with pytest.raises(ValueError, match="no linear layer with fixed slopes"):
         parse_args(["--sp-model-kind", "gated", "--sp-slope-schedule", "lightning"])
     with pytest.raises(ValueError, match="no linear layer with fixed slopes"):
@@ -108,7 +111,94 @@ def test_cli_modules_import_no_megatron():
     """The option table, the launcher's arguments and train.py's argument checks (and so
     ``--help`` and every command-line error) need no Megatron import."""
     code = ("import sys, megatron_patches.options, megatron_patches.args, "
-            "megatron_patches.trainer.args; print(sorted(m for m in sys.modules "
+            "sp_train.args; print(sorted(m for m in sys.modules "
             "if m.startswith('megatron.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# --- the options object: every rule once, in SPOptions, naming the flag ----------------------
+_HYBRID = dict(num_layers=4, model_kind="hybrid", num_attention_heads=8, num_query_groups=4,
+               tensor_model_parallel_size=2)
+RULES = [  # (changes to a valid hybrid, exception, the flag the message names)
+    (dict(model_kind="mamba"), ValueError, "--sp-model-kind mamba: use one of"),
+    (dict(hybrid_pattern="LLS"), ValueError, "--sp-hybrid-pattern: .* must divide 4"),
+    (dict(context_parallel_impl="tree"), ValueError, "--context-parallel-impl tree: use one of"),
+    (dict(context_parallel_impl="megatron"), ValueError,
+     "need our scan; set --context-parallel-impl"),
+    (dict(model_kind="softmax", context_parallel_impl="megatron",
+          softmax_schedule=SoftmaxSchedule("ring_ag")), ValueError,
+     "--softmax-cp-preset would be ignored with --context-parallel-impl megatron"),
+    (dict(model_kind="softmax", context_parallel_impl="megatron", slope_schedule="lightning"),
+     ValueError, "--sp-slope-schedule would be ignored with --context-parallel-impl megatron"),
+    (dict(model_kind="softmax", context_parallel_impl="blelloch"), ValueError,
+     "--context-parallel-impl blelloch does not fit --sp-model-kind softmax"),
+    (dict(tensor_model_parallel_size=0), ValueError, "--tensor-model-parallel-size 0 must be"),
+    (dict(tensor_model_parallel_size=3), ValueError,
+     "must be divisible by --tensor-model-parallel-size 3"),
+    (dict(model_kind="linear", softmax_schedule=SoftmaxSchedule(heads_k_stride=None,
+                                                                preset="allgather")),
+     ValueError, "--softmax-cp-preset would be ignored: the model has no softmax layer"),
+    (dict(softmax_schedule=SoftmaxSchedule("ring_ag", heads_k_stride=4)), ValueError,
+     "--softmax-heads-k-stride 4 must divide the 2 KV heads per TP rank"),
+    (dict(softmax_schedule=SoftmaxSchedule("ring_ag", heads_k_stride=1,
+                                           bwd_head_first_stride=1)), ValueError,
+     "--softmax-bwd-head-first/last-stride"),
+    (dict(slope_schedule="alibi"), ValueError, "--sp-slope-schedule alibi: use one of"),
+    (dict(model_kind="gated", slope_schedule="lightning"), ValueError,
+     "--sp-slope-schedule lightning would be ignored"),
+    (dict(softmax_schedule="ring"), TypeError, "SoftmaxSchedule"),
+]
+
+
+@pytest.mark.parametrize("change, error, message", RULES, ids=[r[2][:40] for r in RULES])
+def test_each_options_rule_names_its_flag(change, error, message):
+    with pytest.raises(error, match=message):
+        SPOptions(**dict(_HYBRID, **change))
+
+
+def test_options_are_one_frozen_value():
+    o = SPOptions(**_HYBRID, context_parallel_impl="blelloch")
+    assert o.pattern == "LLLS" and o.layer_kinds == ("linear",) * 3 + ("softmax",)
+    assert o.softmax_schedule == SoftmaxSchedule() and o.slopes == DEFAULT_SLOPE_SCHEDULE
+    assert o.kv_heads_per_tp_rank == 2 and o.has_scan and o.has_softmax
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.context_parallel_impl = "ring"
+    assert SPOptions.from_layer_kinds(["gated", "softmax"]).pattern == "GS"
+    assert SPOptions.from_layer_kinds(["linear"] * 2).model_kind == "linear"
+    with pytest.raises(ValueError, match="num_layers 4 .the model: 6."):
+        o.with_model(num_layers=6)
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size 3"):   # rules run again
+        SPOptions(4, "hybrid").with_model(num_attention_heads=8, num_query_groups=4,
+                                          tensor_model_parallel_size=3)
+
+
+def _launcher_args(*argv, **megatron):
+    ns = add_arguments(argparse.ArgumentParser()).parse_args(list(argv))
+    base = dict(context_parallel_size=2, tensor_model_parallel_size=2, seq_length=64,
+                num_attention_heads=8, num_query_groups=4, group_query_attention=True,
+                num_layers=4, spec=None)
+    for k, v in dict(base, **megatron).items():
+        setattr(ns, k, v)
+    return ns
+
+
+def test_options_are_built_once_per_run(monkeypatch):
+    """train.py: parse_args builds the options; the model, the header, the memory estimate and
+    the layout read them. The launcher: validate_args builds them; the model provider and
+    every prebuilt-spec layer read what it kept."""
+    import megatron_patches.args as margs
+    from sp_attention import build_sp_context
+    from sp_train.progress import describe_attention
+    from sp_train.setup import memory_estimate
+    built = []
+    check = SPOptions.__post_init__
+    monkeypatch.setattr(SPOptions, "__post_init__", lambda self: built.append(1) or check(self))
+    args = parse_args(["--sp-model-kind", "hybrid", "--context-parallel-impl", "blelloch"])
+    layout = args.layout(4)
+    describe_attention(args.sp_options, build_sp_context(None))
+    memory_estimate(args, layout, 128, bf16=False)
+    assert args.layer_kinds() == "LS" and len(built) == 1
+    ns = _launcher_args("--sp-model-kind", "hybrid", "--context-parallel-impl", "ring")
+    options = margs.validate_args(ns)
+    assert all(margs.options_of(ns) is options for _ in range(4)) and len(built) == 2

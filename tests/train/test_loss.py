@@ -1,4 +1,4 @@
-"""The chunked linear + cross entropy (megatron_patches/trainer/loss.py) against plain
+"""The chunked linear + cross entropy (sp_train/loss.py) against plain
 ``F.cross_entropy`` on the full logits: loss, per-token losses, and the gradients of the hidden
 states and the output weight.
 
@@ -29,7 +29,7 @@ def _data(dtype=torch.float64, seed=0, vocab=V):
 
 
 def _reference(hidden, weight, labels, scale):
-    from megatron_patches.trainer.loss import linear_cross_entropy_ref
+    from sp_train.loss import linear_cross_entropy_ref
     h = hidden.detach().double().requires_grad_(True)
     w = weight.detach().double().requires_grad_(True)
     loss = linear_cross_entropy_ref(h, w, labels)
@@ -40,7 +40,7 @@ def _reference(hidden, weight, labels, scale):
 
 
 def _ours(hidden, weight, labels, scale, **kw):
-    from megatron_patches.trainer.loss import linear_cross_entropy
+    from sp_train.loss import linear_cross_entropy
     h = hidden.detach().clone().requires_grad_(True)
     w = weight.detach().clone().requires_grad_(True)
     loss, tok = linear_cross_entropy(h, w, labels, **kw)
@@ -64,10 +64,10 @@ def test_fp64_matches_full_logits(chunk):
 
 def test_no_grad_and_frozen_weight():
     """Without grad mode nothing but the loss is computed; a frozen weight gets no grad."""
-    from megatron_patches.trainer.loss import linear_cross_entropy
+    from sp_train.loss import linear_cross_entropy
     hidden, weight, labels = _data()
     ref = _reference(hidden, weight, labels, 1.0)
-    import megatron_patches.trainer.loss as loss_mod
+    import sp_train.loss as loss_mod
     calls = []
     real_mm = loss_mod._add_weight_grad
     loss_mod._add_weight_grad = lambda *a: calls.append(1) or real_mm(*a)
@@ -87,7 +87,7 @@ def test_no_grad_and_frozen_weight():
 
 
 def test_bad_input_names_the_fix():
-    from megatron_patches.trainer.loss import linear_cross_entropy
+    from sp_train.loss import linear_cross_entropy
     hidden, weight, labels = _data()
     bad = labels.clone()
     bad[3] = V
@@ -106,7 +106,7 @@ def _tp_worker(rank, world):
     interpreted (the interpreter is chosen before the kernels module is imported)."""
     import torch.distributed as dist
     os.environ["TRITON_INTERPRET"] = "1"
-    import megatron_patches.trainer.loss_kernels as kernels
+    import sp_train.loss_kernels as kernels
     kernels.BLOCK_V = 8                      # several column blocks per row at V/TP = 27
     group = dist.new_group(list(range(world)))
     out = {}
@@ -141,7 +141,7 @@ def test_vocab_parallel_tp2_and_triton_kernels_interpreted():
 def test_triton_kernels_on_gpu_bf16(vocab, chunk):
     """bf16 on the GPU: the Triton row kernels vs the torch path (fp32 math) vs full logits in
     fp32: loss within 1e-3 relative, gradients within 1e-2 relative RMS; ignored rows zero."""
-    from megatron_patches.trainer.loss import linear_cross_entropy, linear_cross_entropy_ref
+    from sp_train.loss import linear_cross_entropy, linear_cross_entropy_ref
     torch.manual_seed(0)
     n, h = 4099, 512
     hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)

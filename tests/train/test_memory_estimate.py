@@ -1,4 +1,4 @@
-"""sp_attention/memory.py: the activation tally against the tensors a real Megatron-Core model
+"""sp_train/memory.py: the activation tally against the tensors a real Megatron-Core model
 saves for its backward, and the estimate's arithmetic.
 
 One process (gloo world 1): for softmax, linear (GQA and not) and gated layers, bf16 parameters,
@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from sp_attention.memory import (ModelShape, StepShape, estimate_memory, layer_saved_bytes,
+from sp_train.memory import (ModelShape, StepShape, estimate_memory, layer_saved_bytes,
                                  param_count)
 from sp_attention.testing import run_distributed
 
@@ -148,9 +148,9 @@ def test_estimate_arithmetic():
 def test_train_memory_check_refuses_with_the_fixes():
     """train.py's check: 1B softmax at 256K tokens without recompute cannot fit an H200; the
     refusal names CP, full recompute and their estimates; full recompute fits."""
-    from megatron_patches.trainer.args import parse_args
-    from megatron_patches.trainer.loss import check_loss_impl
-    from megatron_patches.trainer.setup import check_memory
+    from sp_train.args import parse_args
+    from sp_train.loss import check_loss_impl
+    from sp_train.setup import check_memory
     h200 = 150e9
     argv = ["--preset", "1b", "--seq-length", "262144", "--global-batch-size", "1",
             "--vocab-size", "128256"]

@@ -1,4 +1,4 @@
-"""Activation recompute (Megatron's machinery, megatron_patches/trainer/recompute.py) on CPU.
+"""Activation recompute (Megatron's machinery, sp_train/recompute.py) on CPU.
 
 One gloo spawn at CP = 3 (softmax, linear, hybrid): the loss and every parameter gradient with
 selective (core_attn, mlp, both) and full recompute (uniform 1 and 2, block 2) are
@@ -42,7 +42,7 @@ def _cpu_rng_shim():
 def _build(kind, recompute, hidden_states=False):
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron_patches.model import build_gpt_model
-    from megatron_patches.trainer.recompute import Recompute
+    from sp_train.recompute import Recompute
     rc = Recompute(**recompute, model_layers=LAYERS) if recompute else Recompute()
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -58,7 +58,7 @@ def _build(kind, recompute, hidden_states=False):
 
 
 def _step(model, batch, chunked):
-    from megatron_patches.trainer.loss import micro_batch_loss
+    from sp_train.loss import micro_batch_loss
     from megatron.core import parallel_state as ps
     tok, pos, lab, msk = batch
     loss = micro_batch_loss(model, tok, pos, lab, msk, impl="chunked" if chunked else "megatron",
@@ -112,7 +112,7 @@ def test_recompute_bit_identical_cp3_and_chunked_loss_matches_megatron():
 
 
 def test_recompute_flags_checked_with_the_fix():
-    from megatron_patches.trainer.recompute import Recompute
+    from sp_train.recompute import Recompute
     r = Recompute.from_flags("full", None, None, None, 16)
     assert (r.method, r.num_layers) == ("uniform", 1) and r.recomputed_layers() == 16
     assert Recompute.from_flags("full", "block", None, None, 16).num_layers == 16

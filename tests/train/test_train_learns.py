@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from megatron_patches.trainer.args import KIND_DEFAULTS
+from sp_train.args import KIND_DEFAULTS
 from sp_attention.testing import run_distributed
 
 STEPS = 150

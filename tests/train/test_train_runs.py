@@ -28,7 +28,7 @@ import shutil
 
 import pytest
 
-from megatron_patches.trainer.launch import TrainHooks
+from sp_train.launch import TrainHooks
 from sp_attention.testing import run_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -69,8 +69,8 @@ def _bf16_param_dtypes():
     """A bf16 model holds every parameter in bf16, norm weights included (Megatron's
     Float16Module does the same; an fp32 norm weight keeps torch off its fused RMSNorm)."""
     import torch
-    from megatron_patches.trainer.args import parse_args
-    from megatron_patches.trainer.setup import build_model, init_groups
+    from sp_train.args import parse_args
+    from sp_train.setup import build_model, init_groups
     args = parse_args(["--preset", "tiny", "--sp-model-kind", "hybrid"])
     layout = args.layout(1)
     model = build_model(args, layout, init_groups(layout), 64, bf16=True,
@@ -92,11 +92,11 @@ def _extra_checks(rank, tmp):
     """World 4: bad input on every rank; checkpoints across layouts."""
     import train
     base = _argv("softmax", 1, 2, f"{tmp}/bad")
-    _expect_error(base + ["--tensor-model-parallel-size", "3"], "not divisible by TP×CP")
+    _expect_error(base + ["--tensor-model-parallel-size", "4"], "not divisible by TP×CP")
     _expect_error(base + ["--seq-length", "30"], "divisible by 2·CP")
     _expect_error(base + ["--tensor-model-parallel-size", "4", "--context-parallel-size", "1",
-                          "--num-attention-heads", "2"], "--num-attention-heads 2 is not "
-                  "divisible by TP = 4")
+                          "--num-attention-heads", "2"], "--num-attention-heads 2 and "
+                  "--num-query-groups 2 must be divisible by --tensor-model-parallel-size 4")
     _expect_error(base + ["--data-path", f"{tmp}/missing.txt"], "does not exist")
     _expect_error(base + ["--context-parallel-impl", "blelloch"], "does not fit")
     _expect_error(base + ["--recompute-granularity", "full"], "needs a GPU")
@@ -187,7 +187,7 @@ def _log(path):
 
 def _tree(pid):
     """``pid`` and every process below it."""
-    from megatron_patches.trainer.torchrun import children
+    from sp_train.torchrun import children
     out = [pid]
     for c in children(pid):
         out += _tree(c)
@@ -289,7 +289,7 @@ def test_torchrun_two_nodes_sigterm_resume_and_kill_mid_save(tmp_path):
                 key=os.path.getsize)
     open(shard, "r+b").truncate(os.path.getsize(shard) // 2)
     rc, out = _finish(_torchrun(args("d", "--load", ck),
-                                module="megatron_patches.trainer.torchrun"))
+                                module="sp_train.torchrun"))
     assert rc == 2 and out.count(f"checkpoint {newest} is damaged") == 1, out[-3000:]
     assert os.path.basename(shard) in out and f"--ckpt-step {stop}" in out, out[-3000:]
     assert "Traceback" not in out and "EOFError" not in out, out[-3000:]

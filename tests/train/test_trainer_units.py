@@ -9,12 +9,12 @@ import sys
 import pytest
 import torch
 
-from megatron_patches.trainer import checkpoint as ckpt
-from megatron_patches.trainer.args import TrainArgs, default_context_parallel_size, parse_args
-from megatron_patches.trainer.data import CopyTask, TokenFile, pad_vocab
-from megatron_patches.trainer.launch import first_host, map_slurm_env
-from megatron_patches.trainer.optim import MasterAdamW, lr_at
-from megatron_patches.trainer.progress import flops_per_token, plot_losses, read_log
+from sp_train import checkpoint as ckpt
+from sp_train.args import TrainArgs, default_context_parallel_size, parse_args
+from sp_train.data import CopyTask, TokenFile, pad_vocab
+from sp_train.launch import first_host, map_slurm_env
+from sp_train.optim import MasterAdamW, lr_at
+from sp_train.progress import flops_per_token, plot_losses, read_log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,8 +24,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     (["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"], 6,
      "not divisible by TP×CP"),
     (["--seq-length", "250", "--context-parallel-size", "2"], 2, "multiple of 4"),
-    (["--tensor-model-parallel-size", "3", "--context-parallel-size", "1"], 3,
-     "not divisible by TP = 3"),
     (["--global-batch-size", "6", "--context-parallel-size", "1"], 4, "multiple of"),
 ])
 def test_layout_errors_name_the_fix(argv, world, needle):
@@ -45,6 +43,7 @@ def test_layout_errors_name_the_fix(argv, world, needle):
      "must divide 6: e.g. 'LLS'"),
     (["--sp-model-kind", "hybrid", "--sp-hybrid-pattern", "LLLS"], "must divide 2: e.g. 'LS'"),
     (["--context-parallel-impl", "megatron"], "Megatron-LM launcher"),
+    (["--tensor-model-parallel-size", "3"], "must be divisible by --tensor-model-parallel-size 3"),
     (["--sp-model-kind", "linear", "--softmax-cp-preset", "ring_ag"], "no softmax layer"),
     (["--preset", "tiny-linear"], "invalid choice"),
 ])
@@ -158,7 +157,7 @@ def test_packed_copy_task():
 def test_packed_text_data_and_micro_batches(tmp_path):
     """--packing documents on a file: a sample's documents end at the end-of-document token,
     which predicts nothing; a micro-batch's rows are cut by their plan (CP 1: in order)."""
-    from megatron_patches.trainer.data import Rows, packed_micro_batch
+    from sp_train.data import Rows, packed_micro_batch
     from sp_attention import build_sp_context
     js = tmp_path / "d.jsonl"
     js.write_text("\n".join(json.dumps({"text": "ab" * (i + 1)}) for i in range(30)))
@@ -244,7 +243,7 @@ def test_stop_exit_statuses(monkeypatch):
     """75 after SIGTERM (requeue), 130 after Ctrl-C, 0 otherwise; 0 under torchrun, whose
     agent reads any other worker status as a crash (our launcher returns the stop's)."""
     import signal
-    from megatron_patches.trainer.launch import StopSignals
+    from sp_train.launch import StopSignals
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     s = StopSignals()
     s.restore()
@@ -281,7 +280,7 @@ def test_sbatch_script_with_fake_slurm(tmp_path):
     subprocess.run(["bash", SBATCH, "--preset", "1b"], env=env, check=True, capture_output=True)
     lines = (tmp_path / "srun.txt").read_text().splitlines()
     assert lines[1] == ("--ntasks-per-node=1 --kill-on-bad-exit=1 python -m "
-                        "megatron_patches.trainer.torchrun --nnodes 2 "
+                        "sp_train.torchrun --nnodes 2 "
                         "--nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint nodeA:24242 "
                         "--rdzv-id 4242 /repo/train.py --preset 1b")
     subprocess.run(["bash", SBATCH], env=dict(env, LAUNCHER="srun"), check=True,
@@ -434,8 +433,8 @@ def test_flops_log_and_plot(tmp_path):
 
 def test_train_py_is_short():
     assert sum(1 for _ in open(os.path.join(ROOT, "train.py"))) <= 300
-    out = subprocess.run([sys.executable, "-c", "import megatron_patches.trainer.args, "
-                          "megatron_patches.trainer.data, sys; "
+    out = subprocess.run([sys.executable, "-c", "import sp_train.args, "
+                          "sp_train.data, sys; "
                           "print('megatron.core' in sys.modules)"],
                          capture_output=True, text=True, cwd=ROOT)
     assert out.stdout.strip() == "False"     # argument checks do not wait for Megatron
@@ -444,8 +443,8 @@ def test_train_py_is_short():
 def test_unreachable_tokenizer_fails_at_once_in_one_line(monkeypatch):
     pytest.importorskip("transformers")
     from huggingface_hub import constants
-    from megatron_patches.trainer.args import UsageError
-    from megatron_patches.trainer.data import load_tokenizer
+    from sp_train.args import UsageError
+    from sp_train.data import load_tokenizer
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)       # as when the hub is unreachable
     with pytest.raises(UsageError, match="hub is unreachable") as e:
         load_tokenizer("no-such-org/no-such-tokenizer")

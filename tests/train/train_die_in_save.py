@@ -11,7 +11,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import train  # noqa: E402
-from megatron_patches.trainer.launch import TrainHooks  # noqa: E402
+from sp_train.launch import TrainHooks  # noqa: E402
 
 
 def _die_at(k: int):

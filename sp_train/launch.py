@@ -1,0 +1,163 @@
+"""Process launch: torchrun, plain ``srun`` (one task per GPU) or a single process; the
+process group (gloo on CPU, NCCL on GPUs); clean stops on SIGTERM/SIGINT.
+
+``map_slurm_env`` and ``first_host`` are pure functions of an environment dict, tested with
+fake SLURM variables (tests/train/test_trainer_units.py).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import signal
+import socket
+import subprocess
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["map_slurm_env", "first_host", "init_distributed", "StopSignals", "TrainHooks",
+           "STOP_SIGNALS",
+           "STOP_EXIT_STATUS", "BAD_INPUT_EXIT_STATUS"]
+
+# The signals that stop a run cleanly (agreed across ranks, checkpoint saved), in the order
+# one wins over the other, and the exit status of a run they stopped: 75 (EX_TEMPFAIL, "try
+# again": preempted, requeue it) for SIGTERM, 130 (128 + SIGINT, a user's Ctrl-C) for SIGINT.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_EXIT_STATUS = {signal.SIGTERM: 75, signal.SIGINT: 130}
+BAD_INPUT_EXIT_STATUS = 2   # flags, data or checkpoint refused, with the fix in the message
+
+
+def first_host(nodelist: str) -> str:
+    """First host name of a SLURM node list (``"gpu[003-005,9],cpu1"`` → ``"gpu003"``).
+    Uses ``scontrol show hostnames`` when available; this parser covers the common forms."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.split()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    m = re.match(r"^([^\[,]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot parse SLURM node list {nodelist!r}; set MASTER_ADDR")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def map_slurm_env(env: Mapping[str, str]) -> dict:
+    """torch.distributed variables derived from SLURM's, for ``srun python train.py`` (one task
+    per GPU). Returns only the variables to *add*: anything already set (torchrun sets RANK,
+    WORLD_SIZE, …) wins, and outside SLURM this returns ``{}``."""
+    if "RANK" in env or "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+        return {}
+    out = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"],
+           "LOCAL_RANK": env.get("SLURM_LOCALID", "0")}
+    if "SLURM_NTASKS_PER_NODE" in env:
+        out["LOCAL_WORLD_SIZE"] = env["SLURM_NTASKS_PER_NODE"].split("(")[0]
+    if "MASTER_ADDR" not in env:
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if not nodes:
+            raise ValueError("SLURM_PROCID is set but no SLURM_JOB_NODELIST; set MASTER_ADDR")
+        out["MASTER_ADDR"] = first_host(nodes)
+    if "MASTER_PORT" not in env:   # one port per job so jobs sharing a node do not collide
+        out["MASTER_PORT"] = str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_minutes: int = 10) -> tuple[int, int, torch.device]:
+    """Initialise the default process group (unless a caller already did) and return
+    ``(rank, world_size, device)``: NCCL and ``cuda:LOCAL_RANK`` when GPUs exist, else gloo
+    and CPU. A plain ``python train.py`` runs as a world of one."""
+    os.environ.update(map_slurm_env(os.environ))
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if os.environ["WORLD_SIZE"] == "1":
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        kw = {}
+        if backend == "nccl":
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            kw["device_id"] = torch.device("cuda", local)
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes),
+                                **kw)
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+@dataclass
+class TrainHooks:
+    """Callbacks into a train.py run, for tests and tools (``train.main(argv, hooks=...)``);
+    None: nothing is called.
+
+    Attributes:
+        after_step: ``f(step)`` on every rank after each optimizer step, before the ranks
+            agree whether a signal stops the run (a signal sent here stops after this step).
+        after_checkpoint_write: ``f(step, tmp_path)`` on every rank once a checkpoint's
+            shards are written, before they are recorded and renamed into place (a crash
+            here must leave the previous checkpoint in charge).
+    """
+
+    after_step: Optional[Callable[[int], None]] = None
+    after_checkpoint_write: Optional[Callable[[int, str], None]] = None
+
+
+class StopSignals:
+    """SIGTERM/SIGINT set a flag instead of killing the process; the training loop agrees on it
+    across ranks (one all-reduce it already does, which also sets ``signum`` on the ranks that
+    got no signal) into ``stopped_by``, saves a checkpoint and exits with
+    :attr:`exit_status`. A second SIGINT (Ctrl-C twice) interrupts at once."""
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None       # the signal this process received
+        self.stopped_by: Optional[int] = None   # the signal all ranks agreed to stop on
+        self._old = {}
+        for s in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[s] = signal.signal(s, self._handle)
+            except ValueError:      # not the main thread (e.g. inside a test harness)
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.stopped_by).name if self.stopped_by else "no signal"
+
+    @property
+    def exit_status(self) -> int:
+        """0, or :data:`STOP_EXIT_STATUS` of the signal the run stopped on. Under torchrun a
+        worker exits 0 (torchrun's agent reads any other status as a crash and reports it as
+        one); the launcher ``python -m sp_train.torchrun`` returns the stop's
+        status instead."""
+        if self.stopped_by is None or "TORCHELASTIC_RUN_ID" in os.environ:
+            return 0
+        return STOP_EXIT_STATUS[self.stopped_by]
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)

@@ -1,0 +1,105 @@
+"""AdamW with fp32 master weights, TP-aware gradient-norm clipping and a step-indexed learning
+rate: plain torch, so the same code runs on CPU/gloo and GPU/NCCL (Megatron's own optimizer
+needs CUDA).
+
+With fp32 parameters the master weights *are* the parameters; with bf16 parameters (GPU) the
+optimizer keeps fp32 copies, steps those, and copies back — Megatron's mixed-precision recipe.
+The learning rate is a pure function of the step (linear warmup, cosine decay), so a resumed run
+needs no scheduler state.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["MasterAdamW", "lr_at"]
+
+
+def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:
+    """Learning rate of 0-based ``step``: linear warmup over ``warmup`` steps, then cosine from
+    ``lr`` to ``min_lr`` at ``total``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+class MasterAdamW:
+    """AdamW over fp32 masters of ``named_params`` (a list of ``(name, param)``).
+
+    ``tp_group``/``tp_rank`` make the gradient norm global: TP-split parameters (Megatron marks
+    them ``tensor_model_parallel``) count on every TP rank, replicated ones once.
+    """
+
+    def __init__(self, named_params, *, lr: float, betas, weight_decay: float,
+                 tp_group: Optional[dist.ProcessGroup], tp_rank: int):
+        self.names = [n for n, p in named_params if p.requires_grad]
+        self.params = [p for _, p in named_params if p.requires_grad]
+        self.master = [p if p.dtype == torch.float32
+                       else p.detach().float().clone().requires_grad_(True) for p in self.params]
+        self.tp_group, self.tp_rank = tp_group, tp_rank
+        fused = all(p.is_cuda for p in self.master) or None
+        decay = [m for n, m in zip(self.names, self.master) if m.dim() > 1]
+        no_decay = [m for n, m in zip(self.names, self.master) if m.dim() <= 1]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=lr, betas=tuple(betas), eps=1e-8, fused=fused)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        for m, p in zip(self.master, self.params):
+            if m is not p:
+                m.grad = None
+
+    def grad_norm(self) -> float:
+        sq = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
+        for p in self.params:
+            counted = getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0
+            if p.grad is not None and counted:
+                sq += p.grad.detach().to(torch.float64).pow(2).sum()
+        if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
+            dist.all_reduce(sq, group=self.tp_group)
+        return float(sq.sqrt())
+
+    def step(self, lr: float, clip_grad: float) -> float:
+        """Clip to ``clip_grad`` (0 = off), step at ``lr``; returns the gradient norm."""
+        norm = self.grad_norm()
+        scale = min(1.0, clip_grad / (norm + 1e-6)) if clip_grad > 0 else 1.0
+        for m, p in zip(self.master, self.params):
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            g = g.float() if m is not p else g
+            m.grad = g.mul_(scale) if scale != 1.0 else g
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.step()
+        with torch.no_grad():
+            for m, p in zip(self.master, self.params):
+                if m is not p:
+                    p.copy_(m)
+        self.zero_grad()
+        return norm
+
+    def init_state(self) -> None:
+        """Create Adam's state (zeros) so a checkpoint can be loaded into it in place."""
+        for m in self.master:
+            if m not in self.opt.state or not self.opt.state[m]:
+                self.opt.state[m] = {
+                    "step": torch.zeros((), dtype=torch.float32,
+                                        device=m.device if m.is_cuda else "cpu"),
+                    "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format)}
+
+    def state_tensors(self) -> dict:
+        """``{name: tensor}`` of everything a resume needs (Adam moments, step, fp32 masters)."""
+        out = {}
+        for n, m, p in zip(self.names, self.master, self.params):
+            for k, v in self.opt.state.get(m, {}).items():
+                out[f"{n}.{k}"] = v
+            if m is not p:
+                out[f"{n}.master"] = m.data
+        return out

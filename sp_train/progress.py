@@ -1,0 +1,218 @@
+"""What a user watches: the layout line at start, a rank-0 progress bar (loss, tokens/s, MFU on
+GPUs, memory), JSON-lines and TensorBoard logs, and the loss-curve PNG at the end."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from sp_attention.linear.attention import resolve_impl
+from sp_attention.softmax import PRESETS
+
+__all__ = ["flops_per_token", "peak_flops", "memory_gb", "Progress", "plot_losses",
+           "read_log", "describe_attention"]
+
+# Dense bf16 tensor-core peak (no sparsity), FLOP/s.
+_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "GH200": 989e12, "B200": 2250e12,
+              "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+
+
+def peak_flops(device: torch.device, override_tflops: Optional[float] = None) -> Optional[float]:
+    """Peak FLOP/s of ``device`` for MFU (None on CPU or an unknown GPU without an override)."""
+    if override_tflops:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, val in _PEAK_BF16.items():
+        if key in name:
+            return val
+    return None
+
+
+def flops_per_token(*, num_layers: int, hidden_size: int, ffn_hidden_size: int,
+                    num_attention_heads: int, num_query_groups: int, vocab_size: int,
+                    seq_length: int, layer_kinds: Sequence[str]) -> float:
+    """Training FLOPs per token (forward + backward = 3 × forward, no recomputation): matmuls
+    of the projections, SwiGLU MLP and output layer, plus causal softmax attention (half the
+    full score matrix) or chunked linear attention (64-token chunks, state [d, d] per head;
+    gated layers also the gate projection). Packed documents are counted as one sequence of
+    ``seq_length`` (an upper bound for softmax layers)."""
+    h, f, d = hidden_size, ffn_hidden_size, hidden_size // num_attention_heads
+    kv = num_query_groups * d
+    proj = 2 * h * (h + 2 * kv) + 2 * h * h          # QKV + output projection
+    mlp = 2 * 3 * h * f                              # gate, up, down
+    total = 0.0
+    for kind in layer_kinds:
+        if kind == "S":
+            attn = 2 * 2 * seq_length * h / 2            # QK^T and PV, causal half
+        else:
+            attn = num_attention_heads * (4 * d * d + 2 * 64 * d)  # state in/out + intra-chunk
+            if kind == "G":
+                attn += 2 * h * num_attention_heads                # gate projection
+        total += proj + mlp + attn
+    total += 2 * h * vocab_size
+    return 3.0 * total
+
+
+def memory_gb(device: torch.device) -> float:
+    """Peak memory: allocated GPU memory, or this process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform != "darwin" else rss / 2**30
+
+
+class Progress:
+    """Rank-0 progress: a bar on a terminal (a log line every ``log_interval`` steps otherwise),
+    JSON lines, TensorBoard. Other ranks get a Progress that does nothing."""
+
+    def __init__(self, *, enabled: bool, total: int, start: int, tokens_per_step: int,
+                 flops_per_token: float, peak: Optional[float], device: torch.device,
+                 log_interval: int, log_json: Optional[str], tensorboard_dir: Optional[str],
+                 bar: bool = True):
+        self.enabled, self.total, self.start = enabled, total, start
+        self.tokens_per_step, self.fpt, self.peak = tokens_per_step, flops_per_token, peak
+        self.device, self.log_interval = device, log_interval
+        self.tty = bar and sys.stdout.isatty()
+        self.json = self.tb = None
+        self.history: list[dict] = []
+        self._t_last = time.perf_counter()
+        if not enabled:
+            return
+        if log_json:
+            os.makedirs(os.path.dirname(os.path.abspath(log_json)), exist_ok=True)
+            self.json = open(log_json, "a")
+        if tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(tensorboard_dir)
+            except ImportError:
+                print("tensorboard is not installed (pip install -e '.[train]'); no TB logs",
+                      flush=True)
+
+    def step(self, step: int, loss: float, grad_norm: float, lr: float) -> Optional[dict]:
+        """Record finished step ``step`` (1-based); returns the record on rank 0."""
+        if not self.enabled:
+            return None
+        now = time.perf_counter()
+        dt, self._t_last = now - self._t_last, now
+        tps = self.tokens_per_step / dt
+        rec = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+               "step_time_s": dt, "tokens_per_s": tps, "mem_gb": memory_gb(self.device)}
+        if self.peak:
+            # tokens/s of the whole job over the peak of all its devices
+            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+            rec["mfu"] = tps * self.fpt / (self.peak * world)
+        self.history.append(rec)
+        if self.json:
+            self.json.write(json.dumps(rec) + "\n")
+            self.json.flush()
+        if self.tb:
+            for k in ("loss", "grad_norm", "lr", "tokens_per_s", "mem_gb", "mfu"):
+                if k in rec:
+                    self.tb.add_scalar(f"train/{k}", rec[k], step)
+        self._show(rec)
+        return rec
+
+    def _show(self, rec: dict) -> None:
+        step, n = rec["step"], self.total
+        mfu = f" | MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else ""
+        text = (f"step {step}/{n} | loss {rec['loss']:.4f} | {rec['tokens_per_s']:,.0f} tok/s"
+                f"{mfu} | mem {rec['mem_gb']:.2f} GB | {rec['step_time_s'] * 1e3:.0f} ms/step")
+        if self.tty:
+            width = 24
+            done = int(width * step / n)
+            print(f"\r[{'#' * done}{'.' * (width - done)}] {text}\033[K", end="",
+                  flush=True)
+            if step == n:
+                print(flush=True)
+        elif step % self.log_interval == 0 or step == n or step == self.start + 1:
+            print(text, flush=True)
+
+    def summary(self) -> dict:
+        """Means over the last two thirds of the steps (the first third warms up)."""
+        recs = self.history[len(self.history) // 3:]
+        if not recs:
+            return {}
+        out = {"steps_measured": len(recs), "first_step": recs[0]["step"]}
+        for k in ("tokens_per_s", "mfu", "step_time_s"):
+            if k in recs[0]:
+                out[k] = sum(r[k] for r in recs) / len(recs)
+        out["loss_last"] = recs[-1]["loss"]
+        out["mem_gb"] = max(r["mem_gb"] for r in recs)
+        return out
+
+    def close(self) -> None:
+        if self.tty and self.history and self.history[-1]["step"] != self.total:
+            print(flush=True)
+        if self.json:
+            self.json.close()
+        if self.tb:
+            self.tb.close()
+
+
+def read_log(path: str) -> tuple[list, list]:
+    """(steps, losses) of a JSON-lines log (the last record of a step wins: resumed runs)."""
+    by_step = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                by_step[r["step"]] = r["loss"]
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def plot_losses(curves: dict, path: str, *, chance: Optional[float] = None,
+                title: str = "training loss") -> Optional[str]:
+    """Write a PNG of ``{label: (steps, losses)}``; returns the path, or None without
+    matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[train]'); no loss PNG", flush=True)
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    for label, (steps, losses) in curves.items():
+        ax.plot(steps, losses, label=label, lw=1.6)
+    if chance is not None:
+        ax.axhline(chance, color="gray", ls="--", lw=1, label=f"chance (ln V = {chance:.2f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (copied tokens)" if chance is not None else "loss")
+    ax.set_title(title)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def describe_attention(options, ctx, local_only: bool = False) -> str:
+    """The header's attention part: each layer kind's schedule as it will run over ``ctx``
+    (``options``: the run's :class:`~megatron_patches.options.SPOptions`)."""
+    if local_only:
+        return "local shard only (baseline, no cross-rank attention)"
+    pattern, parts = options.pattern, []
+    if "S" in pattern:
+        s = options.softmax_schedule
+        name = "auto (cost model)" if s.is_auto else next(
+            (n for n, pair in PRESETS.items() if pair == (s.fwd, s.bwd)), f"{s.fwd}/{s.bwd}")
+        parts.append(f"softmax {name}")
+    for letter, name in (("L", "linear"), ("G", "gated")):
+        if letter in pattern:
+            scan = resolve_impl(options.context_parallel_impl, ctx)
+            parts.append(f"{name} scan {'auto (cost model)' if scan == 'auto' else scan}")
+    if ctx.world_size == 1:
+        return " + ".join(p.split(" ")[0] for p in parts) + " on one rank (CP 1)"
+    return f"{' + '.join(parts)} across CP {ctx.world_size} ({ctx.layout})"

@@ -1,0 +1,163 @@
+"""Megatron-Core pieces train.py puts together: process groups, the TransformerConfig of a
+Llama-style model, and the model itself (``megatron_patches.model.build_gpt_model``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .args import Layout, TrainArgs
+
+__all__ = ["Groups", "init_groups", "transformer_config", "build_model", "count_params",
+           "memory_estimate", "check_memory"]
+
+
+@dataclass
+class Groups:
+    """This rank's groups (Megatron's ``parallel_state``, order tp-cp-ep-dp-pp) and ranks."""
+    tp: Optional[dist.ProcessGroup]
+    cp: Optional[dist.ProcessGroup]
+    dp_cp: Optional[dist.ProcessGroup]     # gradients and the loss are reduced over DP × CP
+    tp_rank: int
+    cp_rank: int
+    dp_rank: int
+    model_pgs: Any = None                  # ProcessGroupCollection for the model (baseline)
+
+
+def init_groups(layout: Layout, *, local_attention_only: bool = False) -> Groups:
+    """``initialize_model_parallel(TP, CP)`` on every rank (collective). With
+    ``local_attention_only`` (the baseline that breaks CP on purpose) the model gets a CP group
+    of one rank each, so attention never looks at another rank's tokens; the data is still
+    split over the real CP group and gradients still reduced over DP × CP."""
+    from megatron.core import parallel_state as ps
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
+                                 context_parallel_size=layout.cp)
+    g = Groups(tp=ps.get_tensor_model_parallel_group(), cp=ps.get_context_parallel_group(),
+               dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
+               tp_rank=ps.get_tensor_model_parallel_rank(),
+               cp_rank=ps.get_context_parallel_rank(),
+               dp_rank=ps.get_data_parallel_rank())
+    if local_attention_only:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        me = dist.get_rank()
+        solo = None
+        for r in range(dist.get_world_size()):       # new_group is collective: all ranks, all
+            grp = dist.new_group([r])
+            solo = grp if r == me else solo
+        pgs = ProcessGroupCollection.use_mpu_process_groups()
+        pgs.cp = solo
+        g.model_pgs = pgs
+    return g
+
+
+def transformer_config(args: TrainArgs, layout: Layout, *, bf16: bool, on_gpu: bool):
+    """A Llama-style config: RMSNorm, SwiGLU, no biases, no dropout, GQA. CPU: fp32 and CPU
+    initialisation (the full weight is drawn then split, so every TP size starts from the same
+    model); GPU: bf16 parameters initialised on the device."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    # the baseline's model sees a CP group of one: its shard is all the sequence it knows
+    cp = 1 if args.local_attention_only else layout.cp
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.hidden_size
+        // args.num_attention_heads,
+        tensor_model_parallel_size=layout.tp, context_parallel_size=cp,
+        sequence_parallel=False, normalization="RMSNorm", layernorm_epsilon=1e-5,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
+        bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
+        use_cpu_initialization=not on_gpu, perform_initialization=True,
+        bias_activation_fusion=on_gpu, masked_softmax_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        cross_entropy_loss_fusion=on_gpu,   # Megatron's native fused CE (--loss-impl megatron)
+        **args.recompute().config_kwargs())
+
+
+def build_model(args: TrainArgs, layout: Layout, groups: Groups, vocab_size: int, *,
+                bf16: bool, device: torch.device) -> torch.nn.Module:
+    """The model for ``args.sp_model_kind`` on ``device`` (same seed on every rank: TP ranks draw
+    the same full weights and keep their slices; CP/DP replicas are identical)."""
+    from megatron_patches.model import build_gpt_model
+    on_gpu = device.type == "cuda"
+    torch.manual_seed(args.seed)
+    if on_gpu:
+        from megatron.core import tensor_parallel
+        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    config = transformer_config(args, layout, bf16=bf16, on_gpu=on_gpu)
+    kw = {} if groups.model_pgs is None else {"pg_collection": groups.model_pgs}
+    model = build_gpt_model(config, args.sp_options, vocab_size=vocab_size,
+                            max_sequence_length=args.seq_length,
+                            return_hidden_states=args.loss_impl != "megatron", **kw)
+    if bf16:
+        # What Megatron's Float16Module does to the model: every parameter in bf16. Megatron's
+        # torch norms ignore params_dtype, and an fp32 norm weight on bf16 activations keeps
+        # torch from its fused RMSNorm (the unfused one cost ~0.2 s of a 1.3 s 1B step).
+        model = model.bfloat16()
+    return model.to(device)
+
+
+def count_params(model: torch.nn.Module, tp: int) -> int:
+    """Parameters of the whole model (TP-split ones counted over all TP ranks)."""
+    return sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+               for p in model.parameters())
+
+
+def memory_estimate(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: bool):
+    """``sp_train.memory.estimate_memory`` for this run (pure: no device, no collective)."""
+    from .memory import ModelShape, StepShape, estimate_memory
+    from .loss import default_chunk_tokens
+    rc = args.recompute()
+    model = ModelShape(args.num_layers, args.hidden_size, args.ffn_hidden_size,
+                       args.num_attention_heads, args.num_query_groups, vocab_size,
+                       args.layer_kinds())
+    step = StepShape(tp=layout.tp, cp=layout.cp, dp=layout.dp,
+                     micro_batch_size=layout.micro_batch_size,
+                     num_micro_batches=layout.num_micro_batches, seq_length=args.seq_length,
+                     param_bytes=2 if bf16 else 4, recompute=rc.granularity,
+                     recompute_method=rc.method, recompute_num_layers=rc.num_layers,
+                     recompute_modules=rc.modules or ("core_attn",), loss=args.loss_impl,
+                     loss_chunk_tokens=default_chunk_tokens(vocab_size // layout.tp))
+    return model, step, estimate_memory(model, step)
+
+
+def check_memory(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: bool,
+                 capacity: Optional[float]):
+    """The run's :class:`~sp_train.memory.MemoryEstimate`; raises ``ValueError`` naming
+    the fixes (more CP, recompute, a smaller micro-batch, each with its own estimate) when it
+    exceeds
+    ``capacity`` bytes (None: no limit, e.g. on CPU) and ``--no-memory-check`` is not given."""
+    import dataclasses
+    from .memory import GIB, estimate_memory
+    model, step, est = memory_estimate(args, layout, vocab_size, bf16=bf16)
+    line = f"memory estimate per rank: {est.summary(capacity)}"
+    if capacity is None or est.total <= capacity or args.no_memory_check:
+        return est
+    fixes = []
+    cp = 2 * layout.cp            # the smallest CP (doubling) that fits, or the last tried
+    while cp < 64 and estimate_memory(model, dataclasses.replace(step, cp=cp)).total > capacity:
+        cp *= 2
+    options = [(f"--context-parallel-size {cp} ({cp // layout.cp}x the GPUs)", dict(cp=cp))]
+    if step.recompute != "full":
+        options.append(("--recompute-granularity full",
+                        dict(recompute="full", recompute_method=None,
+                             recompute_num_layers=None)))
+    if step.recompute is None:
+        options.append(("--recompute-granularity selective --recompute-modules core_attn mlp",
+                        dict(recompute="selective", recompute_modules=("core_attn", "mlp"))))
+    if layout.micro_batch_size > 1:
+        options.append((f"--micro-batch-size {layout.micro_batch_size // 2}",
+                        dict(micro_batch_size=layout.micro_batch_size // 2)))
+    for flag, change in options:
+        if args.seq_length % (2 * change.get("cp", 1)):
+            continue
+        alt = estimate_memory(model, dataclasses.replace(step, **change))
+        fixes.append(f"{flag}: {alt.total / GIB:.1f} GiB")
+    raise ValueError(f"the {line}: more than the device holds. Fixes (their estimates): "
+                     + "; ".join(fixes) + ". (--no-memory-check starts anyway.)")
