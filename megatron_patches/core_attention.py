@@ -42,7 +42,7 @@ from megatron.core.transformer.module import MegatronModule
 from sp_attention import (SoftmaxSchedule, SPContext, build_sp_context,
                           context_parallel_attention, lightning_attention)
 from sp_attention.linear.slopes import decay_slopes
-from sp_attention.packing import packing_context
+from sp_attention.planning.packing import packing_context
 
 from .options import DEFAULT_SLOPE_SCHEDULE, take_renamed
 from .packing import check_packed_seq_params, plan_of

@@ -52,7 +52,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from sp_attention import SoftmaxSchedule, build_sp_context
-from sp_train.reduce import global_token_mean
+from sp_attention.tokens import global_token_mean
 
 from .core_attention import resolve_groups
 from .options import MODEL_KINDS as KINDS

@@ -26,7 +26,7 @@ import sp_attention.context as _context
 import sp_attention.linear.attention as _linear
 import sp_attention.softmax.schedule as _schedule
 from sp_attention import SoftmaxSchedule
-from sp_attention.layout import num_chunks
+from sp_attention.planning.layout import num_chunks
 from sp_attention.linear import IMPLS as LINEAR_IMPLS
 from sp_attention.linear.slopes import DEFAULT_SLOPE_SCHEDULE, SLOPE_SCHEDULES
 from sp_attention.softmax import PRESETS

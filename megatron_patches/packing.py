@@ -7,7 +7,7 @@ on every CP rank. A batch cut by :func:`pack_batch` (our launcher's, train.py's)
 its :class:`~sp_attention.PackingPlan` on that object (``params.packing_plan``, set where the
 batch is built: :func:`packed_seq_params`), and every layer uses it (:func:`plan_of`: no
 lookup, no planning). A batch built outside the project has only its boundaries: its plan is
-found from them through ``sp_attention.packing``'s tensor-keyed cache (every layer of a batch
+found from them through ``sp_attention.planning.packing``'s tensor-keyed cache (every layer of a batch
 shares one plan, a CUDA tensor costs one copy per batch). Data, attention and RoPE agree on
 where every token lies.
 
@@ -17,7 +17,7 @@ TransformerEngine) cuts *every* document into ``2·CP`` pieces, each padded to a
 whole on one rank, cuts only the long ones the balance needs, and pads only the row's end
 (``sp_attention/packing.py``). The shards therefore differ, and a batch for our attention
 must be cut by :func:`pack_batch` (our launcher and train.py do), never by Megatron's THD
-split. On one rank the plan keeps the row's order (:func:`sp_attention.packing.
+split. On one rank the plan keeps the row's order (:func:`sp_attention.planning.packing.
 packing_context`), so Megatron's own packed batches work unchanged at CP = 1.
 
 Boundaries: ``cu_seqlens_q_padded`` when given (then each document's padding is its own tail:
@@ -31,8 +31,8 @@ from typing import Optional
 import torch
 
 from sp_attention import SPContext
-from sp_attention.layout import num_chunks
-from sp_attention.packing import PackingPlan, packing_context, plan_packing, resolve_plan
+from sp_attention.planning.layout import num_chunks
+from sp_attention.planning.packing import PackingPlan, packing_context, plan_packing, resolve_plan
 
 __all__ = ["THD", "PLAN_ATTRIBUTE", "plan_of", "check_packed_seq_params", "packed_seq_params", "eod_cu_seqlens",
            "rows_cu_seqlens", "pack_batch"]
@@ -68,7 +68,7 @@ def check_packed_seq_params(params) -> torch.Tensor:
 def plan_of(params, ctx: SPContext, local_len: int, device=None) -> PackingPlan:
     """The :class:`~sp_attention.PackingPlan` of a THD batch whose rank shards hold
     ``local_len`` tokens each (the row: ``CP × local_len`` tokens), in
-    :func:`~sp_attention.packing.packing_context` of ``ctx``: the plan the batch carries
+    :func:`~sp_attention.planning.packing.packing_context` of ``ctx``: the plan the batch carries
     (``params.packing_plan``, :func:`pack_batch`'s; checked against ``ctx`` and the length
     only), else the plan of its boundaries (a batch built outside the project: cached by the
     boundaries tensor, so the layers of one batch share it; new values cost one host copy)."""

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from sp_attention.precision import acc_dtype
+from sp_attention.tokens import global_token_count
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_ref", "default_chunk_tokens",
            "LOSS_IMPLS", "CHUNK_ELEMENTS", "check_loss_impl", "micro_batch_loss",
@@ -275,7 +276,6 @@ def step_token_count(micro_batches, dp_cp_group) -> float:
     all-reduce): what every micro-batch's loss sum is divided by, so the shares add up to the
     step's global token mean however many loss tokens each micro-batch holds (packed rows
     differ)."""
-    from .reduce import global_token_count
     keep = torch.stack([kept_tokens(mb[2], mb[3]).sum() for mb in micro_batches])
     return global_token_count(keep, dp_cp_group)
 
@@ -296,7 +296,6 @@ def micro_batch_loss(model, tokens, positions, labels, mask, *, impl: str, tp_gr
     output layer chunk by chunk. ``packed_seq_params``: Megatron's THD parameters of a packed
     micro-batch (``[1, L]`` tensors; ``megatron_patches.packing.pack_batch``), or None.
     """
-    from .reduce import global_token_count
     keep = kept_tokens(labels, mask)
     if token_count is None:
         token_count = global_token_count(keep, dp_cp_group)

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 
 from .args import Layout, TrainArgs
+from .loss import default_chunk_tokens
+from .memory import GIB, ModelShape, StepShape, estimate_memory
 
 __all__ = ["Groups", "init_groups", "transformer_config", "build_model", "count_params",
            "memory_estimate", "check_memory"]
@@ -111,8 +113,6 @@ def count_params(model: torch.nn.Module, tp: int) -> int:
 
 def memory_estimate(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: bool):
     """``sp_train.memory.estimate_memory`` for this run (pure: no device, no collective)."""
-    from .memory import ModelShape, StepShape, estimate_memory
-    from .loss import default_chunk_tokens
     rc = args.recompute()
     model = ModelShape(args.num_layers, args.hidden_size, args.ffn_hidden_size,
                        args.num_attention_heads, args.num_query_groups, vocab_size,
@@ -134,7 +134,6 @@ def check_memory(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: bool
     exceeds
     ``capacity`` bytes (None: no limit, e.g. on CPU) and ``--no-memory-check`` is not given."""
     import dataclasses
-    from .memory import GIB, estimate_memory
     model, step, est = memory_estimate(args, layout, vocab_size, bf16=bf16)
     line = f"memory estimate per rank: {est.summary(capacity)}"
     if capacity is None or est.total <= capacity or args.no_memory_check:

@@ -1,7 +1,7 @@
 """Counting the packing planner's work: how often a plan is built (``plan_packing``) and how
 often one is looked up from a boundaries tensor (the cache behind batches built outside the
 project)."""
-import sp_attention.packing as packing
+import sp_attention.planning.packing as packing
 
 
 def count_plan_calls(monkeypatch, *importers) -> dict:

@@ -211,7 +211,7 @@ def test_memory_model_matches_the_recorded_h200_peaks():
     # a transient like the model's largest workspace: the peak takes the larger of the two
     assert cost.rank_memory(sm["peak"], {"total": 1e10, "workspace": 1.0})["total"] == (
         1e10 - 1.0 + sm["peak"])
-    from sp_attention.memory import ModelShape, StepShape, estimate_memory
+    from sp_train.memory import ModelShape, StepShape, estimate_memory
     est = estimate_memory(ModelShape(4, 4096, 14336, 32, 8, 128256, "SSSS"),
                           StepShape(cp=2, seq_length=16384))
     r = cost.rank_memory(sm["peak"], est)

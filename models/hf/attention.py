@@ -28,7 +28,7 @@ plan, no lookup. A batch built elsewhere gives its boundaries the way HF's flash
 them, ``cu_seq_lens_q/k`` (the global packed row's; ``DataCollatorWithFlattening(
 return_flash_attn_kwargs=True)`` at CP = 1), or, at CP = 1 only, ``position_ids`` that
 restart (HF's packed-sequence rule): those are planned once per boundaries tensor through
-``sp_attention.packing``'s tensor-keyed cache (one host copy per batch, not per layer).
+``sp_attention.planning.packing``'s tensor-keyed cache (one host copy per batch, not per layer).
 Attention stays inside each document.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ from sp_attention import (LinearTuning, SoftmaxSchedule, SPContext, build_sp_con
                           context_parallel_attention, lightning_attention)
 from sp_attention.caches import LRU
 from sp_attention.linear import IMPLS as LINEAR_IMPLS
-from sp_attention.packing import PackingPlan, packing_context, resolve_plan
+from sp_attention.planning.packing import PackingPlan, packing_context, resolve_plan
 
 __all__ = ["CPSchedule", "CPHandle", "prepare_model_for_cp", "make_cp_attention", "model_options",
            "LINEAR_IMPLS"]
@@ -128,7 +128,7 @@ def packed_plan(ctx: SPContext, q_len: int, device, kwargs: dict) -> Optional[Pa
     there by :meth:`models.hf.CPBatch.model_inputs`: no lookup), else from HF's
     ``cu_seq_lens_q/k`` (the global row's boundaries, the row being ``P × q_len`` tokens; a
     batch built elsewhere, e.g. by ``DataCollatorWithFlattening``: planned once per boundaries
-    tensor, through ``sp_attention.packing``'s tensor-keyed cache) or, at CP = 1, restarting
+    tensor, through ``sp_attention.planning.packing``'s tensor-keyed cache) or, at CP = 1, restarting
     ``position_ids``. Raises for boundaries that cannot be honoured."""
     pctx = packing_context(ctx)
     row = pctx.world_size * q_len

@@ -13,14 +13,14 @@ its own shard. Done in this order, the shards reproduce the unsharded model exac
 Packed batches, as ``transformers.DataCollatorWithFlattening`` makes them (one row of several
 documents; ``position_ids`` restarting per document, and with ``return_flash_attn_kwargs=True``
 ``cu_seq_lens_q/k`` and ``max_length_q/k``): the row's boundaries give the batch's
-:class:`~sp_attention.PackingPlan` (in :func:`sp_attention.packing.packing_context` of the
+:class:`~sp_attention.PackingPlan` (in :func:`sp_attention.planning.packing.packing_context` of the
 model's context), labels are shifted inside each document, the row is cut by the plan, and
 the plan travels with the batch to the attention function (``model_inputs()``: the forward
 kwarg ``sp_packing_plan``, beside the boundaries as HF's flash kwargs ``cu_seq_lens_q/k``):
 attention stays inside each document on every rank.
 
 The loss of the global batch is ``Σ token losses / global count of real tokens``; each rank
-computes its share with :func:`sp_train.reduce.global_token_mean`, and summing gradients
+computes its share with :func:`sp_attention.tokens.global_token_mean`, and summing gradients
 over DP × CP (:func:`sp_train.reduce.all_reduce_gradients`) gives the unsharded gradient.
 """
 from __future__ import annotations
@@ -34,8 +34,8 @@ import torch.nn.functional as F
 
 from sp_attention import (SPContext, pad_for_layout, shard_position_ids, shard_sequence,
                           shift_labels)
-from sp_attention.packing import PackingPlan, packing_context, plan_packing
-from sp_train.reduce import global_token_mean
+from sp_attention.planning.packing import PackingPlan, packing_context, plan_packing
+from sp_attention.tokens import global_token_mean
 
 from .attention import PLAN_KWARG
 

@@ -100,7 +100,7 @@ def rank_memory(attention_bytes: float, model=None) -> dict:
     """Per-rank total of a TP × CP × DP layout: the attention schedule's working memory (per
     layer, from :func:`linear_memory` / :func:`softmax_memory` with the rank's shapes: heads
     ÷ TP, tokens ÷ CP, micro-batch; layers run one at a time) with the model-level estimate
-    ``model``: an :class:`sp_attention.memory.MemoryEstimate` (weights, gradients, optimizer
+    ``model``: an :class:`sp_train.memory.MemoryEstimate` (weights, gradients, optimizer
     states, activations by recompute setting, loss, and ``workspace``, the largest transient
     of one layer's backward), a mapping with ``total`` (and optionally ``workspace``), or a
     number of bytes. The schedule's buffers are such a transient too, so the peak takes the
