@@ -53,7 +53,8 @@ def _schedule(r: dict):
     if r.get("comm", "default") != "default" or r.get("device", "cpu") == "cpu":
         return None
     size = _ITEMSIZE.get(r.get("dtype", "bfloat16"), 2)
-    if r.get("bench") == "linear_cp" and r.get("impl") in LINEAR_SCANS:
+    if r.get("bench") == "linear_cp" and r.get("impl") in LINEAR_SCANS \
+            and r.get("decay", "fixed") == "fixed" and not r.get("packed"):
         return ("linear", r["impl"], r["layout"],
                 LinearShape(r["B"], r["T_local"], r["H"], r["K"], r["V"], size))
     if r.get("bench") == "softmax_cp" and r.get("impl") in PRESET_OF \

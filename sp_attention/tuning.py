@@ -47,6 +47,18 @@ class LinearTuning:
         check_every_call: run the cross-rank call check (one small all-gather) on every call
             instead of once per new call signature: catches a rank that repeats an
             already-checked call while another changes it, at one collective per call.
+        early_end_states: the forward takes each leaf's end state ``b`` from the one-pass state
+            kernel on the scan's side stream, beside the chunk recurrence on the main stream, so
+            the scan travels while the recurrence runs (one more kernel, on SMs the recurrence
+            leaves idle at B·H ≤ 64); False takes ``b`` from the recurrence's final state, so
+            the scan starts after it. The A/B: ``benchmarks/linear_cp.py --ab early``.
+        scan_graphs: on CUDA, replay each scan (its rounds' NCCL kernels and combines) from a
+            CUDA graph captured on its second call: one launch per scan on the host instead of
+            one batched exchange and a few combines per round (tens of µs each). NCCL documents
+            that a graph launch can block the host, and that graphs of several communicators
+            launched from one thread can deadlock; off until measured (``--ab graphs``). Inside
+            a capture of the caller's own (a whole step as a CUDA graph) the scan is captured
+            with it instead.
         check_gate_values: with per-token gates ``g``, check every new gate tensor for values
             > 0 or non-finite before the op communicates, and agree on the outcome across the
             group (a bad gate on one rank raises on every rank). Costs one device sync and,
@@ -60,10 +72,12 @@ class LinearTuning:
     concurrent_recurrences: bool = True
     check_every_call: bool = False
     check_gate_values: bool = True
+    early_end_states: bool = False
+    scan_graphs: bool = False
 
     def __post_init__(self) -> None:
         _check_bools(self, "static_zero_paths", "concurrent_recurrences", "check_every_call",
-                     "check_gate_values")
+                     "check_gate_values", "early_end_states", "scan_graphs")
         if not is_int(self.side_stream_priority) or self.side_stream_priority > 0:
             raise ValueError("LinearTuning.side_stream_priority must be an int <= 0 (CUDA: "
                              f"lower is higher priority), got {self.side_stream_priority!r}")

@@ -79,16 +79,16 @@ def leaf_rows(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def scan_rows(x: torch.Tensor, A: torch.Tensor, ctx: SPContext, impl: str,
-              reverse: bool) -> torch.Tensor:
+              reverse: bool, graphs: bool = False) -> torch.Tensor:
     """Scan the per-leaf states ``x [B·n, H, K, V]`` (this rank's leaves as rows, transitions
     ``A [B·n, H]``) across the group with schedule ``impl``: the state entering each leaf
     (``reverse``: the gradient arriving at its end), in the same row layout, fp32 (fp64 for
-    fp64 inputs)."""
+    fp64 inputs). ``graphs``: replay the scan from a CUDA graph (``LinearTuning.scan_graphs``)."""
     n = len(ctx.leaves)
     B = x.shape[0] // n
     # leaf j's element: batch rows j, j + n, … (the rows are batch-major); views for B = 1
     out = SCAN_ROWS[impl](A.reshape(B, n, -1).transpose(0, 1), x.reshape(B, n, -1).transpose(0, 1),
-                          ctx, reverse)                                    # [n, B·H, K·V]
+                          ctx, reverse, graphs=graphs)                     # [n, B·H, K·V]
     return out.reshape(n, B, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
 
 
@@ -133,9 +133,10 @@ class _LightningAttention(torch.autograd.Function):
             qb, kb, vb = leaf_rows(q, n), leaf_rows(k, n), leaf_rows(v, n)
             # a rank holding only the sequence's first leaf receives nothing (S_in = 0)
             zero_in = tuning.static_zero_paths and all(leaf == 0 for leaf in ctx.leaves)
-            o, S = leaves_output(qb, kb, vb, fctx.decay, scale,
-                                 lambda b, A: scan_rows(b, A, ctx, impl, False), local,
-                                 zero_in, tuning=tuning)
+            o, S = leaves_output(
+                qb, kb, vb, fctx.decay, scale,
+                lambda b, A: scan_rows(b, A, ctx, impl, False, tuning.scan_graphs), local,
+                zero_in, tuning=tuning)
             out = o.reshape(*q.shape[:3], v.shape[-1])
         fctx.save_for_backward(q, k_in, v_in, g, slopes, S)
         fctx.sp, fctx.impl, fctx.scale, fctx.local, fctx.tuning = ctx, impl, scale, local, tuning
@@ -168,7 +169,8 @@ class _LightningAttention(torch.autograd.Function):
                                                          for leaf in ctx.leaves)
             grads = leaves_backward(
                 qb, kb, vb, decay, scale, S, dob,
-                lambda d, A: scan_rows(d, A, ctx, fctx.impl, True), local, needed,
+                lambda d, A: scan_rows(d, A, ctx, fctx.impl, True, tuning.scan_graphs), local,
+                needed,
                 zero_grad, tuning=tuning)
             dq, dk, dv = (x.reshape(t.shape) for x, t in zip(grads[:3], (q, k, v)))
             dg = None if grads[3] is None else grads[3].reshape(g.shape)

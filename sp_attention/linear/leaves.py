@@ -101,11 +101,12 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes,
         # fla 0.6.0 turns the final state of a partial last chunk into NaN for fast fixed
         # rates (see leaf.leaf_forward; gates read g = 0 there, exactly), so only whole chunks
         # or gates take the final state from the recurrence.
-        if k.shape[1] % CHUNK == 0 or decay.gated:
+        if (k.shape[1] % CHUNK == 0 or decay.gated) and not tuning.early_end_states:
             h, b = kern.chunk_fwd_h(k=k, v=v, h0=None, output_final_state=True,
                                     chunk_size=CHUNK, **fkw)
             S_in, side = _scan_on_side_stream(with_A, b, q.device, prio)
         else:   # b from the one-pass state kernel on the side stream, beside the recurrence
+            # (tuning.early_end_states, or a partial last chunk: fla's final state is wrong)
             S_in, side = _scan_on_side_stream(
                 lambda _: with_A(kern.state_sum(k, v, decay, k.shape[1] - 1, -1, 1.0)), None,
                 q.device, prio)

@@ -28,7 +28,7 @@ import torch
 from ..caches import LRU
 from ..comm import all_gather_flat
 from ..context import SPContext
-from .scan_common import ScanMap, rows_to_list, scan_map
+from .scan_common import ScanMap, replayed, rows_to_list, scan_map
 
 _LOG_FLOOR = -1.0e4
 
@@ -70,11 +70,19 @@ class AllgatherRun:
         rows = world * m
         self.g_b = self.gathered[:, n_a:].view(rows, n_a, kv).transpose(0, 1)  # [n_a, rows, kv]
 
-    def __call__(self, A: torch.Tensor, b: torch.Tensor, ctx: SPContext) -> torch.Tensor:
+    def stage(self, A: torch.Tensor, b: torch.Tensor) -> None:
+        """This rank's elements into the send rows (``log A`` in place of ``A``)."""
         if self.n:
             torch.cat([A.reshape(self.n, -1), b.reshape(self.n, -1)], dim=1,
                       out=self.send[:self.n])
             torch.log(self.log_a, out=self.log_a).clamp_min_(_LOG_FLOOR)
+
+    def __call__(self, A: torch.Tensor, b: torch.Tensor, ctx: SPContext) -> torch.Tensor:
+        self.stage(A, b)
+        return self.compute(ctx)
+
+    def compute(self, ctx: SPContext) -> torch.Tensor:
+        """The all-gather and the fold of the staged rows -> ``[n, n_a, kv]``."""
         all_gather_flat(self.gathered, self.send, ctx)
         if not self.n:
             return self.send.new_zeros(0, self.n_a, self.kv)
@@ -89,16 +97,16 @@ _RUNS = LRU(32)
 
 
 def allgather_rows(A: torch.Tensor, b: torch.Tensor, ctx: SPContext, reverse: bool = False,
-                   holders: Optional[tuple] = None) -> torch.Tensor:
+                   holders: Optional[tuple] = None, graphs: bool = False) -> torch.Tensor:
     """This rank's elements as rows (``A [n, …]``, ``b [n, …]``; ``n`` may be 0, the shapes
     then give the element size) -> the exclusive prefix (suffix if ``reverse``) ``b`` of each,
-    ``[n, n_a, kv]``."""
+    ``[n, n_a, kv]``. ``graphs``: replay from a CUDA graph (:class:`~.scan_common.GraphReplay`)."""
     leaves = scan_map(ctx, reverse, holders)
     n_a = A.shape[1:].numel()
     kv = b.shape[1:].numel() // n_a
     run = _RUNS.get((leaves, ctx.world_size, n_a, kv, b.dtype, b.device),
                     lambda: AllgatherRun(leaves, ctx.world_size, n_a, kv, b.dtype, b.device))
-    return run(A, b, ctx)
+    return replayed(run, graphs, b.device)(A, b, ctx)
 
 
 def allgather_scan(A: list, b: list, ctx: SPContext, reverse: bool = False,

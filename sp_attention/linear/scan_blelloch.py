@@ -26,7 +26,7 @@ from ..comm import p2p_exchange
 from ..context import SPContext
 from ..planning.layout import tree_scan_schedule
 from .scan_common import (IDENTITY, Program, ProgramBuilder, ScanMap, Step, program_run,
-                          rows_to_list, scan_map)
+                          replayed, rows_to_list, scan_map)
 
 
 def _round(pb: ProgramBuilder, pairs, down: bool) -> None:
@@ -84,14 +84,14 @@ def compile_blelloch(leaves: ScanMap) -> Program:
 
 
 def blelloch_rows(A: torch.Tensor, b: torch.Tensor, ctx: SPContext, reverse: bool = False,
-                  holders: Optional[tuple] = None) -> torch.Tensor:
+                  holders: Optional[tuple] = None, graphs: bool = False) -> torch.Tensor:
     """This rank's elements as rows (``A [n, …]``, ``b [n, …]``, ascending global order) ->
     the exclusive prefix (suffix if ``reverse``) ``b`` of each, ``[n, n_a, kv]``."""
     leaves = scan_map(ctx, reverse, holders)
     n_a = A.shape[1:].numel()
     run = program_run("blelloch", compile_blelloch, leaves, n_a, b.shape[1:].numel() // n_a,
                       b.dtype, b.device)
-    return run(A, b, ctx, p2p_exchange)
+    return replayed(run, graphs, b.device)(A, b, ctx, p2p_exchange)
 
 
 def blelloch_scan(A: list, b: list, ctx: SPContext, reverse: bool = False,

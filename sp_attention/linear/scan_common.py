@@ -270,13 +270,15 @@ class ProgramRun:
             out.append((buf.view(-1), peer, [rows[r].row for r in rs], buf))
         return out
 
-    def __call__(self, A: torch.Tensor, b: torch.Tensor, ctx: SPContext,
-                 exchange) -> torch.Tensor:
-        """``A [n, n_a]``, ``b [n, n_a, kv]`` (this rank's elements) -> the ``b`` of each
-        element's result ``[n, n_a, kv]``."""
+    def stage(self, A: torch.Tensor, b: torch.Tensor) -> None:
+        """Copy this rank's elements (``A [n, …]``, ``b [n, …]``) into the input rows."""
         if self.program.num_local:
             torch.cat([A.reshape(A.shape[0], -1), b.reshape(b.shape[0], -1)], dim=1,
                       out=self.local)
+
+    def compute(self, ctx: SPContext, exchange) -> torch.Tensor:
+        """The rounds on the staged rows -> the ``b`` of each element's result ``[n, n_a, kv]``
+        (a fresh tensor)."""
         for pre, sends, recvs, post in self.steps:
             for op in pre:
                 op()
@@ -292,6 +294,48 @@ class ProgramRun:
         if not self.out:                # holds no element: took part in no exchange
             return self.buf.new_empty(0, self.n_a, self.kv)
         return torch.stack(self.out)
+
+    def __call__(self, A: torch.Tensor, b: torch.Tensor, ctx: SPContext, *args) -> torch.Tensor:
+        """``A [n, n_a]``, ``b [n, n_a, kv]`` (this rank's elements) -> the ``b`` of each
+        element's result ``[n, n_a, kv]``."""
+        self.stage(A, b)
+        return self.compute(ctx, *args)
+
+
+class GraphReplay:
+    """A bound scan (``stage`` + ``compute``) replayed from a CUDA graph: the first call runs
+    eagerly (communicators and connections are made), the second captures ``compute`` on the
+    staged rows and replays it, later ones stage and replay. Every rank makes the same calls,
+    so every rank captures at the same call, as NCCL requires. Under a capture of the caller's
+    own the scan runs eagerly, into that capture."""
+
+    def __init__(self, run):
+        self.run, self.calls, self.graph, self.out = run, 0, None, None
+
+    def __call__(self, A: torch.Tensor, b: torch.Tensor, ctx: SPContext, *args) -> torch.Tensor:
+        if torch.cuda.is_current_stream_capturing():
+            return self.run(A, b, ctx, *args)
+        self.calls += 1
+        if self.calls == 1:
+            return self.run(A, b, ctx, *args)
+        self.run.stage(A, b)
+        if self.graph is None:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):     # synchronizes the device once
+                self.out = self.run.compute(ctx, *args)
+            self.graph = graph
+        self.graph.replay()
+        return self.out.clone()
+
+
+def replayed(run, graphs: bool, device: torch.device):
+    """``run`` itself, or (``graphs`` on a CUDA device) its :class:`GraphReplay`, made once."""
+    if not graphs or device.type != "cuda":
+        return run
+    replay = getattr(run, "replay", None)
+    if replay is None:
+        replay = run.replay = GraphReplay(run)
+    return replay
 
 
 # bound programs: (schedule, ScanMap, n_a, kv, dtype, device) -> ProgramRun. A training

@@ -171,19 +171,22 @@ def _joined(streams=("side", "rec")) -> None:
 
 @pytest.mark.parametrize("T", [128, 100])      # whole chunks (end state from the recurrence)
 @pytest.mark.parametrize("zero_in", [False, True])   # and a partial last one (state kernel)
-def test_leaves_output_fla_path(T, zero_in, monkeypatch):
+@pytest.mark.parametrize("early", [False, True])     # LinearTuning.early_end_states
+def test_leaves_output_fla_path(T, zero_in, early, monkeypatch):
     fake = _install(monkeypatch.setattr, SLOPES)
     q, k, v, _, S, _ = _data(2, T)
     S = torch.zeros_like(S) if zero_in else S
     seen = {}
     scan = _scan_returning(S, seen)
-    o, S_got = leaves_output(q, k, v, SLOPES, 0.3, scan, fake, zero_in=zero_in)
+    o, S_got = leaves_output(q, k, v, SLOPES, 0.3, scan, fake, zero_in=zero_in,
+                             tuning=LinearTuning(early_end_states=early))
     assert_close(seen["x"], chunked_core(k, k, v, SLOPES, 1.0, None, 64)[1], TOL, "end state")
     assert_close(o, chunked_core(q, k, v, SLOPES, 0.3, S, 64)[0], TOL, "o")
     assert S_got is S or torch.equal(S_got, S)
     assert _stream_of("scan") == ["side"] and _stream_of("chunk_fwd_h") == ["main"]
-    # b: the recurrence's final state for whole chunks, else the state kernel beside it
-    assert _stream_of("leaf_state") == ([] if T % 64 == 0 else ["side"])
+    # b: the recurrence's final state for whole chunks, else (or early) the state kernel
+    # beside it, on the side stream with the scan
+    assert _stream_of("leaf_state") == ([] if T % 64 == 0 and not early else ["side"])
     out = "chunk_fwd_o" if zero_in else "output_from_states"
     assert _stream_of(out) == ["main"]
     if not zero_in:      # the output waits for the scan; the shortcut joins it afterwards
@@ -255,8 +258,8 @@ def _cp_world(rank, world):
         ctx = build_sp_context(group, layout=layout)
         want = [shard_sequence(t, ctx, 1) for t in expected]
         for impl in ("blelloch", "allgather", "ring"):
-            for concurrent in (True, False):
-                tuning = LinearTuning(concurrent_recurrences=concurrent)
+            for concurrent, early in ((True, False), (False, False), (True, True)):
+                tuning = LinearTuning(concurrent_recurrences=concurrent, early_end_states=early)
                 loc = [shard_sequence(t, ctx, 1).clone().requires_grad_(True) for t in (q, k, v)]
                 out = lightning_attention_with_kernels(*loc, SLOPES, fake, ctx=ctx, impl=impl,
                                                        scale=0.5, tuning=tuning)
