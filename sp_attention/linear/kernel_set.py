@@ -16,7 +16,7 @@ import torch
 
 from .autotune_seeds import install_once
 from .fla_ops import resolve_backend
-from .leaf import decayed_sum
+from .state_sum import decayed_sum
 
 __all__ = ["FlaKernels", "fla_kernels", "resolve_kernels"]
 

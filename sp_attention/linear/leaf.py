@@ -22,8 +22,9 @@ slopes tensor (fixed rates) or a Decay.
 
 Backends: "torch" (chunked pure torch, :mod:`.torch_ops`, any device/dtype, backward by
 autograd on a recomputed forward that lives only inside the call) and "fla" (fla-core's Triton
-chunk_simple_gla kernels, CUDA, fp16/bf16/fp32; conventions in :mod:`.fla_ops`). None picks
-fla when it can run. Several leaves at once, overlapped with the scans: :mod:`.leaves`.
+chunk kernels, CUDA, fp16/bf16/fp32, in the one kernel sequence of :mod:`.local`; conventions in
+:mod:`.fla_ops`). None picks fla when it can run. Several leaves at once, overlapped with the
+scans: :mod:`.leaves`. The one-pass state sum: :mod:`.state_sum`.
 """
 from __future__ import annotations
 
@@ -35,9 +36,9 @@ from ..planning.schedules import CHUNK
 from ..precision import acc_dtype
 from ..validation import autocast_off
 from .decay import Decay, as_decay
-from .fla_ops import fla_import_error, resolve_backend
-from .gates import GateSums
-from .slope_constants import decay_weights, fla_g_gamma
+from .kernel_set import resolve_kernels
+from .local import chunk_states, local_backward, local_output
+from .state_sum import decayed_sum
 from .torch_ops import decay_powers
 
 DecayLike = Union[torch.Tensor, Decay]
@@ -50,56 +51,44 @@ def _state_or_none(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if x is None else x.to(torch.float32).contiguous()
 
 
-def leaf_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: DecayLike,
+def leaf_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: DecayLike,
                  scale: float, backend: Optional[str] = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero-start output and end state of one leaf.
 
-    q, k [B, C, H, K], v [B, C, H, V], slopes [H]. Returns
+    q, k [B, C, H, K], v [B, C, H, V], decay: slopes [H] or a Decay. Returns
       o_zero [B, C, H, V]: scale q_i sum_{j<=i} lam^(i-j) k_j^T v_j; fp32/fp64 for "torch",
                            v.dtype for "fla" (the kernel writes the input dtype);
       b [B, H, K, V]: sum_j lam^(C-1-j) k_j^T v_j; fp32 (fp64 for fp64 inputs).
     """
-    decay = as_decay(slopes)
-    backend = resolve_backend(backend, q, k, v)
-    if backend == "fla" and decay.gated:
-        from fla.ops.simple_gla.chunk import chunk_simple_gla_fwd
-
-        # gates: padded rows of a partial last chunk read g = 0, so the final state is exact
-        with torch.cuda.device(q.device):
-            return chunk_simple_gla_fwd(
-                q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), scale=float(scale),
-                initial_state=None, output_final_state=True, chunk_size=CHUNK,
-                **decay.fla_kw(q.device))
-    if backend == "fla":
-        from fla.ops.simple_gla.chunk import chunk_simple_gla_fwd
-
-        # fla 0.6.0 bug (seen on H200): in a partial last chunk, chunk_fwd_h scales the
-        # zero-padded rows of v by exp2(g_last - g) > 1, which overflows to inf once
-        # s * pad > ~88, and 0 * inf makes the final state NaN (o is unaffected). Leading
-        # zero tokens are exact instead: the zero start state stays zero and zero k, v add
-        # nothing, so pad at the front to a multiple of the chunk and drop those rows of o.
-        pad = (-q.shape[1]) % CHUNK
-        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, pad, 0)) if pad else x for x in (q, k, v))
-        with torch.cuda.device(q.device):
-            o, b = chunk_simple_gla_fwd(
-                q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=None,
-                g_gamma=fla_g_gamma(decay.slopes, q.device), scale=float(scale),
-                initial_state=None, output_final_state=True, chunk_size=CHUNK,
-            )
-        return o[:, pad:], b
-    with autocast_off(q.device):
-        return decay.core(q, k, v, scale, None, CHUNK)
+    decay = as_decay(decay)
+    kern = resolve_kernels(backend, q, k, v)
+    if kern is None:
+        with autocast_off(q.device):
+            return decay.core(q, k, v, scale, None, CHUNK)
+    # fla 0.6.0 bug (seen on H200): in a partial last chunk, chunk_fwd_h scales the zero-padded
+    # rows of v by exp2(g_last - g) > 1 with fixed rates, which overflows to inf once
+    # s * pad > ~88, and 0 * inf makes the final state NaN (o is unaffected; gates read g = 0
+    # in padded rows, exactly). Leading zero tokens are exact instead: the zero start state
+    # stays zero and zero k, v add nothing, so pad at the front and drop those rows of o.
+    pad = 0 if decay.gated else (-q.shape[1]) % CHUNK
+    q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, pad, 0)).contiguous() if pad
+               else x.contiguous() for x in (q, k, v))
+    fkw = decay.fla_kw(q.device)
+    with torch.cuda.device(q.device):
+        h, b = chunk_states(kern, k, v, fkw, None, final=True)
+        o = kern.chunk_fwd_o(q=q, k=k, v=v, h=h, scale=float(scale), chunk_size=CHUNK, **fkw)
+    return o[:, pad:], b
 
 
-def inter_output(q: torch.Tensor, slopes: DecayLike, scale: float,
+def inter_output(q: torch.Tensor, decay: DecayLike, scale: float,
                  S_in: torch.Tensor) -> torch.Tensor:
     """Contribution of the incoming state: scale * lam^(i+1) q_i @ S_in -> [B, C, H, V] fp32/fp64
     (gates: scale * exp(G_i) q_i @ S_in).
 
     Local position i = 0 sees S_in decayed once (S_0 = lam S_in + k_0^T v_0), hence i + 1.
     """
-    decay = as_decay(slopes)
+    decay = as_decay(decay)
     dt = acc_dtype(q, S_in, decay.g)
     with autocast_off(q.device):
         if decay.gated:
@@ -110,85 +99,25 @@ def inter_output(q: torch.Tensor, slopes: DecayLike, scale: float,
         return scale * torch.einsum("bchk,bhkv->bchv", qd, S_in.to(dt))
 
 
-def decayed_sum(x: torch.Tensor, y: torch.Tensor, slopes: DecayLike, base: int, step: int,
-                scale: float = 1.0, gates: Optional[GateSums] = None,
-                pieces: Optional[tuple] = None) -> torch.Tensor:
-    """``scale · Σ_t λ^(base + step·t) x_tᵀ y_t`` -> [B, H, K, V], fp32 (fp64 for fp64).
-
-    Gates: the weights are ``exp(G_t)`` (``step > 0``, G inclusive from the first token: a
-    leaf's state-gradient contribution) or ``exp(Σ_{s>t} g_s)`` (``step < 0``: its end state
-    from zero); ``gates``: the kernel's sums of these rows if already made (e.g. strided views
-    of a batch of leaves' sums).
-    16-bit CUDA inputs take the one-pass Triton kernel (fp32 accumulation, the weighted x
-    rounded to the input dtype as the chunk kernels round their operands); everything else the
-    compute-dtype einsum with the weights cached per slopes version.
-
-    ``pieces``: ``((start, length), ...)`` token ranges, each summed on its own (``step < 0``:
-    each piece's end state, its own ``base = length − 1``) -> ``[B, len(pieces), H, K, V]``;
-    fixed rates on the kernel path take one launch for all of them (the packed path's
-    crossing segments).
-    """
-    decay = as_decay(slopes)
-    if pieces is not None:
-        return _piece_sums(x, y, decay, base, step, scale, tuple(pieces))
-    if _kernel_path(x, y):
-        from .kernels import decayed_state_sum
-        if decay.gated:
-            return decayed_state_sum(_rows(x), _rows(y), None, base, step, scale=scale,
-                                     gates=decay.sums if gates is None else gates)
-        return decayed_state_sum(_rows(x), _rows(y), fla_g_gamma(decay.slopes, x.device), base,
-                                 step, scale=scale)
-    dt = acc_dtype(x, y, decay.g)
-    with autocast_off(x.device):
-        if decay.gated:
-            xw = x.to(dt) * decay.weights(x.shape[1], step < 0, dt, x.device)[..., None]
-        else:
-            w = decay_weights(decay.slopes, x.shape[1], base, step, dt, x.device)    # [H, C]
-            xw = x.to(dt) * w.t()[None, :, :, None]
-        out = torch.einsum("bchk,bchv->bhkv", xw, y.to(dt))
-    return out if scale == 1.0 else scale * out
-
-
-def _kernel_path(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """16-bit CUDA inputs of one dtype, with the GPU extra installed: the Triton kernel."""
-    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and y.dtype == x.dtype
-            and fla_import_error() is None)
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """The kernel takes strided rows (every n-th leaf) as they are."""
-    return t if t[0].is_contiguous() else t.contiguous()
-
-
-def _piece_sums(x, y, decay, base: int, step: int, scale: float, pieces: tuple) -> torch.Tensor:
-    if not decay.gated and _kernel_path(x, y):
-        from .kernels import decayed_state_sum
-        return decayed_state_sum(_rows(x), _rows(y), fla_g_gamma(decay.slopes, x.device), base,
-                                 step, scale=scale, pieces=pieces)
-    return torch.stack([decayed_sum(x[:, a:a + n], y[:, a:a + n], decay.tokens(a, a + n),
-                                    n - 1 if step < 0 else base, step, scale)
-                        for a, n in pieces], 1)
-
-
-def leaf_state(k: torch.Tensor, v: torch.Tensor, slopes: DecayLike) -> torch.Tensor:
+def leaf_state(k: torch.Tensor, v: torch.Tensor, decay: DecayLike) -> torch.Tensor:
     """End state of a leaf from a zero start, b = sum_j lam^(C-1-j) k_j^T v_j -> [B, H, K, V].
 
     One pass over k and v (no chunk recurrence): what the scan needs before the leaf's output
     can be formed. fp32 (fp64 for fp64 inputs).
     """
-    return decayed_sum(k, v, slopes, k.shape[1] - 1, -1)
+    return decayed_sum(k, v, decay, k.shape[1] - 1, -1)
 
 
-def state_grad_local(q: torch.Tensor, do: torch.Tensor, slopes: DecayLike,
+def state_grad_local(q: torch.Tensor, do: torch.Tensor, decay: DecayLike,
                      scale: float) -> torch.Tensor:
     """dL/dS_in through this leaf's outputs only: scale sum_i lam^(i+1) q_i^T do_i -> [B, H, K, V].
 
     fp32 (fp64 for fp64 inputs); one pass over q and do. The full dL/dS_in adds lam^C * G.
     """
-    return decayed_sum(q, do, slopes, 1, 1, scale)
+    return decayed_sum(q, do, decay, 1, 1, scale)
 
 
-def leaf_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: DecayLike,
+def leaf_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: DecayLike,
                 scale: float, S_in: Optional[torch.Tensor], backend: Optional[str] = None
                 ) -> torch.Tensor:
     """Complete output of a leaf entered with state ``S_in`` (None = zero): one kernel call
@@ -197,32 +126,27 @@ def leaf_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: Decay
     q, k [B, C, H, K], v [B, C, H, V] -> o [B, C, H, V] in the input dtype for "fla",
     fp32/fp64 for "torch".
     """
-    decay = as_decay(slopes)
-    backend = resolve_backend(backend, q, k, v)
-    if backend == "fla":
-        from fla.ops.simple_gla.chunk import chunk_simple_gla_fwd
-
+    decay = as_decay(decay)
+    kern = resolve_kernels(backend, q, k, v)
+    if kern is not None:
         # No final state is requested, so fla's partial-last-chunk final-state bug (see
         # leaf_forward) cannot reach the output; no padding needed here.
         with torch.cuda.device(q.device):
-            o, _ = chunk_simple_gla_fwd(
-                q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), scale=float(scale),
-                initial_state=_state_or_none(S_in), output_final_state=False, chunk_size=CHUNK,
-                **decay.fla_kw(q.device))
-        return o
+            return local_output(kern, q.contiguous(), k.contiguous(), v.contiguous(),
+                                decay.fla_kw(q.device), scale, _state_or_none(S_in))
     with autocast_off(q.device):
         s_in = None if S_in is None else S_in.to(acc_dtype(q, k, v, S_in))
         return decay.core(q, k, v, scale, s_in, CHUNK)[0]
 
 
 def torch_leaf_backward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: DecayLike, scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: DecayLike, scale: float,
     S_in: Optional[torch.Tensor], do: torch.Tensor, G: Optional[torch.Tensor],
 ) -> tuple:
     """:func:`leaf_backward` of the "torch" backend: recompute the chunked forward from S_in
     under autograd and pull (do, G) back through it. The graph (and its per-chunk states) is
     freed when this call returns."""
-    decay = as_decay(slopes)
+    decay = as_decay(decay)
     dt = acc_dtype(q, k, v, S_in, decay.g)
     with torch.enable_grad(), autocast_off(q.device):
         xs = [x.detach().to(dt).requires_grad_(True) for x in (q, k, v)]
@@ -243,7 +167,7 @@ def torch_leaf_backward(
 
 
 def leaf_backward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: DecayLike, scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: DecayLike, scale: float,
     S_in: Optional[torch.Tensor], do: torch.Tensor, G: Optional[torch.Tensor],
     backend: Optional[str] = None,
 ) -> tuple:
@@ -255,44 +179,13 @@ def leaf_backward(
     zero). Includes the intra terms, the S_in term of dq and the G terms of dk and dv (and
     for gates, dg's terms through S_in and G).
     """
-    decay = as_decay(slopes)
-    backend = resolve_backend(backend, q, k, v)
-    if backend == "fla" and decay.gated:
-        return _fla_gated_backward(q, k, v, decay, scale, S_in, do, G)
-    if backend == "fla":
-        from fla.ops.simple_gla.chunk import chunk_simple_gla_bwd
-
-        with torch.cuda.device(q.device):
-            dq, dk, dv, _dg, _dh0 = chunk_simple_gla_bwd(
-                q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=None,
-                g_gamma=fla_g_gamma(decay.slopes, q.device), initial_state=_state_or_none(S_in),
-                do=do.to(v.dtype).contiguous(), dht=_state_or_none(G), scale=float(scale),
-                chunk_size=CHUNK,
-            )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
-    return torch_leaf_backward(q, k, v, decay, scale, S_in, do, G)
-
-
-def _fla_gated_backward(q, k, v, decay: Decay, scale: float, S_in, do, G) -> tuple:
-    """fla's gated chunk kernels (chunk states, state gradients, dv) and our dq/dk/dg kernel
-    in place of fla's ``chunk_bwd_dqkwg``, which fla 0.6.0 refuses with gates on Hopper with
-    Triton < 3.7.1 (fla #640; see :mod:`.dqk_kernel`)."""
-    import inspect
-
-    from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
-    from fla.ops.common.chunk_o import chunk_bwd_dv
-
-    from .dqk_kernel import chunk_dqkdg
-    # the Triton implementations, without fla's run-time backend selector (as kernel_set)
-    chunk_fwd_h, chunk_bwd_dh, chunk_bwd_dv = (inspect.unwrap(f) for f in (
-        chunk_fwd_h, chunk_bwd_dh, chunk_bwd_dv))
-    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.to(v.dtype).contiguous()
-    gc = decay.fla_kw(q.device)["g"]
+    decay = as_decay(decay)
+    kern = resolve_kernels(backend, q, k, v)
+    if kern is None:
+        return torch_leaf_backward(q, k, v, decay, scale, S_in, do, G)
     with torch.cuda.device(q.device):
-        h, _ = chunk_fwd_h(k=k, v=v, g=gc, h0=_state_or_none(S_in), output_final_state=False,
-                           chunk_size=CHUNK, states_in_fp32=True)
-        dh, _ = chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=_state_or_none(G),
-                             scale=float(scale), g=gc, chunk_size=CHUNK, states_in_fp32=True)
-        dv = chunk_bwd_dv(q=q, k=k, do=do, dh=dh, g=gc, scale=float(scale), chunk_size=CHUNK)
-        dq, dk, dg = chunk_dqkdg(q, k, v, do, h, dh, gc, float(scale), CHUNK)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(decay.g.dtype)
+        dq, dk, dv, dg = local_backward(
+            kern, q.contiguous(), k.contiguous(), v.contiguous(), do.to(v.dtype).contiguous(),
+            decay.fla_kw(q.device), scale, _state_or_none(S_in), _state_or_none(G))
+    dg = None if dg is None else dg.to(decay.g.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg

@@ -27,7 +27,9 @@ from ..precision import acc_dtype
 from ..tuning import LinearTuning
 from .kernel_set import FlaKernels, resolve_kernels
 from .decay import Decay, as_decay
-from .leaf import decayed_sum, leaf_backward, leaf_output, leaf_state
+from .leaf import leaf_backward, leaf_output, leaf_state
+from .local import chunk_states, local_backward
+from .state_sum import decayed_sum
 
 __all__ = ["leaves_output", "leaves_backward", "state_dtype"]
 
@@ -63,7 +65,7 @@ def _scan_on_side_stream(scan: Callable, x, device: torch.device, priority: int)
     return out, side
 
 
-def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes,
+def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
                   scale: float, scan: Callable, backend: Union[None, str, FlaKernels] = None,
                   zero_in: bool = False, *, tuning: LinearTuning = _DEFAULT
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +84,7 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes,
     ``"fla"``, None (fla where it can run) or a
     :class:`~sp_attention.linear.kernel_set.FlaKernels` set the fla path runs instead of fla's.
     """
-    decay = as_decay(slopes)
+    decay = as_decay(decay)
     kern = resolve_kernels(backend, q, k, v)
     N, C = q.shape[:2]
     if kern is None:
@@ -102,16 +104,14 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes,
         # rates (see leaf.leaf_forward; gates read g = 0 there, exactly), so only whole chunks
         # or gates take the final state from the recurrence.
         if (k.shape[1] % CHUNK == 0 or decay.gated) and not tuning.early_end_states:
-            h, b = kern.chunk_fwd_h(k=k, v=v, h0=None, output_final_state=True,
-                                    chunk_size=CHUNK, **fkw)
+            h, b = chunk_states(kern, k, v, fkw, final=True)
             S_in, side = _scan_on_side_stream(with_A, b, q.device, prio)
         else:   # b from the one-pass state kernel on the side stream, beside the recurrence
             # (tuning.early_end_states, or a partial last chunk: fla's final state is wrong)
             S_in, side = _scan_on_side_stream(
                 lambda _: with_A(kern.state_sum(k, v, decay, k.shape[1] - 1, -1, 1.0)), None,
                 q.device, prio)
-            h, _ = kern.chunk_fwd_h(k=k, v=v, h0=None, output_final_state=False,
-                                    chunk_size=CHUNK, **fkw)
+            h, _ = chunk_states(kern, k, v, fkw)
         if zero_in:
             o = kern.chunk_fwd_o(q=q, k=k, v=v, h=h, scale=float(scale), chunk_size=CHUNK,
                                  **fkw)
@@ -157,7 +157,7 @@ def _state_grads(q: torch.Tensor, do: torch.Tensor, decay: Decay, scale: float,
     return d
 
 
-def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes,
+def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
                     scale: float, S_in: torch.Tensor, do: torch.Tensor, scan: Callable,
                     backend: Union[None, str, FlaKernels] = None,
                     needed: Optional[tuple] = None, zero_grad: bool = False, *,
@@ -180,15 +180,13 @@ def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes,
     place of fla's ``chunk_bwd_dqkwg``). ``tuning.concurrent_recurrences=False`` runs the
     chunk states on the main stream first (the A/B).
     """
-    decay = as_decay(slopes)
+    decay = as_decay(decay)
     kern = resolve_kernels(backend, q, k, v)
     N, C = q.shape[:2]
     if kern is None:
         d = _state_grads(q, do, decay, scale, needed, decayed_sum, False)
         G = scan(d, decay.transition(N, C, d.dtype, q.device))
         return leaf_backward(q, k, v, decay, scale, S_in, do, G, "torch")
-    if decay.gated and kern.chunk_dqkdg is None:
-        raise ValueError("this kernel set has no chunk_dqkdg: it cannot run per-token gates")
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.to(v.dtype).contiguous()
     fkw = decay.fla_kw(q.device)
 
@@ -200,27 +198,12 @@ def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes,
         # d and the scan first, on the side stream: the peers' gradients wait on them.
         G, side = _scan_on_side_stream(grads_scanned, None, q.device,
                                        tuning.side_stream_priority)
-        concurrent = tuning.concurrent_recurrences
-        rec = _stream(q.device, "recurrence") if concurrent else main
-        if concurrent:
-            rec.wait_stream(main)
-        with torch.cuda.stream(rec):
-            h, _ = kern.chunk_fwd_h(k=k, v=v, h0=S_in, output_final_state=False,
-                                    chunk_size=CHUNK, states_in_fp32=True, **fkw)
-        if not zero_grad:
-            main.wait_stream(side)
-        dh, _ = kern.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None,
-                                  dht=None if zero_grad else G.contiguous(), scale=scale,
-                                  chunk_size=CHUNK, states_in_fp32=True, **fkw)
-        dv = kern.chunk_bwd_dv(q=q, k=k, do=do, dh=dh, scale=scale, chunk_size=CHUNK, **fkw)
-        if concurrent:
-            main.wait_stream(rec)
-        dg = None
-        if decay.gated:
-            dq, dk, dg = kern.chunk_dqkdg(q, k, v, do, h, dh, fkw["g"], scale, CHUNK)
-            dg = dg.to(decay.g.dtype)
-        else:
-            dq, dk, _, _ = kern.chunk_bwd_dqkwg(q=q, k=k, v=v, do=do, h=h, dh=dh, scale=scale,
-                                                chunk_size=CHUNK, **fkw)
+        # the chunk states from S_in need no G: beside the gradient recurrence, which waits
+        # for G (unless none can arrive: then it starts at once)
+        rec = _stream(q.device, "recurrence") if tuning.concurrent_recurrences else None
+        dq, dk, dv, dg = local_backward(
+            kern, q, k, v, do, fkw, scale, S_in, None if zero_grad else (lambda: G.contiguous()),
+            states_stream=rec, before_dh=None if zero_grad else (lambda: main.wait_stream(side)))
         main.wait_stream(side)          # joined (a no-op unless zero_grad)
+    dg = None if dg is None else dg.to(decay.g.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg

@@ -24,7 +24,8 @@ from ..planning.schedules import CHUNK
 from ..precision import acc_dtype
 from .decay import Decay
 from .gates import chunk_local_sums
-from .leaf import decayed_sum
+from .local import Sequences, local_backward, local_output
+from .state_sum import decayed_sum
 from .leaves import state_dtype
 from .slope_constants import fla_g_gamma
 from .varlen import chunk_indices, cu_seqlens_tensor
@@ -201,10 +202,7 @@ def _fla_output(q, k, v, decay, scale, lp, entering, kern) -> torch.Tensor:
     h0 = _states(entering, lp, B, len(cu) - 1, qf.new_zeros(1, q.shape[2], q.shape[3],
                                                           v.shape[3]))
     with torch.cuda.device(q.device) if q.is_cuda else _null():
-        h, _ = kern.chunk_fwd_h(k=kf, v=vf, h0=h0, output_final_state=False, cu_seqlens=cu_t,
-                                chunk_size=CHUNK, **gates)
-        o = kern.chunk_fwd_o(q=qf, k=kf, v=vf, h=h, scale=float(scale), cu_seqlens=cu_t,
-                             chunk_size=CHUNK, chunk_indices=ci, **gates)
+        o = local_output(kern, qf, kf, vf, gates, scale, h0, Sequences(cu_t, ci))
     o = o.view(B, T, *o.shape[2:])
     _zero_padding(lp, o)
     return o
@@ -218,23 +216,10 @@ def _fla_grads(q, k, v, decay, scale, lp, entering, arriving, do, kern) -> tuple
     h0 = _states(entering, lp, B, len(cu) - 1, like)
     dht = _states(arriving, lp, B, len(cu) - 1, like)
     with torch.cuda.device(q.device) if q.is_cuda else _null():
-        h, _ = kern.chunk_fwd_h(k=kf, v=vf, h0=h0, output_final_state=False, cu_seqlens=cu_t,
-                                chunk_size=CHUNK, states_in_fp32=True, **gates)
-        dh, _ = kern.chunk_bwd_dh(q=qf, k=kf, v=vf, do=dof, h0=None, dht=dht, scale=scale,
-                                  cu_seqlens=cu_t, chunk_size=CHUNK, states_in_fp32=True,
-                                  **gates)
-        dv = kern.chunk_bwd_dv(q=qf, k=kf, do=dof, dh=dh, scale=scale, cu_seqlens=cu_t,
-                               chunk_size=CHUNK, chunk_indices=ci, **gates)
-        dg = None
-        if decay.gated:
-            dq, dk, dg = kern.chunk_dqkdg(qf, kf, vf, dof, h, dh, gates["g"], scale, CHUNK,
-                                          cu_seqlens=cu_t, chunk_indices=ci)
-            dg = dg.view(B, T, -1)
-        else:
-            dq, dk, _, _ = kern.chunk_bwd_dqkwg(q=qf, k=kf, v=vf, do=dof, h=h, dh=dh,
-                                                scale=scale, cu_seqlens=cu_t, chunk_size=CHUNK,
-                                                chunk_indices=ci, **gates)
+        dq, dk, dv, dg = local_backward(kern, qf, kf, vf, dof, gates, scale, h0, dht,
+                                        Sequences(cu_t, ci))
     dq, dk, dv = (x.view(B, T, *x.shape[2:]) for x in (dq, dk, dv))
+    dg = None if dg is None else dg.view(B, T, -1)
     _zero_padding(lp, dq, dk, dv, dg)
     return dq, dk, dv, dg
 

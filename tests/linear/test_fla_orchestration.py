@@ -273,3 +273,25 @@ def _cp_world(rank, world):
 @pytest.mark.parametrize("world", [3])
 def test_cp_step_through_fla_path(world):
     assert all(run_distributed(_cp_world, world, timeout=300))
+
+
+@pytest.mark.parametrize("T", [128, 100])
+def test_one_leaf_through_the_kernel_sequence(T, monkeypatch):
+    """The whole sequence on one rank (P = 1): the fla path's one kernel sequence
+    (:mod:`sp_attention.linear.local`) with the stand-ins = the torch backend, o and grads."""
+    from sp_attention.linear.attention import lightning_attention_with_kernels
+    fake = _install(monkeypatch.setattr, SLOPES)
+    q, k, v, do, _, _ = _data(1, T)
+    ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    o = lightning_attention_with_kernels(*ins, SLOPES, fake, scale=0.5)
+    (o * do).sum().backward()
+    from sp_attention.linear import lightning_attention
+    r = lightning_attention(*ref, SLOPES, scale=0.5, backend="torch")
+    (r * do).sum().backward()
+    for name, got, want in zip(("o", "dq", "dk", "dv"), (o, *(t.grad for t in ins)),
+                               (r, *(t.grad for t in ref))):
+        assert_close(got, want, TOL, name)
+    assert [e[0] for e in LOG if e[0] != "wait"] == [
+        "chunk_fwd_h", "chunk_fwd_o", "chunk_fwd_h", "chunk_bwd_dh", "chunk_bwd_dv",
+        "chunk_bwd_dqkwg"]

@@ -1,0 +1,152 @@
+"""train.py at several parallel layouts on one machine: MFU, tokens/s and peak memory per run, as
+JSON lines (``bench: "train"``), for strong scaling (the same sequence on 1 GPU and on P).
+
+    python benchmarks/train_scaling.py --kinds softmax hybrid --layouts cp1 cp4 tp2cp2 dp2cp2 \
+        --seq-length 32768 --train-iters 10 --out train.jsonl
+    python benchmarks/train_scaling.py --device cpu --preset tiny --seq-length 256 \
+        --layouts cp1 cp2 --train-iters 3          # CPU / gloo dry run
+
+A layout is ``[tpN][cpN][dpN]`` (missing factors 1); each run is ``torchrun --standalone
+--nproc-per-node tp·cp·dp train.py --preset … --context-parallel-size … --micro-batch-size 1
+--global-batch-size dp``, so every layout of one ``--seq-length`` trains the same sequences per
+step. Runs on one GPU go side by side, one per GPU (``--no-side-by-side`` to run them one
+after the other). ``mfu``, ``tokens_per_s``: means over the steps after the first;
+``mem_gb``: the largest peak of any step; ``command``: what ran. A run that fails or outlasts
+``--timeout`` is recorded with its ``status`` and the last lines of its log.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse_layout(name: str) -> dict:
+    """``"tp2cp2"`` -> ``{"tp": 2, "cp": 2, "dp": 1}``."""
+    got = dict(re.findall(r"(tp|cp|dp)(\d+)", name))
+    if not got or "".join(f"{k}{v}" for k, v in re.findall(r"(tp|cp|dp)(\d+)", name)) != name:
+        raise ValueError(f"layout {name!r}: write it as tpNcpNdpN (e.g. cp4, tp2cp2, dp2cp2)")
+    return {k: int(got.get(k, 1)) for k in ("tp", "cp", "dp")}
+
+
+def command(a, kind: str, lay: dict, log_json: str, log_dir: str) -> list:
+    world = lay["tp"] * lay["cp"] * lay["dp"]
+    launch = ["torchrun", "--standalone", "--nproc-per-node", str(world)]
+    cmd = launch + [os.path.join(ROOT, "train.py"), "--preset", a.preset,
+                    "--sp-model-kind", kind, "--seq-length", str(a.seq_length),
+                    "--tensor-model-parallel-size", str(lay["tp"]),
+                    "--context-parallel-size", str(lay["cp"]), "--micro-batch-size", "1",
+                    "--global-batch-size", str(lay["dp"]), "--train-iters", str(a.train_iters),
+                    "--log-interval", "1", "--no-progress-bar", "--log-json", log_json,
+                    "--log-dir", log_dir]
+    if a.vocab_size:
+        cmd += ["--vocab-size", str(a.vocab_size)]
+    return cmd + a.extra
+
+
+def summarize(log_json: str) -> dict:
+    recs = [json.loads(line) for line in open(log_json) if line.strip()] \
+        if os.path.exists(log_json) else []
+    recs = [r for r in recs if "tokens_per_s" in r]
+    if not recs:
+        return {}
+    steady = recs[1:] or recs
+    out = {"steps": len(recs), "mem_gb": max(r.get("mem_gb", 0) for r in recs),
+           "first_loss": recs[0].get("loss"), "last_loss": recs[-1].get("loss")}
+    for key in ("tokens_per_s", "mfu", "step_time_s"):
+        vals = [r[key] for r in steady if key in r]
+        if vals:
+            out[key] = sum(vals) / len(vals)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kinds", nargs="+", default=["softmax", "hybrid"],
+                   choices=["softmax", "linear", "gated", "hybrid"])
+    p.add_argument("--layouts", nargs="+", default=["cp1", "cp4"])
+    p.add_argument("--preset", default="1b")
+    p.add_argument("--seq-length", type=int, default=32768)
+    p.add_argument("--vocab-size", type=int, default=128256)
+    p.add_argument("--train-iters", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=240)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--no-side-by-side", action="store_true")
+    p.add_argument("--out", help="append the JSON lines to this file too")
+    p.add_argument("extra", nargs=argparse.REMAINDER,
+                   help="after --: more train.py flags for every run (e.g. --recompute-...)")
+    a = p.parse_args()
+    a.extra = [x for x in a.extra if x != "--"]
+    lays = [(name, parse_layout(name)) for name in a.layouts]
+    ngpu = 0
+    if a.device == "cuda":
+        import torch
+        ngpu = torch.cuda.device_count()
+    runs = [(kind, name, lay) for kind in a.kinds for name, lay in lays]
+    tmp = tempfile.mkdtemp(prefix="train_scaling_")
+    batches, single = [], [r for r in runs if r[2]["tp"] * r[2]["cp"] * r[2]["dp"] == 1]
+    if single and ngpu > 1 and not a.no_side_by_side:
+        for i in range(0, len(single), ngpu):
+            batches.append(single[i:i + ngpu])
+        runs = [r for r in runs if r not in single]
+    batches += [[r] for r in runs]
+    failed = 0
+    for batch in batches:
+        procs = []
+        for slot, (kind, name, lay) in enumerate(batch):
+            tag = f"{kind}_{name}"
+            log_json, log = os.path.join(tmp, tag + ".jsonl"), os.path.join(tmp, tag + ".log")
+            cmd = command(a, kind, lay, log_json, os.path.join(tmp, tag))
+            env = dict(os.environ)
+            if len(batch) > 1:
+                env["CUDA_VISIBLE_DEVICES"] = str(slot)
+                cmd[cmd.index("--standalone") + 1:cmd.index("--standalone") + 1] = [
+                    "--master-port", str(29600 + slot)]
+                cmd.remove("--standalone")
+            if a.device == "cpu":
+                env["CUDA_VISIBLE_DEVICES"] = ""
+            procs.append((kind, name, lay, cmd, log_json, log, time.time(),
+                          subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                           env=env, cwd=ROOT)))
+        for kind, name, lay, cmd, log_json, log, t0, proc in procs:
+            try:
+                rc = proc.wait(timeout=max(1.0, a.timeout - (time.time() - t0)))
+                status = "ok" if rc == 0 else f"exit {rc}"
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                status = "timeout"
+            rec = {"bench": "train", "model_kind": kind, "layout": name,
+                   "world": lay["tp"] * lay["cp"] * lay["dp"], **lay,
+                   "seq_length": a.seq_length, "preset": a.preset, "vocab_size": a.vocab_size,
+                   "status": status, "wall_s": round(time.time() - t0, 1),
+                   "device": _device(a.device), "date": time.strftime("%Y-%m-%d"),
+                   "command": " ".join(cmd[cmd.index(os.path.join(ROOT, "train.py")):]
+                                       ).replace(ROOT + "/", ""), **summarize(log_json)}
+            if status != "ok":
+                failed += 1
+                rec["log_tail"] = open(log).read()[-600:]
+            line = json.dumps(rec, sort_keys=True)
+            print(line, flush=True)
+            if a.out:
+                with open(a.out, "a") as f:
+                    f.write(line + "\n")
+    return 1 if failed else 0
+
+
+def _device(device: str) -> str:
+    if device != "cuda":
+        return "cpu"
+    import torch
+    return torch.cuda.get_device_name()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
