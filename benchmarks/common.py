@@ -45,9 +45,10 @@ def init_dist(device: str) -> tuple[int, int]:
 
 # Communication settings the CP benchmarks can run side by side (--comm-variants): "default"
 # (a plain dist.new_group; the library's own stream settings), "nccl-hp" (the group's NCCL
-# kernels on a high-priority stream), "side0" (linear only: the scan's side stream at normal
-# priority instead of the library's high priority).
-COMM_VARIANTS = ("default", "nccl-hp", "side0")
+# kernels on a high-priority stream), "ctaN" (NCCL bounded to N CTAs per operation, so its
+# kernels take fewer SMs beside the attention kernels), "hp-ctaN" (both), "side0" (linear only:
+# the scan's side stream at normal priority instead of the library's high priority).
+COMM_VARIANTS = ("default", "nccl-hp", "cta1", "cta2", "cta4", "hp-cta2", "side0")
 
 
 def cp_groups(variants, world: int) -> dict:
@@ -61,6 +62,9 @@ def cp_groups(variants, world: int) -> dict:
     for v in variants:
         if v == "nccl-hp":
             groups[v] = new_cp_group(ranks, CPGroupOptions(high_priority_stream=True))
+        elif v.startswith(("cta", "hp-cta")):
+            groups[v] = new_cp_group(ranks, CPGroupOptions(
+                high_priority_stream=v.startswith("hp-"), max_ctas=int(v.rpartition("cta")[2])))
         elif v in COMM_VARIANTS:
             groups[v] = groups["default"]
         else:

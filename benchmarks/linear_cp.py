@@ -16,7 +16,7 @@ while the GPU runs: a layer called as a model calls it), `queued` (every timed c
 behind a GPU sleep: the GPU's own time, as in a deep model whose host runs ahead).
 `ms_host_fwd_bwd`: the host's time to enqueue one fwd+bwd (GPU drained before).
 `--ab`: the same rows with a LinearTuning field flipped (impl suffix), side by side.
-`--profile DIR`: one profiled fwd+bwd per layout and scan at the first T_local: a
+`--profile DIR`: one profiled fwd+bwd per layout and scan at the last T_local: a
 `linear_phases` row (host time, each stream's kernel time, the NCCL kernels, the main
 stream's idle time inside the step) and a text timeline on stderr.
 """
@@ -227,7 +227,7 @@ def main() -> None:
                         "'nccl-hp' (the group's NCCL kernels on a high-priority stream), "
                         "'side0' (the scan's side stream at normal priority); suffix '+VARIANT'")
     p.add_argument("--profile", metavar="DIR",
-                   help="also profile one fwd+bwd step per layout and scan at the first T_local")
+                   help="also profile one fwd+bwd step per layout and scan at the last T_local")
     p.add_argument("--backend", choices=["fla", "torch"], default=None,
                    help="local kernel (default: fla when it can run)")
     a = p.parse_args()
@@ -250,7 +250,7 @@ def main() -> None:
                         "H": a.heads, "K": a.head_dim, "V": a.head_dim, "decay": rows.decay,
                         "packed": case == "packed", "dtype": str(dtype).replace("torch.", ""),
                         "device": device_name(dev), "backend": backend, "timing": mode}
-                rows.run(base, mode, profile=T == t_locals[0] and case == "fixed")
+                rows.run(base, mode, profile=T == t_locals[-1] and case == "fixed")
             del rows
     if dist.is_initialized():
         dist.barrier()
