@@ -73,13 +73,16 @@ _softmax_choice = lru_cache(maxsize=256)(choose_softmax_preset)
 def auto_softmax_preset(ctx: SPContext, q: torch.Tensor, k: torch.Tensor, *, causal: bool = True,
                         heads_k_stride: Optional[int] = None,
                         memory_limit_bytes: Optional[float] = None,
-                        machine: Optional[Machine] = None) -> Choice:
+                        machine: Optional[Machine] = None,
+                        a2a_size: Optional[int] = None) -> Choice:
     """The softmax preset for ``q [B, T_local, H, D]``, ``k [.., Hkv, D]`` on ``ctx`` (logged
-    once per shape, group size, layout and stride)."""
+    once per shape, group size, layout and stride); ``a2a_size``: also consider
+    ``a2a_ring`` with that all-to-all group size."""
     m = machine or machine_for(q.device)
     B, T, H, D = q.shape
     shape = SoftmaxShape(B, T, H, k.shape[2], D, _itemsize(q), bool(causal))
     choice = _softmax_choice(shape, ctx.world_size, ctx.layout, m, topology_for(ctx, m),
-                             heads_k_stride, memory_limit_bytes)
-    log_choice("softmax preset", (shape, ctx.world_size, ctx.layout, heads_k_stride), choice, m)
+                             heads_k_stride, memory_limit_bytes, a2a_size=a2a_size)
+    log_choice("softmax preset", (shape, ctx.world_size, ctx.layout, heads_k_stride, a2a_size),
+               choice, m)
     return choice

@@ -16,10 +16,14 @@ from ..validation import is_int
 from .backends import BACKEND_NAMES
 
 __all__ = ["SoftmaxSchedule", "PRESETS", "PRESET_NAMES", "AUTO_PRESET", "DEFAULT_PRESET",
-           "FWD_SCHEDULES", "BWD_SCHEDULES", "STRIDE_FIELDS", "default_heads_k_stride"]
+           "FWD_SCHEDULES", "BWD_SCHEDULES", "A2A_SCHEDULES", "STRIDE_FIELDS",
+           "default_heads_k_stride"]
 
-FWD_SCHEDULES = ("ring", "allgather")
-BWD_SCHEDULES = ("ring", "allgather")
+# The all-to-all schedules run forward and backward as one (the backward reads the head shards
+# the forward saved), so they pair only with themselves.
+A2A_SCHEDULES = ("a2a", "a2a_ring")
+FWD_SCHEDULES = ("ring", "allgather") + A2A_SCHEDULES
+BWD_SCHEDULES = ("ring", "allgather") + A2A_SCHEDULES
 
 PRESETS: dict[str, tuple[str, str]] = {
     # ring forward + all-gather / async fp32 reduce-scatter backward with head strides: the
@@ -29,6 +33,11 @@ PRESETS: dict[str, tuple[str, str]] = {
     "ring": ("ring", "ring"),                 # ring-flash-attention: p2p only, O(1) buffers
     "allgather": ("allgather", "allgather"),  # no LSE merge; best for small P within a node
     "ag_ring": ("allgather", "ring"),
+    # Ulysses: all-to-all from sequence to head shards, the local kernel on the whole sequence
+    "a2a": ("a2a", "a2a"),
+    # USP / TransformerEngine's a2a+p2p: all-to-all inside groups of a2a_size consecutive
+    # ranks, ring across the groups
+    "a2a_ring": ("a2a_ring", "a2a_ring"),
 }
 # Default by measurement (2x H200, Llama-3-8B attention, benchmarks/results): ring/ring was the
 # fastest pair at T_local 8K (0.76 of one GPU vs 0.66 for ring/allgather) and 32K (0.925 vs
@@ -80,6 +89,11 @@ class SoftmaxSchedule:
             ``bwd="allgather"``; ``0 < f, l < stride``).
         backend: kernel backend (``"cudnn"``, ``"flash"``, ``"flash_attn"``, ``"math"``) or
             None for the fastest that runs the inputs.
+        a2a_size: ranks per all-to-all group of ``preset="a2a_ring"`` (U; must divide the CP
+            group size P and the local query heads; the context needs the sub-groups:
+            ``build_sp_context(group, a2a_size=U)``). None: the one size whose sub-groups the
+            context holds. With ``"auto"``: lets the cost model consider ``a2a_ring`` with this
+            U. ``preset="a2a"`` is U = P and takes no ``a2a_size``.
     """
 
     preset: Optional[str] = None
@@ -89,9 +103,13 @@ class SoftmaxSchedule:
     bwd_head_first_stride: Optional[int] = None
     bwd_head_last_stride: Optional[int] = None
     backend: Optional[str] = None
+    a2a_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         fwd, bwd = self.fwd, self.bwd
+        if self.a2a_size is not None and (not is_int(self.a2a_size) or self.a2a_size < 1):
+            raise ValueError(f"a2a_size={self.a2a_size!r} must be a positive int (ranks per "
+                             "all-to-all group of preset 'a2a_ring') or None")
         if self.preset == AUTO_PRESET:
             for name, given in (("fwd", fwd), ("bwd", bwd)):
                 if given is not None:
@@ -117,6 +135,16 @@ class SoftmaxSchedule:
         if bwd not in BWD_SCHEDULES:
             raise ValueError(f"unknown backward schedule bwd={bwd!r}; use one of "
                              f"{BWD_SCHEDULES}")
+        if (fwd in A2A_SCHEDULES or bwd in A2A_SCHEDULES) and fwd != bwd:
+            a2a = fwd if fwd in A2A_SCHEDULES else bwd
+            raise ValueError(f"the all-to-all schedule {a2a!r} runs forward and backward "
+                             f"together (fwd={fwd!r}, bwd={bwd!r}); use preset={a2a!r}")
+        if self.a2a_size is not None and fwd != "a2a_ring":
+            raise ValueError(f"a2a_size={self.a2a_size} only applies to preset 'a2a_ring' (or "
+                             f"'auto'); fwd={fwd!r}, bwd={bwd!r} would ignore it"
+                             + (" ('a2a' is the all-to-all over the whole CP group)"
+                                if fwd == "a2a" else "") + ": drop it or use "
+                             "preset='a2a_ring'")
         object.__setattr__(self, "fwd", fwd)
         object.__setattr__(self, "bwd", bwd)
         self._check_strides_and_backend()
@@ -155,7 +183,7 @@ class SoftmaxSchedule:
             preset, heads_k_stride=self.heads_k_stride if "allgather" in (f, b) else None,
             bwd_head_first_stride=self.bwd_head_first_stride if b == "allgather" else None,
             bwd_head_last_stride=self.bwd_head_last_stride if b == "allgather" else None,
-            backend=self.backend)
+            backend=self.backend, a2a_size=self.a2a_size if f == "a2a_ring" else None)
 
     def kwargs(self) -> dict:
         """Keyword arguments of :func:`sp_attention.context_parallel_attention` (the resolved
@@ -165,6 +193,8 @@ class SoftmaxSchedule:
             out.pop("fwd"), out.pop("bwd")
         else:
             out.pop("preset")
+        if out["a2a_size"] is None:       # only a2a_ring / auto take it
+            out.pop("a2a_size")
         return out
 
     def local_stride(self, kv_heads: int, default: int) -> int:

@@ -1,0 +1,346 @@
+"""All-to-all schedules: Ulysses (``preset="a2a"``) and all-to-all × ring (``"a2a_ring"``,
+USP / TransformerEngine's ``a2a+p2p``), forward, backward and their autograd Function.
+
+Inside an all-to-all group of ``U`` consecutive CP ranks (``U = P`` for ``a2a``), one
+fixed-shape ``all_to_all_single`` re-shards K/V and one re-shards Q from sequence shards
+``[B, T_local, H, D]`` to head shards ``[B, U·T_local, H/U, D]`` (position ``u`` takes query
+heads ``[u·H/U, (u+1)·H/U)`` and the KV heads they use: :mod:`.a2a_plan`); the tokens are put
+in the order of a CP rank of the ``R = P / U`` groups (with ``R = 1`` the global order, so the
+kernel's plain causal mask is the global one) by the same copy that unpacks the receive
+buffer. Then the **inner** schedule runs on the head shard: the local kernel on the whole
+sequence (``R = 1``) or today's ring forward / backward across the groups (``R > 1``; the
+group is one ring rank, :meth:`~sp_attention.SPContext.a2a_split`); packed documents run the
+packed ring (own-block varlen calls when ``R = 1``) on the groups' plan
+(:func:`.a2a_plan.grouped_plan`). The output (and the LSE when asked) goes back by the inverse
+exchange.
+
+Backward: ``dout`` goes to head shards the same way; the inner backward uses the head-sharded
+``q, k, v, out, lse`` saved by the forward (no exchange of them again); ``dq`` goes back like
+the output, dK/dV like K/V in reverse, summed in fp32 over the positions that received a
+replicated KV head.
+
+Overlap: K/V's exchange is issued first, then Q is packed and its exchange issued, and K/V
+are unpacked while Q travels; backward issues dK/dV's exchange before packing dq's.
+
+Bytes per rank and direction (forward; the backward alike): ``(U−1)/U · B·T_local·D ·
+(2·H + 2·Hkv)`` elements when ``Hkv % U == 0`` (Q, K+V, out), plus the ring's across groups.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..caches import LRU
+from ..comm import all_to_all_flat
+from ..context import SPContext
+from ..packing import PackingPlan
+from ..precision import acc_dtype
+from ..validation import autocast_off
+from .a2a_plan import HeadSplit, arrival_order, grouped_plan, head_split
+from .backend_common import KernelBackend
+from .bwd_ring import ring_backward
+from .fwd_ring import ring_forward
+from .packed_plan import CallPolicy
+from .packed_ring import packed_ring_backward, packed_ring_forward
+
+__all__ = ["A2AConfig", "A2AAttention", "a2a_forward", "a2a_backward"]
+
+# Index tensors per (token order, sizes, device): built once, host time only.
+_INDEX = LRU(256)
+
+
+@dataclass(frozen=True)
+class A2AConfig:
+    """Everything the all-to-all Function needs (built by the public function after its
+    checks). ``size``: U (``ctx.world_size`` for ``a2a``); ``plan``: packed documents (a
+    non-trivial plan) or None."""
+
+    ctx: SPContext
+    size: int
+    causal: bool
+    scale: float
+    backend: KernelBackend
+    return_lse: bool
+    pack_kv: bool
+    plan: Optional[PackingPlan] = None
+    policy: Optional[CallPolicy] = None
+
+
+# ------------------------------------------------------------------------------ token order
+def _positions(cfg: A2AConfig, L: int) -> tuple[tuple, Optional[list]]:
+    """``(key, runs)``: the inner order as runs ``(arrival start, length)`` of arrival
+    positions (``u·L + t``), or None when it is the arrival order itself; ``key`` names it."""
+    U, g = cfg.size, cfg.ctx.rank // cfg.size
+    if cfg.plan is not None:
+        gp = grouped_plan(cfg.plan, U)
+        key: tuple = ("packed", gp, g)
+        runs = list(gp.runs[g])
+    elif not cfg.causal:           # full attention: any order of the keys gives the same rows
+        return ("arrival",), None
+    else:
+        order = arrival_order(cfg.ctx.layout, cfg.ctx.world_size, U, g)
+        c = L // len(cfg.ctx.leaves)
+        key = ("chunks", order, c)
+        runs = [(i * c, c) for i in order]
+    done = 0
+    for a, n in runs:
+        if a != done:
+            return key, runs
+        done += n
+    return ("arrival",), None
+
+
+def _rows(pos: Optional[Tensor], U: int, L: int, B: int, S: int, slot: int,
+          device) -> Optional[Tensor]:
+    """Flat row of every token ``(b, i)`` (inner order) in an arrival buffer ``[U, S, B, L]``
+    (source-major): ``[B·U·L]``; None when the buffer already is ``[B, U·L]`` in inner order."""
+    if pos is None and S == 1 and B == 1:
+        return None
+    p = torch.arange(U * L, device=device) if pos is None else pos
+    u, t = p // L, p % L
+    b = torch.arange(B, device=device)[:, None]
+    return (((u * S + slot)[None, :] * B + b) * L + t[None, :]).reshape(-1)
+
+
+def _return_rows(pos: Optional[Tensor], U: int, L: int, B: int, device) -> Optional[Tensor]:
+    """Flat row (in ``[B·U·L]``, inner order) of every entry of a send-back buffer
+    ``[U, B, L]`` (destination-major); None when that is a view."""
+    if pos is None and B == 1:
+        return None
+    T = U * L
+    inv = torch.arange(T, device=device) if pos is None else torch.argsort(pos)
+    u = torch.arange(U, device=device)[:, None, None]
+    b = torch.arange(B, device=device)[None, :, None]
+    t = torch.arange(L, device=device)[None, None, :]
+    return (b * T + inv[u * L + t]).reshape(-1)
+
+
+class _Order:
+    """The index tensors of one call's token order (cached per order, sizes and device):
+    ``rows[S][slot]`` for arrival buffers of ``S`` slots, ``back`` for send-back buffers."""
+
+    def __init__(self, cfg: A2AConfig, B: int, L: int, device):
+        self.U, self.B, self.L = cfg.size, B, L
+        key, runs = _positions(cfg, L)
+
+        def make():
+            pos = None if runs is None else torch.cat(
+                [torch.arange(a, a + n) for a, n in runs]).to(device)
+            rows = {s: [_rows(pos, self.U, L, B, s, i, device) for i in range(s)]
+                    for s in (1, 2)}
+            return rows, _return_rows(pos, self.U, L, B, device)
+        self.rows, self.back = _INDEX.get(key + (self.U, B, L, str(device)), make)
+
+
+# ------------------------------------------------------------------------------ exchanges
+def _exchange(send: Tensor, intra: SPContext):
+    """Start the all-to-all of ``send`` (destination-major); ``(receive buffer, work)``."""
+    send = send.contiguous()
+    recv = torch.empty(send.shape, dtype=send.dtype, device=send.device)
+    return recv, (send, all_to_all_flat(recv, send, intra, async_op=True))
+
+
+def _wait(pending) -> None:
+    """Wait for an exchange (its send buffer stays referenced until then)."""
+    if pending[1] is not None:
+        pending[1].wait()
+
+
+def _send_heads(xs: tuple, U: int, sel: Optional[Tensor]) -> Tensor:
+    """Send buffer ``[U, S, B, L, n, D]``: for destination ``u`` the heads ``sel[u]`` (None: the
+    ``u``-th of ``U`` equal blocks) of each ``x [B, L, h, D]`` of ``xs``."""
+    B, L, h, D = xs[0].shape
+    n = h // U if sel is None else sel.shape[1]
+    buf = torch.empty((U, len(xs), B, L, n, D), dtype=xs[0].dtype, device=xs[0].device)
+    for s, x in enumerate(xs):
+        src = x.unflatten(2, (U, n)) if sel is None else x[:, :, sel]      # [B, L, U, n, D]
+        buf[:, s].copy_(src.permute(2, 0, 1, 3, 4))
+    return buf
+
+
+def _arrived(recv: Tensor, rows: Optional[Tensor]) -> Tensor:
+    """One slot of an arrival buffer ``[U, S, B, L, n, D]`` as ``[B, U·L, n, D]`` in inner
+    order (``rows`` from :func:`_rows`)."""
+    U, _, B, L, n, D = recv.shape
+    if rows is None:
+        return recv.view(1, U * L, n, D)
+    return recv.view(-1, n, D).index_select(0, rows).view(B, U * L, n, D)
+
+
+def _send_back(xs: tuple, order: _Order) -> Tensor:
+    """Send-back buffer ``[U, S, B, L, h, D]`` of ``xs [B, U·L, h, D]`` (inner order): for
+    destination ``u`` the rows of its shard, in its order."""
+    U, B, L = order.U, order.B, order.L
+    h, D = xs[0].shape[2:]
+    if order.back is None and len(xs) == 1:
+        return xs[0].reshape(U, 1, B, L, h, D)
+    buf = torch.empty((U, len(xs), B, L, h, D), dtype=xs[0].dtype, device=xs[0].device)
+    for s, x in enumerate(xs):
+        flat = x.reshape(B * U * L, h, D)
+        if order.back is None:
+            buf[:, s].copy_(flat.view(U, B, L, h, D))
+        elif len(xs) == 1:
+            torch.index_select(flat, 0, order.back, out=buf.view(U * B * L, h, D))
+        else:
+            buf[:, s].copy_(flat.index_select(0, order.back).view(U, B, L, h, D))
+    return buf
+
+
+def _heads_home(recv: Tensor, slot: int = 0) -> Tensor:
+    """An arrival buffer ``[U, S, B, L, h, D]`` of head shards as ``[B, L, U·h, D]``."""
+    U, _, B, L, h, D = recv.shape
+    return recv[:, slot].permute(1, 2, 0, 3, 4).reshape(B, L, U * h, D)
+
+
+def _index(kind: str, split: HeadSplit, u: int, device) -> Tensor:
+    def make():
+        if kind == "sel":           # [U, n]: the KV head in each slot of every position
+            return torch.tensor(split.kv_heads_of, dtype=torch.int64)
+        if kind == "q2s":           # [a]: the slot each of position u's query heads reads
+            return torch.tensor(split.q_to_slot[u], dtype=torch.int64)
+        real = [(w, j) for w in range(split.size) for j in range(split.kv_count[w])]
+        if kind == "real":          # real slots of the [U·n] arrivals
+            return torch.tensor([w * split.kv_slots + j for w, j in real], dtype=torch.int64)
+        return torch.tensor([split.kv_heads_of[w][j] for w, j in real], dtype=torch.int64)
+    return _INDEX.get((kind, split, u, str(device)),
+                      lambda: make().to(device))
+
+
+def _kv_home(recv: Tensor, split: HeadSplit, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """dK, dV ``[B, L, Hkv, D]`` from the arrivals ``[U, 2, B, L, n, D]``: a copy when every KV
+    head had one position, else the positions' parts summed in fp32 and rounded once."""
+    if split.disjoint:
+        return _heads_home(recv, 0).to(dtype), _heads_home(recv, 1).to(dtype)
+    U, _, B, L, n, D = recv.shape
+    acc = acc_dtype(dtype)
+    real, heads = (_index(k, split, 0, recv.device) for k in ("real", "heads"))
+    out = []
+    for s in (0, 1):
+        parts = _heads_home(recv, s).index_select(2, real).to(acc)
+        total = torch.zeros((B, L, split.kv_heads, D), dtype=acc, device=recv.device)
+        out.append(total.index_add_(2, heads, parts).to(dtype))
+    return out[0], out[1]
+
+
+def _expand(k: Tensor, v: Tensor, split: HeadSplit, u: int) -> tuple[Tensor, Tensor]:
+    """K/V slots as the kernel takes them: as they are (native GQA) or one per query head."""
+    if split.native:
+        return k, v
+    q2s = _index("q2s", split, u, k.device)
+    return k.index_select(2, q2s), v.index_select(2, q2s)
+
+
+def _fold(dk: Tensor, dv: Tensor, split: HeadSplit, u: int) -> tuple[Tensor, Tensor]:
+    """Inverse of :func:`_expand` for gradients: per-query-head dK/dV summed into the slots
+    (fp32)."""
+    if split.native:
+        return dk, dv
+    q2s = _index("q2s", split, u, dk.device)
+    acc = acc_dtype(dk.dtype)
+    out = []
+    for g in (dk, dv):
+        shape = g.shape[:2] + (split.kv_slots, g.shape[3])
+        out.append(torch.zeros(shape, dtype=acc, device=g.device).index_add_(2, q2s, g.to(acc)))
+    return out[0], out[1]
+
+
+# ------------------------------------------------------------------------------ schedules
+def _split(cfg: A2AConfig, heads: int, kv_heads: int):
+    intra, inter = cfg.ctx.a2a_split(cfg.size)
+    return intra, inter, head_split(heads, kv_heads, cfg.size)
+
+
+def a2a_forward(q: Tensor, k: Tensor, v: Tensor, cfg: A2AConfig
+                ) -> tuple[Tensor, Optional[Tensor], tuple]:
+    """Forward: ``(out [B, L, H, D], lse [B, H, L] or None, saved)``; ``saved`` = the
+    head-sharded ``(q, k, v, out, lse)`` the backward reads (module doc)."""
+    intra, inter, split = _split(cfg, q.shape[2], k.shape[2])
+    U, (B, L) = cfg.size, q.shape[:2]
+    order = _Order(cfg, B, L, q.device)
+    if U == 1:
+        qh, kh, vh = q, k, v
+    else:
+        sel = None if split.disjoint else _index("sel", split, 0, q.device)
+        kv_recv, kv_work = _exchange(_send_heads((k, v), U, sel), intra)
+        q_recv, q_work = _exchange(_send_heads((q,), U, None), intra)
+        _wait(kv_work)                     # unpack K/V while Q travels
+        kh, vh = (_arrived(kv_recv, order.rows[2][s]) for s in (0, 1))
+        _wait(q_work)
+        qh = _arrived(q_recv, order.rows[1][0])
+    ke, ve = _expand(kh, vh, split, intra.rank)
+    if cfg.plan is None:
+        outh, lseh = ring_forward(qh, ke, ve, inter, cfg.backend, causal=cfg.causal,
+                                  scale=cfg.scale, pack_kv=cfg.pack_kv)
+    else:
+        outh, lseh = packed_ring_forward(qh, ke, ve, inter, grouped_plan(cfg.plan, U),
+                                         cfg.backend, scale=cfg.scale, policy=cfg.policy,
+                                         pack_kv=cfg.pack_kv)
+    saved = (qh, kh, vh, outh, lseh)
+    if U == 1:
+        return outh, lseh if cfg.return_lse else None, saved
+    out_recv, work = _exchange(_send_back((outh,), order), intra)
+    lse = None
+    if cfg.return_lse:             # [B, a, T] -> rows [B, T, a, 1] -> home [B, H, L]
+        lse_recv, lse_work = _exchange(_send_back((lseh.transpose(1, 2).unsqueeze(3),), order),
+                                       intra)
+        _wait(lse_work)
+        lse = _heads_home(lse_recv).squeeze(3).transpose(1, 2)
+    _wait(work)
+    return _heads_home(out_recv), lse, saved
+
+
+def a2a_backward(dout: Tensor, saved: tuple, cfg: A2AConfig,
+                 kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward of :func:`a2a_forward` from its ``saved`` head shards (``kv_heads``: Hkv of
+    the call's k): ``(dq, dk, dv)`` in the dtypes of q, k, v."""
+    qh, kh, vh, outh, lseh = saved
+    intra, inter, split = _split(cfg, dout.shape[2], kv_heads)
+    U, (B, L) = cfg.size, dout.shape[:2]
+    order = _Order(cfg, B, L, dout.device)
+    if U == 1:
+        doh = dout
+    else:
+        do_recv, work = _exchange(_send_heads((dout,), U, None), intra)
+        _wait(work)
+        doh = _arrived(do_recv, order.rows[1][0])
+    ke, ve = _expand(kh, vh, split, intra.rank)
+    if cfg.plan is None:
+        dqh, dkh, dvh = ring_backward(doh, qh, ke, ve, outh, lseh, inter, cfg.backend,
+                                      causal=cfg.causal, scale=cfg.scale, pack_kv=cfg.pack_kv)
+    else:
+        dqh, dkh, dvh = packed_ring_backward(doh, qh, ke, ve, outh, lseh, inter,
+                                             grouped_plan(cfg.plan, U), cfg.backend,
+                                             scale=cfg.scale, policy=cfg.policy,
+                                             pack_kv=cfg.pack_kv)
+    dkh, dvh = _fold(dkh, dvh, split, intra.rank)
+    if U == 1:
+        return dqh, dkh.to(kh.dtype), dvh.to(vh.dtype)
+    kv_recv, kv_work = _exchange(_send_back((dkh, dvh), order), intra)
+    dq_recv, dq_work = _exchange(_send_back((dqh,), order), intra)
+    _wait(kv_work)                         # sum dK/dV while dq travels
+    dk, dv = _kv_home(kv_recv, split, kh.dtype)
+    _wait(dq_work)
+    return _heads_home(dq_recv), dk, dv
+
+
+class A2AAttention(torch.autograd.Function):
+    """The all-to-all schedules; saves the head-sharded ``q, k, v, out, lse``."""
+
+    @staticmethod
+    def forward(fctx, q, k, v, cfg: A2AConfig):
+        out, lse, saved = a2a_forward(q, k, v, cfg)
+        fctx.save_for_backward(*saved)
+        fctx.cfg, fctx.kv_heads = cfg, k.shape[2]
+        if cfg.return_lse:
+            fctx.mark_non_differentiable(lse)
+            return out, lse
+        return out
+
+    @staticmethod
+    def backward(fctx, dout, *unused):
+        with autocast_off(dout.device):
+            dq, dk, dv = a2a_backward(dout, fctx.saved_tensors, fctx.cfg, fctx.kv_heads)
+        return dq, dk, dv, None
