@@ -6,7 +6,6 @@ globals: two models with different CP groups can live in one process.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional, Sequence
@@ -34,9 +33,6 @@ class SPContext:
         layout: ``"zigzag"`` (the sequence is cut into 2P chunks; rank r holds chunks r and
             2P−1−r — Megatron's split, causal-balanced) or ``"contiguous"`` (rank r holds the
             r-th of P equal pieces).
-        a2a_groups: sub-groups of ``group`` for the all-to-all × ring softmax schedule
-            (``preset="a2a_ring"``), one :class:`A2AGroups` per all-to-all size; made by
-            ``build_sp_context(..., a2a_size=U)`` or attached with :func:`attach_a2a_groups`.
     """
 
     group: Optional[dist.ProcessGroup]
@@ -44,7 +40,6 @@ class SPContext:
     world_size: int
     global_ranks: tuple[int, ...] = field(default=())
     layout: Optional[str] = None       # None: DEFAULT_LAYOUT, read when the context is built
-    a2a_groups: tuple["A2AGroups", ...] = field(default=())
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -79,71 +74,15 @@ class SPContext:
         """Global rank of ``group_rank`` (for p2p ops, which address global ranks)."""
         return self.global_ranks[group_rank % self.world_size]
 
-    def a2a_split(self, size: int) -> tuple["SPContext", "SPContext"]:
-        """``(intra, inter)`` contexts of the all-to-all × ring split with ``size`` = U ranks
-        per all-to-all group: ``intra`` over the U consecutive ranks holding this one (its
-        rank = position ``u = rank % U``), ``inter`` over the ``P / U`` ranks with the same
-        position (its rank = the group index ``g = rank // U``), both in ``self.layout``.
-        U = 1 or U = P need no sub-group (one side is this context, the other a single rank);
-        otherwise the sub-groups must be in :attr:`a2a_groups` (``ValueError`` naming how to
-        make them)."""
-        P, U = self.world_size, size
-        _check_a2a_size(U, P)
-        u, g = self.rank % U, self.rank // U
-        intra_ranks = self.global_ranks[g * U:(g + 1) * U]
-        inter_ranks = self.global_ranks[u::U]
-        if U == P:
-            return self, SPContext(None, 0, 1, (self.global_ranks[self.rank],), self.layout)
-        if U == 1:
-            return SPContext(None, 0, 1, (self.global_ranks[self.rank],), self.layout), self
-        found = [a for a in self.a2a_groups if a.size == U]
-        if not found:
-            raise ValueError(
-                f"a2a_size={U} on a CP group of {P} ranks needs sub-groups of it (all-to-all "
-                f"inside {U} consecutive ranks, ring across the {P // U} groups), and this "
-                "SPContext has none of that size. Build the context with sp_attention."
-                f"build_sp_context(group, a2a_size={U}) on every rank of the group (it creates "
-                "them once), or attach existing ones (Megatron's hierarchical CP groups: "
-                f"--hierarchical-context-parallel-sizes {U} {P // U}) with sp_attention.context."
-                "attach_a2a_groups(ctx, intra, inter)")
-        a = found[0]
-        return (SPContext(a.intra, u, U, intra_ranks, self.layout),
-                SPContext(a.inter, g, P // U, inter_ranks, self.layout))
-
-
-@dataclass(frozen=True)
-class A2AGroups:
-    """Sub-groups of a CP group of P ranks for the all-to-all × ring schedule with all-to-all
-    groups of ``size`` = U consecutive ranks (USP; Megatron's hierarchical CP groups with
-    sizes ``[U, P / U]``).
-
-    Attributes:
-        size: U, ranks per all-to-all group (1 < U < P).
-        intra: this rank's all-to-all group: CP ranks ``[g·U, (g+1)·U)``, ``g = rank // U``.
-        inter: this rank's ring group: CP ranks ``u, u + U, u + 2U, …``, ``u = rank % U``.
-    """
-
-    size: int
-    intra: dist.ProcessGroup
-    inter: dist.ProcessGroup
-
 
 def build_sp_context(group: Optional[dist.ProcessGroup] = None, layout: Optional[str] = None,
-                     *, a2a_size: Optional[int] = None) -> SPContext:
+                     ) -> SPContext:
     """Build an :class:`SPContext` from a process group.
 
     ``group=None`` with torch.distributed uninitialised (or a group of one) gives a world-size-1
     context that runs everything locally. On a process outside the group (where
     ``dist.new_group`` returned ``GroupMember.NON_GROUP_MEMBER``) it raises ``ValueError``. ``group=None`` with an initialised default group is
     refused: the plugin never defaults to WORLD, pass the CP group explicitly.
-
-    ``a2a_size=U`` (1 < U < P) also creates the sub-groups of ``preset="a2a_ring",
-    a2a_size=U`` (:class:`A2AGroups`). Rule: this is collective over the **members of
-    ``group``** only (``dist.new_group(..., use_local_synchronization=True)``: processes
-    outside the group need not call it, so each CP group of a DP × TP layout builds its own):
-    every member must call it with the same ``a2a_size``, and between two such calls every
-    member must create the same other groups, in the same order. U = 1 or U = P needs no
-    sub-group (nothing is created). A bad U raises before any group is made.
     """
     layout = DEFAULT_LAYOUT if layout is None else layout
     if layout not in LAYOUTS:
@@ -154,8 +93,6 @@ def build_sp_context(group: Optional[dist.ProcessGroup] = None, layout: Optional
                 "build_sp_context(group=None) with an initialised multi-process default group is "
                 "ambiguous; pass the context-parallel group explicitly (e.g. "
                 "parallel_state.get_context_parallel_group()).")
-        if a2a_size is not None:
-            _check_a2a_size(a2a_size, 1)
         return SPContext(None, 0, 1, (0,), layout)
     if isinstance(group, int) and not isinstance(group, bool) \
             and group == dist.GroupMember.NON_GROUP_MEMBER:
@@ -173,47 +110,7 @@ def build_sp_context(group: Optional[dist.ProcessGroup] = None, layout: Optional
                          "the group this rank belongs to")
     size = dist.get_world_size(group)
     ranks = tuple(dist.get_process_group_ranks(group))
-    ctx = SPContext(group if size > 1 else None, rank, size, ranks, layout)
-    if a2a_size is None:
-        return ctx
-    _check_a2a_size(a2a_size, size)
-    if a2a_size in (1, size):
-        return ctx
-    made = {}
-    # intra groups first, then inter groups: every member creates its two in this order, so
-    # the group-local barriers of overlapping groups cannot wait on each other
-    for kind, members in (("intra", ranks[rank // a2a_size * a2a_size:][:a2a_size]),
-                          ("inter", ranks[rank % a2a_size::a2a_size])):
-        made[kind] = dist.new_group(list(members), use_local_synchronization=True)
-    return attach_a2a_groups(ctx, made["intra"], made["inter"])
-
-
-def _check_a2a_size(size, world: int) -> None:
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1 or world % size:
-        raise ValueError(f"a2a_size={size!r} must be a positive divisor of the CP group size "
-                         f"{world}: one of {[d for d in range(1, world + 1) if world % d == 0]}")
-
-
-def attach_a2a_groups(ctx: SPContext, intra: dist.ProcessGroup,
-                      inter: dist.ProcessGroup) -> SPContext:
-    """``ctx`` with the sub-groups of ``preset="a2a_ring"`` attached (no collective): ``intra``
-    = this rank's U consecutive CP ranks, ``inter`` = the P / U CP ranks with its position
-    (Megatron's ``parallel_state.get_hierarchical_context_parallel_groups()`` with
-    ``--hierarchical-context-parallel-sizes U P/U`` are exactly these). Their global ranks
-    are checked against ``ctx`` (``ValueError`` naming the mismatch)."""
-    if ctx.world_size == 1:
-        raise ValueError("a CP group of one rank has no all-to-all sub-groups to attach")
-    got = [tuple(dist.get_process_group_ranks(g)) for g in (intra, inter)]
-    U = len(got[0])
-    _check_a2a_size(U, ctx.world_size)
-    want = [ctx.global_ranks[ctx.rank // U * U:][:U], ctx.global_ranks[ctx.rank % U::U]]
-    if got != want:
-        raise ValueError(f"the a2a sub-groups hold global ranks {got[0]} (intra) and {got[1]} "
-                         f"(inter); CP rank {ctx.rank} of {ctx.global_ranks} needs {want[0]} "
-                         f"(its {U} consecutive CP ranks) and {want[1]} (the ranks with its "
-                         "position in every group)")
-    keep = tuple(a for a in ctx.a2a_groups if a.size != U)
-    return dataclasses.replace(ctx, a2a_groups=keep + (A2AGroups(U, intra, inter),))
+    return SPContext(group if size > 1 else None, rank, size, ranks, layout)
 
 
 @dataclass(frozen=True)

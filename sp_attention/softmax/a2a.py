@@ -2,14 +2,14 @@
 USP / TransformerEngine's ``a2a+p2p``), forward, backward and their autograd Function.
 
 Inside an all-to-all group of ``U`` consecutive CP ranks (``U = P`` for ``a2a``), one
-fixed-shape ``all_to_all_single`` re-shards K/V and one re-shards Q from sequence shards
+fixed-shape all-to-all re-shards K/V and one re-shards Q from sequence shards
 ``[B, T_local, H, D]`` to head shards ``[B, U·T_local, H/U, D]`` (position ``u`` takes query
 heads ``[u·H/U, (u+1)·H/U)`` and the KV heads they use: :mod:`.a2a_plan`); the tokens are put
 in the order of a CP rank of the ``R = P / U`` groups (with ``R = 1`` the global order, so the
 kernel's plain causal mask is the global one) by the same copy that unpacks the receive
 buffer. Then the **inner** schedule runs on the head shard: the local kernel on the whole
 sequence (``R = 1``) or today's ring forward / backward across the groups (``R > 1``; the
-group is one ring rank, :meth:`~sp_attention.SPContext.a2a_split`); packed documents run the
+group is one ring rank, :func:`a2a_split`); packed documents run the
 packed ring (own-block varlen calls when ``R = 1``) on the groups' plan
 (:func:`.a2a_plan.grouped_plan`). The output (and the LSE when asked) goes back by the inverse
 exchange.
@@ -18,6 +18,12 @@ Backward: ``dout`` goes to head shards the same way; the inner backward uses the
 ``q, k, v, out, lse`` saved by the forward (no exchange of them again); ``dq`` goes back like
 the output, dK/dV like K/V in reverse, summed in fp32 over the positions that received a
 replicated KV head.
+
+No process group of its own: with ``U = P`` the all-to-all is ``all_to_all_single`` on the CP
+group; with ``U < P`` it is the same exchange as grouped point-to-point messages among the
+group's ``U`` ranks (``batch_isend_irecv`` on the CP group: NCCL runs its all-to-all exactly
+so), and the ring across groups is point-to-point too. So ``a2a_ring`` needs no sub-group
+and nothing to set up: any U dividing P and the local query heads works on any CP group.
 
 Overlap: K/V's exchange is issued first, then Q is packed and its exchange issued, and K/V
 are unpacked while Q travels; backward issues dK/dV's exchange before packing dq's.
@@ -34,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ..caches import LRU
-from ..comm import all_to_all_flat
+from ..comm import all_to_all_flat, p2p_exchange
 from ..context import SPContext
 from ..packing import PackingPlan
 from ..precision import acc_dtype
@@ -46,7 +52,7 @@ from .fwd_ring import ring_forward
 from .packed_plan import CallPolicy
 from .packed_ring import packed_ring_backward, packed_ring_forward
 
-__all__ = ["A2AConfig", "A2AAttention", "a2a_forward", "a2a_backward"]
+__all__ = ["A2AConfig", "A2AAttention", "a2a_forward", "a2a_backward", "a2a_split"]
 
 # Index tensors per (token order, sizes, device): built once, host time only.
 _INDEX = LRU(256)
@@ -67,6 +73,26 @@ class A2AConfig:
     pack_kv: bool
     plan: Optional[PackingPlan] = None
     policy: Optional[CallPolicy] = None
+
+
+def a2a_split(ctx: SPContext, size: int) -> tuple[SPContext, SPContext]:
+    """``(intra, inter)``: the all-to-all group of ``size`` = U consecutive ranks holding this
+    one (rank = position ``u = rank % U``) and the ring of the ``P / U`` ranks with the same
+    position (rank = group index ``g = rank // U``), in ``ctx.layout``. Both address their
+    peers through ``ctx.group`` and their global ranks: with ``1 < U < P`` they are **for
+    point-to-point messages only** (their group is the whole CP group); U = P gives ``ctx``
+    itself and a single rank, U = 1 the reverse."""
+    P, U = ctx.world_size, size
+    if U < 1 or P % U:
+        raise ValueError(f"a2a_size={U!r} must be a positive divisor of the CP group size {P}")
+    u, g = ctx.rank % U, ctx.rank // U
+    one = SPContext(None, 0, 1, (ctx.global_ranks[ctx.rank],), ctx.layout)
+    if U == P:
+        return ctx, one
+    if U == 1:
+        return one, ctx
+    return (SPContext(ctx.group, u, U, ctx.global_ranks[g * U:(g + 1) * U], ctx.layout),
+            SPContext(ctx.group, g, P // U, ctx.global_ranks[u::U], ctx.layout))
 
 
 # ------------------------------------------------------------------------------ token order
@@ -136,17 +162,26 @@ class _Order:
 
 
 # ------------------------------------------------------------------------------ exchanges
-def _exchange(send: Tensor, intra: SPContext):
-    """Start the all-to-all of ``send`` (destination-major); ``(receive buffer, work)``."""
+def _exchange(send: Tensor, intra: SPContext, whole: bool):
+    """Start the all-to-all of ``send`` ``[U, ...]`` (destination-major) inside ``intra``;
+    ``(receive buffer [U, ...] source-major, pending)``. ``whole``: ``intra`` is the CP group
+    itself (one ``all_to_all_single``); else grouped sends and receives to its other ranks."""
     send = send.contiguous()
     recv = torch.empty(send.shape, dtype=send.dtype, device=send.device)
-    return recv, (send, all_to_all_flat(recv, send, intra, async_op=True))
+    if whole:
+        return recv, (send, [all_to_all_flat(recv, send, intra, async_op=True)])
+    u = intra.rank
+    recv[u].copy_(send[u])
+    peers = [j for j in range(intra.world_size) if j != u]
+    works = p2p_exchange([(send[j], j) for j in peers], [(recv[j], j) for j in peers], intra)
+    return recv, (send, works)
 
 
 def _wait(pending) -> None:
     """Wait for an exchange (its send buffer stays referenced until then)."""
-    if pending[1] is not None:
-        pending[1].wait()
+    for w in pending[1]:
+        if w is not None:
+            w.wait()
 
 
 def _send_heads(xs: tuple, U: int, sel: Optional[Tensor]) -> Tensor:
@@ -248,44 +283,56 @@ def _fold(dk: Tensor, dv: Tensor, split: HeadSplit, u: int) -> tuple[Tensor, Ten
 
 
 # ------------------------------------------------------------------------------ schedules
-def _split(cfg: A2AConfig, heads: int, kv_heads: int):
-    intra, inter = cfg.ctx.a2a_split(cfg.size)
-    return intra, inter, head_split(heads, kv_heads, cfg.size)
+class _Groups:
+    """The all-to-all group, the ring across groups and the heads of one call."""
+
+    def __init__(self, cfg: A2AConfig, heads: int, kv_heads: int):
+        self.intra, self.inter = a2a_split(cfg.ctx, cfg.size)
+        self.whole = cfg.size == cfg.ctx.world_size
+        self.split = head_split(heads, kv_heads, cfg.size)
+
+    def exchange(self, send: Tensor):
+        return _exchange(send, self.intra, self.whole)
+
+
+def _inner_plan(cfg: A2AConfig) -> PackingPlan:
+    """The packed plan the inner schedule runs on: the groups' (U = 1: the batch's own)."""
+    return cfg.plan if cfg.size == 1 else grouped_plan(cfg.plan, cfg.size)
 
 
 def a2a_forward(q: Tensor, k: Tensor, v: Tensor, cfg: A2AConfig
                 ) -> tuple[Tensor, Optional[Tensor], tuple]:
     """Forward: ``(out [B, L, H, D], lse [B, H, L] or None, saved)``; ``saved`` = the
     head-sharded ``(q, k, v, out, lse)`` the backward reads (module doc)."""
-    intra, inter, split = _split(cfg, q.shape[2], k.shape[2])
-    U, (B, L) = cfg.size, q.shape[:2]
-    order = _Order(cfg, B, L, q.device)
-    if U == 1:
+    gr = _Groups(cfg, q.shape[2], k.shape[2])
+    U, (B, L), split = cfg.size, q.shape[:2], gr.split
+    if U == 1:                             # no exchange: the inner schedule on the shard
         qh, kh, vh = q, k, v
     else:
+        order = _Order(cfg, B, L, q.device)
         sel = None if split.disjoint else _index("sel", split, 0, q.device)
-        kv_recv, kv_work = _exchange(_send_heads((k, v), U, sel), intra)
-        q_recv, q_work = _exchange(_send_heads((q,), U, None), intra)
+        kv_recv, kv_work = gr.exchange(_send_heads((k, v), U, sel))
+        q_recv, q_work = gr.exchange(_send_heads((q,), U, None))
         _wait(kv_work)                     # unpack K/V while Q travels
         kh, vh = (_arrived(kv_recv, order.rows[2][s]) for s in (0, 1))
         _wait(q_work)
         qh = _arrived(q_recv, order.rows[1][0])
-    ke, ve = _expand(kh, vh, split, intra.rank)
+    ke, ve = _expand(kh, vh, split, gr.intra.rank)
     if cfg.plan is None:
-        outh, lseh = ring_forward(qh, ke, ve, inter, cfg.backend, causal=cfg.causal,
+        outh, lseh = ring_forward(qh, ke, ve, gr.inter, cfg.backend, causal=cfg.causal,
                                   scale=cfg.scale, pack_kv=cfg.pack_kv)
     else:
-        outh, lseh = packed_ring_forward(qh, ke, ve, inter, grouped_plan(cfg.plan, U),
-                                         cfg.backend, scale=cfg.scale, policy=cfg.policy,
+        outh, lseh = packed_ring_forward(qh, ke, ve, gr.inter, _inner_plan(cfg), cfg.backend,
+                                         scale=cfg.scale, policy=cfg.policy,
                                          pack_kv=cfg.pack_kv)
     saved = (qh, kh, vh, outh, lseh)
     if U == 1:
         return outh, lseh if cfg.return_lse else None, saved
-    out_recv, work = _exchange(_send_back((outh,), order), intra)
+    out_recv, work = gr.exchange(_send_back((outh,), order))
     lse = None
     if cfg.return_lse:             # [B, a, T] -> rows [B, T, a, 1] -> home [B, H, L]
-        lse_recv, lse_work = _exchange(_send_back((lseh.transpose(1, 2).unsqueeze(3),), order),
-                                       intra)
+        lse_recv, lse_work = gr.exchange(_send_back((lseh.transpose(1, 2).unsqueeze(3),),
+                                                    order))
         _wait(lse_work)
         lse = _heads_home(lse_recv).squeeze(3).transpose(1, 2)
     _wait(work)
@@ -297,29 +344,28 @@ def a2a_backward(dout: Tensor, saved: tuple, cfg: A2AConfig,
     """Backward of :func:`a2a_forward` from its ``saved`` head shards (``kv_heads``: Hkv of
     the call's k): ``(dq, dk, dv)`` in the dtypes of q, k, v."""
     qh, kh, vh, outh, lseh = saved
-    intra, inter, split = _split(cfg, dout.shape[2], kv_heads)
-    U, (B, L) = cfg.size, dout.shape[:2]
-    order = _Order(cfg, B, L, dout.device)
+    gr = _Groups(cfg, dout.shape[2], kv_heads)
+    U, (B, L), split = cfg.size, dout.shape[:2], gr.split
     if U == 1:
         doh = dout
     else:
-        do_recv, work = _exchange(_send_heads((dout,), U, None), intra)
+        order = _Order(cfg, B, L, dout.device)
+        do_recv, work = gr.exchange(_send_heads((dout,), U, None))
         _wait(work)
         doh = _arrived(do_recv, order.rows[1][0])
-    ke, ve = _expand(kh, vh, split, intra.rank)
+    ke, ve = _expand(kh, vh, split, gr.intra.rank)
     if cfg.plan is None:
-        dqh, dkh, dvh = ring_backward(doh, qh, ke, ve, outh, lseh, inter, cfg.backend,
+        dqh, dkh, dvh = ring_backward(doh, qh, ke, ve, outh, lseh, gr.inter, cfg.backend,
                                       causal=cfg.causal, scale=cfg.scale, pack_kv=cfg.pack_kv)
     else:
-        dqh, dkh, dvh = packed_ring_backward(doh, qh, ke, ve, outh, lseh, inter,
-                                             grouped_plan(cfg.plan, U), cfg.backend,
-                                             scale=cfg.scale, policy=cfg.policy,
-                                             pack_kv=cfg.pack_kv)
-    dkh, dvh = _fold(dkh, dvh, split, intra.rank)
+        dqh, dkh, dvh = packed_ring_backward(doh, qh, ke, ve, outh, lseh, gr.inter,
+                                             _inner_plan(cfg), cfg.backend, scale=cfg.scale,
+                                             policy=cfg.policy, pack_kv=cfg.pack_kv)
+    dkh, dvh = _fold(dkh, dvh, split, gr.intra.rank)
     if U == 1:
         return dqh, dkh.to(kh.dtype), dvh.to(vh.dtype)
-    kv_recv, kv_work = _exchange(_send_back((dkh, dvh), order), intra)
-    dq_recv, dq_work = _exchange(_send_back((dqh,), order), intra)
+    kv_recv, kv_work = gr.exchange(_send_back((dkh, dvh), order))
+    dq_recv, dq_work = gr.exchange(_send_back((dqh,), order))
     _wait(kv_work)                         # sum dK/dV while dq travels
     dk, dv = _kv_home(kv_recv, split, kh.dtype)
     _wait(dq_work)

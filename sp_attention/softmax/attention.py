@@ -194,10 +194,10 @@ def context_parallel_attention(
             (``plan.shard``); padding rows give 0 (lse −inf) and zero gradients. Needs
             ``causal=True``. None (default), or one document laid out as the unpacked layout:
             today's path.
-        a2a_size: ranks per all-to-all group of ``preset="a2a_ring"`` (``U``: divides P and
-            H; the context must hold the sub-groups, ``build_sp_context(group, a2a_size=U)``);
-            None: the one size whose sub-groups ``ctx`` holds. With ``"auto"``: lets the cost
-            model consider ``a2a_ring`` with this U.
+        a2a_size: ranks per all-to-all group of ``preset="a2a_ring"`` (``U`` consecutive
+            ranks of the group; divides P and H; required with ``"a2a_ring"``; no process group
+            of its own is made). With ``"auto"``: lets the cost model consider ``a2a_ring``
+            with this U.
 
     Returns:
         ``out [B, T_local, H, D]`` in ``q.dtype`` (and ``lse`` if ``return_lse``: fp32, fp64 for
@@ -211,8 +211,7 @@ def context_parallel_attention(
         differ; a local length the layout cannot split; an unknown fwd / bwd / preset /
         backend, or a preset contradicting fwd/bwd; a stride that does not divide the local KV
         heads or first/last splits out of range; an all-to-all preset whose group size does
-        not divide the local query heads or the CP group, or whose sub-groups the context
-        lacks; a backend that cannot run the inputs (the
+        not divide the local query heads or the CP group; a backend that cannot run the inputs (the
         message lists those that can). Raised on every rank: a rank whose own check fails
         tells the others, and ranks whose calls differ (shapes, dtypes, options) all raise;
         both through one small all-gather the first time each call signature is seen
@@ -290,34 +289,31 @@ def _config(q, k, v, ctx: SPContext, tuning, *, fwd, bwd, preset, heads_k_stride
 
 def _a2a_size(sched: SoftmaxSchedule, ctx: SPContext, heads: int) -> Optional[int]:
     """U of an all-to-all schedule (None for the others), after its local rules: U divides P
-    and the local query heads, and the context holds the sub-groups."""
+    and the local query heads."""
+    if sched.fwd not in A2A_SCHEDULES:
+        return None
+    if ctx.world_size == 1:         # one rank: nothing to split (any a2a_size runs locally)
+        return 1
     if sched.fwd == "a2a":
         check_a2a_heads(heads, ctx.world_size, "a2a")
         return ctx.world_size
-    if sched.fwd != "a2a_ring":
-        return None
-    size = sched.a2a_size
+    size, P = sched.a2a_size, ctx.world_size
     if size is None:
-        sizes = sorted({a.size for a in ctx.a2a_groups})
-        if len(sizes) != 1:
-            raise ValueError("preset='a2a_ring' needs a2a_size (ranks per all-to-all group, a "
-                             f"divisor of the CP group size {ctx.world_size}); the context "
-                             f"holds sub-groups of sizes {sizes}, so none can be assumed")
-        size = sizes[0]
-    ctx.a2a_split(size)             # U divides P; the sub-groups exist (else the fix)
+        raise ValueError("preset='a2a_ring' needs a2a_size: ranks per all-to-all group, a "
+                         f"divisor of the CP group size {P} (one of "
+                         f"{[d for d in range(1, P + 1) if P % d == 0]}) that divides the "
+                         f"{heads} local query heads")
+    if P % size:
+        raise ValueError(f"a2a_size={size} must be a positive divisor of the CP group size "
+                         f"{P}: one of {[d for d in range(1, P + 1) if P % d == 0]}")
     check_a2a_heads(heads, size, "a2a_ring")
     return size
 
 
 def _auto_a2a_size(ctx: SPContext, heads: int, size: Optional[int]) -> Optional[int]:
-    """The a2a_ring group size ``auto`` may consider: the one given (or the one the context's
-    sub-groups have), if the heads split and the sub-groups exist; else None."""
-    sizes = [size] if size is not None else [a.size for a in ctx.a2a_groups]
-    for u in sizes:
-        try:
-            ctx.a2a_split(u)
-        except ValueError:
-            continue
-        if heads % u == 0 and 1 < u < ctx.world_size:
-            return u
+    """The a2a_ring group size ``auto`` may consider: the one given, if it splits the group
+    and the heads into more than one group of more than one rank; else None."""
+    if size is not None and 1 < size < ctx.world_size and ctx.world_size % size == 0 \
+            and heads % size == 0:
+        return size
     return None

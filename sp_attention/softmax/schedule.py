@@ -89,11 +89,10 @@ class SoftmaxSchedule:
             ``bwd="allgather"``; ``0 < f, l < stride``).
         backend: kernel backend (``"cudnn"``, ``"flash"``, ``"flash_attn"``, ``"math"``) or
             None for the fastest that runs the inputs.
-        a2a_size: ranks per all-to-all group of ``preset="a2a_ring"`` (U; must divide the CP
-            group size P and the local query heads; the context needs the sub-groups:
-            ``build_sp_context(group, a2a_size=U)``). None: the one size whose sub-groups the
-            context holds. With ``"auto"``: lets the cost model consider ``a2a_ring`` with this
-            U. ``preset="a2a"`` is U = P and takes no ``a2a_size``.
+        a2a_size: ranks per all-to-all group of ``preset="a2a_ring"`` (U consecutive ranks of
+            the CP group; must divide the CP group size P and the local query heads; required
+            with ``"a2a_ring"``). With ``"auto"``: lets the cost model consider ``a2a_ring``
+            with this U. ``preset="a2a"`` is U = P and takes no ``a2a_size``.
     """
 
     preset: Optional[str] = None

@@ -6,9 +6,13 @@ head: the sequence-pipelined all-gather backward), head strides with first/last 
 ring's K/V hops packed and unpacked, the ring backward's 16-bit accumulator hops (P = 2, 3,
 4, a stand-in backend that returns dK/dV in bf16 like the CUDA kernels); out,
 lse, dq, dk, dv within 1e-10 relative of `attention_reference` + autograd on the global
-sequence, compared with this rank's shard. World 8 also runs DP > 1 with TP-inner
-(non-contiguous) CP groups. Bad inputs raise before any collective (a fake two-rank context
-whose group is not a process group proves it). GPU checks are marked `gpu` / `multigpu`.
+sequence, compared with this rank's shard. The all-to-all presets in the same spawns: `a2a`
+with GQA groups whose KV heads split over the ranks, are replicated (Hkv < P) or straddle
+ranks unevenly (expanded locally), batch 1 and 2, both layouts, causal and not; `a2a_ring`
+with every all-to-all size that divides P.
+World 8 also runs DP > 1 with TP-inner (non-contiguous) CP groups, the all-to-all presets on
+them too. Bad inputs raise before any collective (a fake two-rank context whose group is not
+a process group proves it). GPU checks are marked `gpu` / `multigpu`.
 """
 import zlib
 
@@ -18,6 +22,7 @@ import torch
 from sp_attention import (CPGroupOptions, SoftmaxTuning, SPContext, build_sp_context,
                           new_cp_group, shard_sequence)
 from sp_attention.softmax import PRESETS, attention_reference, context_parallel_attention
+from sp_attention.softmax.schedule import A2A_SCHEDULES
 from sp_attention.softmax.attention import default_heads_k_stride
 from sp_attention.testing import assert_close, megatron_groups, rel_rms, run_distributed, seeded
 
@@ -90,6 +95,32 @@ def _check_group(group, P, tag, refs, full=True):
                     _run_one(ctx, inputs, expected, causal, fwd, bwd, kw, name)
 
 
+def _a2a_cases(P):
+    """(B, tokens per zigzag chunk, H, Hkv, D) for the all-to-all presets at P: KV heads split
+    over the ranks (group 2), one KV head replicated to every rank, and three KV heads whose
+    query heads straddle the ranks unevenly (expanded locally; P = 3: split)."""
+    return [(1, 2, 2 * P, P, 4), (2, 2, 2 * P, 1, 4), (1, 3, 3 * P, 3, 4)]
+
+
+def _check_a2a(group, P, tag, full=True):
+    """a2a at P, a2a_ring with every a2a_size dividing P (1 and P included: the ring, a2a)."""
+    sizes = [u for u in range(1, P + 1) if P % u == 0]
+    for i, shape in enumerate(_a2a_cases(P)):
+        if not full and i:
+            continue
+        for causal in (True, False):
+            inputs, expected = _reference(shape, P, causal, 41 + 7 * i + causal)
+            for layout in ("zigzag", "contiguous"):
+                runs = [dict(preset="a2a")]
+                if i == 0 and P > 1:
+                    runs += [dict(preset="a2a_ring", a2a_size=u) for u in sizes]
+                ctx = build_sp_context(group, layout=layout) if P > 1 else SPContext(
+                    None, 0, 1, (0,), layout)
+                for kw in runs:
+                    name = f"{tag} a2a {shape} causal={causal} {layout} {kw} rank{ctx.rank}"
+                    _run_one(ctx, inputs, expected, causal, None, None, kw, name)
+
+
 def _refs(P):
     return [{c: _reference(shape, P, c, 17 * i + 3 * c) for c in (True, False)}
             for i, (shape, _) in enumerate(CASES)]
@@ -135,6 +166,7 @@ def _softmax_world(rank, world):
     import torch.distributed as dist
     group = dist.new_group(list(range(world))) if world > 1 else None
     _check_group(group, world, f"P={world}", _refs(world))
+    _check_a2a(group, world, f"P={world}")
     if world in (2, 3, 4):
         _check_ring_16bit_hops(group, world)
     if world == 8:
@@ -143,6 +175,7 @@ def _softmax_world(rank, world):
             g = megatron_groups(tp, cp, dp)
             assert g["cp_ranks"][1] - g["cp_ranks"][0] == tp
             _check_group(g["cp"], cp, f"tp{tp}cp{cp}dp{dp}", _refs(cp), full=False)
+            _check_a2a(g["cp"], cp, f"tp{tp}cp{cp}dp{dp}", full=False)
     return True
 
 
@@ -205,11 +238,25 @@ def _qkv(B=1, T=8, H=8, Hkv=4, D=4, dtype=torch.float64):
     (dict(backend="cudnn"), {}, "Backends that can: math"),
     (dict(softmax_scale=-1.0), {}, "softmax_scale"),
     ({}, dict(T=7), "multiple of 2 for layout 'zigzag'"),
+    # the all-to-all presets (a fake group of 4 ranks)
+    (dict(preset="a2a"), dict(H=6, Hkv=3), "splits the 6 local query heads over 4 ranks.*a2a_ring"),
+    (dict(preset="a2a_ring", a2a_size=4), dict(H=6, Hkv=3), "4 must divide 6.*an a2a_size "
+     "that divides them"),
+    (dict(preset="a2a_ring", a2a_size=3), {}, "a2a_size=3 must be a positive divisor of the CP "
+     "group size 4"),
+    (dict(preset="a2a_ring"), {}, "needs a2a_size"),
+    (dict(preset="a2a_ring", a2a_size=0), {}, "a2a_size=0 must be a positive int"),
+    (dict(preset="ring", a2a_size=2), {}, "only applies to preset 'a2a_ring'"),
+    (dict(preset="a2a", a2a_size=2), {}, "'a2a' is the all-to-all over the whole CP group"),
+    (dict(fwd="a2a", bwd="ring"), {}, "runs forward and backward together"),
+    (dict(preset="a2a", heads_k_stride=2), {}, "only applies to the all-gather schedules"),
 ])
 def test_bad_arguments_raise_before_any_collective(kwargs, inputs, match):
     q, k, v = _qkv(**inputs)
+    four = "a2a" in str(kwargs)
+    ctx = SPContext(object(), 0, 4, (0, 1, 2, 3), "zigzag") if four else _fake_ctx()
     with pytest.raises(ValueError, match=match):
-        context_parallel_attention(q, k, v, ctx=_fake_ctx(), **kwargs)
+        context_parallel_attention(q, k, v, ctx=ctx, **kwargs)
 
 
 def test_mismatched_tensors_raise_before_any_collective():
@@ -237,7 +284,8 @@ def test_mismatched_tensors_raise_before_any_collective():
 
 def test_presets_and_default_stride():
     assert PRESETS["ring_ag"] == ("ring", "allgather")
-    assert set(PRESETS) == {"ring_ag", "ring", "allgather", "ag_ring"}
+    assert set(PRESETS) == {"ring_ag", "ring", "allgather", "ag_ring", "a2a", "a2a_ring"}
+    assert all(PRESETS[n] == (n, n) for n in A2A_SCHEDULES)
     assert default_heads_k_stride(8, 4) == 2      # Llama-3-8B: 4 strides of 8 query heads
     assert default_heads_k_stride(8, 8) == 1
     assert default_heads_k_stride(4, 1) == 4      # MHA with few heads: one stride
