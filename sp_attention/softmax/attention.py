@@ -22,7 +22,6 @@ from ..tuning import SoftmaxTuning
 from ..validation import (autocast_inputs, autocast_off, check_local_length, check_tensors,
                           resolve_ctx)
 from .a2a import A2AAttention, A2AConfig
-from .a2a_plan import check_a2a_heads
 from .bwd_allgather import allgather_backward
 from .bwd_ring import ring_backward
 from .fwd_allgather import allgather_forward
@@ -278,36 +277,13 @@ def _config(q, k, v, ctx: SPContext, tuning, *, fwd, bwd, preset, heads_k_stride
         sched = sched.resolve(DEFAULT_PRESET if ctx.world_size == 1 else auto_softmax_preset(
             ctx, q, k, causal=causal, heads_k_stride=sched.heads_k_stride,
             a2a_size=_auto_a2a_size(ctx, q.shape[2], sched.a2a_size)).name)
-    size = _a2a_size(sched, ctx, q.shape[2])
+    size = sched.a2a_group_size(ctx.world_size, q.shape[2])
     stride = sched.local_stride(kv_heads, default_heads_k_stride(kv_heads, group, tuning))
     kernel = get_backend(backend, q.device, q.dtype, q.shape[3])   # raises if it cannot run
     scale = q.shape[3] ** -0.5 if softmax_scale is None else float(softmax_scale)
     return _Config(ctx, sched.fwd, sched.bwd, causal, scale, kernel, stride,
                    sched.bwd_head_first_stride, sched.bwd_head_last_stride, return_lse,
                    tuning.pack_kv, size)
-
-
-def _a2a_size(sched: SoftmaxSchedule, ctx: SPContext, heads: int) -> Optional[int]:
-    """U of an all-to-all schedule (None for the others), after its local rules: U divides P
-    and the local query heads."""
-    if sched.fwd not in A2A_SCHEDULES:
-        return None
-    if ctx.world_size == 1:         # one rank: nothing to split (any a2a_size runs locally)
-        return 1
-    if sched.fwd == "a2a":
-        check_a2a_heads(heads, ctx.world_size, "a2a")
-        return ctx.world_size
-    size, P = sched.a2a_size, ctx.world_size
-    if size is None:
-        raise ValueError("preset='a2a_ring' needs a2a_size: ranks per all-to-all group, a "
-                         f"divisor of the CP group size {P} (one of "
-                         f"{[d for d in range(1, P + 1) if P % d == 0]}) that divides the "
-                         f"{heads} local query heads")
-    if P % size:
-        raise ValueError(f"a2a_size={size} must be a positive divisor of the CP group size "
-                         f"{P}: one of {[d for d in range(1, P + 1) if P % d == 0]}")
-    check_a2a_heads(heads, size, "a2a_ring")
-    return size
 
 
 def _auto_a2a_size(ctx: SPContext, heads: int, size: Optional[int]) -> Optional[int]:

@@ -13,6 +13,7 @@ from typing import Optional
 
 from ..tuning import SoftmaxTuning
 from ..validation import is_int
+from .a2a_plan import check_a2a_heads
 from .backends import BACKEND_NAMES
 
 __all__ = ["SoftmaxSchedule", "PRESETS", "PRESET_NAMES", "AUTO_PRESET", "DEFAULT_PRESET",
@@ -195,6 +196,28 @@ class SoftmaxSchedule:
         if out["a2a_size"] is None:       # only a2a_ring / auto take it
             out.pop("a2a_size")
         return out
+
+    def a2a_group_size(self, world: int, heads: int) -> Optional[int]:
+        """U, the ranks per all-to-all group (``world`` for ``a2a``; 1 on one rank), or None
+        for the other schedules, after the rules that need the CP size and the local query
+        heads: U divides both (``ValueError`` naming the fix)."""
+        if self.fwd not in A2A_SCHEDULES:
+            return None
+        if world == 1:              # one rank: nothing to split (any a2a_size runs locally)
+            return 1
+        if self.fwd == "a2a":
+            check_a2a_heads(heads, world, "a2a")
+            return world
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        if self.a2a_size is None:
+            raise ValueError(f"preset='a2a_ring' needs a2a_size: ranks per all-to-all group, a "
+                             f"divisor of the CP group size {world} (one of {divisors}) that "
+                             f"divides the {heads} local query heads")
+        if world % self.a2a_size:
+            raise ValueError(f"a2a_size={self.a2a_size} must be a positive divisor of the CP "
+                             f"group size {world}: one of {divisors}")
+        check_a2a_heads(heads, self.a2a_size, "a2a_ring")
+        return self.a2a_size
 
     def local_stride(self, kv_heads: int, default: int) -> int:
         """The KV-head stride for ``kv_heads`` local KV heads (``default`` when unset), after

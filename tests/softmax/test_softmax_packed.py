@@ -12,8 +12,8 @@ holding only padding, hundreds of tiny documents). At P = 3: changing one docume
 leaves every other document's outputs and gradients bit-identical. TP 2 × CP 2 × DP 2 with
 Megatron's groups (CP groups not contiguous), each TP rank with its heads. Bad boundaries raise
 on every rank. The 2-GPU test's check runs here too, tiny, in bf16 on gloo. The all-to-all
-presets at every P: `a2a` on every row (KV heads split, replicated or straddling), `a2a_ring`
-with every all-to-all size 1 < U < P on every other row, and `a2a` unpacked at P = 5, 6, 7
+presets at every P: `a2a` on every other row (KV heads split, replicated or straddling),
+`a2a_ring` with every all-to-all size 1 < U < P on one row, and `a2a` unpacked at P = 5, 6, 7
 (the unpacked spawns of test_softmax_cp.py cover 2, 3, 4, 8).
 """
 import math
@@ -213,11 +213,12 @@ def _tp_sharded_heads(mg):
     assert_close(leaves[2].grad, plan.shard(exp[4][:, :, hk], ctx.rank), 1e-10, "tp dv")
 
 
-def _a2a_runs(P, n):
-    """(shape, kwargs, a2a_size) of the all-to-all runs on row ``n`` at world size P."""
+def _a2a_runs(P, n, li):
+    """(shape, kwargs, a2a_size) of the all-to-all runs on row ``n`` at world size P, layout
+    ``li`` (0, 1): a2a on every other row, a2a_ring with each size on one row."""
     shapes = [(1, 2 * P, 2, 4), (2, 3 * P, 3, 4)]
-    runs = [(shapes[n % 2], dict(preset="a2a"), None)]
-    if n % 2 == 0:
+    runs = [(shapes[n // 2 % 2], dict(preset="a2a"), None)] if (n + li) % 2 == 0 else []
+    if n == 2 + li:
         runs += [(shapes[0], dict(preset="a2a_ring", a2a_size=u), u)
                  for u in range(2, P) if P % u == 0]
     return runs
@@ -253,7 +254,7 @@ def _worker(rank, world):
     for P, ranks in GROUPS.items():
         if rank not in ranks:
             continue
-        for layout in ("zigzag", "contiguous"):
+        for li, layout in enumerate(("zigzag", "contiguous")):
             ctx = build_sp_context(groups[P], layout=layout)
             for n, (name, cu, row_len) in enumerate(rows_for(P)):
                 plan = plan_packing(cu, ctx, row_len=row_len)
@@ -265,7 +266,7 @@ def _worker(rank, world):
                     tag = f"P={P} {layout} {name} {shape} {fwd}/{bwd} {kw}"
                     _run(ctx, plan, inputs, expected, fwd, bwd, kw, tag)
                     done.append((P, layout, name, fwd, bwd))
-                for shape, kw, u in _a2a_runs(P, n):
+                for shape, kw, u in _a2a_runs(P, n, li):
                     inputs, expected = _reference(cu, T, shape, 100 * n + 7)
                     tag = f"P={P} {layout} {name} {shape} {kw}"
                     _run(ctx, plan, inputs, expected, None, None, kw, tag)
