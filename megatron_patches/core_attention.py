@@ -199,7 +199,8 @@ class _CPCoreAttention(MegatronModule):
 
 
 class SoftmaxCoreAttention(_CPCoreAttention):
-    """Causal GQA softmax attention over Megatron's CP group (ring / head-strided all-gather).
+    """Causal GQA softmax attention over Megatron's CP group (ring, head-strided all-gather,
+    all-to-all: every preset of :func:`sp_attention.context_parallel_attention`).
 
     Spec params: ``softmax_schedule`` (:class:`sp_attention.SoftmaxSchedule`, a dict of its
     fields, or None: the library's default, read when the layer is built), ``sp_context``.
@@ -215,6 +216,8 @@ class SoftmaxCoreAttention(_CPCoreAttention):
         if schedule.heads_k_stride is not None:     # the head-count rules, now, on every rank
             local_groups = (config.num_query_groups or config.num_attention_heads) // self.tp_size
             schedule.local_stride(local_groups, schedule.heads_k_stride)
+        if not schedule.is_auto:                    # a2a / a2a_ring: heads split over ranks
+            schedule.a2a_group_size(self.sp_ctx.world_size, self.heads_per_rank)
         self.softmax_schedule = schedule
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,

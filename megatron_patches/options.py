@@ -50,7 +50,7 @@ MODEL_KINDS = tuple(_KIND_LETTER)
 MEGATRON_IMPL = "megatron"           # launcher only: Megatron's own attention (TE)
 CP_IMPLS = LINEAR_IMPLS + (MEGATRON_IMPL,)
 SOFTMAX_FLAGS = ("softmax_cp_preset", "softmax_heads_k_stride", "softmax_bwd_head_first_stride",
-                 "softmax_bwd_head_last_stride")
+                 "softmax_bwd_head_last_stride", "softmax_a2a_size")
 
 
 @dataclass(frozen=True)
@@ -132,8 +132,11 @@ SP_OPTIONS: tuple[Option, ...] = (
            choices=CP_IMPLS,
            default_help=lambda: f"{_linear.DEFAULT_IMPL}, the library's "
            "sp_attention.linear.DEFAULT_IMPL"),
-    Option("--softmax-cp-preset", "softmax layers' forward/backward schedule pair across CP "
-           "ranks (sp_attention.softmax.PRESETS; auto: the cost model's pick per layer shape)",
+    Option("--softmax-cp-preset", "softmax layers' schedule across CP ranks "
+           "(sp_attention.softmax.PRESETS: ring, ring_ag, allgather, ag_ring; a2a: Ulysses "
+           "all-to-all, needs heads per TP rank divisible by the CP size; a2a_ring: all-to-all "
+           "inside groups of --softmax-a2a-size ranks, ring across them; auto: the cost "
+           "model's pick per layer shape)",
            choices=PRESET_NAMES,
            default_help=lambda: f"{_schedule.DEFAULT_PRESET}, the library's "
            "sp_attention.softmax.DEFAULT_PRESET"),
@@ -145,6 +148,10 @@ SP_OPTIONS: tuple[Option, ...] = (
            type=_positive_int),
     Option("--softmax-bwd-head-last-stride", "softmax all-gather backward: split its last "
            "stride into the rest and this many heads (0 < value < heads-k-stride)",
+           type=_positive_int),
+    Option("--softmax-a2a-size", "softmax a2a_ring: ranks per all-to-all group (consecutive CP "
+           "ranks, e.g. the GPUs of a node; must divide the CP size and the heads per TP "
+           "rank); with auto, lets the cost model consider a2a_ring of this size",
            type=_positive_int),
 )
 _BY_DEST = {o.dest: o for o in SP_OPTIONS}
@@ -224,19 +231,22 @@ def softmax_schedule(ns) -> SoftmaxSchedule:
                                bwd_head_first_stride=getattr(ns, "softmax_bwd_head_first_stride",
                                                              None),
                                bwd_head_last_stride=getattr(ns, "softmax_bwd_head_last_stride",
-                                                            None))
+                                                            None),
+                               a2a_size=getattr(ns, "softmax_a2a_size", None))
     except ValueError as e:
         raise ValueError(f"{e} [flags: --softmax-cp-preset, --softmax-heads-k-stride, "
-                         "--softmax-bwd-head-first/last-stride]") from None
+                         "--softmax-bwd-head-first/last-stride, --softmax-a2a-size]") from None
 
 
 def check_sp_options(ns, *, num_layers: int, kv_heads_per_tp_rank: int,
-                     kind: Optional[str] = None) -> dict:
+                     kind: Optional[str] = None, cp_size: Optional[int] = None,
+                     heads_per_tp_rank: Optional[int] = None) -> dict:
     """Check our options in ``ns`` (a namespace with :data:`SP_OPTIONS`' attributes) against
     the model; return what the model builders take: ``kind``, ``pattern`` (one letter per
     layer), ``cp_impl`` (None: the library's default scan), ``softmax_schedule``,
     ``slope_schedule``. ``kind`` overrides ``ns.sp_model_kind`` (the launcher's ``--spec``).
-    Each error names the flag to change."""
+    ``cp_size`` and ``heads_per_tp_rank``, when given, check the all-to-all presets' head rule
+    now (else the first forward does, on every rank). Each error names the flag to change."""
     kind = ns.sp_model_kind if kind is None else kind
     if kind not in MODEL_KINDS:
         raise ValueError(f"--sp-model-kind {kind}: use one of {MODEL_KINDS}")
@@ -268,6 +278,13 @@ def check_sp_options(ns, *, num_layers: int, kv_heads_per_tp_rank: int,
             schedule.local_stride(kv_heads_per_tp_rank, stride)
         except ValueError as e:
             raise ValueError(f"{e} [flags: --softmax-bwd-head-first/last-stride]") from None
+    if has_softmax and cp_size is not None and heads_per_tp_rank is not None \
+            and not schedule.is_auto:
+        try:
+            schedule.a2a_group_size(cp_size, heads_per_tp_rank)
+        except ValueError as e:
+            raise ValueError(f"{e} [flags: --softmax-cp-preset, --softmax-a2a-size, "
+                             "--context-parallel-size, --num-attention-heads]") from None
     slope = getattr(ns, "sp_slope_schedule", None)
     if slope is not None and "L" not in pattern:
         raise ValueError(f"--sp-slope-schedule {slope} would be ignored: the model has no "

@@ -125,6 +125,7 @@ class TrainArgs:
     softmax_heads_k_stride: Optional[int] = _sp("softmax_heads_k_stride")
     softmax_bwd_head_first_stride: Optional[int] = _sp("softmax_bwd_head_first_stride")
     softmax_bwd_head_last_stride: Optional[int] = _sp("softmax_bwd_head_last_stride")
+    softmax_a2a_size: Optional[int] = _sp("softmax_a2a_size")
     local_attention_only: bool = _f(False, "baseline that breaks CP on purpose: each rank "
                                     "attends only to its own shard of the sequence")
     micro_batch_size: Optional[int] = _f(help="sequences per forward/backward on a DP rank "
@@ -260,7 +261,9 @@ class TrainArgs:
         try:
             return check_sp_options(self, num_layers=self.num_layers,
                                     kv_heads_per_tp_rank=g // tp if tp > 0 and g % tp == 0
-                                    else g)
+                                    else g, cp_size=self.context_parallel_size,
+                                    heads_per_tp_rank=self.num_attention_heads // tp
+                                    if tp > 0 else None)
         except ValueError as e:
             raise UsageError(str(e)) from None
 
