@@ -48,7 +48,8 @@ def test_public_api_pinned():
     # the model's names are the library's names
     from sp_attention.linear.attention import SCANS
     from sp_attention.softmax.attention import PRESETS
-    assert set(LINEAR_SCANS) == set(SCANS) and SOFTMAX_PRESETS == PRESETS
+    from sp_attention.cost.softmax_a2a import A2A_PRESETS
+    assert set(LINEAR_SCANS) == set(SCANS) and {**SOFTMAX_PRESETS, **A2A_PRESETS} == PRESETS
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
