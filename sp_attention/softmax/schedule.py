@@ -75,13 +75,14 @@ class SoftmaxSchedule:
 
     Attributes:
         preset: a name from :data:`PRESETS` setting ``fwd`` and ``bwd`` together (``"ring"``,
-            ``"ring_ag"``, ``"allgather"``, ``"ag_ring"``); None: ``fwd``/``bwd`` as given,
+            ``"ring_ag"``, ``"allgather"``, ``"ag_ring"``; the all-to-all ``"a2a"`` and
+            ``"a2a_ring"``, whose forward and backward are one schedule); None: ``fwd``/``bwd`` as given,
             each defaulting to :data:`DEFAULT_PRESET`'s. A ``fwd``/``bwd`` contradicting the
             preset raises. ``"auto"``: the cost model picks the pair per layer shape when the
             op sees its tensors (:meth:`resolve`; ``fwd``/``bwd`` stay None until then); head
             strides given with it apply if the pick runs an all-gather.
-        fwd, bwd: forward / backward schedule, ``"ring"`` or ``"allgather"``; after
-            construction both hold the resolved schedules.
+        fwd, bwd: forward / backward schedule, ``"ring"`` or ``"allgather"`` (or both the same
+            all-to-all schedule); after construction both hold the resolved schedules.
         heads_k_stride: KV heads per all-gather step (only with an all-gather forward or
             backward); must divide the local KV heads. None: the library's default
             (:func:`default_heads_k_stride`).
