@@ -121,6 +121,30 @@ def _check_a2a(group, P, tag, full=True):
                     _run_one(ctx, inputs, expected, causal, None, None, kw, name)
 
 
+def _check_a2a_autocast(group, P):
+    """Under torch.autocast the all-to-all presets run in the autocast dtype (HF's fp32 q, k
+    with a bf16 v), bit for bit the op on inputs cast by hand; each input's gradient in its own
+    dtype (bf16 through the exchanges: gloo's all-to-all and point-to-point)."""
+    ctx = build_sp_context(group, layout="zigzag")
+    q, k, v = (shard_sequence(seeded((1, 4 * P, 2 * P, 8), i), ctx, 1) for i in (1, 2, 3))
+    k, v = k[:, :, :2].contiguous(), v[:, :, :2].contiguous().bfloat16()
+    runs = [dict(preset="a2a")] + ([dict(preset="a2a_ring", a2a_size=2)] if P % 2 == 0 else [])
+    for kw in runs:
+        leaves = [t.clone().float().requires_grad_(True) for t in (q, k)] + [
+            v.clone().requires_grad_(True)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = context_parallel_attention(*leaves, ctx=ctx, backend="math", **kw)
+        out.float().square().sum().backward()
+        assert out.dtype == torch.bfloat16 and [t.grad.dtype for t in leaves] == [
+            torch.float32, torch.float32, torch.bfloat16]
+        cast = [t.detach().bfloat16().requires_grad_(True) for t in leaves]
+        ref = context_parallel_attention(*cast, ctx=ctx, backend="math", **kw)
+        ref.float().square().sum().backward()
+        assert torch.equal(out, ref), kw
+        for a, b in zip(leaves, cast):
+            assert torch.equal(a.grad, b.grad.to(a.grad.dtype)), kw
+
+
 def _refs(P):
     return [{c: _reference(shape, P, c, 17 * i + 3 * c) for c in (True, False)}
             for i, (shape, _) in enumerate(CASES)]
@@ -167,6 +191,8 @@ def _softmax_world(rank, world):
     group = dist.new_group(list(range(world))) if world > 1 else None
     _check_group(group, world, f"P={world}", _refs(world))
     _check_a2a(group, world, f"P={world}")
+    if world in (2, 4):
+        _check_a2a_autocast(group, world)
     if world in (2, 3, 4):
         _check_ring_16bit_hops(group, world)
     if world == 8:
