@@ -261,7 +261,7 @@ def _shape(x) -> object:
 
 def _config(q, k, v, ctx: SPContext, tuning, *, fwd, bwd, preset, heads_k_stride,
             bwd_head_first_stride, bwd_head_last_stride, causal, softmax_scale, backend,
-            return_lse, a2a_size) -> _Config:
+            return_lse, a2a_size=None) -> _Config:
     """Every local check of the public function (the docstring's Raises), then its config."""
     if not isinstance(tuning, SoftmaxTuning):
         raise TypeError(f"tuning must be a SoftmaxTuning or None, got {type(tuning).__name__}")
