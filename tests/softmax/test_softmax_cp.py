@@ -427,14 +427,18 @@ def _options_check(group, world, shape, dev):
     small = (1, 64, 8, 2, 32, shape[5])
     q, k, v, do = (t.to(torch.bfloat16) for t in _gpu_tensors(small, world * 64, 5, dev))
     for name, kw in _gpu_runs(world, small):
-        runs = [_grads_of(*(shard_sequence(t, c, 1).contiguous() for t in (q, k, v, do)),
-                          ctx=c, causal=True, backend="math", **kw) for c in ctxs]
+        plain, opt, again = [_grads_of(*(shard_sequence(t, c, 1).contiguous()
+                                         for t in (q, k, v, do)),
+                                       ctx=c, causal=True, backend="math", **kw)
+                             for c in (ctxs[0], ctxs[1], ctxs[0])]
         reduces = world > 2 and kw.get("bwd") == "allgather"
-        for what, a, b in zip(("out", "dq", "dk", "dv"), *runs):
+        for what, a, b, c in zip(("out", "dq", "dk", "dv"), plain, opt, again):
             if reduces:
                 assert rel_rms(a, b) <= 1e-4, (name, what, rel_rms(a, b))
-            else:
+            elif torch.equal(a, c):       # deterministic kernels here: the same bits
                 assert torch.equal(a, b), (name, what, rel_rms(a, b))
+            else:                         # (cuBLAS may not be, on some machines)
+                assert rel_rms(a, b) <= max(2 * rel_rms(a, c), 2e-5), (name, what)
     q, k, v, do = (t.to(torch.bfloat16) for t in _gpu_tensors(shape, world * shape[1], 3, dev))
     ref = _fp32_reference(q, k, v, do, True)
     for name, kw in (("ring/ring", dict(fwd="ring", bwd="ring")), ("a2a", dict(preset="a2a"))):
