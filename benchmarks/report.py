@@ -30,12 +30,14 @@ from sp_attention.cost import (LinearShape, SoftmaxShape, Topology,  # noqa: E40
                                choose_linear_scan, choose_softmax_preset, cp_efficiency,
                                default_machine, linear_step, load_machine, softmax_step)
 from sp_attention.cost.softmax import MODELLED  # noqa: E402
+from sp_attention.cost.softmax_a2a import A2A_PRESETS, a2a_step  # noqa: E402
 from sp_attention.planning.schedules import DEFAULT_PRESET, LINEAR_SCANS, PRESETS  # noqa: E402
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reports")
 ERROR_TOLERANCE = 0.20
 PICK_TOLERANCE = 0.05
-PRESET_OF = {f"{f}/{b}": name for name, (f, b) in PRESETS.items()}
+PRESET_OF = {f"{f}/{b}": name for name, (f, b) in PRESETS.items() if name not in A2A_PRESETS}
+PRESET_OF["a2a"] = "a2a"
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 PROJECTION_P = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 PROJECTION_T = (2048, 8192, 32768)
@@ -57,9 +59,14 @@ def _schedule(r: dict):
             and r.get("decay", "fixed") == "fixed" and not r.get("packed"):
         return ("linear", r["impl"], r["layout"],
                 LinearShape(r["B"], r["T_local"], r["H"], r["K"], r["V"], size))
+    impl = r.get("impl", "")
+    if r.get("bench") == "softmax_cp" and impl.startswith("a2a_ring U="):   # a2a_ring U=size
+        return ("softmax", impl.replace(" ", ""), r.get("layout", "zigzag"),
+                SoftmaxShape(r["B"], r["T_local"], r["H"], r["Hkv"], r["K"], size,
+                             bool(r.get("causal", True))))
     if r.get("bench") == "softmax_cp" and r.get("impl") in PRESET_OF \
             and r.get("stride", "default") == "default" \
-            and all(x in MODELLED for x in PRESETS[PRESET_OF[r["impl"]]]):
+            and all(x in MODELLED + tuple(A2A_PRESETS) for x in PRESETS[PRESET_OF[r["impl"]]]):
         return ("softmax", PRESET_OF[r["impl"]], r.get("layout", "zigzag"),
                 SoftmaxShape(r["B"], r["T_local"], r["H"], r["Hkv"], r["K"], size,
                              bool(r.get("causal", True))))
@@ -73,20 +80,29 @@ def machine_for(device: str, calibration) -> object:
 
 
 def predict(kind: str, name: str, layout: str, shape, world: int, machine):
+    """The model's step of schedule ``name`` (``a2a_ringU=u``: a2a_ring with groups of u)."""
+    topo = Topology.single_node(world)
     if kind == "linear":
-        return linear_step(shape, world, layout, name, machine, Topology.single_node(world))
-    return softmax_step(shape, world, layout, *PRESETS[name], machine,
-                        Topology.single_node(world))
+        return linear_step(shape, world, layout, name, machine, topo)
+    if name == "a2a" or name.startswith("a2a_ring"):
+        size = world if name == "a2a" else int(name.partition("U=")[2])
+        return a2a_step(shape, world, layout, machine, topo, size)
+    return softmax_step(shape, world, layout, *PRESETS[name], machine, topo)
 
 
-def auto_pick(kind: str, layout: str, shape, world: int, machine) -> str:
+def auto_pick(kind: str, layout: str, shape, world: int, machine,
+              a2a_size=None) -> str:
     """What ``auto`` runs: one rank, nothing crosses (linear ``ring``, the default preset);
-    otherwise the model's cheapest."""
+    otherwise the model's cheapest (softmax: ``a2a_ring`` considered with ``a2a_size``, as the
+    benchmark's ``auto`` row passes it)."""
     if kind == "linear":
         return "ring" if world == 1 else choose_linear_scan(
             shape, world, layout, machine, Topology.single_node(world)).name
-    return DEFAULT_PRESET if world == 1 else choose_softmax_preset(
-        shape, world, layout, machine, Topology.single_node(world)).name
+    if world == 1:
+        return DEFAULT_PRESET
+    name = choose_softmax_preset(shape, world, layout, machine, Topology.single_node(world),
+                                 a2a_size=a2a_size).name
+    return f"a2a_ringU={a2a_size}" if name == "a2a_ring" else name
 
 
 def points(rows, calibration=None, timing: str = "queued") -> list[dict]:
@@ -118,7 +134,9 @@ def auto_checks(pts, calibration=None) -> list[dict]:
         if len(meas) < 2:
             continue
         best = min(meas, key=meas.get)
-        pick = auto_pick(kind, layout, shape, world, machine_for(device, calibration))
+        sizes = sorted(int(n.partition("U=")[2]) for n in meas if n.startswith("a2a_ring"))
+        pick = auto_pick(kind, layout, shape, world, machine_for(device, calibration),
+                         sizes[0] if sizes else None)
         slower = meas[pick] / meas[best] - 1.0 if pick in meas else None
         out.append(dict(kind=kind, device=device, world=world, layout=layout,
                         T_local=shape.T_local, best=best, pick=pick, slower=slower,

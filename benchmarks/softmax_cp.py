@@ -1,12 +1,20 @@
 """Benchmark: context-parallel causal GQA softmax attention (Llama-3-8B attention shape).
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/softmax_cp.py --out softmax.jsonl
+    torchrun --standalone --nproc-per-node 4 benchmarks/softmax_cp.py --out results/softmax.jsonl
+    torchrun --standalone --nproc-per-node 4 benchmarks/softmax_cp.py --strides default \\
+        --fwd-bwd-only --out results/softmax.jsonl          # the P = 4 sweep in ~3 minutes
     torchrun --standalone --nproc-per-node 8 benchmarks/softmax_cp.py --device cpu   # gloo dry run
 
 Per T_local: the single-GPU kernel (our fastest backend, cuDNN on Hopper) on the *global*
 causal problem T = P·T_local (the same total work; its per-GPU throughput is the strong-scaling
-baseline) and on T_local alone; every fwd × bwd pair and preset of `context_parallel_attention`;
-and torch's `context_parallel` (SDPA, cuDNN) in the same run. FLOPs: forward 4·B·H·T²·D·½
+baseline) and on T_local alone; every fwd × bwd pair of `context_parallel_attention` (with the
+all-gather stride patterns of ``--strides``), the all-to-all presets (``a2a``; ``a2a_ring`` for
+every ``--a2a-sizes``) and ``auto`` (its pick in the row's ``resolved``); and two anchors in the
+same run: torch's `context_parallel` (SDPA, cuDNN; ``impl: torch_context_parallel``) and
+Ulysses through yunchang's all-to-all (``SeqAllToAll4D`` on contiguous shards, cuDNN SDPA with
+``enable_gqa`` locally; ``impl: yunchang_ulysses``, its ratio against its own one-GPU baseline,
+that SDPA call on the global sequence, ``impl: yunchang_single_global``). yunchang (0.6.4, pure
+Python) is imported only for its rows; without it they say why. FLOPs: forward 4·B·H·T²·D·½
 (causal), fwd+bwd 3.5× forward; CP per-GPU TFLOP/s = global FLOPs / P / time.
 """
 from __future__ import annotations
@@ -22,10 +30,10 @@ from benchmarks.common import (COMM_VARIANTS, base_parser, cp_groups, device_nam
                                emit, init_dist, time_ms)
 from sp_attention import build_sp_context, shard_sequence  # noqa: E402
 from sp_attention.softmax import context_parallel_attention  # noqa: E402
-from sp_attention.planning.schedules import PRESETS  # noqa: E402
 from sp_attention.softmax.backends import get_backend  # noqa: E402
 
-PAIRS = list(PRESETS.values())      # every preset's (fwd, bwd)
+PAIRS = [("ring", "allgather"), ("ring", "ring"), ("allgather", "allgather"), ("allgather", "ring")]
+PRESETS = ("a2a", "a2a_ring", "auto")
 
 
 def flops(B, H, T, D, causal, fwd_bwd):
@@ -40,7 +48,7 @@ def _single_gpu(backend, q, k, v, do, causal, timer):
     def fwd_bwd():
         o, l_ = backend.forward(q, k, v, causal, None)
         backend.backward(do, q, k, v, o, l_, causal, None)
-    return timer(fwd), timer(fwd_bwd)
+    return timer(fwd, fwd=True), timer(fwd_bwd)
 
 
 def _torch_cp(world, q, k, v, do, H, causal, timer, device):
@@ -67,7 +75,60 @@ def _torch_cp(world, q, k, v, do, H, causal, timer, device):
             o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
             if backward:
                 o.backward(dot)
-        return timer(lambda: step(False)), timer(lambda: step(True))
+        return timer(lambda: step(False), fwd=True), timer(lambda: step(True))
+
+
+def _sdpa_gqa(q, k, v, causal, device):
+    """One SDPA call on ``[B, T, h, D]`` tensors with native GQA: cuDNN on CUDA (flash if cuDNN
+    refuses the call), math on CPU; returns ``(out [B, T, h, D], kernel name)``."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    order = [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)] \
+        if device == "cuda" else [("math", SDPBackend.MATH)]
+    err = None
+    for name, kind in order:
+        try:
+            with sdpa_kernel([kind]):
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                    enable_gqa=True)
+            return o.transpose(1, 2), name
+        except RuntimeError as e:
+            err = e
+    raise err
+
+
+def _yunchang(group, world, rank, q, k, v, do, causal, timer, device):
+    """Ulysses as a yunchang user writes it: contiguous shards, ``SeqAllToAll4D`` to head
+    shards (scatter heads, gather the sequence), the local SDPA with native GQA, back.
+    Returns ``(fwd ms, fwd+bwd ms, single fwd ms, single fwd+bwd ms, kernel)``."""
+    from yunchang.comm.all_to_all import SeqAllToAll4D   # optional: only for these rows
+    T_local = q.shape[1] // world
+    rows = slice(rank * T_local, (rank + 1) * T_local)
+    ql, kl, vl = (t[:, rows].contiguous().requires_grad_(True) for t in (q, k, v))
+    dol = do[:, rows].contiguous()
+    kernel = []
+
+    def step(backward):
+        qh, kh, vh = (SeqAllToAll4D.apply(group, t, 2, 1, False) for t in (ql, kl, vl))
+        o, name = _sdpa_gqa(qh, kh, vh, causal, device)
+        kernel.append(name)
+        out = SeqAllToAll4D.apply(group, o, 1, 2, False)
+        if backward:
+            out.backward(dol)
+    tf, tfb = timer(lambda: step(False), fwd=True), timer(lambda: step(True))
+    qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+
+    def single(backward):
+        o, _ = _sdpa_gqa(qg, kg, vg, causal, device)
+        if backward:
+            o.backward(do)
+    return (tf, tfb, timer(lambda: single(False), fwd=True), timer(lambda: single(True)),
+            kernel[-1])
+
+
+def _per_gpu(flop: float, ms):
+    """TFLOP/s of ``flop`` in ``ms`` (None when not timed)."""
+    return flop / ms / 1e9 if ms else None
 
 
 def _profile(step, out_dir: str, tag: str, rank: int) -> None:
@@ -86,7 +147,7 @@ def _profile(step, out_dir: str, tag: str, rank: int) -> None:
               file=sys.stderr, flush=True)
 
 
-def main() -> None:
+def _parser():
     p = base_parser(__doc__.splitlines()[1])
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
@@ -94,10 +155,18 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--non-causal", action="store_true")
     p.add_argument("--strides", nargs="+", default=["default", "1", "2", "2:1:1"],
-                   help="all-gather backward stride patterns 'stride[:first:last]'")
+                   help="all-gather backward stride patterns 'stride[:first:last]' (ring/"
+                        "allgather rows; 'default' alone: none beyond the library's)")
     p.add_argument("--pairs", nargs="+", default=None,
                    help="fwd/bwd pairs to run, e.g. ring/ring ring/allgather (default: all)")
+    p.add_argument("--presets", nargs="*", default=list(PRESETS), choices=PRESETS,
+                   help="the all-to-all presets and auto to run (default: all)")
+    p.add_argument("--a2a-sizes", type=int, nargs="*", default=None,
+                   help="a2a_ring group sizes (default: every 1 < U < P dividing P and H)")
+    p.add_argument("--fwd-bwd-only", action="store_true",
+                   help="time fwd+bwd only (the ratio's measure): a shorter sweep")
     p.add_argument("--no-torch-cp", action="store_true")
+    p.add_argument("--no-yunchang", action="store_true")
     p.add_argument("--comm-variants", nargs="+", default=["default"],
                    choices=[v for v in COMM_VARIANTS if v != "side0"],
                    help="rows per communication setting, side by side: 'default' (a plain "
@@ -105,91 +174,173 @@ def main() -> None:
                         "high-priority stream: new_cp_group with CPGroupOptions("
                         "high_priority_stream=True)); impl suffix '+VARIANT'")
     p.add_argument("--profile", metavar="DIR",
-                   help="also write a torch-profiler Chrome trace of one fwd+bwd step per pair "
+                   help="also write a torch-profiler Chrome trace of one fwd+bwd step per run "
                         "(first T_local) to DIR and print its top kernels: the timeline that "
                         "shows what overlaps what")
-    a = p.parse_args()
+    return p
+
+
+def _runs(a, world, H):
+    """(impl name, kwargs of context_parallel_attention, communication variant) to time."""
+    pairs = [tuple(x.split("/")) for x in a.pairs] if a.pairs else PAIRS
+    runs = [(f"{f}/{b}" + ("" if c == "default" else f"+{c}"), dict(fwd=f, bwd=b), c)
+            for c in a.comm_variants for f, b in pairs]
+    if ("ring", "allgather") in pairs:
+        for s in a.strides:
+            if s == "default":
+                continue
+            parts = [int(x) for x in s.split(":")]
+            kw = dict(fwd="ring", bwd="allgather", heads_k_stride=parts[0])
+            if len(parts) == 3:
+                kw.update(bwd_head_first_stride=parts[1], bwd_head_last_stride=parts[2])
+            runs.append((f"ring/allgather stride={s}", kw, "default"))
+    sizes = a.a2a_sizes if a.a2a_sizes is not None else [
+        u for u in range(2, world) if world % u == 0 and H % u == 0]
+    for preset in a.presets:
+        if preset == "a2a_ring":
+            runs += [(f"a2a_ring U={u}", dict(preset="a2a_ring", a2a_size=u), "default")
+                     for u in sizes]
+        elif preset == "auto":
+            kw = dict(preset="auto")
+            if sizes:
+                kw["a2a_size"] = sizes[0]
+            runs.append(("auto", kw, "default"))
+        else:
+            runs.append((preset, dict(preset=preset), "default"))
+    return runs
+
+
+def _resolved(kw, ctx, q, k, causal):
+    """The preset ``auto`` runs for these tensors (its row's ``resolved``)."""
+    if kw.get("preset") != "auto" or ctx.world_size == 1:
+        return None
+    from sp_attention.auto import auto_softmax_preset
+    return auto_softmax_preset(ctx, q, k, causal=causal, a2a_size=kw.get("a2a_size")).name
+
+
+def _anchors(a, world, rank, q, k, v, do, base, ref, fl, timer, dev, groups):
+    """The rows of torch's context_parallel and of yunchang's Ulysses (or why not)."""
+    B, T, H, D = q.shape
+    causal = base["causal"]
+    fl_f, fl_fb = fl
+    if not a.no_torch_cp:
+        try:
+            tf, tfb = _torch_cp(world, q, k, v, do, H, causal, timer, dev)
+            emit(dict(base, impl="torch_context_parallel", ms_fwd=tf, ms_fwd_bwd=tfb,
+                      tflops_per_gpu=fl_fb / tfb / 1e9, tflops_fwd=_per_gpu(fl_f, tf),
+                      baseline="single_global", ratio=fl_fb / tfb / 1e9 / ref[1]), a.out, rank)
+        except Exception as e:  # noqa: BLE001 - report the peer's failure, keep the run
+            emit(dict(base, impl="torch_context_parallel",
+                      error=f"{type(e).__name__}: {e}"[:400]), a.out, rank)
+    if a.no_yunchang:
+        return
+    try:
+        import yunchang
+    except ImportError as e:
+        emit(dict(base, impl="yunchang_ulysses", skipped=f"yunchang not installed ({e}); "
+                  "pip install yunchang==0.6.4 (pure Python)"), a.out, rank)
+        return
+    if H % world or k.shape[2] % world:
+        emit(dict(base, impl="yunchang_ulysses", skipped=f"yunchang's all-to-all splits heads "
+                  f"evenly: H {H} and Hkv {k.shape[2]} must be multiples of P {world}"),
+             a.out, rank)
+        return
+    try:
+        tf, tfb, sf, sfb, kernel = _yunchang(groups["default"], world, rank, q, k, v, do,
+                                             causal, timer, dev)
+    except Exception as e:  # noqa: BLE001 - a failed anchor is a row, not an aborted sweep
+        emit(dict(base, impl="yunchang_ulysses", error=f"{type(e).__name__}: {e}"[:400]),
+             a.out, rank)
+        return
+    one_f, one_fb = flops(B, H, T, D, causal, False), flops(B, H, T, D, causal, True)
+    single = one_fb / sfb / 1e9
+    emit(dict(base, impl="yunchang_single_global", world=1, T_local=T, ms_fwd=sf,
+              ms_fwd_bwd=sfb, tflops_per_gpu=single, tflops_fwd=_per_gpu(one_f, sf),
+              baseline="self", ratio=1.0, kernel=kernel, version=yunchang.__version__),
+         a.out, rank)
+    emit(dict(base, impl="yunchang_ulysses", ms_fwd=tf, ms_fwd_bwd=tfb,
+              tflops_per_gpu=fl_fb / tfb / 1e9, tflops_fwd=_per_gpu(fl_f, tf),
+              baseline="yunchang_single_global", ratio=fl_fb / tfb / 1e9 / single,
+              ratio_vs_single_global=fl_fb / tfb / 1e9 / ref[1], kernel=kernel,
+              version=yunchang.__version__), a.out, rank)
+
+
+def _sweep(a, T_local, world, rank, device, dtype, backend, groups, timer, mode):
+    """Every row of one T_local."""
+    B, H, Hkv, D, causal = a.batch, a.heads, a.kv_heads, a.head_dim, not a.non_causal
+    dev = device.type
+    T = world * T_local
+    g = torch.Generator(device=device).manual_seed(99)   # same global tensors on every rank
+    q = torch.randn(B, T, H, D, device=device, dtype=dtype, generator=g)
+    k, v = (torch.randn(B, T, Hkv, D, device=device, dtype=dtype, generator=g) for _ in range(2))
+    do = torch.randn(B, T, H, D, device=device, dtype=dtype, generator=g)
+    base = {"bench": "softmax_cp", "world": world, "B": B, "T_local": T_local, "H": H,
+            "Hkv": Hkv, "K": D, "V": D, "dtype": str(dtype).replace("torch.", ""),
+            "causal": causal, "layout": "zigzag", "device": device_name(dev), "backend": backend.name,
+            "timing": mode}
+    ref = {}          # single-GPU baselines (no communication): the global problem, T_local
+    for name, Tq in (("single_global", T), ("single_t_local", T_local)):
+        tf, tfb = _single_gpu(backend, q[:, :Tq], k[:, :Tq], v[:, :Tq], do[:, :Tq], causal,
+                              timer)
+        ref[name] = (_per_gpu(flops(B, H, Tq, D, causal, False), tf),
+                     flops(B, H, Tq, D, causal, True) / tfb / 1e9)
+        emit(dict(base, impl=name, world=1, T_local=Tq, ms_fwd=tf, ms_fwd_bwd=tfb,
+                  tflops_per_gpu=ref[name][1], tflops_fwd=ref[name][0], baseline="self",
+                  ratio=1.0), a.out, rank)
+    fl = (flops(B, H, T, D, causal, False) / world, flops(B, H, T, D, causal, True) / world)
+    for impl, kw, comm in _runs(a, world, H):
+        cctx = build_sp_context(groups[comm], layout="zigzag")
+        ql, kl, vl, dol = (shard_sequence(t, cctx, 1).contiguous() for t in (q, k, v, do))
+        ql, kl, vl = (t.requires_grad_(True) for t in (ql, kl, vl))
+
+        def step(backward):
+            o = context_parallel_attention(ql, kl, vl, ctx=cctx, causal=causal, **kw)
+            if backward:
+                o.backward(dol)
+        try:
+            tf, tfb = timer(lambda: step(False), fwd=True), timer(lambda: step(True))
+            resolved = _resolved(kw, cctx, ql, kl, causal)
+        except (ValueError, RuntimeError) as e:  # e.g. a stride the head count cannot take
+            emit(dict(base, impl=impl, comm=comm, error=str(e)[:300]), a.out, rank)
+            continue
+        if a.profile and T_local == (a.t_local or [T_local])[0]:
+            _profile(lambda: step(True), a.profile, impl.replace("/", "-").replace(" ", "_"),
+                     rank)
+        tp_fb = fl[1] / tfb / 1e9
+        row = dict(base, impl=impl, comm=comm, ms_fwd=tf, ms_fwd_bwd=tfb,
+                   tflops_per_gpu=tp_fb, baseline="single_global",
+                   ratio=tp_fb / ref["single_global"][1],
+                   ratio_vs_t_local=tp_fb / ref["single_t_local"][1])
+        if tf:
+            row.update(tflops_fwd=fl[0] / tf / 1e9,
+                       ratio_fwd=fl[0] / tf / 1e9 / ref["single_global"][0])
+        if resolved:
+            row["resolved"] = resolved
+        emit(row, a.out, rank)
+    if world > 1:
+        _anchors(a, world, rank, q, k, v, do, base, ref["single_global"], fl, timer, dev,
+                 groups)
+
+
+def main() -> None:
+    a = _parser().parse_args()
     dev = a.device
     rank, world = init_dist(dev)
-    device = torch.device("cuda", torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu")
-    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if dev == "cuda" else torch.float32)
-    t_locals = a.t_local or ([8192, 32768] if dev == "cuda" else [64])
-    B, H, Hkv, D, causal = a.batch, a.heads, a.kv_heads, a.head_dim, not a.non_causal
+    device = torch.device("cuda", torch.cuda.current_device()) if dev == "cuda" else \
+        torch.device("cpu")
+    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if dev == "cuda" else
+                                                     torch.float32)
     groups = cp_groups(a.comm_variants, world)
-    ctx = build_sp_context(groups["default"], layout="zigzag")
-    backend = get_backend(None, device, dtype, D)
-
+    backend = get_backend(None, device, dtype, a.head_dim)
     mode = a.timing[0] if dev == "cuda" else "eager"   # softmax steps are GPU-bound: one mode
 
-    def timer(fn):
+    def timer(fn, fwd=False):
+        if fwd and a.fwd_bwd_only:
+            return None
         return time_ms(fn, dev, a.warmup, a.iters, a.repeats, mode=mode)
 
-    for T_local in t_locals:
-        T = world * T_local
-        g = torch.Generator(device=device).manual_seed(99)   # same global tensors on every rank
-        q = torch.randn(B, T, H, D, device=device, dtype=dtype, generator=g)
-        k, v = (torch.randn(B, T, Hkv, D, device=device, dtype=dtype, generator=g) for _ in range(2))
-        do = torch.randn(B, T, H, D, device=device, dtype=dtype, generator=g)
-        base = {"bench": "softmax_cp", "world": world, "B": B, "T_local": T_local, "H": H,
-                "Hkv": Hkv, "K": D, "V": D, "dtype": str(dtype).replace("torch.", ""),
-                "causal": causal, "layout": "zigzag", "device": device_name(dev),
-                "backend": backend.name, "timing": mode}
-        # single-GPU baselines (no communication): the global problem, and T_local alone
-        ref = {}
-        for name, Tq in (("single_global", T), ("single_t_local", T_local)):
-            tf, tfb = _single_gpu(backend, q[:, :Tq], k[:, :Tq], v[:, :Tq], do[:, :Tq], causal, timer)
-            ref[name] = (flops(B, H, Tq, D, causal, False) / tf / 1e9,
-                         flops(B, H, Tq, D, causal, True) / tfb / 1e9)
-            emit(dict(base, impl=name, world=1, T_local=Tq, ms_fwd=tf, ms_fwd_bwd=tfb,
-                      tflops_per_gpu=ref[name][1], tflops_fwd=ref[name][0], baseline="self",
-                      ratio=1.0), a.out, rank)
-        ql, kl, vl, dol = (shard_sequence(t, ctx, 1).contiguous() for t in (q, k, v, do))
-        ql, kl, vl = (t.requires_grad_(True) for t in (ql, kl, vl))
-        fl_f, fl_fb = flops(B, H, T, D, causal, False) / world, flops(B, H, T, D, causal, True) / world
-        pairs = [tuple(x.split("/")) for x in a.pairs] if a.pairs else PAIRS
-        runs = [(f, b, "default", c) for c in a.comm_variants for f, b in pairs]
-        if ("ring", "allgather") in pairs:
-            runs += [("ring", "allgather", s, "default") for s in a.strides if s != "default"]
-        for fwd, bwd, stride, comm in runs:
-            cctx = build_sp_context(groups[comm], layout="zigzag")
-            name = f"{fwd}/{bwd}" + ("" if comm == "default" else f"+{comm}")
-            kw = {}
-            if stride != "default":
-                parts = [int(x) for x in stride.split(":")]
-                kw["heads_k_stride"] = parts[0]
-                if len(parts) == 3:
-                    kw["bwd_head_first_stride"], kw["bwd_head_last_stride"] = parts[1], parts[2]
-
-            def step(backward):
-                o = context_parallel_attention(ql, kl, vl, ctx=cctx, fwd=fwd, bwd=bwd,
-                                               causal=causal, **kw)
-                if backward:
-                    o.backward(dol)
-            try:
-                tf, tfb = timer(lambda: step(False)), timer(lambda: step(True))
-            except (ValueError, RuntimeError) as e:  # e.g. a stride the head count cannot take
-                emit(dict(base, impl=name, stride=stride, comm=comm, error=str(e)[:300]),
-                     a.out, rank)
-                continue
-            if a.profile and T_local == t_locals[0]:
-                _profile(lambda: step(True), a.profile,
-                         f"{fwd}-{bwd}-{stride}" + ("" if comm == "default" else f"-{comm}"), rank)
-            tp_f, tp_fb = fl_f / tf / 1e9, fl_fb / tfb / 1e9
-            emit(dict(base, impl=name, stride=stride, comm=comm, ms_fwd=tf, ms_fwd_bwd=tfb,
-                      tflops_per_gpu=tp_fb, tflops_fwd=tp_f, baseline="single_global",
-                      ratio=tp_fb / ref["single_global"][1], ratio_fwd=tp_f / ref["single_global"][0],
-                      ratio_vs_t_local=tp_fb / ref["single_t_local"][1]), a.out, rank)
-        if not a.no_torch_cp and world > 1:
-            try:
-                tf, tfb = _torch_cp(world, q, k, v, do, H, causal, timer, dev)
-                emit(dict(base, impl="torch_context_parallel", ms_fwd=tf, ms_fwd_bwd=tfb,
-                          tflops_per_gpu=fl_fb / tfb / 1e9, tflops_fwd=fl_f / tf / 1e9,
-                          baseline="single_global", ratio=fl_fb / tfb / 1e9 / ref["single_global"][1]),
-                     a.out, rank)
-            except Exception as e:  # noqa: BLE001 - report the peer's failure, keep the run
-                emit(dict(base, impl="torch_context_parallel", error=f"{type(e).__name__}: {e}"[:400]),
-                     a.out, rank)
-        del q, k, v, do, ql, kl, vl, dol
+    for T_local in a.t_local or ([8192, 32768] if dev == "cuda" else [64]):
+        _sweep(a, T_local, world, rank, device, dtype, backend, groups, timer, mode)
     if dist.is_initialized():
         dist.destroy_process_group()
 

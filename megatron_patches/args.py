@@ -11,9 +11,14 @@ parser is built from (same names, meanings, choices, defaults and help)::
     --context-parallel-impl {blelloch,allgather,ring,auto,megatron}
         linear layers' cross-rank scan (default: the library's); 'megatron' leaves attention to
         Megatron/TransformerEngine.
-    --softmax-cp-preset {ring,ring_ag,allgather,ag_ring}
+    --softmax-cp-preset {ring,ring_ag,allgather,ag_ring,a2a,a2a_ring,auto}
     --softmax-heads-k-stride N, --softmax-bwd-head-first-stride N,
-    --softmax-bwd-head-last-stride N
+    --softmax-bwd-head-last-stride N, --softmax-a2a-size N
+
+Megatron-LM's own names for the softmax CP schedule are honoured where a user brings them
+(:data:`CP_COMM_TYPES`): ``--cp-comm-type p2p|all_gather|a2a|a2a+p2p`` picks the preset
+``ring|allgather|a2a|a2a_ring``, and ``--hierarchical-context-parallel-sizes U R`` (U·R = CP
+size) is ``--softmax-a2a-size U``; a contradicting ``--softmax-*`` flag raises.
 
 :func:`validate_args` raises ``ValueError`` naming the flag to change for every combination
 that cannot work or that Megatron would silently ignore, and returns our options as one
@@ -31,7 +36,11 @@ from .options import (CP_IMPLS, MEGATRON_IMPL, MODEL_KINDS, SPOptions, add_sp_op
                       seq_multiple)
 
 __all__ = ["add_arguments", "validate_args", "options_from_args", "options_of",
-           "options_from_megatron_args", "CP_IMPLS", "MEGATRON_IMPL", "MODEL_KINDS"]
+           "options_from_megatron_args", "CP_IMPLS", "MEGATRON_IMPL", "MODEL_KINDS",
+           "CP_COMM_TYPES"]
+
+# Megatron-LM's --cp-comm-type values (TransformerEngine's CP attention) -> our softmax presets
+CP_COMM_TYPES = {"p2p": "ring", "all_gather": "allgather", "a2a": "a2a", "a2a+p2p": "a2a_ring"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -89,9 +98,44 @@ def _check_megatron_flags(args) -> None:
     if pos == "rope" and getattr(args, "apply_rope_fusion", False):
         raise ValueError("fused RoPE needs TransformerEngine and Megatron's own rotary module; "
                          "pass --no-rope-fusion (our RoPE follows the CP layout)")
-    if list(getattr(args, "cp_comm_type", None) or ["p2p"]) != ["p2p"]:
-        raise ValueError(f"--cp-comm-type {args.cp_comm_type} configures TE's CP attention and "
-                         "would be ignored; drop it and choose --softmax-cp-preset instead")
+
+
+def _megatron_cp_names(args) -> argparse.Namespace:
+    """``args`` with Megatron-LM's own CP schedule flags turned into ours (:data:`CP_COMM_TYPES`;
+    ``--hierarchical-context-parallel-sizes U R`` -> ``--softmax-a2a-size U``)."""
+    ns = argparse.Namespace(**vars(args))
+    types = getattr(args, "cp_comm_type", None) or ["p2p"]
+    types = [types] if isinstance(types, str) else list(types)
+    bad = [t for t in types if t not in CP_COMM_TYPES]
+    if bad or len(set(types)) > 1:
+        raise ValueError(f"--cp-comm-type {' '.join(types)}: give one of {list(CP_COMM_TYPES)} "
+                         "for every layer (our softmax layers share one schedule), or use "
+                         "--softmax-cp-preset")
+    if types[0] != "p2p":      # Megatron's default: only another value is the user's choice
+        want, given = CP_COMM_TYPES[types[0]], getattr(ns, "softmax_cp_preset", None)
+        if given is not None and given != want:
+            raise ValueError(f"--cp-comm-type {types[0]} means --softmax-cp-preset {want}, but "
+                             f"--softmax-cp-preset {given} was given; drop one of the two")
+        ns.softmax_cp_preset = want
+    sizes = getattr(args, "hierarchical_context_parallel_sizes", None)
+    if sizes:
+        cp = args.context_parallel_size
+        if len(sizes) != 2 or sizes[0] * sizes[1] != cp:
+            raise ValueError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}"
+                             ": give two sizes, the all-to-all group and the ring across the "
+                             f"groups, whose product is --context-parallel-size {cp}")
+        if ns.softmax_cp_preset not in ("a2a_ring", "auto"):
+            raise ValueError("--hierarchical-context-parallel-sizes sets the all-to-all group "
+                             "of the a2a_ring schedule (--cp-comm-type a2a+p2p or "
+                             "--softmax-cp-preset a2a_ring) and would be ignored; drop it or "
+                             "pick a2a_ring")
+        given = getattr(ns, "softmax_a2a_size", None)
+        if given is not None and given != sizes[0]:
+            raise ValueError(f"--hierarchical-context-parallel-sizes {sizes[0]} {sizes[1]} "
+                             f"means --softmax-a2a-size {sizes[0]}, but --softmax-a2a-size "
+                             f"{given} was given; drop one of the two")
+        ns.softmax_a2a_size = sizes[0]
+    return ns
 
 
 def _check_seq_length(args) -> None:
@@ -117,9 +161,11 @@ def options_from_args(args) -> SPOptions:
                          "--context-parallel-impl megatron (or pick blelloch/allgather/ring/auto)")
     heads = args.num_attention_heads
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
-    options = SPOptions.from_flags(args, model_kind=spec_kind, num_layers=args.num_layers,
-                                   num_attention_heads=heads, num_query_groups=groups,
-                                   tensor_model_parallel_size=args.tensor_model_parallel_size)
+    options = SPOptions.from_flags(_megatron_cp_names(args), model_kind=spec_kind,
+                                   num_layers=args.num_layers, num_attention_heads=heads,
+                                   num_query_groups=groups,
+                                   tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                   context_parallel_size=args.context_parallel_size)
     if options.megatron_attention:
         _check_megatron_impl(args)
         return options

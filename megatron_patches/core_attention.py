@@ -194,7 +194,8 @@ class _CPCoreAttention(MegatronModule):
 
 
 class SoftmaxCoreAttention(_CPCoreAttention):
-    """Causal GQA softmax attention over Megatron's CP group (ring / head-strided all-gather).
+    """Causal GQA softmax attention over Megatron's CP group (ring, head-strided all-gather,
+    all-to-all: every preset of :func:`sp_attention.context_parallel_attention`).
 
     Spec params: ``softmax_schedule`` (:class:`sp_attention.SoftmaxSchedule`, a dict of its
     fields, or None: the library's default, read when the layer is built), ``sp_context``.

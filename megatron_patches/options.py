@@ -58,7 +58,8 @@ CP_IMPLS = LINEAR_IMPLS + (MEGATRON_IMPL,)
 # The --softmax-* flags (their attributes) and the SoftmaxSchedule field each one sets.
 SOFTMAX_FLAGS = {"softmax_cp_preset": "preset", "softmax_heads_k_stride": "heads_k_stride",
                  "softmax_bwd_head_first_stride": "bwd_head_first_stride",
-                 "softmax_bwd_head_last_stride": "bwd_head_last_stride"}
+                 "softmax_bwd_head_last_stride": "bwd_head_last_stride",
+                 "softmax_a2a_size": "a2a_size"}
 
 
 @dataclass(frozen=True)
@@ -140,8 +141,11 @@ SP_OPTIONS: tuple[Option, ...] = (
            choices=CP_IMPLS,
            default_help=lambda: f"{_linear.DEFAULT_IMPL}, the library's "
            "sp_attention.linear.DEFAULT_IMPL"),
-    Option("--softmax-cp-preset", "softmax layers' forward/backward schedule pair across CP "
-           "ranks (sp_attention.softmax.PRESETS; auto: the cost model's pick per layer shape)",
+    Option("--softmax-cp-preset", "softmax layers' schedule across CP ranks "
+           "(sp_attention.softmax.PRESETS: ring, ring_ag, allgather, ag_ring; a2a: Ulysses "
+           "all-to-all, needs heads per TP rank divisible by the CP size; a2a_ring: all-to-all "
+           "inside groups of --softmax-a2a-size ranks, ring across them; auto: the cost "
+           "model's pick per layer shape)",
            choices=PRESET_NAMES,
            default_help=lambda: f"{_schedule.DEFAULT_PRESET}, the library's "
            "sp_attention.softmax.DEFAULT_PRESET"),
@@ -153,6 +157,10 @@ SP_OPTIONS: tuple[Option, ...] = (
            type=_positive_int),
     Option("--softmax-bwd-head-last-stride", "softmax all-gather backward: split its last "
            "stride into the rest and this many heads (0 < value < heads-k-stride)",
+           type=_positive_int),
+    Option("--softmax-a2a-size", "softmax a2a_ring: ranks per all-to-all group (consecutive CP "
+           "ranks, e.g. the GPUs of a node; must divide the CP size and the heads per TP "
+           "rank); with auto, lets the cost model consider a2a_ring of this size",
            type=_positive_int),
 )
 _BY_DEST = {o.dest: o for o in SP_OPTIONS}
@@ -246,7 +254,7 @@ def softmax_schedule(ns) -> SoftmaxSchedule:
                                   for dest, name in SOFTMAX_FLAGS.items()})
     except ValueError as e:
         raise ValueError(f"{e} [flags: --softmax-cp-preset, --softmax-heads-k-stride, "
-                         "--softmax-bwd-head-first/last-stride]") from None
+                         "--softmax-bwd-head-first/last-stride, --softmax-a2a-size]") from None
 
 
 def _set_softmax_flags(schedule: SoftmaxSchedule) -> list[str]:
@@ -283,9 +291,10 @@ class SPOptions:
             read now.
         slope_schedule: ``--sp-slope-schedule``: the fixed decay of ``L`` layers; None: the
             library's ``DEFAULT_SLOPE_SCHEDULE`` (:attr:`slopes`).
-        num_attention_heads, num_query_groups, tensor_model_parallel_size: the model's head
-            counts and TP size, for the rules that need them (None: unknown, rules skipped;
-            HF models have no TP).
+        num_attention_heads, num_query_groups, tensor_model_parallel_size,
+            context_parallel_size: the model's head counts, TP and CP sizes, for the rules that
+            need them (None: unknown, rules skipped — the op checks them at its first call,
+            on every rank; HF models have no TP).
         pattern: derived: one letter per layer (``L`` linear, ``G`` gated, ``S`` softmax).
     """
 
@@ -298,6 +307,7 @@ class SPOptions:
     num_attention_heads: Optional[int] = None
     num_query_groups: Optional[int] = None
     tensor_model_parallel_size: Optional[int] = None
+    context_parallel_size: Optional[int] = None
     pattern: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -367,6 +377,14 @@ class SPOptions:
                 schedule.local_stride(kv, stride)
             except ValueError as e:
                 raise ValueError(f"{e} [flags: --softmax-bwd-head-first/last-stride]") from None
+        heads, tp, cp = self.num_attention_heads, self.tensor_model_parallel_size or 1, \
+            self.context_parallel_size
+        if self.has_softmax and not schedule.is_auto and None not in (heads, cp):
+            try:        # the all-to-all presets split the heads of a TP rank over CP ranks
+                schedule.a2a_group_size(cp, heads // tp)
+            except ValueError as e:
+                raise ValueError(f"{e} [flags: --softmax-cp-preset, --softmax-a2a-size, "
+                                 "--context-parallel-size, --num-attention-heads]") from None
 
     def _check_slopes(self) -> None:
         slope = self.slope_schedule

@@ -1,5 +1,6 @@
-"""Explicit-group communication: fixed-shape collectives, autograd-aware gather/scatter, a ring
-p2p helper and an async fp32 reduce-scatter manager.
+"""Explicit-group communication: fixed-shape collectives (all-gather, reduce-scatter,
+all-to-all), autograd-aware gather/scatter, a ring p2p helper and an async fp32 reduce-scatter
+manager.
 
 Every function takes an :class:`~sp_attention.context.SPContext`; nothing defaults to WORLD.
 Collectives move flat, fixed-shape buffers with dim-0 concatenation (the only form gloo
@@ -20,7 +21,7 @@ from .planning.layout import ring_neighbors
 __all__ = [
     "all_gather_flat", "reduce_scatter_flat", "all_gather_along", "reduce_scatter_along",
     "gather_along", "scatter_reduce_along", "pad_flat", "p2p_exchange", "RingComm",
-    "AsyncReduceScatter", "check_collective_input",
+    "AsyncReduceScatter", "check_collective_input", "all_to_all_flat",
 ]
 
 # torch 2.13 renamed the fixed-shape collectives to `*_single` and deprecated the `*_tensor`
@@ -54,6 +55,27 @@ def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, ctx: SPContext,
                         async_op: bool = False):
     """Sum ``inp`` (rank-major, ``P · out.numel()`` elements) over ranks; rank r receives block r."""
     return _flat_collective("reduce_scatter_flat", _RS, out, inp, ctx, async_op, out, inp)
+
+
+def all_to_all_flat(out: torch.Tensor, inp: torch.Tensor, ctx: SPContext,
+                    async_op: bool = False):
+    """All-to-all of equal blocks: ``inp`` holds ``P`` blocks (destination-major, block ``j``
+    for group rank ``j``), ``out`` receives ``P`` blocks of the same size (source-major, block
+    ``j`` from group rank ``j``); ``out.numel() == inp.numel()``, any shapes, one dtype.
+    ``dist.all_to_all_single`` on 1-D views (gloo runs it on CPU tensors, NCCL on GPU
+    tensors); a group of one copies. Returns the work handle when ``async_op``. Not
+    differentiable: the schedules that use it run inside their own autograd Function."""
+    if out.numel() != inp.numel() or inp.numel() % ctx.world_size:
+        raise ValueError(f"all_to_all_flat: input {inp.numel()} and output {out.numel()} "
+                         f"elements must be equal and a multiple of the group size "
+                         f"{ctx.world_size}")
+    if out.dtype != inp.dtype:
+        raise ValueError(f"all_to_all_flat: input {inp.dtype} and output {out.dtype} differ")
+    if ctx.world_size == 1:
+        out.view(-1).copy_(inp.reshape(-1))
+        return None
+    return dist.all_to_all_single(out.view(-1), inp.contiguous().view(-1), group=ctx.group,
+                                  async_op=async_op)
 
 
 def pad_flat(x: torch.Tensor, multiple: int) -> torch.Tensor:

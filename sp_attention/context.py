@@ -111,7 +111,10 @@ def build_sp_context(group: Optional[dist.ProcessGroup] = None, layout: Optional
 @dataclass(frozen=True)
 class CPGroupOptions:
     """How the CP group's NCCL communicator runs. Other backends (gloo on CPU) ignore these:
-    they change when communication kernels get the GPU, never what they compute.
+    they change when communication kernels get the GPU, not what a message carries (a CTA
+    bound may change the order in which a reduction over more than two ranks sums; kernels
+    that are not deterministic, such as cuDNN's attention backward, differ run to run
+    whatever the group: ``sp_attention/softmax/README.md``).
 
     Attributes:
         high_priority_stream: run the group's NCCL kernels on a high-priority CUDA stream, so

@@ -127,6 +127,7 @@ class TrainArgs:
     softmax_heads_k_stride: Optional[int] = _sp("softmax_heads_k_stride")
     softmax_bwd_head_first_stride: Optional[int] = _sp("softmax_bwd_head_first_stride")
     softmax_bwd_head_last_stride: Optional[int] = _sp("softmax_bwd_head_last_stride")
+    softmax_a2a_size: Optional[int] = _sp("softmax_a2a_size")
     local_attention_only: bool = _f(False, "baseline that breaks CP on purpose: each rank "
                                     "attends only to its own shard of the sequence")
     micro_batch_size: Optional[int] = _f(help="sequences per forward/backward on a DP rank "
@@ -251,7 +252,8 @@ class TrainArgs:
         try:        # every rule between our options, heads divisible by TP: SPOptions'
             self.sp_options = SPOptions.from_flags(
                 self, num_layers=self.num_layers, num_attention_heads=heads,
-                num_query_groups=g, tensor_model_parallel_size=self.tensor_model_parallel_size)
+                num_query_groups=g, tensor_model_parallel_size=self.tensor_model_parallel_size,
+                context_parallel_size=self.context_parallel_size)
         except ValueError as e:
             raise UsageError(str(e)) from None
         if self.sp_options.megatron_attention:

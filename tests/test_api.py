@@ -23,4 +23,4 @@ def test_subpackage_apis():
     assert sorted(sp_attention.comm.__all__) == sorted([
         "all_gather_flat", "reduce_scatter_flat", "all_gather_along", "reduce_scatter_along",
         "gather_along", "scatter_reduce_along", "pad_flat", "p2p_exchange", "RingComm",
-        "AsyncReduceScatter", "check_collective_input"])
+        "AsyncReduceScatter", "check_collective_input", "all_to_all_flat"])

@@ -16,6 +16,7 @@ from sp_attention.cost import (H200_NVLINK_IB400, Kernels, Link, LinearShape, Ma
                                load_machine, machine_from_dict, save_machine, softmax_memory,
                                softmax_step)
 from sp_attention.cost import fit, machine, plausible
+from sp_attention.cost.softmax_a2a import A2A_PRESETS, a2a_step
 from sp_attention.cost.common import softmax_kernel_ms
 from sp_attention.planning.schedules import DEFAULT_PRESET, LINEAR_SCANS, PRESETS
 
@@ -70,7 +71,7 @@ def test_linear_monotonic_in_world_and_bytes(schedule, layout):
         prev = t
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p not in A2A_PRESETS])
 def test_softmax_monotonic_in_world_and_bytes(preset):
     f, b = PRESETS[preset]
     for topo in (lambda P: None, lambda P: Topology.packed(P, 8)):
@@ -174,9 +175,10 @@ def test_choices_are_the_cheapest_and_deterministic():
 def test_softmax_choice_respects_memory_limit():
     big = SoftmaxShape(1, 32768, 32, 8, 128)
     need = {n: softmax_memory(big, 64, "zigzag", *PRESETS[n], H200)["peak"]
-            for n in PRESETS}
+            for n in PRESETS if n not in A2A_PRESETS}
     limit = (need["ring"] + max(need.values())) / 2
-    c = choose_softmax_preset(big, 64, "zigzag", H200, memory_limit_bytes=limit)
+    c = choose_softmax_preset(big, 64, "zigzag", H200, memory_limit_bytes=limit,
+                              candidates=tuple(need))
     assert all(need[n] <= limit for n in c.predicted)
     assert set(c.excluded) == {n for n in need if need[n] > limit} and c.excluded
     assert "excluded" in c.describe()
@@ -551,10 +553,19 @@ def _bench_rows(m: Machine, device: str = H100) -> list[dict]:
                 rows.append(dict(bench="linear_cp", world=P, B=1, T_local=8192, H=16, K=128,
                                  V=128, dtype="bfloat16", impl=scan, layout=layout,
                                  timing="queued", ms_fwd_bwd=t.total_ms, device=device))
+        shape = SoftmaxShape(1, 8192, 32, 8, 128)
         for name, (f, b) in PRESETS.items():
-            t = softmax_step(SoftmaxShape(1, 8192, 32, 8, 128), P, "zigzag", f, b, m)
+            if name in A2A_PRESETS:       # the benchmark's names: "a2a", "a2a_ring U=2"
+                if P == 1 or (name == "a2a_ring" and P < 4):
+                    continue
+                size = P if name == "a2a" else 2
+                t = a2a_step(shape, P, "zigzag", m, None, size)
+                impl = "a2a" if name == "a2a" else "a2a_ring U=2"
+            else:
+                t = softmax_step(shape, P, "zigzag", f, b, m)
+                impl = f"{f}/{b}"
             rows.append(dict(bench="softmax_cp", world=P, B=1, T_local=8192, H=32, Hkv=8,
-                             K=128, dtype="bfloat16", impl=f"{f}/{b}", stride="default",
+                             K=128, dtype="bfloat16", impl=impl, stride="default",
                              layout="zigzag", timing="queued", ms_fwd_bwd=t.total_ms,
                              device=device))
     rows.append(dict(rows[0], timing="eager", ms_fwd_bwd=1e3))       # another timing mode
@@ -574,7 +585,7 @@ def test_report_on_synthetic_rows(tmp_path, capsys):
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = report.main([str(src), "--calibration", str(cal), "--out-dir", str(tmp_path),
                        "--no-projection"])
-    assert len(out["points"]) == 3 * (6 + 4)
+    assert len(out["points"]) == 3 * 6 + 4 + 5 + 6     # a2a from P = 2, a2a_ring U=2 at 4
     assert all(abs(p["error"]) < 1e-9 for p in out["points"])
     assert len(out["checks"]) == 3 * 3 and all(c["ok"] for c in out["checks"])
     assert out["summary"][-1] == "acceptance: PASS"

@@ -76,9 +76,11 @@ def auto_linear_scan(ctx: SPContext, q: torch.Tensor, v: torch.Tensor,
 def auto_softmax_preset(ctx: SPContext, q: torch.Tensor, k: torch.Tensor, *, causal: bool = True,
                         heads_k_stride: Optional[int] = None,
                         memory_limit_bytes: Optional[float] = None,
-                        machine: Optional[Machine] = None) -> Choice:
+                        machine: Optional[Machine] = None,
+                        a2a_size: Optional[int] = None) -> Choice:
     """The softmax preset for ``q [B, T_local, H, D]``, ``k [.., Hkv, D]`` on ``ctx`` (logged
-    once per shape, group size, layout and stride); ``machine`` overrides the device's."""
+    once per shape, group size, layout and stride); ``machine`` overrides the device's;
+    ``a2a_size``: also consider ``a2a_ring`` with that all-to-all group size."""
     m = machine or machine_for(q.device)
     B, T, H, D = q.shape
     shape = SoftmaxShape(B, T, H, k.shape[2], D, q.element_size(), bool(causal))
@@ -86,7 +88,7 @@ def auto_softmax_preset(ctx: SPContext, q: torch.Tensor, k: torch.Tensor, *, cau
         choice = Choice(cpu_softmax_preset(), {})
     else:
         choice = _softmax_choice(shape, ctx.world_size, ctx.layout, m, topology_for(ctx),
-                                 heads_k_stride, memory_limit_bytes)
-    log_choice("softmax preset", (shape, ctx.world_size, ctx.layout, heads_k_stride), choice,
-               m or "cpu")
+                                 heads_k_stride, memory_limit_bytes, a2a_size=a2a_size)
+    log_choice("softmax preset", (shape, ctx.world_size, ctx.layout, heads_k_stride, a2a_size),
+               choice, m or "cpu")
     return choice

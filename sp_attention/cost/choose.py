@@ -27,11 +27,12 @@ from .linear import linear_step
 from .machine import Machine
 from .memory import softmax_memory
 from .softmax import modelled_presets, softmax_step
+from .softmax_a2a import A2A_PRESETS, a2a_candidates, a2a_memory, a2a_step
 
 logger = logging.getLogger("sp_attention.cost")
 
 _LINEAR_TIE_ORDER = ("allgather", "ring", "blelloch")
-_SOFTMAX_TIE_ORDER = ("ring", "ring_ag", "allgather", "ag_ring")
+_SOFTMAX_TIE_ORDER = ("ring", "ring_ag", "allgather", "ag_ring", "a2a", "a2a_ring")
 CPU_RING_LEAVES = 2          # the CPU rule's bounds (see the module docstring)
 CPU_ALLGATHER_LEAVES = 16
 
@@ -69,21 +70,29 @@ def choose_softmax_preset(shape: SoftmaxShape, world: int, layout: str, machine:
                           topology: Optional[Topology] = None,
                           heads_k_stride: Optional[int] = None,
                           memory_limit_bytes: Optional[float] = None,
-                          candidates: Optional[Sequence[str]] = None) -> Choice:
+                          candidates: Optional[Sequence[str]] = None,
+                          a2a_size: Optional[int] = None) -> Choice:
     """The preset ``preset="auto"`` runs on GPUs: the cheapest predicted fwd + bwd of
-    ``candidates`` (None: every preset the model predicts) whose buffers
-    (:func:`softmax_memory`) fit ``memory_limit_bytes`` (None: no limit). Raises
-    ``ValueError`` if none fits."""
+    ``candidates`` whose buffers (:func:`softmax_memory`, :func:`.softmax_a2a.a2a_memory`) fit
+    ``memory_limit_bytes`` (None: no limit). ``candidates`` None: every preset the model
+    predicts that can run the shape (the all-to-all ones where the heads split, ``a2a_ring``
+    with ``a2a_size``: :func:`.softmax_a2a.a2a_candidates`). Raises ``ValueError`` if none
+    fits."""
+    if candidates is None:
+        candidates = modelled_presets() + a2a_candidates(shape, world, a2a_size)
     times, excluded = {}, {}
-    for name in modelled_presets() if candidates is None else candidates:
-        f, b = schedules.PRESETS[name]
+    for name in candidates:
+        a2a = name in A2A_PRESETS
+        size = (world if name == "a2a" else a2a_size) if a2a else None
         if memory_limit_bytes is not None:
-            need = softmax_memory(shape, world, layout, f, b, machine, heads_k_stride)["peak"]
+            need = (a2a_memory(shape, world, layout, machine, size) if a2a else softmax_memory(
+                shape, world, layout, *schedules.PRESETS[name], machine, heads_k_stride))["peak"]
             if need > memory_limit_bytes:
                 excluded[name] = f"needs {need / 2**30:.2f} GiB"
                 continue
-        times[name] = softmax_step(shape, world, layout, f, b, machine, topology,
-                                   heads_k_stride)
+        times[name] = (a2a_step(shape, world, layout, machine, topology, size) if a2a else
+                       softmax_step(shape, world, layout, *schedules.PRESETS[name], machine,
+                                    topology, heads_k_stride))
     if not times:
         raise ValueError("no softmax preset fits memory_limit_bytes="
                          f"{memory_limit_bytes}: {excluded}; use fewer tokens per rank")

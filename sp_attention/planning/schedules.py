@@ -11,7 +11,8 @@ one home for each.
 """
 from __future__ import annotations
 
-__all__ = ["LINEAR_SCANS", "AUTO", "LINEAR_IMPLS", "FWD_SCHEDULES", "BWD_SCHEDULES", "PRESETS",
+__all__ = ["LINEAR_SCANS", "AUTO", "LINEAR_IMPLS", "A2A_SCHEDULES", "FWD_SCHEDULES",
+           "BWD_SCHEDULES", "PRESETS",
            "DEFAULT_PRESET", "AUTO_PRESET", "PRESET_NAMES", "CHUNK", "MIN_QUERY_HEADS_PER_CALL",
            "default_heads_k_stride"]
 
@@ -22,8 +23,11 @@ AUTO = "auto"      # the cost model's choice per layer shape (sp_attention.cost.
 LINEAR_SCANS = ("blelloch", "allgather", "ring")
 LINEAR_IMPLS = LINEAR_SCANS + (AUTO,)
 
-FWD_SCHEDULES = ("ring", "allgather")
-BWD_SCHEDULES = ("ring", "allgather")
+# The all-to-all schedules run forward and backward as one (the backward reads the head shards
+# the forward saved), so they pair only with themselves.
+A2A_SCHEDULES = ("a2a", "a2a_ring")
+FWD_SCHEDULES = ("ring", "allgather") + A2A_SCHEDULES
+BWD_SCHEDULES = ("ring", "allgather") + A2A_SCHEDULES
 
 PRESETS: dict[str, tuple[str, str]] = {
     # ring forward + all-gather / async fp32 reduce-scatter backward with head strides: the
@@ -33,6 +37,11 @@ PRESETS: dict[str, tuple[str, str]] = {
     "ring": ("ring", "ring"),                 # ring-flash-attention: p2p only, O(1) buffers
     "allgather": ("allgather", "allgather"),  # no LSE merge; best for small P within a node
     "ag_ring": ("allgather", "ring"),
+    # Ulysses: all-to-all from sequence to head shards, the local kernel on the whole sequence
+    "a2a": ("a2a", "a2a"),
+    # USP / TransformerEngine's a2a+p2p: all-to-all inside groups of a2a_size consecutive
+    # ranks, ring across the groups
+    "a2a_ring": ("a2a_ring", "a2a_ring"),
 }
 # The fastest pair measured on 2 x H200 (Llama-3-8B attention) at T_local 8K and 32K; also what
 # `auto` runs on CPU, where no time model applies (sp_attention.cost.choose).

@@ -3,7 +3,9 @@
 Forward schedules (``fwd``): ``ring`` (:mod:`.fwd_ring`) and ``allgather``
 (:mod:`.fwd_allgather`). Backward schedules (``bwd``): ``ring`` (:mod:`.bwd_ring`) and
 ``allgather`` (:mod:`.bwd_allgather`). Any forward pairs with any backward: the backward needs
-only ``q, k, v, out`` and the global ``lse``, which is all the Function saves.
+only ``q, k, v, out`` and the global ``lse``, which is all the Function saves. The all-to-all
+schedules ``a2a`` and ``a2a_ring`` (:mod:`.a2a`) run forward and backward as one, in their own
+Function.
 """
 from __future__ import annotations
 
@@ -20,14 +22,15 @@ from ..planning.softmax_packed import CallPolicy
 from ..tuning import SoftmaxTuning
 from ..validation import (autocast_inputs, autocast_off, check_local_length, check_tensors,
                           resolve_ctx)
+from .a2a import A2AAttention, A2AConfig
 from .bwd_allgather import allgather_backward
 from .bwd_ring import ring_backward
 from .fwd_allgather import allgather_forward
 from .fwd_ring import ring_forward
 from .backends import KernelBackend, get_backend
 from .packed import PackedAttention, PackedConfig, packed_plan_for
-from .schedule import (BWD_SCHEDULES, DEFAULT_PRESET, FWD_SCHEDULES, PRESETS, SoftmaxSchedule,
-                       default_heads_k_stride)
+from .schedule import (A2A_SCHEDULES, BWD_SCHEDULES, DEFAULT_PRESET, FWD_SCHEDULES, PRESETS,
+                       SoftmaxSchedule, default_heads_k_stride)
 
 __all__ = ["context_parallel_attention", "PRESETS", "DEFAULT_PRESET", "FWD_SCHEDULES",
            "BWD_SCHEDULES", "SoftmaxSchedule", "default_heads_k_stride"]
@@ -48,6 +51,7 @@ class _Config:
     last: Optional[int]
     return_lse: bool
     pack_kv: bool
+    a2a_size: Optional[int] = None     # the all-to-all schedules: U (P for "a2a")
 
 
 class _ContextParallelAttention(torch.autograd.Function):
@@ -134,7 +138,7 @@ def context_parallel_attention(
         bwd_head_last_stride: Optional[int] = None, causal: bool = True,
         softmax_scale: Optional[float] = None, backend: Optional[str] = None,
         preset: Optional[str] = None, return_lse: bool = False,
-        tuning: Optional[SoftmaxTuning] = None, cu_seqlens=None,
+        tuning: Optional[SoftmaxTuning] = None, cu_seqlens=None, a2a_size: Optional[int] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Softmax attention (causal, GQA) over a sequence split across a context-parallel group.
 
@@ -152,7 +156,8 @@ def context_parallel_attention(
             attention through the same code.
         fwd, bwd: forward / backward schedule, each ``"ring"`` or ``"allgather"``; ``None``
             takes the value of the default preset ``"ring"`` (fwd and bwd ``"ring"``, the
-            fastest pair measured on 2× H200; see benchmarks/results).
+            fastest pair measured on 2× H200; see benchmarks/results). The all-to-all
+            schedules (``"a2a"``, ``"a2a_ring"``) pair only with themselves: use the preset.
         heads_k_stride: KV heads per all-gather step (allgather schedules only); must divide
             ``Hkv``. ``None``: the smallest divisor giving at least 8 query heads per kernel
             call (:func:`default_heads_k_stride`; 2 for Llama-3-8B's 8 KV heads and group 4).
@@ -168,7 +173,11 @@ def context_parallel_attention(
         backend: kernel backend name (``"cudnn"``, ``"flash"``, ``"flash_attn"``, ``"math"``)
             or None for the fastest that can run the inputs (cuDNN on Hopper, math on CPU).
         preset: a name from :data:`PRESETS` setting ``fwd`` and ``bwd`` together; passing a
-            different ``fwd``/``bwd`` as well raises. ``"auto"``: the cost model's cheapest
+            different ``fwd``/``bwd`` as well raises. ``"a2a"`` (Ulysses): all-to-all from
+            sequence to head shards over the whole group, the kernel on the whole sequence,
+            all-to-all back (needs ``H % P == 0``; KV heads are replicated to the ranks that
+            need them when ``Hkv % P != 0``). ``"a2a_ring"``: all-to-all inside groups of
+            ``a2a_size`` consecutive ranks, ring across the groups (USP). ``"auto"``: the cost model's cheapest
             predicted pair for this call's shape, group and links
             (:func:`sp_attention.auto.auto_softmax_preset`, decided and logged once per layer
             shape; one rank: the default).
@@ -184,6 +193,10 @@ def context_parallel_attention(
             (``plan.shard``); padding rows give 0 (lse −inf) and zero gradients. Needs
             ``causal=True``. None (default), or one document laid out as the unpacked layout:
             today's path.
+        a2a_size: ranks per all-to-all group of ``preset="a2a_ring"`` (``U`` consecutive
+            ranks of the group; divides P and H; required with ``"a2a_ring"``; no process group
+            of its own is made). With ``"auto"``: lets the cost model consider ``a2a_ring``
+            with this U.
 
     Returns:
         ``out [B, T_local, H, D]`` in ``q.dtype`` (and ``lse`` if ``return_lse``: fp32, fp64 for
@@ -196,7 +209,8 @@ def context_parallel_attention(
         inputs; shapes that disagree (rank, B, T_local, D, ``H % Hkv``) or dtypes/devices that
         differ; a local length the layout cannot split; an unknown fwd / bwd / preset /
         backend, or a preset contradicting fwd/bwd; a stride that does not divide the local KV
-        heads or first/last splits out of range; a backend that cannot run the inputs (the
+        heads or first/last splits out of range; an all-to-all preset whose group size does
+        not divide the local query heads or the CP group; a backend that cannot run the inputs (the
         message lists those that can). Raised on every rank: a rank whose own check fails
         tells the others, and ranks whose calls differ (shapes, dtypes, options) all raise;
         both through one small all-gather the first time each call signature is seen
@@ -208,7 +222,8 @@ def context_parallel_attention(
     options = dict(fwd=fwd, bwd=bwd, preset=preset, heads_k_stride=heads_k_stride,
                    bwd_head_first_stride=bwd_head_first_stride,
                    bwd_head_last_stride=bwd_head_last_stride, causal=causal,
-                   softmax_scale=softmax_scale, backend=backend, return_lse=return_lse)
+                   softmax_scale=softmax_scale, backend=backend, return_lse=return_lse,
+                   a2a_size=a2a_size)
     cfg, error, plan = None, None, None
     try:
         cfg = _config(q, k, v, ctx, tuning, **options)
@@ -220,13 +235,19 @@ def context_parallel_attention(
                  ("device", q.device.type if isinstance(q, torch.Tensor) else None),
                  ("layout", ctx.layout), ("tuning", tuning)) + tuple(options.items())
     if cfg is not None:     # "auto" resolved per rank: ranks that picked differently raise
-        signature += (("schedule", (cfg.fwd, cfg.bwd)),)
+        signature += (("schedule", (cfg.fwd, cfg.bwd, cfg.a2a_size)),)
     if cu_seqlens is not None:      # ranks disagreeing on the boundaries all raise
         signature += (("cu_seqlens", plan.digest if plan is not None else "invalid"),)
     agree_across_ranks(ctx, "context_parallel_attention", signature, error,
                        isinstance(tuning, SoftmaxTuning) and tuning.check_every_call)
     with autocast_off(q.device):
-        if plan is not None and not plan.is_trivial:
+        packed = plan is not None and not plan.is_trivial
+        if cfg.fwd in A2A_SCHEDULES:
+            return A2AAttention.apply(q, k, v, A2AConfig(
+                cfg.ctx, cfg.a2a_size, cfg.causal, cfg.scale, cfg.backend, cfg.return_lse,
+                cfg.pack_kv, plan if packed else None,
+                CallPolicy(tuning.packed_dense_min, tuning.packed_varlen_gaps)))
+        if packed:
             return PackedAttention.apply(q, k, v, PackedConfig(
                 cfg.ctx, plan, cfg.fwd, cfg.bwd, cfg.scale, cfg.backend, cfg.stride, cfg.first,
                 cfg.last, cfg.return_lse, cfg.pack_kv,
@@ -240,13 +261,13 @@ def _shape(x) -> object:
 
 def _config(q, k, v, ctx: SPContext, tuning, *, fwd, bwd, preset, heads_k_stride,
             bwd_head_first_stride, bwd_head_last_stride, causal, softmax_scale, backend,
-            return_lse) -> _Config:
+            return_lse, a2a_size=None) -> _Config:
     """Every local check of the public function (the docstring's Raises), then its config."""
     if not isinstance(tuning, SoftmaxTuning):
         raise TypeError(f"tuning must be a SoftmaxTuning or None, got {type(tuning).__name__}")
     _check_tensors(q, k, v, ctx)
     sched = SoftmaxSchedule(preset, fwd, bwd, heads_k_stride, bwd_head_first_stride,
-                            bwd_head_last_stride, backend)
+                            bwd_head_last_stride, backend, a2a_size)
     kv_heads, group = k.shape[2], q.shape[2] // k.shape[2]
     _check_scale(softmax_scale)
     if not isinstance(causal, bool) or not isinstance(return_lse, bool):
@@ -254,10 +275,21 @@ def _config(q, k, v, ctx: SPContext, tuning, *, fwd, bwd, preset, heads_k_stride
     if sched.is_auto:       # the cost model's pair for this shape (one rank: nothing crosses)
         sched.local_stride(kv_heads, default_heads_k_stride(kv_heads, group, tuning))
         sched = sched.resolve(DEFAULT_PRESET if ctx.world_size == 1 else auto_softmax_preset(
-            ctx, q, k, causal=causal, heads_k_stride=sched.heads_k_stride).name)
+            ctx, q, k, causal=causal, heads_k_stride=sched.heads_k_stride,
+            a2a_size=_auto_a2a_size(ctx, q.shape[2], sched.a2a_size)).name)
+    size = sched.a2a_group_size(ctx.world_size, q.shape[2])
     stride = sched.local_stride(kv_heads, default_heads_k_stride(kv_heads, group, tuning))
     kernel = get_backend(backend, q.device, q.dtype, q.shape[3])   # raises if it cannot run
     scale = q.shape[3] ** -0.5 if softmax_scale is None else float(softmax_scale)
     return _Config(ctx, sched.fwd, sched.bwd, causal, scale, kernel, stride,
                    sched.bwd_head_first_stride, sched.bwd_head_last_stride, return_lse,
-                   tuning.pack_kv)
+                   tuning.pack_kv, size)
+
+
+def _auto_a2a_size(ctx: SPContext, heads: int, size: Optional[int]) -> Optional[int]:
+    """The a2a_ring group size ``auto`` may consider: the one given, if it splits the group
+    and the heads into more than one group of more than one rank; else None."""
+    if size is not None and 1 < size < ctx.world_size and ctx.world_size % size == 0 \
+            and heads % size == 0:
+        return size
+    return None

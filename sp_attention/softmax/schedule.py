@@ -11,13 +11,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from ..planning.schedules import (AUTO_PRESET, BWD_SCHEDULES, DEFAULT_PRESET, FWD_SCHEDULES,
-                                  PRESET_NAMES, PRESETS, default_heads_k_stride)
+from ..planning.schedules import (A2A_SCHEDULES, AUTO_PRESET, BWD_SCHEDULES, DEFAULT_PRESET,
+                                  FWD_SCHEDULES, PRESET_NAMES, PRESETS, default_heads_k_stride)
 from ..validation import is_int
+from ..planning.softmax_a2a import check_a2a_heads
 from .backends import BACKEND_NAMES
 
 __all__ = ["SoftmaxSchedule", "PRESETS", "PRESET_NAMES", "AUTO_PRESET", "DEFAULT_PRESET",
-           "FWD_SCHEDULES", "BWD_SCHEDULES", "STRIDE_FIELDS", "default_heads_k_stride"]
+           "FWD_SCHEDULES", "BWD_SCHEDULES", "A2A_SCHEDULES", "STRIDE_FIELDS",
+           "default_heads_k_stride"]
 
 STRIDE_FIELDS = ("heads_k_stride", "bwd_head_first_stride", "bwd_head_last_stride")
 
@@ -28,13 +30,14 @@ class SoftmaxSchedule:
 
     Attributes:
         preset: a name from :data:`PRESETS` setting ``fwd`` and ``bwd`` together (``"ring"``,
-            ``"ring_ag"``, ``"allgather"``, ``"ag_ring"``); None: ``fwd``/``bwd`` as given,
+            ``"ring_ag"``, ``"allgather"``, ``"ag_ring"``; the all-to-all ``"a2a"`` and
+            ``"a2a_ring"``, whose forward and backward are one schedule); None: ``fwd``/``bwd`` as given,
             each defaulting to :data:`DEFAULT_PRESET`'s. A ``fwd``/``bwd`` contradicting the
             preset raises. ``"auto"``: the cost model picks the pair per layer shape when the
             op sees its tensors (:meth:`resolve`; ``fwd``/``bwd`` stay None until then); head
             strides given with it apply if the pick runs an all-gather.
-        fwd, bwd: forward / backward schedule, ``"ring"`` or ``"allgather"``; after
-            construction both hold the resolved schedules.
+        fwd, bwd: forward / backward schedule, ``"ring"`` or ``"allgather"`` (or both the same
+            all-to-all schedule); after construction both hold the resolved schedules.
         heads_k_stride: KV heads per all-gather step (only with an all-gather forward or
             backward); must divide the local KV heads. None: the library's default
             (:func:`default_heads_k_stride`).
@@ -43,6 +46,10 @@ class SoftmaxSchedule:
             ``bwd="allgather"``; ``0 < f, l < stride``).
         backend: kernel backend (``"cudnn"``, ``"flash"``, ``"flash_attn"``, ``"math"``) or
             None for the fastest that runs the inputs.
+        a2a_size: ranks per all-to-all group of ``preset="a2a_ring"`` (U consecutive ranks of
+            the CP group; must divide the CP group size P and the local query heads; required
+            with ``"a2a_ring"``). With ``"auto"``: lets the cost model consider ``a2a_ring``
+            with this U. ``preset="a2a"`` is U = P and takes no ``a2a_size``.
     """
 
     preset: Optional[str] = None
@@ -52,9 +59,13 @@ class SoftmaxSchedule:
     bwd_head_first_stride: Optional[int] = None
     bwd_head_last_stride: Optional[int] = None
     backend: Optional[str] = None
+    a2a_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         fwd, bwd = self.fwd, self.bwd
+        if self.a2a_size is not None and (not is_int(self.a2a_size) or self.a2a_size < 1):
+            raise ValueError(f"a2a_size={self.a2a_size!r} must be a positive int (ranks per "
+                             "all-to-all group of preset 'a2a_ring') or None")
         if self.preset == AUTO_PRESET:
             for name, given in (("fwd", fwd), ("bwd", bwd)):
                 if given is not None:
@@ -80,6 +91,16 @@ class SoftmaxSchedule:
         if bwd not in BWD_SCHEDULES:
             raise ValueError(f"unknown backward schedule bwd={bwd!r}; use one of "
                              f"{BWD_SCHEDULES}")
+        if (fwd in A2A_SCHEDULES or bwd in A2A_SCHEDULES) and fwd != bwd:
+            a2a = fwd if fwd in A2A_SCHEDULES else bwd
+            raise ValueError(f"the all-to-all schedule {a2a!r} runs forward and backward "
+                             f"together (fwd={fwd!r}, bwd={bwd!r}); use preset={a2a!r}")
+        if self.a2a_size is not None and fwd != "a2a_ring":
+            raise ValueError(f"a2a_size={self.a2a_size} only applies to preset 'a2a_ring' (or "
+                             f"'auto'); fwd={fwd!r}, bwd={bwd!r} would ignore it"
+                             + (" ('a2a' is the all-to-all over the whole CP group)"
+                                if fwd == "a2a" else "") + ": drop it or use "
+                             "preset='a2a_ring'")
         object.__setattr__(self, "fwd", fwd)
         object.__setattr__(self, "bwd", bwd)
         self._check_strides_and_backend()
@@ -118,7 +139,7 @@ class SoftmaxSchedule:
             preset, heads_k_stride=self.heads_k_stride if "allgather" in (f, b) else None,
             bwd_head_first_stride=self.bwd_head_first_stride if b == "allgather" else None,
             bwd_head_last_stride=self.bwd_head_last_stride if b == "allgather" else None,
-            backend=self.backend)
+            backend=self.backend, a2a_size=self.a2a_size if f == "a2a_ring" else None)
 
     def kwargs(self) -> dict:
         """Keyword arguments of :func:`sp_attention.context_parallel_attention` (the resolved
@@ -128,7 +149,31 @@ class SoftmaxSchedule:
             out.pop("fwd"), out.pop("bwd")
         else:
             out.pop("preset")
+        if out["a2a_size"] is None:       # only a2a_ring / auto take it
+            out.pop("a2a_size")
         return out
+
+    def a2a_group_size(self, world: int, heads: int) -> Optional[int]:
+        """U, the ranks per all-to-all group (``world`` for ``a2a``; 1 on one rank), or None
+        for the other schedules, after the rules that need the CP size and the local query
+        heads: U divides both (``ValueError`` naming the fix)."""
+        if self.fwd not in A2A_SCHEDULES:
+            return None
+        if world == 1:              # one rank: nothing to split (any a2a_size runs locally)
+            return 1
+        if self.fwd == "a2a":
+            check_a2a_heads(heads, world, "a2a")
+            return world
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        if self.a2a_size is None:
+            raise ValueError(f"preset='a2a_ring' needs a2a_size: ranks per all-to-all group, a "
+                             f"divisor of the CP group size {world} (one of {divisors}) that "
+                             f"divides the {heads} local query heads")
+        if world % self.a2a_size:
+            raise ValueError(f"a2a_size={self.a2a_size} must be a positive divisor of the CP "
+                             f"group size {world}: one of {divisors}")
+        check_a2a_heads(heads, self.a2a_size, "a2a_ring")
+        return self.a2a_size
 
     def local_stride(self, kv_heads: int, default: int) -> int:
         """The KV-head stride for ``kv_heads`` local KV heads (``default`` when unset), after

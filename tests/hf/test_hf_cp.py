@@ -1,7 +1,8 @@
 """HF transformers integration on CPU/gloo: a tiny random GQA+RoPE LlamaForCausalLM (fp32)
 prepared for CP equals the unpatched SDPA model (loss 1e-6, every gradient 1e-5 relative, at
 every rank) for every softmax preset at CP 1-4, with a padding mask and with lengths that need
-layout padding; the linear, hybrid and gated variants at CP 1-3 equal CP 1; two models with
+layout padding (the all-to-all presets where the 4 heads split: a2a at CP 1, 2 and 4,
+a2a_ring with groups of 2 at CP 4); the linear, hybrid and gated variants at CP 1-3 equal CP 1; two models with
 different CP groups in one process; bad input raises on every rank before any collective; the
 gated variant (a gated layer and a softmax layer) at CP 1-3 equals CP 1;
 packed batches of ``DataCollatorWithFlattening`` (with and without its flash kwargs) at CP 3
@@ -93,14 +94,25 @@ def _check(model, ref, ids, mask, group, schedule, tag, scan=None):
     _compare(tag, _cp_step(m, handle, ids, mask, group), ref)
 
 
+def _schedules(world):
+    """Every softmax preset that the tiny model's 4 query heads allow at ``world`` ranks:
+    ``a2a`` where they split over the group, ``a2a_ring`` with groups of 2 at P = 4."""
+    out = {p: CPSchedule(preset=p) for p in PRESETS if p not in ("a2a", "a2a_ring")}
+    if 4 % world == 0:
+        out["a2a"] = CPSchedule(preset="a2a")
+    if world == 4:
+        out["a2a_ring"] = CPSchedule(preset="a2a_ring", a2a_size=2)
+    return out
+
+
 def check_equivalence(rank, world, max_linear_world=3):
     """Every softmax preset on Llama; linear scans and presets on linear/hybrid (P <= 3)."""
     group = dist.new_group(list(range(world))) if world > 1 else None
     models = _models()
     for case, (ids, mask) in _cases().items():
         ref = _reference(models["llama"], ids, mask)
-        for preset in PRESETS:
-            _check(models["llama"], ref, ids, mask, group, CPSchedule(preset=preset),
+        for preset, schedule in _schedules(world).items():
+            _check(models["llama"], ref, ids, mask, group, schedule,
                    f"P={world} llama {preset} {case}")
         if world > max_linear_world:
             continue
@@ -109,10 +121,11 @@ def check_equivalence(rank, world, max_linear_world=3):
             _check(models["linear"], ref, ids, mask, group, None,
                    f"P={world} linear {impl} {case}", scan=impl)
         ref = _reference(models["hybrid"], ids, mask)
-        for preset in (PRESETS if case == "plain" else ("ring",)):
-            _check(models["hybrid"], ref, ids, mask, group,
-                   CPSchedule(preset=preset), f"P={world} hybrid {preset} {case}",
-                   scan="blelloch")
+        for preset, schedule in _schedules(world).items():
+            if case != "plain" and preset != "ring":
+                continue
+            _check(models["hybrid"], ref, ids, mask, group, schedule,
+                   f"P={world} hybrid {preset} {case}", scan="blelloch")
         ref = _reference(models["gated"], ids, mask)      # gated + softmax layers
         for impl in (LINEAR_IMPLS if case == "plain" else ("auto",)):
             _check(models["gated"], ref, ids, mask, group, None,

@@ -73,7 +73,16 @@ BAD = [  # (our argv, Megatron fields, text the message must contain)
      "for our attention only"),
     (GOOD, dict(apply_rope_fusion=True), "--no-rope-fusion"),
     (GOOD, dict(position_embedding_type="yarn"), "rope or learned_absolute"),
-    (GOOD, dict(cp_comm_type=["a2a"]), "--cp-comm-type"),
+    (GOOD, dict(cp_comm_type=["p2p", "a2a"]), "--cp-comm-type p2p a2a: give one of"),
+    (GOOD + ["--softmax-cp-preset", "ring"], dict(cp_comm_type=["a2a"]),
+     "means --softmax-cp-preset a2a"),
+    (GOOD, dict(cp_comm_type=["a2a+p2p"], hierarchical_context_parallel_sizes=[2, 2]),
+     "whose product is --context-parallel-size 2"),
+    (GOOD, dict(hierarchical_context_parallel_sizes=[2, 1]), "would be ignored"),
+    (GOOD, dict(cp_comm_type=["a2a+p2p"]), "needs a2a_size"),
+    (GOOD + ["--softmax-cp-preset", "a2a"], dict(num_attention_heads=6, num_query_groups=2),
+     "splits the 3 local query heads over 2 ranks"),
+    (GOOD + ["--softmax-a2a-size", "2"], {}, "only applies to preset 'a2a_ring'"),
     (["--context-parallel-impl", "megatron"], dict(spec=["megatron_patches.specs",
                                                          "hybrid_layer_spec"]), "--spec"),
     (GOOD, dict(spec=["megatron_patches.specs", "nope"]), "hybrid_layer_spec"),
@@ -106,6 +115,15 @@ def test_good_arguments_give_options():
     assert mega.megatron_attention and mega.model_kind == "softmax"
     hyb = options_from_args(_args("--sp-model-kind", "hybrid", num_layers=6))
     assert hyb.pattern == "LLSLLS"                   # the default pattern fits 6 layers
+    # Megatron-LM's own names for the softmax CP schedule
+    for comm, preset in (("p2p", None), ("all_gather", "allgather"), ("a2a", "a2a")):
+        got = options_from_args(_args(cp_comm_type=[comm])).softmax_schedule
+        assert got == SoftmaxSchedule(preset), comm
+    usp = options_from_args(_args(cp_comm_type=["a2a+p2p"], context_parallel_size=4,
+                                  seq_length=64, hierarchical_context_parallel_sizes=[2, 2]))
+    assert usp.softmax_schedule == SoftmaxSchedule("a2a_ring", a2a_size=2)
+    assert options_from_args(_args("--softmax-cp-preset", "a2a_ring", "--softmax-a2a-size", "2",
+                                   context_parallel_size=4)).softmax_schedule.a2a_size == 2
 
 
 def _config(**kw):

@@ -8,7 +8,9 @@ the README's recipe (``global_loss_share`` over the DP×CP group, ``all_reduce_g
 the per-token loss at real targets (1e-6 relative), the global mean loss (1e-6) and every
 parameter gradient (1e-5 relative) are compared at every rank. The same spawns check packed
 documents (THD batches, ``packed_parity.py``) against an independent plain-torch model run
-on each document alone and against the 1×1×1 model.
+on each document alone and against the 1×1×1 model. The softmax model also runs with the
+all-to-all presets where its heads split (``a2a`` at CP 2 and 4 and at TP 2 × CP 2,
+``a2a_ring`` with groups of 2 at CP 4).
 """
 import warnings
 
@@ -40,14 +42,26 @@ def _config(tp: int, cp: int, num_layers: int = 4):
         tensor_model_parallel_size=tp, context_parallel_size=cp)
 
 
-def _build(tp, cp, kind, pos, seed=1234):
+def _build(tp, cp, kind, pos, seed=1234, schedule=None):
     from megatron_patches.model import build_gpt_model
     torch.manual_seed(seed)
     scan = None if kind == "softmax" else "blelloch" if cp != 3 else "auto"
     return build_gpt_model(_config(tp, cp), kind=kind, vocab_size=VOCAB,
                            max_sequence_length=SEQ, context_parallel_impl=scan,
                            position_embedding_type=pos,
-                           hybrid_pattern=HYBRID if kind == "hybrid" else None)
+                           hybrid_pattern=HYBRID if kind == "hybrid" else None,
+                           softmax_schedule=schedule)
+
+
+def _a2a_cases(tp, cp):
+    """The softmax model with the all-to-all presets where the heads per TP rank split:
+    ``a2a`` (KV heads replicated when GROUPS / TP < CP), ``a2a_ring`` with groups of 2."""
+    from sp_attention import SoftmaxSchedule
+    heads = HEADS // tp
+    out = [("softmax", "rope", SoftmaxSchedule("a2a"))] if heads % cp == 0 else []
+    if cp == 4:
+        out.append(("softmax", "rope", SoftmaxSchedule("a2a_ring", a2a_size=2)))
+    return out
 
 
 def _reference(kind, pos, tokens):
@@ -123,9 +137,9 @@ def _worker(rank, world, tp, cp):
     ctx = cp_context()
     rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
     report = {}
-    for kind, pos in cases:
+    for kind, pos, *sched in cases + _a2a_cases(tp, cp):
         ref_sd, ref_loss, ref_mean, ref_grads = refs[kind, pos]
-        model = _build(tp, cp, kind, pos)
+        model = _build(tp, cp, kind, pos, schedule=sched[0] if sched else None)
         cut = tp_shard_state_dict(ref_sd, model, tp_rank, tp)
         # equal seeds + use_cpu_initialization give the same weights at every layout
         for name, val in model.state_dict().items():
@@ -159,6 +173,9 @@ def _worker(rank, world, tp, cp):
             worst = max(worst, err)
         if tp > 1 and kind in ("linear", "hybrid"):
             assert _check_slopes(model, tp_rank, tp) > 0
+        if sched:
+            report[kind, f"{sched[0].preset} {sched[0].a2a_size}"] = (err_loss, err_mean, worst)
+            continue
         report[kind, pos] = (err_loss, err_mean, worst)
         if kind in PACKED_KINDS and pos == "rope":
             model.zero_grad(set_to_none=True)
@@ -177,3 +194,5 @@ def test_parity_with_single_process(tp, cp, dp):
     for r in reports:
         assert set(k for k, _ in r) == {k for k, _ in CASES}
         assert {k for k, p in r if p == "packed"} == set(PACKED_KINDS)
+        assert {p for _, p in r if p.startswith("a2a")} == {
+            f"{s.preset} {s.a2a_size}" for *_, s in _a2a_cases(tp, cp)}

@@ -80,12 +80,12 @@ def test_auto_preset_runs_the_cost_models_pick(monkeypatch):
                                                                      dtype=torch.float64)
     opts = dict(fwd=None, bwd=None, heads_k_stride=None, bwd_head_first_stride=None,
                 bwd_head_last_stride=None, causal=True, softmax_scale=None, backend="math",
-                return_lse=False)
+                return_lse=False, a2a_size=2)      # a2a_ring's groups of 2 (= P here)
     cfg = _config(q, k, k, ctx, SoftmaxTuning(), preset="auto", **opts)
     assert (cfg.fwd, cfg.bwd) == PRESETS[cpu_softmax_preset()] == PRESETS[DEFAULT_PRESET]
     monkeypatch.setattr(auto, "machine_for", lambda device: H200_NVLINK_IB400)
     for name, pair in PRESETS.items():
-        monkeypatch.setattr(auto, "_softmax_choice", lambda *a, n=name: Choice(n, {}))
+        monkeypatch.setattr(auto, "_softmax_choice", lambda *a, n=name, **kw: Choice(n, {}))
         cfg = _config(q, k, k, ctx, SoftmaxTuning(), preset="auto", **opts)
         assert (cfg.fwd, cfg.bwd) == pair
     one = SPContext(None, 0, 1, (0,), "zigzag")

@@ -11,7 +11,10 @@ document spanning all ranks, ranks with only whole documents, a row ending in pa
 holding only padding, hundreds of tiny documents). At P = 3: changing one document's tokens
 leaves every other document's outputs and gradients bit-identical. TP 2 × CP 2 × DP 2 with
 Megatron's groups (CP groups not contiguous), each TP rank with its heads. Bad boundaries raise
-on every rank. The 2-GPU test's check runs here too, tiny, in bf16 on gloo.
+on every rank. The 2-GPU test's check runs here too, tiny, in bf16 on gloo. The all-to-all
+presets at every P: `a2a` on every other row (KV heads split, replicated or straddling),
+`a2a_ring` with every all-to-all size 1 < U < P on one row, and `a2a` unpacked at P = 5, 6, 7
+(the unpacked spawns of test_softmax_cp.py cover 2, 3, 4, 8).
 """
 import math
 import random
@@ -22,7 +25,7 @@ import torch.distributed as dist
 
 from sp_attention import (SoftmaxTuning, build_sp_context, context_parallel_attention,
                           plan_packing)
-from sp_attention.softmax.naive import packed_attention_reference
+from sp_attention.softmax.naive import attention_reference, packed_attention_reference
 from sp_attention.testing import (assert_close, megatron_groups, rel_rms, run_distributed,
                                   seeded)
 
@@ -210,6 +213,40 @@ def _tp_sharded_heads(mg):
     assert_close(leaves[2].grad, plan.shard(exp[4][:, :, hk], ctx.rank), 1e-10, "tp dv")
 
 
+def _a2a_runs(P, n, li):
+    """(shape, kwargs, a2a_size) of the all-to-all runs on row ``n`` at world size P, layout
+    ``li`` (0, 1): a2a on every other row, a2a_ring with each size on one row."""
+    shapes = [(1, 2 * P, 2, 4), (2, 3 * P, 3, 4)]
+    runs = [(shapes[n // 2 % 2], dict(preset="a2a"), None)] if (n + li) % 2 == 0 else []
+    if n == 2 + li:
+        runs += [(shapes[0], dict(preset="a2a_ring", a2a_size=u), u)
+                 for u in range(2, P) if P % u == 0]
+    return runs
+
+
+def _a2a_unpacked(ctx):
+    """a2a on a plain sequence (P = 5, 6, 7) vs attention_reference, both layouts' shards."""
+    P = ctx.world_size
+    T = 2 * P * 3
+    for shape in ((1, 2 * P, 1, 4), (1, 3 * P, 3, 4)):
+        B, H, Hkv, D = shape
+        q, w = seeded((B, T, H, D), 3), seeded((B, T, H, D), 4)
+        k, v = seeded((B, T, Hkv, D), 5), seeded((B, T, Hkv, D), 6)
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        o, lse = attention_reference(*leaves, causal=True, softmax_scale=SCALE)
+        (o * w).sum().backward()
+        from sp_attention import shard_sequence
+        loc = [shard_sequence(t, ctx, 1).requires_grad_(True) for t in (q, k, v)]
+        ol, ll = context_parallel_attention(*loc, ctx=ctx, preset="a2a", softmax_scale=SCALE,
+                                            backend="math", return_lse=True)
+        (ol * shard_sequence(w, ctx, 1)).sum().backward()
+        want = [o, lse] + [t.grad for t in leaves]
+        for g, e, what in zip([ol, ll] + [t.grad for t in loc], want,
+                              ("out", "lse", "dq", "dk", "dv")):
+            assert_close(g, shard_sequence(e, ctx, 2 if what == "lse" else 1), 1e-10,
+                         f"a2a unpacked P={P} {ctx.layout} {shape} {what}")
+
+
 def _worker(rank, world):
     groups = {P: dist.new_group(ranks) for P, ranks in GROUPS.items()}
     mg = megatron_groups(2, 2, 2)
@@ -217,7 +254,7 @@ def _worker(rank, world):
     for P, ranks in GROUPS.items():
         if rank not in ranks:
             continue
-        for layout in ("zigzag", "contiguous"):
+        for li, layout in enumerate(("zigzag", "contiguous")):
             ctx = build_sp_context(groups[P], layout=layout)
             for n, (name, cu, row_len) in enumerate(rows_for(P)):
                 plan = plan_packing(cu, ctx, row_len=row_len)
@@ -229,7 +266,14 @@ def _worker(rank, world):
                     tag = f"P={P} {layout} {name} {shape} {fwd}/{bwd} {kw}"
                     _run(ctx, plan, inputs, expected, fwd, bwd, kw, tag)
                     done.append((P, layout, name, fwd, bwd))
+                for shape, kw, u in _a2a_runs(P, n, li):
+                    inputs, expected = _reference(cu, T, shape, 100 * n + 7)
+                    tag = f"P={P} {layout} {name} {shape} {kw}"
+                    _run(ctx, plan, inputs, expected, None, None, kw, tag)
+                    done.append((P, layout, name, kw["preset"], kw.get("a2a_size")))
             _trivial(ctx)
+            if P in (5, 6, 7):
+                _a2a_unpacked(ctx)
             if layout == "zigzag":
                 _errors(ctx)
                 if P == 3:
@@ -266,8 +310,10 @@ def test_packed_softmax_every_world_size():
         for layout in ("zigzag", "contiguous"):
             names = {x[2] for x in seen if x[:2] == (P, layout)}
             assert names == {r[0] for r in rows_for(P)}, (P, layout, names)
-            pairs = {x[3:] for x in seen if x[:2] == (P, layout)}
+            pairs = {x[3:] for x in seen if x[:2] == (P, layout) and x[3] in ("ring", "allgather")}
             assert pairs == set(PAIRS if P <= 4 else PAIRS[:2]), (P, layout, pairs)
+            a2a = {x[3:] for x in seen if x[:2] == (P, layout) and x[3].startswith("a2a")}
+            assert a2a == {("a2a", None)} | {("a2a_ring", u) for u in range(2, P) if P % u == 0}
 
 
 # ------------------------------------------------------------------------------------------

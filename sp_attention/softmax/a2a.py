@@ -1,0 +1,392 @@
+"""All-to-all schedules: Ulysses (``preset="a2a"``) and all-to-all × ring (``"a2a_ring"``,
+USP / TransformerEngine's ``a2a+p2p``), forward, backward and their autograd Function.
+
+Inside an all-to-all group of ``U`` consecutive CP ranks (``U = P`` for ``a2a``), one
+fixed-shape all-to-all re-shards K/V and one re-shards Q from sequence shards
+``[B, T_local, H, D]`` to head shards ``[B, U·T_local, H/U, D]`` (position ``u`` takes query
+heads ``[u·H/U, (u+1)·H/U)`` and the KV heads they use: :mod:`sp_attention.planning.softmax_a2a`); the tokens are put
+in the order of a CP rank of the ``R = P / U`` groups (with ``R = 1`` the global order, so the
+kernel's plain causal mask is the global one) by the same copy that unpacks the receive
+buffer. Then the **inner** schedule runs on the head shard: the local kernel on the whole
+sequence (``R = 1``) or today's ring forward / backward across the groups (``R > 1``; the
+group is one ring rank, :func:`a2a_split`); packed documents run the
+packed ring (own-block varlen calls when ``R = 1``) on the groups' plan
+(:func:`sp_attention.planning.softmax_a2a.grouped_plan`). The output (and the LSE when asked) goes back by the inverse
+exchange.
+
+Backward: ``dout`` goes to head shards the same way; the inner backward uses the head-sharded
+``q, k, v, out, lse`` saved by the forward (no exchange of them again); ``dq`` goes back like
+the output, dK/dV like K/V in reverse, summed in fp32 over the positions that received a
+replicated KV head.
+
+No process group of its own: with ``U = P`` the all-to-all is ``all_to_all_single`` on the CP
+group; with ``U < P`` it is the same exchange as grouped point-to-point messages among the
+group's ``U`` ranks (``batch_isend_irecv`` on the CP group: NCCL runs its all-to-all exactly
+so), and the ring across groups is point-to-point too. So ``a2a_ring`` needs no sub-group
+and nothing to set up: any U dividing P and the local query heads works on any CP group.
+
+Overlap: K/V's exchange is issued first, then Q is packed and its exchange issued, and K/V
+are unpacked while Q travels; backward issues dK/dV's exchange before packing dq's.
+
+Bytes per rank and direction (forward; the backward alike): ``(U−1)/U · B·T_local·D ·
+(2·H + 2·Hkv)`` elements when ``Hkv % U == 0`` (Q, K+V, out), plus the ring's across groups.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..caches import LRU
+from ..comm import all_to_all_flat, p2p_exchange
+from ..context import SPContext
+from ..planning.packing import PackingPlan
+from ..precision import acc_dtype
+from ..validation import autocast_off
+from ..planning.softmax_a2a import HeadSplit, arrival_order, grouped_plan, head_split
+from .backend_common import KernelBackend
+from .bwd_ring import ring_backward
+from .fwd_ring import ring_forward
+from ..planning.softmax_packed import CallPolicy
+from .packed_ring import packed_ring_backward, packed_ring_forward
+
+__all__ = ["A2AConfig", "A2AAttention", "a2a_forward", "a2a_backward", "a2a_split"]
+
+# Index tensors per (token order, sizes, device): built once, host time only.
+_INDEX = LRU(256)
+
+
+@dataclass(frozen=True)
+class A2AConfig:
+    """Everything the all-to-all Function needs (built by the public function after its
+    checks). ``size``: U (``ctx.world_size`` for ``a2a``); ``plan``: packed documents (a
+    non-trivial plan) or None."""
+
+    ctx: SPContext
+    size: int
+    causal: bool
+    scale: float
+    backend: KernelBackend
+    return_lse: bool
+    pack_kv: bool
+    plan: Optional[PackingPlan] = None
+    policy: Optional[CallPolicy] = None
+
+
+def a2a_split(ctx: SPContext, size: int) -> tuple[SPContext, SPContext]:
+    """``(intra, inter)``: the all-to-all group of ``size`` = U consecutive ranks holding this
+    one (rank = position ``u = rank % U``) and the ring of the ``P / U`` ranks with the same
+    position (rank = group index ``g = rank // U``), in ``ctx.layout``. Both address their
+    peers through ``ctx.group`` and their global ranks: with ``1 < U < P`` they are **for
+    point-to-point messages only** (their group is the whole CP group); U = P gives ``ctx``
+    itself and a single rank, U = 1 the reverse."""
+    P, U = ctx.world_size, size
+    if U < 1 or P % U:
+        raise ValueError(f"a2a_size={U!r} must be a positive divisor of the CP group size {P}")
+    u, g = ctx.rank % U, ctx.rank // U
+    one = SPContext(None, 0, 1, (ctx.global_ranks[ctx.rank],), ctx.layout)
+    if U == P:
+        return ctx, one
+    if U == 1:
+        return one, ctx
+    return (SPContext(ctx.group, u, U, ctx.global_ranks[g * U:(g + 1) * U], ctx.layout),
+            SPContext(ctx.group, g, P // U, ctx.global_ranks[u::U], ctx.layout))
+
+
+# ------------------------------------------------------------------------------ token order
+def _positions(cfg: A2AConfig, L: int) -> tuple[tuple, Optional[list]]:
+    """``(key, runs)``: the inner order as runs ``(arrival start, length)`` of arrival
+    positions (``u·L + t``), or None when it is the arrival order itself; ``key`` names it."""
+    U, g = cfg.size, cfg.ctx.rank // cfg.size
+    if cfg.plan is not None:
+        gp = grouped_plan(cfg.plan, U)
+        key: tuple = ("packed", gp, g)
+        runs = list(gp.runs[g])
+    elif not cfg.causal:           # full attention: any order of the keys gives the same rows
+        return ("arrival",), None
+    else:
+        order = arrival_order(cfg.ctx.layout, cfg.ctx.world_size, U, g)
+        c = L // len(cfg.ctx.leaves)
+        key = ("chunks", order, c)
+        runs = [(i * c, c) for i in order]
+    done = 0
+    for a, n in runs:
+        if a != done:
+            return key, runs
+        done += n
+    return ("arrival",), None
+
+
+def _rows(pos: Optional[Tensor], U: int, L: int, B: int, S: int, slot: int,
+          device) -> Optional[Tensor]:
+    """Flat row of every token ``(b, i)`` (inner order) in an arrival buffer ``[U, S, B, L]``
+    (source-major): ``[B·U·L]``; None when the buffer already is ``[B, U·L]`` in inner order."""
+    if pos is None and S == 1 and B == 1:
+        return None
+    p = torch.arange(U * L, device=device) if pos is None else pos
+    u, t = p // L, p % L
+    b = torch.arange(B, device=device)[:, None]
+    return (((u * S + slot)[None, :] * B + b) * L + t[None, :]).reshape(-1)
+
+
+def _return_rows(pos: Optional[Tensor], U: int, L: int, B: int, device) -> Optional[Tensor]:
+    """Flat row (in ``[B·U·L]``, inner order) of every entry of a send-back buffer
+    ``[U, B, L]`` (destination-major); None when that is a view."""
+    if pos is None and B == 1:
+        return None
+    T = U * L
+    inv = torch.arange(T, device=device) if pos is None else torch.argsort(pos)
+    u = torch.arange(U, device=device)[:, None, None]
+    b = torch.arange(B, device=device)[None, :, None]
+    t = torch.arange(L, device=device)[None, None, :]
+    return (b * T + inv[u * L + t]).reshape(-1)
+
+
+class _Order:
+    """The index tensors of one call's token order (cached per order, sizes and device):
+    ``rows[S][slot]`` for arrival buffers of ``S`` slots, ``back`` for send-back buffers."""
+
+    def __init__(self, cfg: A2AConfig, B: int, L: int, device):
+        self.U, self.B, self.L = cfg.size, B, L
+        key, runs = _positions(cfg, L)
+
+        def make():
+            pos = None if runs is None else torch.cat(
+                [torch.arange(a, a + n) for a, n in runs]).to(device)
+            rows = {s: [_rows(pos, self.U, L, B, s, i, device) for i in range(s)]
+                    for s in (1, 2)}
+            return rows, _return_rows(pos, self.U, L, B, device)
+        self.rows, self.back = _INDEX.get(key + (self.U, B, L, str(device)), make)
+
+
+# ------------------------------------------------------------------------------ exchanges
+def _exchange(send: Tensor, intra: SPContext, whole: bool):
+    """Start the all-to-all of ``send`` ``[U, ...]`` (destination-major) inside ``intra``;
+    ``(receive buffer [U, ...] source-major, pending)``. ``whole``: ``intra`` is the CP group
+    itself (one ``all_to_all_single``); else grouped sends and receives to its other ranks."""
+    send = send.contiguous()
+    recv = torch.empty(send.shape, dtype=send.dtype, device=send.device)
+    if whole:
+        return recv, (send, [all_to_all_flat(recv, send, intra, async_op=True)])
+    u = intra.rank
+    recv[u].copy_(send[u])
+    peers = [j for j in range(intra.world_size) if j != u]
+    works = p2p_exchange([(send[j], j) for j in peers], [(recv[j], j) for j in peers], intra)
+    return recv, (send, works)
+
+
+def _wait(pending) -> None:
+    """Wait for an exchange (its send buffer stays referenced until then)."""
+    for w in pending[1]:
+        if w is not None:
+            w.wait()
+
+
+def _send_heads(xs: tuple, U: int, sel: Optional[Tensor]) -> Tensor:
+    """Send buffer ``[U, S, B, L, n, D]``: for destination ``u`` the heads ``sel[u]`` (None: the
+    ``u``-th of ``U`` equal blocks) of each ``x [B, L, h, D]`` of ``xs``."""
+    B, L, h, D = xs[0].shape
+    n = h // U if sel is None else sel.shape[1]
+    buf = torch.empty((U, len(xs), B, L, n, D), dtype=xs[0].dtype, device=xs[0].device)
+    for s, x in enumerate(xs):
+        src = x.unflatten(2, (U, n)) if sel is None else x[:, :, sel]      # [B, L, U, n, D]
+        buf[:, s].copy_(src.permute(2, 0, 1, 3, 4))
+    return buf
+
+
+def _arrived(recv: Tensor, rows: Optional[Tensor]) -> Tensor:
+    """One slot of an arrival buffer ``[U, S, B, L, n, D]`` as ``[B, U·L, n, D]`` in inner
+    order (``rows`` from :func:`_rows`)."""
+    U, _, B, L, n, D = recv.shape
+    if rows is None:
+        return recv.view(1, U * L, n, D)
+    return recv.view(-1, n, D).index_select(0, rows).view(B, U * L, n, D)
+
+
+def _send_back(xs: tuple, order: _Order) -> Tensor:
+    """Send-back buffer ``[U, S, B, L, h, D]`` of ``xs [B, U·L, h, D]`` (inner order): for
+    destination ``u`` the rows of its shard, in its order."""
+    U, B, L = order.U, order.B, order.L
+    h, D = xs[0].shape[2:]
+    if order.back is None and len(xs) == 1:
+        return xs[0].reshape(U, 1, B, L, h, D)
+    buf = torch.empty((U, len(xs), B, L, h, D), dtype=xs[0].dtype, device=xs[0].device)
+    for s, x in enumerate(xs):
+        flat = x.reshape(B * U * L, h, D)
+        if order.back is None:
+            buf[:, s].copy_(flat.view(U, B, L, h, D))
+        elif len(xs) == 1:
+            torch.index_select(flat, 0, order.back, out=buf.view(U * B * L, h, D))
+        else:
+            buf[:, s].copy_(flat.index_select(0, order.back).view(U, B, L, h, D))
+    return buf
+
+
+def _heads_home(recv: Tensor, slot: int = 0) -> Tensor:
+    """An arrival buffer ``[U, S, B, L, h, D]`` of head shards as ``[B, L, U·h, D]``."""
+    U, _, B, L, h, D = recv.shape
+    return recv[:, slot].permute(1, 2, 0, 3, 4).reshape(B, L, U * h, D)
+
+
+def _index(kind: str, split: HeadSplit, u: int, device) -> Tensor:
+    def make():
+        if kind == "sel":           # [U, n]: the KV head in each slot of every position
+            return torch.tensor(split.kv_heads_of, dtype=torch.int64)
+        if kind == "q2s":           # [a]: the slot each of position u's query heads reads
+            return torch.tensor(split.q_to_slot[u], dtype=torch.int64)
+        real = [(w, j) for w in range(split.size) for j in range(split.kv_count[w])]
+        if kind == "real":          # real slots of the [U·n] arrivals
+            return torch.tensor([w * split.kv_slots + j for w, j in real], dtype=torch.int64)
+        return torch.tensor([split.kv_heads_of[w][j] for w, j in real], dtype=torch.int64)
+    return _INDEX.get((kind, split, u, str(device)),
+                      lambda: make().to(device))
+
+
+def _kv_home(recv: Tensor, split: HeadSplit, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """dK, dV ``[B, L, Hkv, D]`` from the arrivals ``[U, 2, B, L, n, D]``: a copy when every KV
+    head had one position, else the positions' parts summed in fp32 and rounded once."""
+    if split.disjoint:
+        return _heads_home(recv, 0).to(dtype), _heads_home(recv, 1).to(dtype)
+    U, _, B, L, n, D = recv.shape
+    acc = acc_dtype(dtype)
+    real, heads = (_index(k, split, 0, recv.device) for k in ("real", "heads"))
+    out = []
+    for s in (0, 1):
+        parts = _heads_home(recv, s).index_select(2, real).to(acc)
+        total = torch.zeros((B, L, split.kv_heads, D), dtype=acc, device=recv.device)
+        out.append(total.index_add_(2, heads, parts).to(dtype))
+    return out[0], out[1]
+
+
+def _expand(k: Tensor, v: Tensor, split: HeadSplit, u: int) -> tuple[Tensor, Tensor]:
+    """K/V slots as the kernel takes them: as they are (native GQA) or one per query head."""
+    if split.native:
+        return k, v
+    q2s = _index("q2s", split, u, k.device)
+    return k.index_select(2, q2s), v.index_select(2, q2s)
+
+
+def _fold(dk: Tensor, dv: Tensor, split: HeadSplit, u: int) -> tuple[Tensor, Tensor]:
+    """Inverse of :func:`_expand` for gradients: per-query-head dK/dV summed into the slots
+    (fp32)."""
+    if split.native:
+        return dk, dv
+    q2s = _index("q2s", split, u, dk.device)
+    acc = acc_dtype(dk.dtype)
+    out = []
+    for g in (dk, dv):
+        shape = g.shape[:2] + (split.kv_slots, g.shape[3])
+        out.append(torch.zeros(shape, dtype=acc, device=g.device).index_add_(2, q2s, g.to(acc)))
+    return out[0], out[1]
+
+
+# ------------------------------------------------------------------------------ schedules
+class _Groups:
+    """The all-to-all group, the ring across groups and the heads of one call."""
+
+    def __init__(self, cfg: A2AConfig, heads: int, kv_heads: int):
+        self.intra, self.inter = a2a_split(cfg.ctx, cfg.size)
+        self.whole = cfg.size == cfg.ctx.world_size
+        self.split = head_split(heads, kv_heads, cfg.size)
+
+    def exchange(self, send: Tensor):
+        return _exchange(send, self.intra, self.whole)
+
+
+def _inner_plan(cfg: A2AConfig) -> PackingPlan:
+    """The packed plan the inner schedule runs on: the groups' (U = 1: the batch's own)."""
+    return cfg.plan if cfg.size == 1 else grouped_plan(cfg.plan, cfg.size)
+
+
+def a2a_forward(q: Tensor, k: Tensor, v: Tensor, cfg: A2AConfig
+                ) -> tuple[Tensor, Optional[Tensor], tuple]:
+    """Forward: ``(out [B, L, H, D], lse [B, H, L] or None, saved)``; ``saved`` = the
+    head-sharded ``(q, k, v, out, lse)`` the backward reads (module doc)."""
+    gr = _Groups(cfg, q.shape[2], k.shape[2])
+    U, (B, L), split = cfg.size, q.shape[:2], gr.split
+    if U == 1:                             # no exchange: the inner schedule on the shard
+        qh, kh, vh = q, k, v
+    else:
+        order = _Order(cfg, B, L, q.device)
+        sel = None if split.disjoint else _index("sel", split, 0, q.device)
+        kv_recv, kv_work = gr.exchange(_send_heads((k, v), U, sel))
+        q_recv, q_work = gr.exchange(_send_heads((q,), U, None))
+        _wait(kv_work)                     # unpack K/V while Q travels
+        kh, vh = (_arrived(kv_recv, order.rows[2][s]) for s in (0, 1))
+        _wait(q_work)
+        qh = _arrived(q_recv, order.rows[1][0])
+    ke, ve = _expand(kh, vh, split, gr.intra.rank)
+    if cfg.plan is None:
+        outh, lseh = ring_forward(qh, ke, ve, gr.inter, cfg.backend, causal=cfg.causal,
+                                  scale=cfg.scale, pack_kv=cfg.pack_kv)
+    else:
+        outh, lseh = packed_ring_forward(qh, ke, ve, gr.inter, _inner_plan(cfg), cfg.backend,
+                                         scale=cfg.scale, policy=cfg.policy,
+                                         pack_kv=cfg.pack_kv)
+    saved = (qh, kh, vh, outh, lseh)
+    if U == 1:
+        return outh, lseh if cfg.return_lse else None, saved
+    out_recv, work = gr.exchange(_send_back((outh,), order))
+    lse = None
+    if cfg.return_lse:             # [B, a, T] -> rows [B, T, a, 1] -> home [B, H, L]
+        lse_recv, lse_work = gr.exchange(_send_back((lseh.transpose(1, 2).unsqueeze(3),),
+                                                    order))
+        _wait(lse_work)
+        lse = _heads_home(lse_recv).squeeze(3).transpose(1, 2)
+    _wait(work)
+    return _heads_home(out_recv), lse, saved
+
+
+def a2a_backward(dout: Tensor, saved: tuple, cfg: A2AConfig,
+                 kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward of :func:`a2a_forward` from its ``saved`` head shards (``kv_heads``: Hkv of
+    the call's k): ``(dq, dk, dv)`` in the dtypes of q, k, v."""
+    qh, kh, vh, outh, lseh = saved
+    gr = _Groups(cfg, dout.shape[2], kv_heads)
+    U, (B, L), split = cfg.size, dout.shape[:2], gr.split
+    if U == 1:
+        doh = dout
+    else:
+        order = _Order(cfg, B, L, dout.device)
+        do_recv, work = gr.exchange(_send_heads((dout,), U, None))
+        _wait(work)
+        doh = _arrived(do_recv, order.rows[1][0])
+    ke, ve = _expand(kh, vh, split, gr.intra.rank)
+    if cfg.plan is None:
+        dqh, dkh, dvh = ring_backward(doh, qh, ke, ve, outh, lseh, gr.inter, cfg.backend,
+                                      causal=cfg.causal, scale=cfg.scale, pack_kv=cfg.pack_kv)
+    else:
+        dqh, dkh, dvh = packed_ring_backward(doh, qh, ke, ve, outh, lseh, gr.inter,
+                                             _inner_plan(cfg), cfg.backend, scale=cfg.scale,
+                                             policy=cfg.policy, pack_kv=cfg.pack_kv)
+    dkh, dvh = _fold(dkh, dvh, split, gr.intra.rank)
+    if U == 1:
+        return dqh, dkh.to(kh.dtype), dvh.to(vh.dtype)
+    kv_recv, kv_work = gr.exchange(_send_back((dkh, dvh), order))
+    dq_recv, dq_work = gr.exchange(_send_back((dqh,), order))
+    _wait(kv_work)                         # sum dK/dV while dq travels
+    dk, dv = _kv_home(kv_recv, split, kh.dtype)
+    _wait(dq_work)
+    return _heads_home(dq_recv), dk, dv
+
+
+class A2AAttention(torch.autograd.Function):
+    """The all-to-all schedules; saves the head-sharded ``q, k, v, out, lse``."""
+
+    @staticmethod
+    def forward(fctx, q, k, v, cfg: A2AConfig):
+        out, lse, saved = a2a_forward(q, k, v, cfg)
+        fctx.save_for_backward(*saved)
+        fctx.cfg, fctx.kv_heads = cfg, k.shape[2]
+        if cfg.return_lse:
+            fctx.mark_non_differentiable(lse)
+            return out, lse
+        return out
+
+    @staticmethod
+    def backward(fctx, dout, *unused):
+        with autocast_off(dout.device):
+            dq, dk, dv = a2a_backward(dout, fctx.saved_tensors, fctx.cfg, fctx.kv_heads)
+        return dq, dk, dv, None
