@@ -12,8 +12,9 @@ each, host-bound on a GPU): the prefix entering scan position p is
     S_in(p) = Σ_{q<p} (Π_{q<r<p} A_r) · b_q
 
 and the products are exp(Σ log A_r), a 0/1 band matrix times log A — no division by A and no
-difference of cumulative sums (both break when A underflows to 0). log A is clamped at −1e4,
-whose exp is exactly 0 in fp32 and fp64, so an underflowed A still contributes an exact 0.
+difference of cumulative sums (both break when A underflows to 0). log A is clamped at the gate
+floor of its dtype (:data:`.gates.GATE_FLOOR`, the one home of "exp is exactly 0 below"), so an
+underflowed A (log −inf) still contributes an exact 0, and every sum in the band stays finite.
 """
 from __future__ import annotations
 
@@ -25,9 +26,8 @@ import torch
 from ..caches import LRU
 from ..comm import all_gather_flat
 from ..context import SPContext
+from .gates import GATE_FLOOR
 from .scan_common import Element, ScanMap, check_elements, scan_map
-
-_LOG_FLOOR = -1.0e4
 
 
 @functools.lru_cache(maxsize=256)
@@ -93,7 +93,7 @@ def allgather_scan(A: list, b: list, ctx: SPContext, reverse: bool = False,
         return []
     order, between, before = _fold_plan(leaves, local.dtype, local.device)
     elems = gathered.view(-1, local.shape[1])[order]                   # rows in scan order
-    log_a = elems[:, :n_a].log().clamp_min(_LOG_FLOOR)                 # [L, B·H]
+    log_a = elems[:, :n_a].log().clamp_min(GATE_FLOOR[local.dtype])    # [L, B·H]
     b_all = elems[:, n_a:].view(leaves.num, n_a, -1)                   # [L, B·H, K·V]
     w = torch.matmul(between, log_a).exp_().mul_(before[..., None])   # [n_local, L, B·H]
     # S_in[p, x] = Σ_q w[p, q, x] b[q, x]: one batched GEMM over x = (batch, head)
