@@ -2,7 +2,8 @@
 autograd (fp64), the gate sums, and our Triton kernels in Triton's CPU interpreter.
 
 Gate kinds: mixed rates, ``g ≈ 0`` (A near 1), ``g ≪ 0`` (a chunk's and a leaf's transition
-underflow to exactly 0 in fp64), all zeros.
+underflow to exactly 0 in fp64), all zeros, ``big``: mixed with single gates of −1e2 … −1e30
+(``test_gate_clamp.py``).
 """
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ def gates(kind: str, B: int, T: int, H: int, seed: int = 0) -> torch.Tensor:
         return -50.0 - u
     if kind == "zero":
         return torch.zeros(B, T, H, dtype=F64)
+    if kind == "big":
+        from packed_cases import with_big_gates
+        return with_big_gates(gates("mixed", B, T, H, seed))
     raise ValueError(kind)
 
 
@@ -65,7 +69,7 @@ def _autograd(fn, q, k, v, g, S0, do, D, scale):
     return (o.detach(), S.detach()) + grads
 
 
-@pytest.mark.parametrize("kind", ["mixed", "near_zero", "underflow", "zero"])
+@pytest.mark.parametrize("kind", ["mixed", "near_zero", "underflow", "zero", "big"])
 @pytest.mark.parametrize("T,chunk", [(64, 64), (150, 64), (37, 16), (5, 64)])
 def test_chunked_gated_matches_recurrence_and_autograd(kind, T, chunk):
     """The chunked form = the token recurrence in o, the final state and every gradient
@@ -96,7 +100,7 @@ def test_fixed_slopes_are_constant_gates():
     assert_close(s2, s1, TOL)
 
 
-@pytest.mark.parametrize("kind", ["mixed", "underflow"])
+@pytest.mark.parametrize("kind", ["mixed", "underflow", "big"])
 def test_leaf_pieces(kind):
     """The pieces the CP path composes, fp64: output from the zero-start chunk states plus the
     carried S_in = the chunked form entered with S_in; the state-gradient contribution = the
