@@ -13,7 +13,6 @@ documents, fp32 at P = 1 and 3) runs in the per-world spawns of ``test_linear_cp
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -22,7 +21,7 @@ import torch
 from sp_attention.linear import lightning_attention
 from sp_attention.linear.gated_naive import recurrent_gated_attention
 from sp_attention.linear.gates import GATE_FLOOR, RCP_LN2, clamp_gates
-from sp_attention.testing import rel_rms
+from sp_attention.testing import rel_rms, run_process
 
 from local_cases import apply, gpu
 from packed_cases import (BIG_GATES, assert_dg_close, make_inputs, per_document_reference,
@@ -145,8 +144,7 @@ def test_kernels_with_big_gates_in_triton_interpreter():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _INTERPRETER_CHECK], env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = run_process([sys.executable, "-c", _INTERPRETER_CHECK], env=env, timeout=600)
     assert r.returncode == 0, f"relative errors {r.stdout.strip()}\n{r.stderr[-3000:]}"
 
 

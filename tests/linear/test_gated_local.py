@@ -8,7 +8,6 @@ underflow to exactly 0 in fp64), all zeros, ``big``: mixed with single gates of 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -18,7 +17,7 @@ from sp_attention.linear.gated_naive import (chunked_gated_attention, dqkdg_ref,
                                              gated_chunk_states, gated_output_from_states_ref,
                                              gated_state_grad_ref, recurrent_gated_attention)
 from sp_attention.linear.gates import gate_sums_torch
-from sp_attention.testing import assert_close
+from sp_attention.testing import assert_close, run_process
 
 F64 = torch.float64
 TOL = 1e-10
@@ -254,6 +253,5 @@ def test_gated_kernels_in_triton_interpreter():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _INTERPRETER_CHECK], env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = run_process([sys.executable, "-c", _INTERPRETER_CHECK], env=env, timeout=600)
     assert r.returncode == 0, f"relative errors {r.stdout.strip()}\n{r.stderr[-3000:]}"
