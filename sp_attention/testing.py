@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 __all__ = ["run_distributed", "WorkerError", "assert_close", "rel_rms", "seeded",
            "megatron_groups", "gather_objects", "Stall", "run_process", "finish_process",
-           "SPIN_FACTOR"]
+           "spin_cap"]
 
 
 class WorkerError(RuntimeError):
@@ -40,12 +40,19 @@ class WorkerError(RuntimeError):
 # in which the processes concerned made no progress: none of them ran on a CPU (a rank blocked
 # in a collective or a deadlocked wait sleeps; a slow process on a loaded machine still runs,
 # only less often), read from /proc on Linux. A process that keeps running without end (a spin,
-# no deadlock) meets a wall-clock cap of SPIN_FACTOR × the limit. Without /proc the limit is
-# wall-clock, as it then cannot tell the two apart.
+# no deadlock) meets a wall-clock cap of SPIN_FACTOR × the limit, at least SPIN_MIN_S. Without
+# /proc the limit is wall-clock, as it then cannot tell the two apart.
 SPIN_FACTOR = 8
-_BUSY_CPU_S = 0.15    # CPU seconds of one process within _WINDOW_S that count as progress
-_WINDOW_S = 3.0       # (a process blocked in gloo uses ~0.003 s per second; a runnable one on
-#                       2 cores under load 20 still ~0.1 s per second)
+SPIN_MIN_S = 1800.0
+_BUSY_CPU_S = 0.15    # CPU seconds of one process within _WINDOW_S that count as progress:
+_WINDOW_S = 6.0       # 2.5 % of a core (blocked in gloo: ~0.3 %; torchrun's agent polling its
+#                       workers: ~0.2 %; runnable on 2 cores under load 40: ~5 %)
+
+
+def spin_cap(limit: float) -> float:
+    """The wall-clock cap of a hang-detecting ``limit``: ``max(SPIN_FACTOR · limit,
+    SPIN_MIN_S)`` (it only stops a process that never stops running)."""
+    return max(SPIN_FACTOR * float(limit), SPIN_MIN_S)
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -77,7 +84,7 @@ class Stall:
     """Seconds without progress of some processes: ``expired()`` (call it about once a second)
     returns why the ``limit`` is reached, or None. Progress: one of them (``tree``: or a process
     below them) used ``_BUSY_CPU_S`` CPU seconds within the last ``_WINDOW_S`` seconds; the
-    wall-clock cap is ``SPIN_FACTOR × limit``. Without /proc: ``limit`` of wall-clock."""
+    wall-clock cap is :func:`spin_cap`. Without /proc: ``limit`` of wall-clock."""
 
     def __init__(self, limit: float, pids: Callable[[], Sequence[int]], tree: bool = False):
         self.limit, self.pids, self.tree = float(limit), pids, tree
@@ -106,8 +113,8 @@ class Stall:
             self.last = now
         if now - self.last > self.limit:
             return f"made no progress (no CPU time) for {self.limit:.0f} s"
-        if now - self.start > SPIN_FACTOR * self.limit:
-            return f"kept running for {SPIN_FACTOR} x {self.limit:.0f} s"
+        if now - self.start > spin_cap(self.limit):
+            return f"kept running for {spin_cap(self.limit):.0f} s"
         return None
 
 
@@ -177,7 +184,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     ranks still running make no progress for ``timeout`` seconds (a rank skipped a collective,
     a deadlock: :class:`Stall`, so a busy machine slows a spawn down but never fails it), kills
     them and raises ``TimeoutError`` naming them. gloo's own collective timeout is then the
-    spin cap (``SPIN_FACTOR × timeout``): a rank waiting on a slow peer is not an error. With
+    spin cap (:func:`spin_cap`): a rank waiting on a slow peer is not an error. With
     ``backend="nccl"`` (ranks blocked on a GPU may spin on their CPU) ``timeout`` is wall-clock,
     for the collectives too. ``fn`` and ``args`` must be picklable (define ``fn`` at module
     level).
@@ -196,7 +203,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
                                         if r not in got and p.pid is not None])
         if backend == "nccl":
             stall.procfs = False            # wall-clock (see the docstring)
-        pg_timeout = timeout if not stall.procfs else SPIN_FACTOR * timeout
+        pg_timeout = timeout if not stall.procfs else spin_cap(timeout)
         procs += [spawn.Process(target=_worker, daemon=True,
                                 args=(fn, r, world_size, init_file, args, results, pg_timeout,
                                       backend))
