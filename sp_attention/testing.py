@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import subprocess
 import tempfile
 import time
@@ -47,13 +48,13 @@ SPIN_MIN_S = 1800.0
 _BUSY_CPU_S = 0.15    # CPU seconds of one process within _WINDOW_S that count as progress:
 _WINDOW_S = 6.0       # 2.5 % of a core (blocked in gloo: ~0.3 %; torchrun's agent polling its
 #                       workers: ~0.2 %; runnable on 2 cores under load 40: ~5 %)
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def spin_cap(limit: float) -> float:
     """The wall-clock cap of a hang-detecting ``limit``: ``max(SPIN_FACTOR · limit,
     SPIN_MIN_S)`` (it only stops a process that never stops running)."""
     return max(SPIN_FACTOR * float(limit), SPIN_MIN_S)
-_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _stat(pid: int) -> Optional[list]:
@@ -122,7 +123,7 @@ def _kill_tree(p: subprocess.Popen) -> None:
     pids = _with_descendants([p.pid]) if os.path.isdir("/proc/self") else [p.pid]
     for pid in reversed(pids):
         try:
-            os.kill(pid, 9)
+            os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
 
