@@ -30,7 +30,7 @@ import torch
 from ..precision import acc_dtype
 
 __all__ = ["GateSums", "chunk_local_sums", "gate_sums", "gate_sums_torch", "RCP_LN2",
-           "GATE_FLOOR", "clamp_gates", "suffix_sums"]
+           "GATE_FLOOR", "clamp_gates", "suffix_sums", "sums_from_local"]
 
 RCP_LN2 = 1.0 / math.log(2.0)
 
