@@ -31,7 +31,12 @@ gated forward plus its gated backward kernels with the refused ``chunk_bwd_dqkwg
 its fixed-rate twin (the same GEMMs, no dg): what fla with gates would cost if it ran
 (``ratio_fla_estimate``); ``fla g estimate, gated dqkwg`` the same with fla's gated
 ``chunk_bwd_kernel_dqkwg`` itself launched and timed (its results unread:
-``benchmarks.common.fla_gated_dqkwg_timing_only``; ``ratio_fla_estimate_gated``).
+``benchmarks.common.fla_gated_dqkwg_timing_only``; ``ratio_fla_estimate_gated``). The row
+``ours P=1 fwd g`` is the public call's forward at P = 1 (``ratio_fwd``: ÷ fla's gated
+forward). One command for the gated speed (the public call against fla's forward, then every
+rank's program)::
+
+    python benchmarks/linear_rank_programs.py --gated --t-local 32768 --no-ab
 """
 from __future__ import annotations
 
@@ -152,7 +157,8 @@ def _gated_baselines(q, k, v, do, g, slopes, dev: str, grads) -> dict:
 
     def ours():
         lightning_attention(qg, kg, vg, g=g, scale=1.0, backend=backend).backward(do)
-    out = {"fwd+bwd": ours}
+    out = {"fwd+bwd": ours,
+           "ours fwd": lambda: lightning_attention(q, k, v, g=g, scale=1.0, backend=backend)}
     if dev != "cuda":
         out["fwd"] = lambda: lightning_attention(q, k, v, g=g, scale=1.0, backend=backend)
         return out
@@ -264,9 +270,11 @@ def run_gated(T, a, dev, q, k, v, do, slopes, gates, base) -> None:
     ref = baselines(q, k, v, do, slopes, dev, g=gates)
     times = {name: timer(fn) for name, fn in ref.items()}
     names = {"fwd": "fla fwd g" if dev == "cuda" else "torch fwd g", "fwd+bwd": "ours P=1 g",
-             "estimate": "fla g estimate", "estimate gated": "fla g estimate, gated dqkwg"}
+             "ours fwd": "ours P=1 fwd g", "estimate": "fla g estimate",
+             "estimate gated": "fla g estimate, gated dqkwg"}
     for name, ms in times.items():
-        emit(dict(base, impl=names[name], ms=ms), a.out, 0)
+        extra = {"ratio_fwd": ms / times["fwd"]} if name == "ours fwd" else {}
+        emit(dict(base, impl=names[name], ms=ms, **extra), a.out, 0)
     backend = base["backend"]
     for layout, P, scan in programs(a.worlds, a.layouts, a.scans):
         rows = []

@@ -16,6 +16,8 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
+import subprocess
 import tempfile
 import time
 import traceback
@@ -25,11 +27,131 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["run_distributed", "WorkerError", "assert_close", "rel_rms", "seeded",
-           "megatron_groups", "gather_objects"]
+           "megatron_groups", "gather_objects", "Stall", "run_process", "finish_process",
+           "spin_cap"]
 
 
 class WorkerError(RuntimeError):
     """A spawned rank raised; the message carries its rank and traceback."""
+
+
+# ---------------------------------------------------------------------------- hang detection
+# A test's time limit must catch a hang, not a busy machine: on a shared 2-core CI machine a
+# spawn can take several times as long as on a quiet one. So the limits here count the seconds
+# in which the processes concerned made no progress: none of them ran on a CPU (a rank blocked
+# in a collective or a deadlocked wait sleeps; a slow process on a loaded machine still runs,
+# only less often), read from /proc on Linux. A process that keeps running without end (a spin,
+# no deadlock) meets a wall-clock cap of SPIN_FACTOR × the limit, at least SPIN_MIN_S. Without
+# /proc the limit is wall-clock, as it then cannot tell the two apart.
+SPIN_FACTOR = 8
+SPIN_MIN_S = 1800.0
+_BUSY_CPU_S = 0.15    # CPU seconds of one process within _WINDOW_S that count as progress:
+_WINDOW_S = 6.0       # 2.5 % of a core (blocked in gloo: ~0.3 %; torchrun's agent polling its
+#                       workers: ~0.2 %; runnable on 2 cores under load 40: ~5 %)
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def spin_cap(limit: float) -> float:
+    """The wall-clock cap of a hang-detecting ``limit``: ``max(SPIN_FACTOR · limit,
+    SPIN_MIN_S)`` (it only stops a process that never stops running)."""
+    return max(SPIN_FACTOR * float(limit), SPIN_MIN_S)
+
+
+def _stat(pid: int) -> Optional[list]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):      # gone meanwhile
+        return None
+
+
+def _with_descendants(pids: Sequence[int]) -> list:
+    """``pids`` and every live process below them (one scan of /proc)."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st is not None:
+                parent[int(entry)] = int(st[1])
+    out, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += [c for c, pp in parent.items() if pp == pid and c not in out]
+    return out
+
+
+class Stall:
+    """Seconds without progress of some processes: ``expired()`` (call it about once a second)
+    returns why the ``limit`` is reached, or None. Progress: one of them (``tree``: or a process
+    below them) used ``_BUSY_CPU_S`` CPU seconds within the last ``_WINDOW_S`` seconds; the
+    wall-clock cap is :func:`spin_cap`. Without /proc: ``limit`` of wall-clock."""
+
+    def __init__(self, limit: float, pids: Callable[[], Sequence[int]], tree: bool = False):
+        self.limit, self.pids, self.tree = float(limit), pids, tree
+        self.start = self.last = time.monotonic()
+        self.procfs = os.path.isdir("/proc/self") and os.path.exists("/proc/self/stat")
+        self.samples: list = []           # (time, {pid: cpu seconds})
+
+    def _cpu(self) -> dict:
+        pids = list(self.pids())
+        out = {}
+        for pid in (_with_descendants(pids) if self.tree else pids):
+            st = _stat(pid)
+            if st is not None:
+                out[pid] = (int(st[11]) + int(st[12])) / _CLK_TCK
+        return out
+
+    def expired(self) -> Optional[str]:
+        now = time.monotonic()
+        if not self.procfs:
+            return (f"did not finish within {self.limit:.0f} s"
+                    if now - self.start > self.limit else None)
+        cpu = self._cpu()
+        self.samples = [x for x in self.samples if now - x[0] <= _WINDOW_S] + [(now, cpu)]
+        then = self.samples[0][1]
+        if any(c - then.get(pid, c) >= _BUSY_CPU_S for pid, c in cpu.items()):
+            self.last = now
+        if now - self.last > self.limit:
+            return f"made no progress (no CPU time) for {self.limit:.0f} s"
+        if now - self.start > spin_cap(self.limit):
+            return f"kept running for {spin_cap(self.limit):.0f} s"
+        return None
+
+
+def _kill_tree(p: subprocess.Popen) -> None:
+    pids = _with_descendants([p.pid]) if os.path.isdir("/proc/self") else [p.pid]
+    for pid in reversed(pids):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def finish_process(p: subprocess.Popen, timeout: float) -> tuple:
+    """``p.communicate()`` whose ``timeout`` is a hang detector (:class:`Stall` over ``p`` and
+    every process below it): ``(stdout, stderr)``; on a hang the process tree is killed and
+    ``subprocess.TimeoutExpired`` raised with the output so far."""
+    stall = Stall(timeout, lambda: [p.pid], tree=True)
+    while True:
+        try:
+            return p.communicate(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            why = stall.expired()
+            if why is not None:
+                _kill_tree(p)
+                out, err = p.communicate()
+                raise subprocess.TimeoutExpired(p.args, timeout, output=out, stderr=err) \
+                    from RuntimeError(f"the process {why}")
+
+
+def run_process(cmd, *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, **kwargs)`` with ``timeout`` a
+    hang detector (:func:`finish_process`), not a wall-clock limit."""
+    kwargs.setdefault("text", True)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+    out, err = finish_process(p, timeout)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def _worker(fn, rank, world, init_file, args, results, timeout_s, backend):
@@ -60,9 +182,13 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
 
     Returns the list of return values by rank. If any rank raises, raises
     :class:`WorkerError` with that rank's traceback (the first failure, others listed). If the
-    ranks do not all finish within ``timeout`` seconds (a rank skipped a collective, a
-    deadlock), kills them and raises ``TimeoutError`` naming the ranks still running.
-    ``fn`` and ``args`` must be picklable (define ``fn`` at module level).
+    ranks still running make no progress for ``timeout`` seconds (a rank skipped a collective,
+    a deadlock: :class:`Stall`, so a busy machine slows a spawn down but never fails it), kills
+    them and raises ``TimeoutError`` naming them. gloo's own collective timeout is then the
+    spin cap (:func:`spin_cap`): a rank waiting on a slow peer is not an error. With
+    ``backend="nccl"`` (ranks blocked on a GPU may spin on their CPU) ``timeout`` is wall-clock,
+    for the collectives too. ``fn`` and ``args`` must be picklable (define ``fn`` at module
+    level).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -72,25 +198,31 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     results = spawn.Queue()
     with tempfile.TemporaryDirectory(prefix="sp_dist_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [spawn.Process(target=_worker, daemon=True,
-                               args=(fn, r, world_size, init_file, args, results, timeout, backend))
-                 for r in range(world_size)]
+        got: dict[int, tuple] = {}
+        procs: list = []
+        stall = Stall(timeout, lambda: [p.pid for r, p in enumerate(procs)
+                                        if r not in got and p.pid is not None])
+        if backend == "nccl":
+            stall.procfs = False            # wall-clock (see the docstring)
+        pg_timeout = timeout if not stall.procfs else spin_cap(timeout)
+        procs += [spawn.Process(target=_worker, daemon=True,
+                                args=(fn, r, world_size, init_file, args, results, pg_timeout,
+                                      backend))
+                  for r in range(world_size)]
         for p in procs:
             p.start()
-        got: dict[int, tuple] = {}
-        deadline = time.monotonic() + timeout
         try:
             while len(got) < world_size:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                why = stall.expired()
+                if why is not None:
                     missing = sorted(set(range(world_size)) - set(got))
                     errors = [f"rank {r}: {m}" for r, (s, m) in got.items() if s == "error"]
                     raise TimeoutError(
-                        f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s "
+                        f"ranks {missing} of {world_size} {why} "
                         "(a rank skipped or reordered a collective?)"
                         + ("\n" + "\n".join(errors) if errors else ""))
                 try:
-                    rank, status, payload = results.get(timeout=min(left, 1.0))
+                    rank, status, payload = results.get(timeout=1.0)
                 except queue.Empty:
                     dead = [r for r, p in enumerate(procs)
                             if r not in got and not p.is_alive() and p.exitcode not in (0, None)]

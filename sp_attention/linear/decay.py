@@ -6,6 +6,12 @@ from it: one object, so that every path (leaf rows, packed pieces, the scans) ta
 Fixed slopes are the case ``g_t = −s``: the torch path keeps its exact form for them (powers
 ``exp(−s·n)``) and the fla path fla's ``g_gamma`` kernels, so their numbers and speed are
 today's; gates take the gated kernels (fla's, and ours where fla's cannot run).
+
+Every gate is clamped at :data:`.gates.GATE_FLOOR` of the dtype it is summed in, where it
+enters a sum (:func:`.gates.clamp_gates`): the torch forms here and in
+:func:`.gated_naive.chunked_gated_core`, and the kernels' sums (:attr:`Decay.sums`,
+:meth:`Decay.fla_kw`), so every consumer sees clamped values; ``g`` itself is kept as given
+(the torch backward differentiates through the clamp: no gradient below the floor).
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ import torch
 from ..planning.schedules import CHUNK
 from ..precision import acc_dtype
 from .gated_naive import chunked_gated_core
-from .gates import GateSums, chunk_local_sums
+from .gates import GateSums, chunk_local_sums, clamp_gates, sums_from_local
 from .slope_constants import fla_g_gamma, leaf_transition
 from .torch_ops import chunked_core
 
@@ -56,10 +62,11 @@ class Decay:
     def transition(self, batch: int, length: int, dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor:
         """``[batch, H]`` transition ``A`` over ``length`` tokens (contiguous, ``dtype``):
-        ``exp(Σ g)`` summed in ``dtype`` (fp32 at least), or ``λ^C`` (cached per slopes)."""
+        ``exp(Σ g)`` summed in ``dtype`` (fp32 at least; gates clamped), or ``λ^C`` (cached
+        per slopes)."""
         if not self.gated:
             return leaf_transition(self.slopes, length, batch, dtype, device)
-        return self.g.to(acc_dtype(dtype)).sum(1).exp().to(dtype).contiguous()
+        return clamp_gates(self.g, dtype).sum(1).exp().to(dtype).contiguous()
 
     # --------------------------------------------------------------------------- torch path
     def core(self, q, k, v, scale: float, S_in: Optional[torch.Tensor], chunk: int = CHUNK):
@@ -73,13 +80,14 @@ class Decay:
         """Per-token weights of a piece's state sums, ``[B or 1, T, H]`` in ``dtype``:
         ``exp(G_t)`` (G inclusive from the first token: the state-gradient contribution) or,
         ``end_state``, ``exp(Σ_{s > t} g_s)`` (the end state from zero). Sums of g are taken
-        directly (an exclusive suffix sum, never a difference of two long sums)."""
+        directly (an exclusive suffix sum, never a difference of two long sums), of the
+        clamped gates."""
         if not self.gated:
             s = self.slopes.to(device=device, dtype=dtype)
             n = torch.arange(T, device=device, dtype=dtype)
             n = (T - 1 - n) if end_state else n + 1
             return torch.exp(-s[None, :] * n[:, None])[None]
-        g = self.g.to(dtype)
+        g = clamp_gates(self.g, dtype).to(dtype)
         if end_state:
             suffix = g.flip(1).cumsum(1).flip(1)                      # Σ_{s ≥ t}
             return torch.nn.functional.pad(suffix[:, 1:], (0, 0, 0, 1)).exp()   # Σ_{s > t}
@@ -92,15 +100,14 @@ class Decay:
 
     @functools.cached_property
     def sums(self) -> GateSums:
-        """The gates in the kernels' units (chunks of 64): the chunk-local log2 sums (one
-        launch, all fla's kernels need), then their prefixes over chunks and the row's total
-        (one cumulative sum; the multi-leaf path's carry and transition)."""
-        gc, tot = self._local
-        prefix = tot.cumsum(1)
-        return GateSums(gc, prefix, prefix[:, -1])
+        """The gates in the kernels' units (chunks of 64, clamped): the chunk-local log2 sums
+        (one launch, all fla's kernels need), then their prefixes over chunks and the row's
+        total (one cumulative sum; the multi-leaf path's carry and transition)."""
+        return sums_from_local(*self._local)
 
     def fla_kw(self, device: torch.device) -> dict:
-        """fla's decay keywords: ``g`` = the chunk-local log2 sums, or ``g_gamma``."""
+        """fla's decay keywords: ``g`` = the chunk-local log2 sums (clamped gates), or
+        ``g_gamma``."""
         if self.gated:
             return {"g": self._local[0], "g_gamma": None}
         return {"g": None, "g_gamma": fla_g_gamma(self.slopes, device)}

@@ -11,9 +11,14 @@ Fixed slopes are the case ``g_t = −s``. Within a piece of tokens (a chunk, a l
     o_i   = scale q_i S_i
     S_end = exp(Γ) S_in + b,      b = Σ_j exp(Γ − G_j) k_jᵀ v_j,      A = exp(Γ)
 
-Every decay is ``exp`` of a (non-positive) difference of sums taken inside the piece, in fp32
-(fp64 for fp64 inputs); the exponent of a masked-out (acausal) pair is set to 0 before ``exp``
-so that it never overflows, and nothing divides by a decay (``A`` may underflow to 0).
+Every decay is ``exp`` of a (non-positive) sum of the gates it spans, in fp32 (fp64 for fp64
+inputs): ``G_i − G_j`` is summed as the segment ``Σ_{j<t≤i} g_t`` itself (and ``Γ − G_j`` as
+the suffix ``Σ_{t>j} g_t``), never subtracted from two running sums, which cancel
+catastrophically once a very negative gate precedes both; the exponent of a masked-out
+(acausal) pair is 0 before ``exp`` so that it never overflows, and nothing divides by a decay
+(``A`` may underflow to 0). The chunked forms clamp each gate at
+:data:`.gates.GATE_FLOOR` (where ``exp`` is 0: no decay changes; no gradient below it); the
+token recurrence, the spec, takes ``g`` as it is.
 
 Shapes: q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; g ``[B, T, H]``; states ``[B, H, K, V]``.
 These are references (tests, the CPU path's building blocks, the kernels' specifications).
@@ -25,6 +30,7 @@ from typing import Optional
 import torch
 
 from ..precision import acc_dtype
+from .gates import clamp_gates
 
 __all__ = ["recurrent_gated_attention", "chunked_gated_core", "chunked_gated_attention",
            "gated_chunk_states", "gated_output_from_states_ref", "gated_state_grad_ref",
@@ -77,14 +83,18 @@ def _chunks(x: torch.Tensor, C: int, dt: torch.dtype) -> torch.Tensor:
 
 
 def _decays(g: torch.Tensor, C: int, dt: torch.dtype):
-    """From ``g [B, T, H]``: chunk-local inclusive sums ``Gc [B, H, N, C]``, the chunk totals
-    ``Γ [B, H, N]`` and the masked intra-chunk decays ``exp(Gc_i − Gc_j)·[j ≤ i]``
-    ``[B, H, N, C, C]`` (the exponent of j > i is 0 before exp: never an overflow)."""
-    Gc = _chunks(g, C, dt).cumsum(-1)
-    causal = torch.ones(C, C, dtype=torch.bool, device=g.device).tril()
-    diff = torch.where(causal, Gc[..., :, None] - Gc[..., None, :], torch.zeros((), dtype=dt,
-                                                                                  device=g.device))
-    return Gc, Gc[..., -1], diff.exp() * causal
+    """From ``g [B, T, H]`` (clamped at the floor of ``dt``): the chunk-local inclusive sums
+    ``Gc [B, H, N, C]``, the chunk totals ``Γ [B, H, N]``, the masked intra-chunk decays
+    ``exp(Σ_{j<t≤i} g_t)·[j ≤ i]`` ``[B, H, N, C, C]`` and the end weights
+    ``exp(Σ_{t>j} g_t)`` ``[B, H, N, C]`` (= ``exp(Γ − Gc_j)``). The exponents are segment
+    sums (row i of column j sums the gates j+1 … i; the last row gives the end weights): a
+    cumulative sum down the strictly lower triangle, 0 elsewhere (never an overflow)."""
+    x = _chunks(clamp_gates(g, dt), C, dt)                                # [B, H, N, C]
+    strict = torch.ones(C, C, dtype=torch.bool, device=g.device).tril(-1)
+    seg = x[..., :, None].expand(*x.shape, C).masked_fill(~strict, 0.0).cumsum(-2)
+    D = seg.exp() * torch.ones_like(strict).tril()
+    Gc = x.cumsum(-1)
+    return Gc, Gc[..., -1], D, seg[..., -1, :].exp()
 
 
 def chunked_gated_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -102,9 +112,9 @@ def chunked_gated_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     dt = acc_dtype(q, k, v, g, initial_state)
     T = q.shape[1]
     qc, kc, vc = (_chunks(x, chunk_size, dt) for x in (q, k, v))
-    Gc, total, D = _decays(g, chunk_size, dt)
+    Gc, total, D, E = _decays(g, chunk_size, dt)
     B, H, N = qc.shape[:3]
-    kd = kc * (total[..., None] - Gc).exp()[..., None]              # exp(Γ − Gc_j) k_j
+    kd = kc * E[..., None]                                           # exp(Γ − Gc_j) k_j
     b = torch.einsum("bhnjk,bhnjv->bhnkv", kd, vc)                   # zero-start chunk states
     S = qc.new_zeros(B, H, qc.shape[-1], vc.shape[-1]) if initial_state is None \
         else initial_state.to(dt)
@@ -139,8 +149,8 @@ def gated_chunk_states(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, chunk_
     _check(k, k, v, g)
     dt = acc_dtype(k, v, g, initial_state)
     kc, vc = _chunks(k, chunk_size, dt), _chunks(v, chunk_size, dt)
-    Gc, total, _ = _decays(g, chunk_size, dt)
-    b = torch.einsum("bhnjk,bhnjv->bhnkv", kc * (total[..., None] - Gc).exp()[..., None], vc)
+    _, total, _, E = _decays(g, chunk_size, dt)
+    b = torch.einsum("bhnjk,bhnjv->bhnkv", kc * E[..., None], vc)
     S = kc.new_zeros(kc.shape[0], kc.shape[1], kc.shape[-1], vc.shape[-1]) \
         if initial_state is None else initial_state.to(dt)
     out = []
@@ -158,7 +168,7 @@ def gated_output_from_states_ref(q, k, v, h, S_in, g, scale: float, chunk_size: 
     _check(q, k, v, g)
     dt = acc_dtype(q, k, v, g, S_in)
     qc, kc, vc = (_chunks(x, chunk_size, dt) for x in (q, k, v))
-    Gc, total, D = _decays(g, chunk_size, dt)
+    Gc, total, D, _ = _decays(g, chunk_size, dt)
     P = torch.nn.functional.pad(total.cumsum(-1), (1, 0))[..., :-1]   # [B, H, N], exclusive
     S_start = h.to(dt).transpose(1, 2) + P.exp()[..., None, None] * S_in.to(dt)[:, :, None]
     return _outputs(qc, kc, vc, Gc, D, S_start, scale, q.shape[1])
@@ -170,7 +180,7 @@ def gated_state_grad_ref(q: torch.Tensor, do: torch.Tensor, g: torch.Tensor,
     ``scale Σ_i exp(G_i) q_iᵀ do_i`` (``G`` inclusive from the leaf's start) ``[B, H, K, V]``,
     fp32/fp64."""
     dt = acc_dtype(q, do, g)
-    w = g.to(dt).cumsum(1).exp()                                      # [B, T, H]
+    w = clamp_gates(g, dt).cumsum(1).exp()                            # [B, T, H]
     return scale * torch.einsum("bthk,bthv->bhkv", q.to(dt) * w[..., None], do.to(dt))
 
 
@@ -238,7 +248,7 @@ def chunk_end_grads(q, do, g, dht, scale: float, chunk_size: int = 64):
     for n in reversed(range(N)):
         dh.insert(0, cur)
         sl = slice(n * C, min((n + 1) * C, T))
-        cur = g[:, sl].to(dt).sum(1).exp()[..., None, None] * cur \
+        cur = clamp_gates(g[:, sl], dt).sum(1).exp()[..., None, None] * cur \
             + gated_state_grad_ref(q[:, sl], do[:, sl], g[:, sl], scale)
     return torch.stack(dh, 1), cur
 

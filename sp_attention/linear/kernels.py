@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gates import GateSums
+from .gates import GateSums, suffix_sums
 
 # Candidate configs (BK, BV, warps, stages); pass ``config=`` to force one. Measured on an H200
 # at 32K, B 1, H 16, K = V = 128 (2026-11-23, benchmarks/linear_kernels.py): the stages hold the
@@ -206,9 +206,12 @@ def _decayed_state_sum_kernel(x, y, g_gamma, gc, prefix, part, scale, T, n_per_s
     y += i_b * sy + i_h * V
     if USE_G:
         gc += i_b * sg + i_h
+        # step > 0: ``prefix`` holds the inclusive sums over chunks 0 … c (the weight of t in
+        # chunk c is exp2(prefix_{c−1} + gc_t)); step < 0: the inclusive sums over chunks
+        # c … last (the end-state weight exp2(Σ_{s>t} g) is exp2(suffix_c − gc_t): never the
+        # leaf's total minus a long prefix, which cancels once a very negative gate precedes t)
         prefix += i_b * sp + i_h
-        # step < 0: the leaf's end state, weights exp2(total − G_t) (total: the last prefix)
-        total = tl.load(prefix + (tl.cdiv(T, BT) - 1) * H)
+        back = tl.where(step < 0, 0, 1)                 # the chunk whose sum t adds to gc_t
     else:
         gamma = tl.load(g_gamma + i_h).to(tl.float32)
     o_k = i_k * BK + tl.arange(0, BK)
@@ -229,17 +232,18 @@ def _decayed_state_sum_kernel(x, y, g_gamma, gc, prefix, part, scale, T, n_per_s
             # the split's last block may pass its range when n_per_split is no multiple of BL/BT
             m_t = (o_t < T) & (o_t < c_hi * BT)
         if USE_G:
-            # exp2 of the leaf's inclusive sum at t: the chunk's local sum + all chunks before
+            # the chunk sums t's weight takes: before t's chunk (step > 0), from it on (< 0)
             if BL == BT:
-                before = tl.load(prefix + (c - 1) * H, mask=(c > 0) & ((c - 1) * BT < T),
+                before = tl.load(prefix + (c - back) * H, mask=(c >= back) & (c * BT < T),
                                  other=0.0)
             else:
-                # per token: the inclusive sum over the gate chunks before t's own (gathered)
+                # per token: the sum over the gate chunks before t's own / from it (gathered)
                 c_t = o_t // BT
-                before = tl.load(prefix + (c_t - 1) * H, mask=m_t & (c_t > 0), other=0.0)
-            G = tl.load(gc + o_t * H, mask=m_t, other=0.0) + before
+                before = tl.load(prefix + (c_t - back) * H, mask=m_t & (c_t >= back),
+                                 other=0.0)
+            G = tl.load(gc + o_t * H, mask=m_t, other=0.0)
             # exponent <= 0 inside the leaf; rows past T masked before exp2 (inf * 0)
-            w = tl.exp2(tl.where(m_t, tl.where(step < 0, total - G, G), 0.0))
+            w = tl.exp2(tl.where(m_t, tl.where(step < 0, before - G, before + G), 0.0))
         else:
             # exponent >= 0 inside the leaf (w <= 1); rows past T masked before exp2 (inf * 0)
             w = tl.exp2(gamma * tl.where(m_t, base + step * o_t, 0).to(tl.float32))
@@ -327,8 +331,9 @@ def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor | 
     ``gates``: per-token decays in place of ``g_gamma`` (None then; rows ``gc[b]`` and
     ``prefix[b]`` contiguous, strided like x's rows; ``base`` unused): ``step > 0`` weighs
     by ``exp(G_t)`` with G the row's inclusive sum of g at t (the state-gradient
-    contribution of a gated leaf, x = q, y = dO), ``step < 0`` by ``exp(Γ − G_t)`` with Γ the
-    row's total (its end state from zero, x = k, y = v).
+    contribution of a gated leaf, x = q, y = dO), ``step < 0`` by ``exp(Σ_{s>t} g_s)`` (its
+    end state from zero, x = k, y = v; summed from the row's end, :func:`.gates.suffix_sums`
+    of the chunk totals, one more small op).
     ``pieces``: ``((start, length), ...)`` token ranges of every row, summed each on its own in
     one launch (fixed rates only; ``step < 0`` takes each piece's own ``base = length − 1``):
     ``[B, len(pieces), H, K, V]``.
@@ -366,7 +371,9 @@ def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor | 
         return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]), splits,
                 B * n_pieces * H)
     if gates is not None:
-        gc, prefix = gates.gc, gates.prefix
+        gc = gates.gc
+        # step < 0: the sums over chunks c … last in place of the prefixes (see the kernel)
+        prefix = gates.prefix if step > 0 else suffix_sums(gates.tot)
         if not (gc[0].is_contiguous() and prefix[0].is_contiguous()) or gc.shape != x.shape[:3]:
             raise ValueError("decayed_state_sum: gates must be [B, T, H] with contiguous rows")
         if prefix.shape[1] != triton.cdiv(T, 64):

@@ -12,11 +12,12 @@ each, host-bound on a GPU): the prefix entering scan position p is
     S_in(p) = Σ_{q<p} (Π_{q<r<p} A_r) · b_q
 
 and the products are exp(Σ log A_r), a 0/1 band matrix times log A — no division by A and no
-difference of cumulative sums (both break when A underflows to 0). Each rank sends log A
-(clamped at −1e4, whose exp is exactly 0 in fp32 and fp64, so an underflowed A still
-contributes an exact 0) in place of A, and the band matrices address the gathered rows as
-they arrive (rank-major), so a call is: stage, log, all-gather, one batched matmul for the
-weights, one batched GEMM for the states.
+difference of cumulative sums (both break when A underflows to 0). Each rank sends log A in
+place of A, clamped at the gate floor of its dtype (:data:`.gates.GATE_FLOOR`, the one home of
+"exp is exactly 0 below"), so an underflowed A (log −inf) still contributes an exact 0 and every
+sum in the band stays finite; the band matrices address the gathered rows as they arrive
+(rank-major), so a call is: stage, log, all-gather, one batched matmul for the weights, one
+batched GEMM for the states.
 """
 from __future__ import annotations
 
@@ -28,9 +29,8 @@ import torch
 from ..caches import LRU
 from ..comm import all_gather_flat
 from ..context import SPContext
+from .gates import GATE_FLOOR
 from .scan_common import ScanMap, replayed, rows_to_list, scan_map
-
-_LOG_FLOOR = -1.0e4
 
 
 @functools.lru_cache(maxsize=256)
@@ -75,7 +75,7 @@ class AllgatherRun:
         if self.n:
             torch.cat([A.reshape(self.n, -1), b.reshape(self.n, -1)], dim=1,
                       out=self.send[:self.n])
-            torch.log(self.log_a, out=self.log_a).clamp_min_(_LOG_FLOOR)
+            torch.log(self.log_a, out=self.log_a).clamp_min_(GATE_FLOOR[self.log_a.dtype])
 
     def __call__(self, A: torch.Tensor, b: torch.Tensor, ctx: SPContext) -> torch.Tensor:
         self.stage(A, b)

@@ -31,7 +31,7 @@ the same layout: zigzag with ``2P`` chunks gives group ``g`` the chunks ``[g·U,
 the global one. Non-causal attention does not depend on the order: arrival order is kept.
 
 **Packed documents** (:func:`grouped_plan`): the group's tokens are the segments of its ranks
-in the batch's :class:`~sp_attention.packing.PackingPlan`; they are re-ordered into a plan of
+in the batch's :class:`~sp_attention.planning.packing.PackingPlan`; they are re-ordered into a plan of
 ``R`` ranks (:class:`GroupedPlan`) that keeps the invariants the packed schedules read — a
 document's segments on a rank consecutive and ascending, crossing documents first, padding
 last — so the packed ring (or, with ``R = 1``, the own-block varlen calls) runs on it
@@ -155,7 +155,7 @@ def arrival_order(layout: str, world: int, size: int, group: int) -> tuple[int, 
 
 @dataclass(frozen=True, eq=False)
 class GroupedPlan(PackingPlan):
-    """A :class:`~sp_attention.packing.PackingPlan` of the ``R = P / U`` all-to-all groups as
+    """A :class:`~sp_attention.planning.packing.PackingPlan` of the ``R = P / U`` all-to-all groups as
     ranks (built by :func:`grouped_plan`): its key carries ``a2a_size``, so it never equals
     (nor shares cached calls with) a plan made by :func:`~sp_attention.plan_packing`.
 

@@ -2,7 +2,7 @@
 Function of the packed schedules and the checks of ``cu_seqlens``.
 
 ``cu_seqlens`` (a tensor or a :class:`~sp_attention.PackingPlan`) resolves to the batch's plan
-(:func:`sp_attention.packing.resolve_plan`: cached, no device sync for a tensor seen before);
+(:func:`sp_attention.planning.packing.resolve_plan`: cached, no device sync for a tensor seen before);
 its digest joins the op's cross-rank call signature, so ranks that disagree on the boundaries
 all raise. A trivial plan (one document laid out as the unpacked layout) takes the unpacked
 path; any other runs :mod:`.packed_ring` / :mod:`.packed_allgather`, every fwd × bwd pair.

@@ -34,13 +34,32 @@ def named_rows(P: int) -> dict:
     return out
 
 
+# single very negative (finite) gates among moderate ones: each resets the state; below the
+# gate floor they are clamped (sp_attention.linear.gates.GATE_FLOOR), which changes no decay
+BIG_GATES = (-1e2, -1e4, -1e6, -1e8, -1e12, -1e16, -1e30)
+
+
+def with_big_gates(g: torch.Tensor, values=BIG_GATES) -> torch.Tensor:
+    """``g`` with one gate of each of ``values`` at tokens ``5, 42, 79, …`` (mod T, spread over
+    the row: mid-chunk, mid-leaf and at leaf edges), rows and heads in turn."""
+    g = g.clone()
+    B, T, H = g.shape
+    for i, x in enumerate(values):
+        g[i % B, (5 + 37 * i) % T, i % H] = x
+    return g
+
+
 def make_inputs(B: int, row: int, H: int, K: int, V: int, gate_kind: str, seed: int):
-    """Global row tensors: q, k, v, do ``[B, row, H, *]`` and g ``[B, row, H]`` (fp64)."""
+    """Global row tensors: q, k, v, do ``[B, row, H, *]`` and g ``[B, row, H]`` (fp64).
+    ``gate_kind``: mixed rates, ``underflow`` (every chunk's transition 0), ``near_one``,
+    ``big`` (mixed with :data:`BIG_GATES` among them)."""
     q, k = seeded((B, row, H, K), seed), seeded((B, row, H, K), seed + 1)
     v, do = seeded((B, row, H, V), seed + 2), seeded((B, row, H, V), seed + 3)
     u = seeded((B, row, H), seed + 4).abs()
-    g = {"mixed": -u * torch.tensor([0.02, 0.7, 40.0][:H] + [0.3] * (H - 3), dtype=F64)[:H],
-         "underflow": -50.0 - u, "near_one": -1e-9 * u}[gate_kind]
+    mixed = -u * torch.tensor([0.02, 0.7, 40.0][:H] + [0.3] * (H - 3), dtype=F64)[:H]
+    if gate_kind == "big":
+        return q, k, v, do, with_big_gates(mixed)
+    g = {"mixed": mixed, "underflow": -50.0 - u, "near_one": -1e-9 * u}[gate_kind]
     return q, k, v, do, g
 
 
@@ -91,7 +110,7 @@ def _gated_unpacked(group, world: int, rank: int, full: bool) -> int:
     from sp_attention import build_sp_context, shard_sequence
     from sp_attention.linear import lightning_attention
     n = 0
-    kinds = ("mixed", "underflow", "near_one") if full else ("mixed",)
+    kinds = ("mixed", "underflow", "near_one", "big") if full else ("mixed",)
     for i, kind in enumerate(kinds):
         T = 2 * world * (7 if kind == "mixed" else 5)
         q, k, v, do, g = make_inputs(2, T, 3, 4, 5, kind, 11)
@@ -132,6 +151,9 @@ def packed_rows(world: int, full: bool) -> dict:
     return rows
 
 
+BIG_ROWS = ("one doc over all ranks", "long docs over chunks")     # rows with BIG_GATES
+
+
 def _packed(group, world: int, rank: int, full: bool) -> int:
     """Packed documents: every named row × both layouts, gates and fixed slopes, against the
     per-document reference; every schedule on the first rows, one each (in turn) on the rest
@@ -141,8 +163,8 @@ def _packed(group, world: int, rank: int, full: bool) -> int:
     n = 0
     slopes = torch.tensor([0.02, 0.7, 40.0], dtype=F64)
     for i, (name, (cu, row)) in enumerate(packed_rows(world, full).items()):
-        q, k, v, do, g = make_inputs(2 if row < 300 else 1, row, 3, 4, 5,
-                                     "underflow" if "tiny" in name else "mixed", 7)
+        gates = "underflow" if "tiny" in name else "big" if name in BIG_ROWS else "mixed"
+        q, k, v, do, g = make_inputs(2 if row < 300 else 1, row, 3, 4, 5, gates, 7)
         if i == 0:                       # GQA: one K/V head serves the three query heads
             k, v = k[:, :, :1], v[:, :, :1]
         ke, ve = k.expand(-1, -1, 3, -1), v.expand(-1, -1, 3, -1)
@@ -204,10 +226,45 @@ def _isolation(group, world: int, rank: int) -> int:
     return n
 
 
+def big_gate_fp32(group, world: int, rank: int) -> int:
+    """fp32 with single −1e6 gates among moderate ones (unpacked and packed, both layouts):
+    every rank's errors in o, dq, dk, dv and dg against the fp64 recurrence are at most twice
+    those with the moderate gates alone (unclamped, the running sums of g cancel: ~1e-2)."""
+    from sp_attention import build_sp_context, plan_packing, shard_sequence
+    from sp_attention.linear import lightning_attention
+    from sp_attention.testing import rel_rms
+    T = 2 * world * 24
+    q, k, v, do, g = make_inputs(2, T, 3, 8, 8, "mixed", 31)
+    rows = {"moderate": g, "-1e6": with_big_gates(g, (-1e6,) * 3)}
+    n = 0
+    for cu in ([0, T], [0, 30, T - 7]):
+        refs = {name: per_document_reference(q, k, v, do, gg, cu, 0.6) for name, gg in rows.items()}
+        for layout in ("contiguous", "zigzag"):
+            ctx = build_sp_context(group, layout=layout)
+            plan = None if len(cu) == 2 else plan_packing(cu, ctx, row_len=T)
+            sh = (lambda t: shard_sequence(t, ctx, 1)) if plan is None else \
+                (lambda t: plan.shard(t, ctx.rank, 1))
+            errs = {}
+            for name, gg in rows.items():
+                xs = [sh(t).float().requires_grad_(True) for t in (q, k, v, gg)]
+                o = lightning_attention(*xs[:3], g=xs[3], cu_seqlens=plan, ctx=ctx,
+                                        impl="blelloch", scale=0.6, backend="torch")
+                (o * sh(do).float()).sum().backward()
+                got = [o] + [x.grad for x in xs]
+                errs[name] = [rel_rms(a, sh(b)) for a, b in zip(got, refs[name])]
+            for what, a, b in zip(("o", "dq", "dk", "dv", "dg"), errs["moderate"], errs["-1e6"]):
+                assert 0 < b <= 2 * a, f"fp32 -1e6 gate cu {cu} {layout} r{rank} {what}: " \
+                    f"{b:.2e} > 2 x {a:.2e} (moderate gates)"
+            n += 1
+    return n
+
+
 def gated_and_packed(group, world: int, rank: int) -> int:
     """Everything above at this world size (fewer cases at P ≥ 5: the spawn's time)."""
     full = world <= 4
     n = _gated_unpacked(group, world, rank, full) + _packed(group, world, rank, full)
     if world == 3:
         n += _isolation(group, world, rank)
+    if world in (1, 3):
+        n += big_gate_fp32(group, world, rank)
     return n

@@ -161,14 +161,15 @@ def _no_streams(setattr_) -> None:
 @pytest.mark.parametrize("T", [128, 100])
 @pytest.mark.parametrize("needed", [None, (False, True)])
 def test_gated_leaves_fla_path(T, needed, monkeypatch):
-    """Two leaves per batch row with gates (one underflowing head) through the fla path's
+    """Two leaves per batch row with gates (one underflowing head, single gates of −1e2 …
+    −1e30 among the others: the kernels take clamped sums) through the fla path's
     leaves_output / leaves_backward = the torch path, fp64: o, S_in, the end states and
     contributions the scans receive, dq, dk, dv, dg."""
     _no_streams(monkeypatch.setattr)
     from sp_attention.linear.decay import Decay
     kern = fake_kernels()
     B, n = 2, 2
-    q, k, v, do, g = make_inputs(B * n, T, 3, 4, 5, "mixed", 3)
+    q, k, v, do, g = make_inputs(B * n, T, 3, 4, 5, "big", 3)
     gen = torch.Generator().manual_seed(4)
     S, G = (torch.randn(B * n, 3, 4, 5, generator=gen, dtype=torch.float64) for _ in range(2))
     decay, seen = Decay(g=g), {}
@@ -193,7 +194,8 @@ def test_gated_leaves_fla_path(T, needed, monkeypatch):
 
 def cp_step_through_fla_path(rank, world):
     """A whole CP step through the fla path's stand-ins at every rank: gates unpacked (both
-    layouts, every schedule) and packed documents (gates and fixed slopes, both layouts).
+    layouts, every schedule) and packed documents (gates and fixed slopes, both layouts); the
+    gates include single gates of −1e2 … −1e30 (``packed_cases.BIG_GATES``).
     Runs in the P = 3 spawn of ``test_linear_cp.py`` (one spawn per world size); it replaces
     torch.cuda's stream calls by no-ops in that worker process."""
     import torch.distributed as dist
@@ -207,7 +209,7 @@ def cp_step_through_fla_path(rank, world):
     kern = fake_kernels()
     group = dist.new_group(list(range(world)))
     T = 2 * world * 40
-    q, k, v, do, g = make_inputs(1, T, 3, 4, 5, "mixed", 5)
+    q, k, v, do, g = make_inputs(1, T, 3, 4, 5, "big", 5)
     ref = per_document_reference(q, k, v, do, g, [0, T], 0.5)
     for layout in ("contiguous", "zigzag"):
         ctx = build_sp_context(group, layout=layout)
@@ -221,7 +223,7 @@ def cp_step_through_fla_path(rank, world):
                         xs[0].detach(), f"fla gated {layout} {impl} rank{rank}")
     slopes = SLOPES
     for cu, row in (([0, 70, 71, 150, 200, 240], 245), ([0, 9, 10, 12, 120], 120)):
-        q, k, v, do, g = make_inputs(2, row, 3, 4, 5, "mixed", 6)
+        q, k, v, do, g = make_inputs(2, row, 3, 4, 5, "big", 6)
         refs = {"g": per_document_reference(q, k, v, do, g, cu, 0.5),
                 "slopes": per_document_reference(q, k, v, do, -slopes.expand_as(g), cu, 0.5)}
         for layout in ("contiguous", "zigzag"):

@@ -2,12 +2,12 @@
 autograd (fp64), the gate sums, and our Triton kernels in Triton's CPU interpreter.
 
 Gate kinds: mixed rates, ``g ≈ 0`` (A near 1), ``g ≪ 0`` (a chunk's and a leaf's transition
-underflow to exactly 0 in fp64), all zeros.
+underflow to exactly 0 in fp64), all zeros, ``big``: mixed with single gates of −1e2 … −1e30
+(``test_gate_clamp.py``).
 """
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -17,7 +17,7 @@ from sp_attention.linear.gated_naive import (chunked_gated_attention, dqkdg_ref,
                                              gated_chunk_states, gated_output_from_states_ref,
                                              gated_state_grad_ref, recurrent_gated_attention)
 from sp_attention.linear.gates import gate_sums_torch
-from sp_attention.testing import assert_close
+from sp_attention.testing import assert_close, run_process
 
 F64 = torch.float64
 TOL = 1e-10
@@ -36,6 +36,9 @@ def gates(kind: str, B: int, T: int, H: int, seed: int = 0) -> torch.Tensor:
         return -50.0 - u
     if kind == "zero":
         return torch.zeros(B, T, H, dtype=F64)
+    if kind == "big":
+        from packed_cases import with_big_gates
+        return with_big_gates(gates("mixed", B, T, H, seed))
     raise ValueError(kind)
 
 
@@ -65,7 +68,7 @@ def _autograd(fn, q, k, v, g, S0, do, D, scale):
     return (o.detach(), S.detach()) + grads
 
 
-@pytest.mark.parametrize("kind", ["mixed", "near_zero", "underflow", "zero"])
+@pytest.mark.parametrize("kind", ["mixed", "near_zero", "underflow", "zero", "big"])
 @pytest.mark.parametrize("T,chunk", [(64, 64), (150, 64), (37, 16), (5, 64)])
 def test_chunked_gated_matches_recurrence_and_autograd(kind, T, chunk):
     """The chunked form = the token recurrence in o, the final state and every gradient
@@ -96,7 +99,7 @@ def test_fixed_slopes_are_constant_gates():
     assert_close(s2, s1, TOL)
 
 
-@pytest.mark.parametrize("kind", ["mixed", "underflow"])
+@pytest.mark.parametrize("kind", ["mixed", "underflow", "big"])
 def test_leaf_pieces(kind):
     """The pieces the CP path composes, fp64: output from the zero-start chunk states plus the
     carried S_in = the chunked form entered with S_in; the state-gradient contribution = the
@@ -250,6 +253,5 @@ def test_gated_kernels_in_triton_interpreter():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _INTERPRETER_CHECK], env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = run_process([sys.executable, "-c", _INTERPRETER_CHECK], env=env, timeout=600)
     assert r.returncode == 0, f"relative errors {r.stdout.strip()}\n{r.stderr[-3000:]}"

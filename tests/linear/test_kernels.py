@@ -10,7 +10,7 @@ import torch
 from local_cases import apply, gpu, inputs
 from sp_attention.linear.leaf import leaf_output
 from sp_attention.linear.naive import chunk_start_states
-from sp_attention.testing import assert_close, rel_rms
+from sp_attention.testing import assert_close, rel_rms, run_process
 
 
 _INTERPRETER_CHECK = r"""
@@ -75,14 +75,12 @@ def test_output_from_states_kernel_in_triton_interpreter():
     subprocess: the interpreter is chosen when the kernel module is imported."""
     pytest.importorskip("triton", reason="triton is in the `test` extra; install it to run this")
     import os
-    import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _INTERPRETER_CHECK], env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = run_process([sys.executable, "-c", _INTERPRETER_CHECK], env=env, timeout=600)
     assert r.returncode == 0, f"relative error {r.stdout.strip()}\n{r.stderr[-3000:]}"
 
 

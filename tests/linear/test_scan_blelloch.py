@@ -47,7 +47,7 @@ def _run(world: int, layout: str, holders, reverse: bool, monkeypatch):
         for t, peer in sends:
             boxes[(ctx.rank, peer)].put(t.clone())
         for t, peer in recvs:
-            got = boxes[(peer, ctx.rank)].get(timeout=10)
+            got = boxes[(peer, ctx.rank)].get(timeout=300)     # a hang detector
             assert got.shape == t.shape and got.dtype == t.dtype, (got.shape, t.shape)
             t.copy_(got)
         return []
@@ -67,7 +67,7 @@ def _run(world: int, layout: str, holders, reverse: bool, monkeypatch):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=60)
+        t.join(timeout=600)     # a hang detector (a missing message raises after 300 s)
     if errors:
         raise errors[0]
     # the exact exclusive prefix (suffix) of every element, by a sequential fold

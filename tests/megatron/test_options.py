@@ -15,6 +15,7 @@ from megatron_patches.options import (DEFAULT_SLOPE_SCHEDULE, SP_OPTIONS, SPOpti
                                       default_hybrid_pattern, expand_pattern, model_pattern)
 from sp_attention import SoftmaxSchedule
 from sp_train.args import RENAMED, TrainArgs, build_parser, parse_args
+from sp_attention.testing import run_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -96,9 +97,10 @@ def test_a_bad_command_line_prints_one_line_once(tmp_path):
     outs = []
     for rank in ("0", "1"):
         env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": "2", "PATH": "/usr/bin:/bin"}
-        p = subprocess.run([sys.executable, "-c", "import runpy, sys; sys.argv = ['train.py', "
-                            "'--preset', 'nope']; runpy.run_path('train.py', run_name='__main__')"],
-                           capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+        # timeout: a hang detector (seconds without CPU progress), not a wall-clock limit
+        p = run_process([sys.executable, "-c", "import runpy, sys; sys.argv = ['train.py', "
+                         "'--preset', 'nope']; runpy.run_path('train.py', run_name='__main__')"],
+                        env=env, timeout=120, cwd=ROOT)
         outs.append((p.returncode, p.stdout + p.stderr))
     (rc0, out0), (rc1, out1) = outs
     assert rc0 == rc1 == 2

@@ -337,14 +337,14 @@ def test_triton_merge_in_interpreter():
     """Runs test_triton_merge_interpreted in a subprocess with TRITON_INTERPRET=1."""
     pytest.importorskip("triton", reason="triton is in the `test` extra; install it to run this")
     import os
-    import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        os.path.abspath(__file__), "-k", "triton_merge_interpreted"],
-                       env=env, capture_output=True, text=True, timeout=600)
+    from sp_attention.testing import run_process
+    r = run_process([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                     os.path.abspath(__file__), "-k", "triton_merge_interpreted"],
+                    env=env, timeout=600)
     n = len(_KERNEL_CASES) * len(_LAUNCHES)
     assert r.returncode == 0 and f"{n} passed" in r.stdout, r.stdout[-3000:]
 

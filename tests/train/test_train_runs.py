@@ -29,7 +29,7 @@ import shutil
 import pytest
 
 from sp_train.launch import TrainHooks
-from sp_attention.testing import run_distributed
+from sp_attention.testing import Stall, finish_process, run_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -176,7 +176,8 @@ def _torchrun(args, env=None, nnodes=1, nproc=2, port=None, module="torch.distri
 
 
 def _finish(p, timeout=240):
-    out, _ = p.communicate(timeout=timeout)
+    # timeout: a hang detector (seconds in which torchrun and its workers used no CPU)
+    out, _ = finish_process(p, timeout)
     return p.returncode, out
 
 
@@ -195,11 +196,11 @@ def _tree(pid):
 
 
 def _wait_for_steps(path, k, proc, timeout=240):
-    end = time.time() + timeout
-    while time.time() < end and proc.poll() is None:
+    stall = Stall(timeout, lambda: [proc.pid], tree=True)       # a hang detector
+    while proc.poll() is None and stall.expired() is None:
         if os.path.exists(path) and sum(1 for _ in open(path)) >= k:
             return
-        time.sleep(0.2)
+        time.sleep(0.5)
     raise AssertionError(f"no {k} steps in {path} (process status {proc.poll()})")
 
 
