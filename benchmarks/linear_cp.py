@@ -170,19 +170,24 @@ class _Rows:
             field, on, off = AB[name]
             flipped = replace(default, **{field: not getattr(default, field)})
             variants.append((flipped, on if getattr(flipped, field) else off))
-        for comm in a.comm_variants:
-            for layout in a.layouts:
-                ctx = build_sp_context(self.groups[comm], layout=layout)
-                plan = None if self.cu is None else plan_packing(self.cu, ctx)
-                ref = self.baseline(self.timer(mode), plan)
-                emit(dict(base, impl=ref[0], layout=layout, world=1, ms_fwd=ref[1],
-                          ms_fwd_bwd=ref[2], ratio=1.0), a.out, self.rank)
-                for impl in a.impls:
-                    for tuning, suffix in variants:
-                        if comm == "side0":
-                            tuning = replace(tuning, side_stream_priority=0)
-                        self.cp_row(base, mode, ctx, plan, impl, tuning,
-                                    suffix + ("" if comm == "default" else f"+{comm}"), ref,
+        refs = {}
+        # the default rows first, every variant after them (a variant that fails or hangs
+        # costs only its own rows)
+        for tuning, suffix in variants:
+            for comm in a.comm_variants:
+                for layout in a.layouts:
+                    ctx = build_sp_context(self.groups[comm], layout=layout)
+                    plan = None if self.cu is None else plan_packing(self.cu, ctx)
+                    if (comm, layout) not in refs:
+                        refs[comm, layout] = ref = self.baseline(self.timer(mode), plan)
+                        emit(dict(base, impl=ref[0], layout=layout, world=1, ms_fwd=ref[1],
+                                  ms_fwd_bwd=ref[2], ratio=1.0), a.out, self.rank)
+                    for impl in a.impls:
+                        t = replace(tuning, side_stream_priority=0) if comm == "side0" \
+                            else tuning
+                        self.cp_row(base, mode, ctx, plan, impl, t,
+                                    suffix + ("" if comm == "default" else f"+{comm}"),
+                                    refs[comm, layout],
                                     profile and not suffix and comm == "default")
 
     def cp_row(self, base, mode, ctx, plan, impl, tuning, suffix, ref, profile) -> None:

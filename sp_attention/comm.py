@@ -190,15 +190,18 @@ def p2p_exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tupl
     pg = ctx.group
     device = (sends[0] if sends else recvs[0])[0].device
     mode = _p2p_mode(pg, device)
+    if mode != "batch":     # the process group's own ranks (a context may span part of it)
+        peer = _pg_ranks(ctx)
     if mode == "coalesced":
         pg._start_coalescing(device)
         for t, r in sends:
-            pg.send([t], r, 0)
+            pg.send([t], peer[r], 0)
         for t, r in recvs:
-            pg.recv([t], r, 0)
+            pg.recv([t], peer[r], 0)
         return [pg._end_coalescing(device)]
     if mode == "direct":
-        return [pg.send([t], r, 0) for t, r in sends] + [pg.recv([t], r, 0) for t, r in recvs]
+        return [pg.send([t], peer[r], 0) for t, r in sends] + \
+            [pg.recv([t], peer[r], 0) for t, r in recvs]
     ops = [dist.P2POp(dist.isend, t, ctx.global_rank(r), pg) for t, r in sends]
     ops += [dist.P2POp(dist.irecv, t, ctx.global_rank(r), pg) for t, r in recvs]
     return dist.batch_isend_irecv(ops)
@@ -206,6 +209,14 @@ def p2p_exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tupl
 
 # (group, device type) -> how p2p_exchange posts on that group: decided once per group
 _P2P_MODES = LRU(64)
+# context -> the rank in its process group of each of its ranks (the identity unless the
+# context spans part of its group, e.g. the ring across a2a_ring's groups)
+_PG_RANKS = LRU(64)
+
+
+def _pg_ranks(ctx: SPContext) -> tuple:
+    return _PG_RANKS.get(ctx, lambda: tuple(dist.get_group_rank(ctx.group, g)
+                                            for g in ctx.global_ranks))
 
 
 def _p2p_mode(pg, device: torch.device) -> str:

@@ -48,10 +48,19 @@ def _softmax(ctx, T):
     o, _ = attention_reference(*ref, causal=True)
     o.backward(do)
     want = [shard_sequence(t, ctx, 1) for t in (o.detach(), *(r.grad for r in ref))]
-    rows = []
+    rows, P = [], ctx.world_size
+    sizes = [u for u in range(2, P) if P % u == 0 and H % u == 0]
     for name in PRESETS:
+        kw = dict(preset=name)
+        if name == "a2a" and H % P:
+            continue                    # Ulysses splits the heads over the ranks
+        if name == "a2a_ring":
+            if not sizes:
+                continue                # all-to-all groups need a size dividing P and H
+            kw["a2a_size"] = sizes[0]
+            name = f"a2a_ring (groups of {sizes[0]})"
         loc = [shard_sequence(t, ctx, 1).requires_grad_(True) for t in (q, k, v)]
-        out = context_parallel_attention(*loc, ctx=ctx, preset=name, causal=True, backend="math")
+        out = context_parallel_attention(*loc, ctx=ctx, causal=True, backend="math", **kw)
         out.backward(shard_sequence(do, ctx, 1))
         err = max(rel_rms(g, e) for g, e in zip((out, *(t.grad for t in loc)), want))
         rows.append((f"softmax {name}", err))
