@@ -49,16 +49,20 @@ class LinearTuning:
             already-checked call while another changes it, at one collective per call.
         early_end_states: the forward takes each leaf's end state ``b`` from the one-pass state
             kernel on the scan's side stream, beside the chunk recurrence on the main stream, so
-            the scan travels while the recurrence runs (one more kernel, on SMs the recurrence
-            leaves idle at B·H ≤ 64); False takes ``b`` from the recurrence's final state, so
-            the scan starts after it. The A/B: ``benchmarks/linear_cp.py --ab early``.
+            the scan travels while the recurrence runs (one more kernel); False takes ``b`` from
+            the recurrence's final state, so the scan starts after it. Off: on 2 × H100 it was
+            slower in every row (P = 2, 32K queued: 0.85–0.88 of fla vs 0.90–0.93; 2026-11-26).
+            The A/B: ``benchmarks/linear_cp.py --ab early``.
         scan_graphs: on CUDA, replay each scan (its rounds' NCCL kernels and combines) from a
             CUDA graph captured on its second call: one launch per scan on the host instead of
-            one batched exchange and a few combines per round (tens of µs each). NCCL documents
-            that a graph launch can block the host, and that graphs of several communicators
-            launched from one thread can deadlock; off until measured (``--ab graphs``). Inside
-            a capture of the caller's own (a whole step as a CUDA graph) the scan is captured
-            with it instead.
+            one batched exchange and a few combines per round (tens of µs each on these hosts).
+            On (2 × H100, P = 2, eager: 0.42 → 0.67 of fla at 8K contiguous all-gather, 0.57 →
+            0.87 at 32K zigzag Blelloch; queued unchanged; 2026-11-26). The graphs hold only
+            the CP group's communicator. NCCL documents that graphs of *several* communicators
+            launched from one thread can deadlock: if your step also replays CUDA graphs with
+            other communicators (TP, DP), turn this off. Inside a capture of the caller's own (a
+            whole step as a CUDA graph) the scan is captured with it instead. The A/B:
+            ``--ab graphs``.
         check_gate_values: with per-token gates ``g``, check every new gate tensor for values
             > 0 or non-finite before the op communicates, and agree on the outcome across the
             group (a bad gate on one rank raises on every rank). Costs one device sync and,
@@ -73,7 +77,7 @@ class LinearTuning:
     check_every_call: bool = False
     check_gate_values: bool = True
     early_end_states: bool = False
-    scan_graphs: bool = False
+    scan_graphs: bool = True
 
     def __post_init__(self) -> None:
         _check_bools(self, "static_zero_paths", "concurrent_recurrences", "check_every_call",

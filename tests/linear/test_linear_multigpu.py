@@ -75,12 +75,12 @@ def _check(rank, world):
                     assert torch.isfinite(g_).all(), (name, layout, impl, what)
                     assert e <= 1.5 * max(base, FLOOR), (name, layout, impl, what, e, base)
                 if cu is None and name == "fixed":
-                    for tuning in (LinearTuning(scan_graphs=True),
+                    for tuning in (LinearTuning(scan_graphs=False),
                                    LinearTuning(early_end_states=True)):
                         for _ in range(3):       # eager, capture, replay
                             again = _run(*loc, dec, ctx=ctx, impl=impl, tuning=tuning)
                         for what, a, b in zip(("o", "dq", "dk", "dv"), again, got):
-                            if tuning.scan_graphs:     # the same kernels: the same numbers
+                            if not tuning.early_end_states:  # graphs or not: the same numbers
                                 assert torch.equal(a, b), (tuning, layout, impl, what)
                             else:                      # b from another kernel: bf16 noise
                                 assert rel_rms(a, b) < 2 * FLOOR, (tuning, layout, impl, what)
