@@ -103,6 +103,7 @@ class Kernels:
 
     def __init__(self, real: bool):
         from sp_attention.linear import gated_naive as gn
+        from sp_attention.linear.torch_ops import chunked_gated_core
         from sp_attention.linear.dqk_kernel import chunk_dqkdg
         from sp_attention.linear.gates import gate_sums
         from sp_attention.linear.kernels import decayed_state_sum, output_from_states
@@ -173,6 +174,7 @@ def check_kernels(kern, shape, dtype, device, tag, configs):
     """fla's gated kernels and ours vs fp64 references; our kernels fed exact fp64 states."""
     import torch
     from sp_attention.linear import gated_naive as gn
+    from sp_attention.linear.torch_ops import chunked_gated_core
     B, T, H, K, V = shape
     q, k, v, do, g, S, D = inputs(B, T, H, K, V, dtype, device)
     scale = K ** -0.5
@@ -183,13 +185,13 @@ def check_kernels(kern, shape, dtype, device, tag, configs):
     tol_ours = 1e-5 if dtype == torch.float32 else 1.5e-2
     gs = kern.gate_sums(g, 64)
     h_ref = gn.gated_chunk_states(kd, vd, gd, 64, S.double())              # from S
-    o_ref, S_end = gn.chunked_gated_core(qd, kd, vd, gd, scale, S.double(), 64)
+    o_ref, S_end = chunked_gated_core(qd, kd, vd, gd, scale, S.double(), 64)
     h, ht = kern.fwd_h(k=k, v=v, g=gs.gc, h0=S, output_final_state=True, chunk_size=64,
                        states_in_fp32=True)
     check("fla chunk_fwd_h(g) states", rel(h, h_ref), tol_fla, **kw)
     check("fla chunk_fwd_h(g) final state", rel(ht, S_end), tol_fla, **kw)
     h0, b = kern.fwd_h(k=k, v=v, g=gs.gc, h0=None, output_final_state=True, chunk_size=64)
-    S_end0 = gn.chunked_gated_core(kd, kd, vd, gd, 1.0, None, 64)[1]
+    S_end0 = chunked_gated_core(kd, kd, vd, gd, 1.0, None, 64)[1]
     check("fla chunk_fwd_h(g) zero start, final state = b", rel(b, S_end0), tol_fla, **kw)
     check("fla chunk_fwd_o(g)", rel(kern.fwd_o(q=q, k=k, v=v, h=h.to(q.dtype), g=gs.gc,
                                                 scale=scale, chunk_size=64), o_ref), tol_fla,

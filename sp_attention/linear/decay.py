@@ -9,7 +9,7 @@ today's; gates take the gated kernels (fla's, and ours where fla's cannot run).
 
 Every gate is clamped at :data:`.gates.GATE_FLOOR` of the dtype it is summed in, where it
 enters a sum (:func:`.gates.clamp_gates`): the torch forms here and in
-:func:`.gated_naive.chunked_gated_core`, and the kernels' sums (:attr:`Decay.sums`,
+:func:`.torch_ops.chunked_gated_core`, and the kernels' sums (:attr:`Decay.sums`,
 :meth:`Decay.fla_kw`), so every consumer sees clamped values; ``g`` itself is kept as given
 (the torch backward differentiates through the clamp: no gradient below the floor).
 """
@@ -23,10 +23,9 @@ import torch
 
 from ..planning.schedules import CHUNK
 from ..precision import acc_dtype
-from .gated_naive import chunked_gated_core
 from .gates import GateSums, chunk_local_sums, clamp_gates, sums_from_local
 from .slope_constants import fla_g_gamma, leaf_transition
-from .torch_ops import chunked_core
+from .torch_ops import chunked_core, chunked_gated_core
 
 __all__ = ["Decay", "as_decay"]
 

@@ -21,7 +21,10 @@ catastrophically once a very negative gate precedes both; the exponent of a mask
 token recurrence, the spec, takes ``g`` as it is.
 
 Shapes: q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; g ``[B, T, H]``; states ``[B, H, K, V]``.
-These are references (tests, the CPU path's building blocks, the kernels' specifications).
+These are references: the token recurrence (the spec) and the specifications of our gated
+kernels and of fla's gated kernels (stand-ins the CPU tests run the fla path with). The torch
+backend's chunked form they build on is production code and lives in :mod:`.torch_ops`
+(``chunked_gated_core``), checked against the token recurrence.
 """
 from __future__ import annotations
 
@@ -31,19 +34,12 @@ import torch
 
 from ..precision import acc_dtype
 from .gates import clamp_gates
+from .torch_ops import (check_gated_shapes, chunk_rows, chunked_gated_core, gated_chunk_decays,
+                        gated_chunk_outputs)
 
-__all__ = ["recurrent_gated_attention", "chunked_gated_core", "chunked_gated_attention",
-           "gated_chunk_states", "gated_output_from_states_ref", "gated_state_grad_ref",
+__all__ = ["recurrent_gated_attention", "gated_chunk_states", "gated_output_from_states_ref", "gated_state_grad_ref",
            "dqkdg_ref", "gate_from_chunk_sums", "chunk_end_grads", "fla_chunk_fwd_h",
            "fla_chunk_bwd_dh", "fla_chunk_bwd_dv", "fla_chunk_fwd_o"]
-
-
-def _check(q, k, v, g) -> None:
-    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"expected q, k [B, T, H, K] and v [B, T, H, V] with equal B, T, H; "
-                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if tuple(g.shape) != tuple(q.shape[:3]):
-        raise ValueError(f"g must be [B, T, H] = {tuple(q.shape[:3])}, got {tuple(g.shape)}")
 
 
 def recurrent_gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -56,7 +52,7 @@ def recurrent_gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Returns (o ``[B, T, H, V]`` in ``q.dtype``, final state ``[B, H, K, V]`` fp32/fp64 or
     None). Differentiable in every input, ``g`` included. A Python loop over T: tests only.
     """
-    _check(q, k, v, g)
+    check_gated_shapes(q, k, v, g)
     dt = acc_dtype(q, k, v, g, initial_state)
     B, T, H, K = q.shape
     qf, kf, vf, gf = (x.to(dt) for x in (q, k, v, g))
@@ -70,86 +66,14 @@ def recurrent_gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return o.to(q.dtype), (S if output_final_state else None)
 
 
-def _chunks(x: torch.Tensor, C: int, dt: torch.dtype) -> torch.Tensor:
-    """``[B, T, H, *D]`` -> ``[B, H, N, C, *D]`` in ``dt``, zero-padded at the end (a padded
-    token has ``g = 0``, ``k = v = 0``: it changes no state; its outputs are dropped)."""
-    B, T = x.shape[:2]
-    N = max(1, -(-T // C))
-    x = x.to(dt)
-    if N * C - T:
-        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, N * C - T))
-    x = x.reshape(B, N, C, *x.shape[2:])
-    return x.permute(0, 3, 1, 2, *range(4, x.dim())) if x.dim() > 4 else x.permute(0, 3, 1, 2)
-
-
-def _decays(g: torch.Tensor, C: int, dt: torch.dtype):
-    """From ``g [B, T, H]`` (clamped at the floor of ``dt``): the chunk-local inclusive sums
-    ``Gc [B, H, N, C]``, the chunk totals ``Γ [B, H, N]``, the masked intra-chunk decays
-    ``exp(Σ_{j<t≤i} g_t)·[j ≤ i]`` ``[B, H, N, C, C]`` and the end weights
-    ``exp(Σ_{t>j} g_t)`` ``[B, H, N, C]`` (= ``exp(Γ − Gc_j)``). The exponents are segment
-    sums (row i of column j sums the gates j+1 … i; the last row gives the end weights): a
-    cumulative sum down the strictly lower triangle, 0 elsewhere (never an overflow)."""
-    x = _chunks(clamp_gates(g, dt), C, dt)                                # [B, H, N, C]
-    strict = torch.ones(C, C, dtype=torch.bool, device=g.device).tril(-1)
-    seg = x[..., :, None].expand(*x.shape, C).masked_fill(~strict, 0.0).cumsum(-2)
-    D = seg.exp() * torch.ones_like(strict).tril()
-    Gc = x.cumsum(-1)
-    return Gc, Gc[..., -1], D, seg[..., -1, :].exp()
-
-
-def chunked_gated_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                       scale: float, initial_state: Optional[torch.Tensor],
-                       chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked form: ``(o [B, T, H, V], final state [B, H, K, V])``, both fp32/fp64.
-
-    Within chunk n (local i, j; sums ``Gc`` from the chunk's start, total ``Γ_n``):
-    intra ``scale Σ_{j≤i} exp(Gc_i − Gc_j)(q_i·k_j) v_j``, inter ``scale exp(Gc_i) q_i S_n``,
-    state ``S_{n+1} = exp(Γ_n) S_n + Σ_j exp(Γ_n − Gc_j) k_jᵀ v_j``. Differentiable by
-    autograd in q, k, v, g and the initial state."""
-    _check(q, k, v, g)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    dt = acc_dtype(q, k, v, g, initial_state)
-    T = q.shape[1]
-    qc, kc, vc = (_chunks(x, chunk_size, dt) for x in (q, k, v))
-    Gc, total, D, E = _decays(g, chunk_size, dt)
-    B, H, N = qc.shape[:3]
-    kd = kc * E[..., None]                                           # exp(Γ − Gc_j) k_j
-    b = torch.einsum("bhnjk,bhnjv->bhnkv", kd, vc)                   # zero-start chunk states
-    S = qc.new_zeros(B, H, qc.shape[-1], vc.shape[-1]) if initial_state is None \
-        else initial_state.to(dt)
-    starts = []
-    for n in range(N):
-        starts.append(S)
-        S = total[:, :, n, None, None].exp() * S + b[:, :, n]
-    S_start = torch.stack(starts, 2)                                 # [B, H, N, K, V]
-    return _outputs(qc, kc, vc, Gc, D, S_start, scale, T), S
-
-
-def _outputs(qc, kc, vc, Gc, D, S_start, scale, T) -> torch.Tensor:
-    scores = torch.einsum("bhnik,bhnjk->bhnij", qc, kc) * D
-    o = torch.einsum("bhnij,bhnjv->bhniv", scores, vc)
-    o = o + torch.einsum("bhnik,bhnkv->bhniv", qc * Gc.exp()[..., None], S_start)
-    B, H, N, C = Gc.shape
-    return (scale * o).reshape(B, H, N * C, -1)[:, :, :T].transpose(1, 2)
-
-
-def chunked_gated_attention(q, k, v, g, *, scale: float = 1.0,
-                            initial_state: Optional[torch.Tensor] = None,
-                            output_final_state: bool = False, chunk_size: int = 64):
-    """:func:`chunked_gated_core` with the output in ``q.dtype`` (the reference's signature)."""
-    o, S = chunked_gated_core(q, k, v, g, scale, initial_state, chunk_size)
-    return o.to(q.dtype), (S if output_final_state else None)
-
-
 def gated_chunk_states(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, chunk_size: int = 64,
                        initial_state: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The state entering each chunk, ``[B, N, H, K, V]`` (fla's ``h`` layout), fp32/fp64:
     reference of fla's ``chunk_fwd_h`` with ``g``."""
-    _check(k, k, v, g)
+    check_gated_shapes(k, k, v, g)
     dt = acc_dtype(k, v, g, initial_state)
-    kc, vc = _chunks(k, chunk_size, dt), _chunks(v, chunk_size, dt)
-    _, total, _, E = _decays(g, chunk_size, dt)
+    kc, vc = chunk_rows(k, chunk_size, dt), chunk_rows(v, chunk_size, dt)
+    _, total, _, E = gated_chunk_decays(g, chunk_size, dt)
     b = torch.einsum("bhnjk,bhnjv->bhnkv", kc * E[..., None], vc)
     S = kc.new_zeros(kc.shape[0], kc.shape[1], kc.shape[-1], vc.shape[-1]) \
         if initial_state is None else initial_state.to(dt)
@@ -165,13 +89,13 @@ def gated_output_from_states_ref(q, k, v, h, S_in, g, scale: float, chunk_size: 
     entering it: the true state entering chunk n is ``h_n + exp(P_n) S_in`` with ``P_n`` the
     sum of g over the leaf's tokens before chunk n. Reference of
     :func:`sp_attention.linear.kernels.output_from_states` with gates. fp32/fp64."""
-    _check(q, k, v, g)
+    check_gated_shapes(q, k, v, g)
     dt = acc_dtype(q, k, v, g, S_in)
-    qc, kc, vc = (_chunks(x, chunk_size, dt) for x in (q, k, v))
-    Gc, total, D, _ = _decays(g, chunk_size, dt)
+    qc, kc, vc = (chunk_rows(x, chunk_size, dt) for x in (q, k, v))
+    Gc, total, D, _ = gated_chunk_decays(g, chunk_size, dt)
     P = torch.nn.functional.pad(total.cumsum(-1), (1, 0))[..., :-1]   # [B, H, N], exclusive
     S_start = h.to(dt).transpose(1, 2) + P.exp()[..., None, None] * S_in.to(dt)[:, :, None]
-    return _outputs(qc, kc, vc, Gc, D, S_start, scale, q.shape[1])
+    return gated_chunk_outputs(qc, kc, vc, Gc, D, S_start, scale, q.shape[1])
 
 
 def gated_state_grad_ref(q: torch.Tensor, do: torch.Tensor, g: torch.Tensor,
@@ -190,7 +114,7 @@ def dqkdg_ref(q, k, v, do, h, dh, g, scale: float, chunk_size: int = 64):
     (``[B, N, H, K, V]`` both: the true state entering each chunk and the gradient at each
     chunk's end). Returns ``(dq, dk, dv, dg)`` by autograd, fp32/fp64; ``dg`` is the
     gradient of the natural-log ``g`` (its chunk-local reverse sums included)."""
-    _check(q, k, v, g)
+    check_gated_shapes(q, k, v, g)
     dt = acc_dtype(q, k, v, g, h, dh)
     B, T, H = g.shape
     C = chunk_size

@@ -18,11 +18,16 @@ never as lam**n, never by dividing by lam^C (which underflows to 0 for fast head
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..precision import acc_dtype
+from .gates import clamp_gates
 
 __all__ = ["chunked_core", "chunked_linear_attention", "decay_powers", "check_shapes",
+           "chunked_gated_core", "chunked_gated_attention", "check_gated_shapes", "chunk_rows",
+           "gated_chunk_decays", "gated_chunk_outputs",
            "chunk_layout", "chunk_starts", "chunk_outputs"]
 
 
@@ -152,4 +157,86 @@ def chunked_linear_attention(
     w.r.t. initial_state.
     """
     o, S = chunked_core(q, k, v, slopes, scale, initial_state, chunk_size)
+    return o.to(q.dtype), (S if output_final_state else None)
+
+
+# ----------------------------------------------------------------------- per-token gates
+
+def check_gated_shapes(q, k, v, g) -> None:
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"expected q, k [B, T, H, K] and v [B, T, H, V] with equal B, T, H; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if tuple(g.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"g must be [B, T, H] = {tuple(q.shape[:3])}, got {tuple(g.shape)}")
+
+
+def chunk_rows(x: torch.Tensor, C: int, dt: torch.dtype) -> torch.Tensor:
+    """``[B, T, H, *D]`` -> ``[B, H, N, C, *D]`` in ``dt``, zero-padded at the end (a padded
+    token has ``g = 0``, ``k = v = 0``: it changes no state; its outputs are dropped)."""
+    B, T = x.shape[:2]
+    N = max(1, -(-T // C))
+    x = x.to(dt)
+    if N * C - T:
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, N * C - T))
+    x = x.reshape(B, N, C, *x.shape[2:])
+    return x.permute(0, 3, 1, 2, *range(4, x.dim())) if x.dim() > 4 else x.permute(0, 3, 1, 2)
+
+
+def gated_chunk_decays(g: torch.Tensor, C: int, dt: torch.dtype):
+    """From ``g [B, T, H]`` (clamped at the floor of ``dt``): the chunk-local inclusive sums
+    ``Gc [B, H, N, C]``, the chunk totals ``Γ [B, H, N]``, the masked intra-chunk decays
+    ``exp(Σ_{j<t≤i} g_t)·[j ≤ i]`` ``[B, H, N, C, C]`` and the end weights
+    ``exp(Σ_{t>j} g_t)`` ``[B, H, N, C]`` (= ``exp(Γ − Gc_j)``). The exponents are segment
+    sums (row i of column j sums the gates j+1 … i; the last row gives the end weights): a
+    cumulative sum down the strictly lower triangle, 0 elsewhere (never an overflow)."""
+    x = chunk_rows(clamp_gates(g, dt), C, dt)                                # [B, H, N, C]
+    strict = torch.ones(C, C, dtype=torch.bool, device=g.device).tril(-1)
+    seg = x[..., :, None].expand(*x.shape, C).masked_fill(~strict, 0.0).cumsum(-2)
+    D = seg.exp() * torch.ones_like(strict).tril()
+    Gc = x.cumsum(-1)
+    return Gc, Gc[..., -1], D, seg[..., -1, :].exp()
+
+
+def chunked_gated_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       scale: float, initial_state: Optional[torch.Tensor],
+                       chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked form: ``(o [B, T, H, V], final state [B, H, K, V])``, both fp32/fp64.
+
+    Within chunk n (local i, j; sums ``Gc`` from the chunk's start, total ``Γ_n``):
+    intra ``scale Σ_{j≤i} exp(Gc_i − Gc_j)(q_i·k_j) v_j``, inter ``scale exp(Gc_i) q_i S_n``,
+    state ``S_{n+1} = exp(Γ_n) S_n + Σ_j exp(Γ_n − Gc_j) k_jᵀ v_j``. Differentiable by
+    autograd in q, k, v, g and the initial state."""
+    check_gated_shapes(q, k, v, g)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    dt = acc_dtype(q, k, v, g, initial_state)
+    T = q.shape[1]
+    qc, kc, vc = (chunk_rows(x, chunk_size, dt) for x in (q, k, v))
+    Gc, total, D, E = gated_chunk_decays(g, chunk_size, dt)
+    B, H, N = qc.shape[:3]
+    kd = kc * E[..., None]                                           # exp(Γ − Gc_j) k_j
+    b = torch.einsum("bhnjk,bhnjv->bhnkv", kd, vc)                   # zero-start chunk states
+    S = qc.new_zeros(B, H, qc.shape[-1], vc.shape[-1]) if initial_state is None \
+        else initial_state.to(dt)
+    starts = []
+    for n in range(N):
+        starts.append(S)
+        S = total[:, :, n, None, None].exp() * S + b[:, :, n]
+    S_start = torch.stack(starts, 2)                                 # [B, H, N, K, V]
+    return gated_chunk_outputs(qc, kc, vc, Gc, D, S_start, scale, T), S
+
+
+def gated_chunk_outputs(qc, kc, vc, Gc, D, S_start, scale, T) -> torch.Tensor:
+    scores = torch.einsum("bhnik,bhnjk->bhnij", qc, kc) * D
+    o = torch.einsum("bhnij,bhnjv->bhniv", scores, vc)
+    o = o + torch.einsum("bhnik,bhnkv->bhniv", qc * Gc.exp()[..., None], S_start)
+    B, H, N, C = Gc.shape
+    return (scale * o).reshape(B, H, N * C, -1)[:, :, :T].transpose(1, 2)
+
+
+def chunked_gated_attention(q, k, v, g, *, scale: float = 1.0,
+                            initial_state: Optional[torch.Tensor] = None,
+                            output_final_state: bool = False, chunk_size: int = 64):
+    """:func:`chunked_gated_core` with the output in ``q.dtype`` (the reference's signature)."""
+    o, S = chunked_gated_core(q, k, v, g, scale, initial_state, chunk_size)
     return o.to(q.dtype), (S if output_final_state else None)

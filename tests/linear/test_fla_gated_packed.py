@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from sp_attention.linear import gated_naive as gn
+
+from sp_attention.linear.torch_ops import chunked_gated_core
 from sp_attention.linear.kernel_set import FlaKernels
 from sp_attention.linear.leaf import decayed_sum, torch_leaf_backward
 from sp_attention.linear.leaves import leaves_backward, leaves_output
@@ -68,7 +70,7 @@ def fake_kernels() -> FlaKernels:
         def dense(k, v, g=None, h0=None):
             nat = _natural(g, g_gamma, k.shape[0], k.shape[1], chunk_size)
             h = gn.gated_chunk_states(k, v, nat, chunk_size, h0)
-            ht = gn.chunked_gated_core(k, k, v, nat, 1.0, h0, chunk_size)[1]
+            ht = chunked_gated_core(k, k, v, nat, 1.0, h0, chunk_size)[1]
             return h, ht
         if cu_seqlens is None:
             h, ht = dense(k, v, g, h0)
@@ -179,10 +181,10 @@ def test_gated_leaves_fla_path(T, needed, monkeypatch):
         seen.setdefault("A", []).append(A)
         return S if len(seen["x"]) == 1 else G
     o, S_got = leaves_output(q, k, v, decay, 0.3, scan, kern)
-    ref_b = gn.chunked_gated_core(k, k, v, g, 1.0, None, 64)[1]
+    ref_b = chunked_gated_core(k, k, v, g, 1.0, None, 64)[1]
     assert_close(seen["x"][0], ref_b, TOL, "b")
     assert_close(seen["A"][0], g.sum(1).exp(), TOL, "A")
-    assert_close(o, gn.chunked_gated_core(q, k, v, g, 0.3, S, 64)[0], TOL, "o")
+    assert_close(o, chunked_gated_core(q, k, v, g, 0.3, S, 64)[0], TOL, "o")
     grads = leaves_backward(q, k, v, decay, 0.3, S, do, scan, kern, needed)
     d = gn.gated_state_grad_ref(q, do, g, 0.3)
     keep = torch.tensor(needed or (True,) * n).repeat(B)

@@ -13,9 +13,10 @@ import sys
 import pytest
 import torch
 
-from sp_attention.linear.gated_naive import (chunked_gated_attention, dqkdg_ref,
-                                             gated_chunk_states, gated_output_from_states_ref,
+from sp_attention.linear.gated_naive import (dqkdg_ref, gated_chunk_states,
+                                             gated_output_from_states_ref,
                                              gated_state_grad_ref, recurrent_gated_attention)
+from sp_attention.linear.torch_ops import chunked_gated_attention
 from sp_attention.linear.gates import gate_sums_torch
 from sp_attention.testing import assert_close, run_process
 
@@ -148,8 +149,8 @@ def test_gate_sums_torch():
 
 _INTERPRETER_CHECK = r"""
 import sys, torch
-from sp_attention.linear.gated_naive import (chunked_gated_core, dqkdg_ref, gated_chunk_states,
-                                             gated_state_grad_ref)
+from sp_attention.linear.gated_naive import dqkdg_ref, gated_chunk_states, gated_state_grad_ref
+from sp_attention.linear.torch_ops import chunked_gated_core
 from sp_attention.linear.gates import gate_sums, gate_sums_torch
 from sp_attention.linear.dqk_kernel import DQK_CANDIDATES, chunk_dqkdg
 from sp_attention.linear.kernels import decayed_state_sum, output_from_states
