@@ -25,8 +25,8 @@ import torch
 from ..comm import p2p_exchange
 from ..context import SPContext
 from ..planning.layout import tree_scan_schedule
-from .scan_common import (IDENTITY, Program, ProgramBuilder, ScanMap, Step, program_run,
-                          replayed, rows_to_list, scan_map)
+from .scan_common import (IDENTITY, Program, ProgramBuilder, ScanMap, Step, rows_to_list,
+                          run_program)
 
 
 def _round(pb: ProgramBuilder, pairs, down: bool) -> None:
@@ -87,11 +87,7 @@ def blelloch_rows(A: torch.Tensor, b: torch.Tensor, ctx: SPContext, reverse: boo
                   holders: Optional[tuple] = None, graphs: bool = False) -> torch.Tensor:
     """This rank's elements as rows (``A [n, …]``, ``b [n, …]``, ascending global order) ->
     the exclusive prefix (suffix if ``reverse``) ``b`` of each, ``[n, n_a, kv]``."""
-    leaves = scan_map(ctx, reverse, holders)
-    n_a = A.shape[1:].numel()
-    run = program_run("blelloch", compile_blelloch, leaves, n_a, b.shape[1:].numel() // n_a,
-                      b.dtype, b.device)
-    return replayed(run, graphs, b.device)(A, b, ctx, p2p_exchange)
+    return run_program("blelloch", compile_blelloch, A, b, ctx, reverse, holders, graphs, p2p_exchange)
 
 
 def blelloch_scan(A: list, b: list, ctx: SPContext, reverse: bool = False,

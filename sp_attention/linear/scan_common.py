@@ -351,6 +351,18 @@ def program_run(name: str, compile_fn, leaves: ScanMap, n_a: int, kv: int,
                      lambda: ProgramRun(compile_fn(leaves), n_a, kv, dtype, device))
 
 
+def run_program(name: str, compile_fn, A: torch.Tensor, b: torch.Tensor, ctx: SPContext,
+                reverse: bool, holders, graphs: bool, exchange) -> torch.Tensor:
+    """A compiled schedule on this rank's elements as rows (``A [n, …]``, ``b [n, …]``,
+    ascending global order) -> the exclusive prefix (suffix if ``reverse``) ``b`` of each,
+    ``[n, n_a, kv]``; ``graphs``: replayed from a CUDA graph (:class:`GraphReplay`)."""
+    leaves = scan_map(ctx, reverse, holders)
+    n_a = A.shape[1:].numel()
+    run = program_run(name, compile_fn, leaves, n_a, b.shape[1:].numel() // n_a, b.dtype,
+                      b.device)
+    return replayed(run, graphs, b.device)(A, b, ctx, exchange)
+
+
 def rows_to_list(rows_fn, A: list, b: list, ctx: SPContext, reverse: bool, holders,
                  like: Optional[torch.Tensor]) -> list:
     """The list form of a schedule (``A``: ``[B, H]`` per element, ``b``: ``[B, H, K, V]``)

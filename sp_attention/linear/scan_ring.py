@@ -14,8 +14,8 @@ import torch
 
 from ..comm import p2p_exchange
 from ..context import SPContext
-from .scan_common import (IDENTITY, Program, ProgramBuilder, ScanMap, Step, program_run,
-                          replayed, rows_to_list, scan_map)
+from .scan_common import (IDENTITY, Program, ProgramBuilder, ScanMap, Step, rows_to_list,
+                          run_program)
 
 
 @functools.lru_cache(maxsize=256)
@@ -58,11 +58,7 @@ def ring_rows(A: torch.Tensor, b: torch.Tensor, ctx: SPContext, reverse: bool = 
               holders: Optional[tuple] = None, graphs: bool = False) -> torch.Tensor:
     """This rank's elements as rows -> the exclusive prefix (suffix if ``reverse``) ``b`` of
     each, ``[n, n_a, kv]`` (see :func:`~.scan_blelloch.blelloch_rows`)."""
-    leaves = scan_map(ctx, reverse, holders)
-    n_a = A.shape[1:].numel()
-    run = program_run("ring", compile_ring, leaves, n_a, b.shape[1:].numel() // n_a, b.dtype,
-                      b.device)
-    return replayed(run, graphs, b.device)(A, b, ctx, p2p_exchange)
+    return run_program("ring", compile_ring, A, b, ctx, reverse, holders, graphs, p2p_exchange)
 
 
 def ring_scan(A: list, b: list, ctx: SPContext, reverse: bool = False,
