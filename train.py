@@ -186,6 +186,8 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
         start = ckpt.load_checkpoint(resume_from, model, optimizer, tp_rank=groups.tp_rank,
                                      group=None)
 
+    if hooks.on_model is not None:
+        hooks.on_model(model, start)
     n_params = count_params(model, layout.tp)
     picks = auto_picks(model.sp_options, cp_ctx, micro_batch_size=layout.micro_batch_size,
                        seq_length=args.seq_length, head_dim=args.hidden_size
@@ -239,6 +241,8 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
         progress.close()
         if rank == 0:
             release_log_dir(args.log_json)
+    if hooks.on_model is not None:
+        hooks.on_model(model, step)
         if own_signals:
             signals.restore()
     if rank == 0 and progress.history:          # means of the steady steps, for benchmarks
