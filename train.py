@@ -43,10 +43,9 @@ from sp_train.progress import (Progress, claim_log_dir, describe_attention, flop
                                log_dir_refusal, peak_flops, plot_losses, read_log,
                                release_log_dir)
 from sp_train.setup import (build_model, check_memory, count_params, init_groups, load_hf,
-                            memory_capacity, model_vocab)
+                            memory_capacity, model_vocab, schedule_picks)
 from sp_attention import build_sp_context, shard_position_ids, shard_sequence
 from sp_train.reduce import all_reduce_gradients
-from megatron_patches.model import auto_picks
 
 
 def rank0_print(*a) -> None:
@@ -189,10 +188,7 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
     if hooks.on_model is not None:
         hooks.on_model(model, start)
     n_params = count_params(model, layout.tp)
-    picks = auto_picks(model.sp_options, cp_ctx, micro_batch_size=layout.micro_batch_size,
-                       seq_length=args.seq_length, head_dim=args.hidden_size
-                       // args.num_attention_heads, dtype=torch.bfloat16 if bf16
-                       else torch.float32, device=device)
+    picks = schedule_picks(model, args, layout, cp_ctx, bf16=bf16, device=device)
     attn = describe_attention(args.sp_options, cp_ctx, args.local_attention_only, picks)
     rope = f"RoPE θ {args.rotary_base:g}" + (
         f", {args.rope_scaling['rope_type']} scaling ×{args.rope_scaling['factor']:g}"

@@ -17,7 +17,8 @@ from .loss import default_chunk_tokens
 from .memory import GIB, ModelShape, StepShape, estimate_memory
 
 __all__ = ["Groups", "init_groups", "transformer_config", "build_model", "count_params",
-           "memory_estimate", "check_memory", "memory_capacity", "model_vocab", "load_hf"]
+           "memory_estimate", "check_memory", "memory_capacity", "model_vocab", "load_hf",
+           "schedule_picks"]
 
 
 @dataclass
@@ -109,6 +110,17 @@ def build_model(args: TrainArgs, layout: Layout, groups: Groups, vocab_size: int
         # torch from its fused RMSNorm (the unfused one cost ~0.2 s of a 1.3 s 1B step).
         model = model.bfloat16()
     return model.to(device)
+
+
+def schedule_picks(model, args: TrainArgs, layout: Layout, cp_ctx, *, bf16: bool,
+                   device: torch.device) -> dict:
+    """What each layer kind's schedule resolves to for this run's shape (``auto``: the cost
+    model's or the CPU rule's pick): :func:`megatron_patches.model.auto_picks`."""
+    from megatron_patches.model import auto_picks
+    return auto_picks(model.sp_options, cp_ctx, micro_batch_size=layout.micro_batch_size,
+                      seq_length=args.seq_length,
+                      head_dim=args.hidden_size // args.num_attention_heads,
+                      dtype=torch.bfloat16 if bf16 else torch.float32, device=device)
 
 
 def count_params(model: torch.nn.Module, tp: int) -> int:

@@ -6,7 +6,8 @@ layout, one shared ``[head_dim]`` output-norm weight and a config without
 equal the HF model's within 1e-5 before any step; 5 steps later ``python -m
 sp_train.export_hf`` writes an HF directory whose model (loaded with ``from_pretrained``: the
 stock class for Llama, ``AutoModelForCausalLM`` after ``register_auto_classes`` for ours)
-gives train.py's final logits within 1e-5.
+gives train.py's final logits within 1e-5. The exporter's rule for how each weight splits
+over TP is checked against the built model's own Megatron attributes.
 """
 import json
 import os
@@ -70,7 +71,12 @@ def _logits_hook(tokens, out):
         from megatron.core import parallel_state as ps
 
         from megatron_patches.model import output_weight
+        from megatron_patches.weights import tp_partition
         from sp_attention import shard_position_ids, shard_sequence
+        for n, p in model.named_parameters():     # the exporter's TP rules = Megatron's own
+            own = ((p.partition_dim, getattr(p, "partition_stride", 1))
+                   if getattr(p, "tensor_model_parallel", False) else None)
+            assert tp_partition(n) == own, (n, tp_partition(n), own)
         ctx = model.sp_context
         tok = shard_sequence(tokens, ctx, dim=1)
         pos = shard_position_ids(tokens.shape[1], ctx).expand(tokens.shape[0], -1)
