@@ -14,6 +14,7 @@ parser is built from (same names, meanings, choices, defaults and help)::
     --softmax-cp-preset {ring,ring_ag,allgather,ag_ring}
     --softmax-heads-k-stride N, --softmax-bwd-head-first-stride N,
     --softmax-bwd-head-last-stride N
+    --load-hf DIR                               the initial weights: an HF checkpoint
 
 :func:`validate_args` raises ``ValueError`` naming the flag to change for every combination
 that cannot work or that Megatron would silently ignore, and returns our options as one
@@ -42,13 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("sp-attention", "context-parallel attention without "
                                   "TransformerEngine (megatron_patches)")
     add_sp_options(g)
-    g.add_argument("--load-hf", default=None, metavar="DIR",
-                   help="initialise the model from a local HF checkpoint directory "
-                   "(LlamaForCausalLM or our LinearLlamaForCausalLM: config.json + "
-                   "safetensors); the model flags must match its config.json (a mismatch is "
-                   "refused by name); --rotary-base / --rope-scaling-factor given explicitly "
-                   "override its RoPE; a checkpoint under --load wins (default: random "
-                   "weights)")
     return parser
 
 

@@ -154,6 +154,12 @@ SP_OPTIONS: tuple[Option, ...] = (
     Option("--softmax-bwd-head-last-stride", "softmax all-gather backward: split its last "
            "stride into the rest and this many heads (0 < value < heads-k-stride)",
            type=_positive_int),
+    Option("--load-hf", "initialise the model from a local Hugging Face checkpoint directory "
+           "(LlamaForCausalLM or our LinearLlamaForCausalLM: config.json and safetensors) under "
+           "any TP × CP × DP; its config.json gives the model, and a model flag that "
+           "contradicts it is refused by name (RoPE: --rotary-base and --rope-scaling-factor "
+           "override it); a checkpoint found under --load wins (requeue)",
+           default_help=lambda: "random weights"),
 )
 _BY_DEST = {o.dest: o for o in SP_OPTIONS}
 

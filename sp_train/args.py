@@ -117,11 +117,7 @@ class TrainArgs:
     ffn_hidden_size: Optional[int] = _f(help="SwiGLU width", default_help="the preset's")
     seq_length: Optional[int] = _f(help="tokens per sequence", default_help="the preset's, "
                                    "rounded up to a multiple of the CP layout's chunks")
-    load_hf: Optional[str] = _f(
-        help="initialise the model from a local HF checkpoint directory (LlamaForCausalLM or "
-        "our LinearLlamaForCausalLM: config.json + safetensors); the model flags come from "
-        "its config.json (a flag that contradicts it is refused); with --load, a checkpoint "
-        "found there wins", default_help="random weights")
+    load_hf: Optional[str] = _sp("load_hf")
     norm_epsilon: Optional[float] = _f(help="RMSNorm epsilon", default_help="1e-5, or the "
                                        "--load-hf config's rms_norm_eps")
     rotary_base: Optional[float] = _f(help="RoPE base θ (e.g. a larger one to continue a "

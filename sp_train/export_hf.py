@@ -177,7 +177,7 @@ def _arch_of_megatron_run(a) -> HFArchitecture:
 def _hf_classes(model_type: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from models.hf import LinearLlamaConfig, LinearLlamaForCausalLM
+    from models.hf.linear_llama import LinearLlamaConfig, LinearLlamaForCausalLM
     if model_type == "llama":
         return LlamaConfig, LlamaForCausalLM
     return LinearLlamaConfig, LinearLlamaForCausalLM

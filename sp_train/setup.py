@@ -188,7 +188,8 @@ def load_hf(model: torch.nn.Module, args: TrainArgs, groups: Groups, tp: int) ->
 
 
 def check_memory(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: bool,
-                 capacity: Optional[float], where: str = "the device", on_gpu: bool = True):
+                 capacity: Optional[float], where: str = "the device holds",
+                 on_gpu: bool = True):
     """The run's :class:`~sp_train.memory.MemoryEstimate`; raises :class:`UsageError` (the
     same on every rank) naming the fixes (more CP, recompute on GPUs, a smaller micro-batch,
     each with its own estimate) when it exceeds ``capacity`` bytes (``where``: what that is;
