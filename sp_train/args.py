@@ -66,7 +66,7 @@ _TINY = dict(num_layers=2, num_attention_heads=4, num_query_groups=4, seq_length
 # sp_train/README.md. Linear attention needs head dim >= 32 to learn the copy
 # and learns it slowly: a plateau to ~100 steps, then 200 steps end at 2.10, 300 at 1.10,
 # 400 at 0.67-0.84 (lr 3e-3 / 4e-3 and head dim 64 were slower). Gated (linear's shape and
-# steps, Mamba2-initialised gates): at chance to ~120 steps, 1.81 at 220, 0.88 at 400. The
+# steps, Mamba2-initialised gates): at chance to ~120 steps, 1.81 at 220, 0.61-0.88 at 400. The
 # hybrid (LS) sits at chance to ~200 steps (3.46 there) and ends 400 at 0.0011. (SL, softmax first, ends 200
 # steps at 0.036, but its fp32 losses drift apart across TP/CP layouts faster than LS's —
 # 2e-5 by step 4, past the parity test's 1e-5 — so LS stays the pattern.)
