@@ -179,3 +179,21 @@ def test_memory_labels_and_checkpoint_refusals(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="--load .* holds no checkpoint"):
         ckpt.require_checkpoint(str(tmp_path), None, None)
     assert math.isfinite(len(where))
+
+
+def test_sharded_and_single_file_checkpoints_read_alike(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_patches.weights import read_hf_weights
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2))
+    model.save_pretrained(tmp_path / "one")
+    model.save_pretrained(tmp_path / "many", max_shard_size="20KB")
+    assert (tmp_path / "many" / "model.safetensors.index.json").exists()
+    one, many = read_hf_weights(str(tmp_path / "one")), read_hf_weights(str(tmp_path / "many"))
+    assert one.keys() == many.keys() and all(torch.equal(one[k], many[k]) for k in one)
+    (tmp_path / "bin").mkdir()
+    with pytest.raises(ValueError, match="no model.safetensors"):
+        read_hf_weights(str(tmp_path / "bin"))
