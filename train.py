@@ -33,15 +33,17 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from sp_train import checkpoint as ckpt  # noqa: E402
-from sp_train.args import TrainArgs, UsageError, parse_args
+from sp_train.args import TrainArgs, UsageError, parse_args  # noqa: E402
 from sp_train.data import build_dataset, packed_micro_batch
 from sp_train.launch import (BAD_INPUT_EXIT_STATUS, STOP_SIGNALS, StopSignals,
                                              TrainHooks, init_distributed)
 from sp_train.loss import check_loss_impl, micro_batch_loss, step_token_count
 from sp_train.optim import MasterAdamW, lr_at
-from sp_train.progress import (Progress, describe_attention, flops_per_token,
-                                               peak_flops, plot_losses, read_log)
-from sp_train.setup import build_model, check_memory, count_params, init_groups
+from sp_train.progress import (Progress, claim_log_dir, describe_attention, flops_per_token,
+                               log_dir_refusal, peak_flops, plot_losses, read_log,
+                               release_log_dir)
+from sp_train.setup import (build_model, check_memory, count_params, init_groups, load_hf,
+                            memory_capacity, model_vocab, schedule_picks)
 from sp_attention import build_sp_context, shard_position_ids, shard_sequence
 from sp_train.reduce import all_reduce_gradients
 
@@ -56,6 +58,7 @@ def checked_resume_point(args: TrainArgs, layout) -> Optional[str]:
     cannot be loaded into this run: on every rank, sizes and layout before any collective,
     then the checksums (one all-gather, every rank alike)."""
     path = ckpt.resume_path(args.load, args.ckpt_step)
+    ckpt.require_checkpoint(args.load, args.save, path)
     if path is not None:
         meta = ckpt.verify_checkpoint(path)
         ckpt.check_compatible(meta, path, tp=layout.tp, cp=layout.cp, dp=layout.dp,
@@ -112,9 +115,24 @@ def agree(share: torch.Tensor, signum: Optional[int], tp: int) -> tuple[float, O
     return float(v[0]), next((s for s, n in zip(STOP_SIGNALS, v[1:]) if n > 0), None)
 
 
-def save(args, step, model, optimizer, groups, layout, hooks: TrainHooks) -> None:
+def claim_logs(args: TrainArgs, data, fresh: bool) -> None:
+    """Rank 0 checks that ``--log-dir`` is this run's (or free) and claims it; every rank
+    raises the same error if not (one broadcast)."""
+    identity = {"model": args.model_signature(), "data": data.description,
+                "local_attention_only": args.local_attention_only,
+                "save": os.path.abspath(args.save) if args.save else None}
+    msg = [log_dir_refusal(args.log_json, identity, resumed=not fresh)
+           if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(msg, src=0)
+    if msg[0]:
+        raise UsageError(msg[0])
+    if dist.get_rank() == 0:
+        claim_log_dir(args.log_json, identity, fresh)
+
+
+def save(args, step, model, optimizer, groups, layout, hooks: TrainHooks, vocab: int) -> None:
     meta = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "model": args.model_signature(),
-            "args": args.flag_values()}
+            "args": args.flag_values(), "hf_export": args.hf_export(vocab)}
     path = ckpt.save_checkpoint(args.save, step, model, optimizer, tp_rank=groups.tp_rank,
                                 meta=meta, group=None,
                                 checksums=not args.no_checkpoint_checksums,
@@ -139,14 +157,20 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
         warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
     bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
     data = build_dataset(args, layout.tp)
-    # printed before anything is allocated; a layout that cannot fit stops here on every rank
-    capacity = (torch.cuda.get_device_properties(device).total_memory
-                if device.type == "cuda" else None)
-    estimate = check_memory(args, layout, data.vocab_size, bf16=bf16, capacity=capacity)
-    rank0_print(f"memory estimate per rank: {estimate.summary(capacity)}")
+    vocab = model_vocab(args, data, layout.tp)
+    # printed before anything is allocated; a layout that cannot fit (the GPU's memory, or the
+    # RAM available to each rank on CPU) stops here on every rank
+    capacity, where = memory_capacity(device)
+    estimate = check_memory(args, layout, vocab, bf16=bf16, capacity=capacity, where=where,
+                            on_gpu=device.type == "cuda")
+    rank0_print(f"memory estimate per rank (the model's tensors): "
+                f"{estimate.summary(capacity)} — {where}")
+    claim_logs(args, data, fresh=resume_from is None)
 
     groups = init_groups(layout, local_attention_only=args.local_attention_only)
-    model = build_model(args, layout, groups, data.vocab_size, bf16=bf16, device=device)
+    model = build_model(args, layout, groups, vocab, bf16=bf16, device=device)
+    if args.hf is not None and resume_from is None:     # a resumed run has its own weights
+        load_hf(model, args, groups, layout.tp)
     # the data is split like the model's attention and RoPE expect: the model's one context (the
     # baseline's model sees a CP group of one; its data is still split over the real group)
     cp_ctx = (build_sp_context(groups.cp, layout=model.sp_context.layout)
@@ -161,24 +185,29 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
         start = ckpt.load_checkpoint(resume_from, model, optimizer, tp_rank=groups.tp_rank,
                                      group=None)
 
+    if hooks.on_model is not None:
+        hooks.on_model(model, start)
     n_params = count_params(model, layout.tp)
-    attn = describe_attention(args.sp_options, cp_ctx, args.local_attention_only)
+    picks = schedule_picks(model, args, layout, cp_ctx, bf16=bf16, device=device)
+    attn = describe_attention(args.sp_options, cp_ctx, args.local_attention_only, picks)
+    rope = f"RoPE θ {args.rotary_base:g}" + (
+        f", {args.rope_scaling['rope_type']} scaling ×{args.rope_scaling['factor']:g}"
+        if args.rope_scaling else "")
     rank0_print(
         f"train.py | {args.sp_model_kind} {args.num_layers}L d{args.hidden_size} "
         f"{args.num_attention_heads}h ({n_params / 1e6:.2f}M params) | {layout.summary()} | "
-        f"attention {attn} | {dist.get_backend()} on {device.type}, "
+        f"attention {attn}, {rope} | {dist.get_backend()} on {device.type}, "
         f"{'bf16' if bf16 else 'fp32'} | {args.recompute().describe()}, {args.loss_impl} loss | "
         f"{data.description} | steps {start + 1}..{args.train_iters}"
         f" × {args.global_batch_size} seqs × {args.seq_length} tokens"
-        + (f" | resumed from {resume_from}" if resume_from else ""))
+        + (f" | resumed from {resume_from}" if resume_from else
+           f" | weights from {args.load_hf}" if args.hf is not None else ""))
 
     fpt = flops_per_token(num_layers=args.num_layers, hidden_size=args.hidden_size,
                           ffn_hidden_size=args.ffn_hidden_size,
                           num_attention_heads=args.num_attention_heads,
-                          num_query_groups=args.num_query_groups, vocab_size=data.vocab_size,
+                          num_query_groups=args.num_query_groups, vocab_size=vocab,
                           seq_length=args.seq_length, layer_kinds=args.layer_kinds())
-    if rank == 0 and start == 0 and os.path.exists(args.log_json):
-        os.remove(args.log_json)                  # a fresh run starts a fresh log
     progress = Progress(enabled=rank == 0, total=args.train_iters, start=start,
                         tokens_per_step=args.global_batch_size * args.seq_length,
                         flops_per_token=fpt, peak=peak_flops(device, args.peak_tflops),
@@ -203,9 +232,13 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
             progress.step(step, loss, gnorm, lr)
             periodic = args.save_interval and step % args.save_interval == 0
             if args.save and (periodic or stopped or step == args.train_iters):
-                save(args, step, model, optimizer, groups, layout, hooks)
+                save(args, step, model, optimizer, groups, layout, hooks, vocab)
     finally:
         progress.close()
+        if rank == 0:
+            release_log_dir(args.log_json)
+    if hooks.on_model is not None:
+        hooks.on_model(model, step)
         if own_signals:
             signals.restore()
     if rank == 0 and progress.history:          # means of the steady steps, for benchmarks

@@ -14,6 +14,7 @@ parser is built from (same names, meanings, choices, defaults and help)::
     --softmax-cp-preset {ring,ring_ag,allgather,ag_ring,a2a,a2a_ring,auto}
     --softmax-heads-k-stride N, --softmax-bwd-head-first-stride N,
     --softmax-bwd-head-last-stride N, --softmax-a2a-size N
+    --load-hf DIR                               the initial weights: an HF checkpoint
 
 Megatron-LM's own names for the softmax CP schedule are honoured where a user brings them
 (:data:`CP_COMM_TYPES`): ``--cp-comm-type p2p|all_gather|a2a|a2a+p2p`` picks the preset
@@ -29,15 +30,17 @@ packs each micro-batch into a THD row cut by our packing plan (:mod:`megatron_pa
 from __future__ import annotations
 
 import argparse
+import sys
 import weakref
-from typing import Optional
+from typing import Optional, Sequence
 
 from .options import (CP_IMPLS, MEGATRON_IMPL, MODEL_KINDS, SPOptions, add_sp_options,
                       seq_multiple)
+from .weights import HFArchitecture
 
 __all__ = ["add_arguments", "validate_args", "options_from_args", "options_of",
-           "options_from_megatron_args", "CP_IMPLS", "MEGATRON_IMPL", "MODEL_KINDS",
-           "CP_COMM_TYPES"]
+            "options_from_megatron_args", "hf_architecture", "rope_scaling_of", "CP_IMPLS",
+           "MEGATRON_IMPL", "MODEL_KINDS", "CP_COMM_TYPES"]
 
 # Megatron-LM's --cp-comm-type values (TransformerEngine's CP attention) -> our softmax presets
 CP_COMM_TYPES = {"p2p": "ring", "all_gather": "allgather", "a2a": "a2a", "a2a+p2p": "a2a_ring"}
@@ -174,6 +177,71 @@ def options_from_args(args) -> SPOptions:
     return options
 
 
+def _given(flag: str, argv: Sequence[str]) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def hf_architecture(args, argv: Optional[Sequence[str]] = None) -> Optional[HFArchitecture]:
+    """``--load-hf``'s architecture checked against Megatron-LM's parsed ``args`` (None
+    without ``--load-hf``). Megatron's arguments all have values, so each must match the
+    checkpoint's config.json (a mismatch raises naming the flag and the value to pass); RoPE θ
+    and the scaling factor may differ when given explicitly on the command line ``argv``
+    (default ``sys.argv``): a long-context continuation."""
+    path = getattr(args, "load_hf", None)
+    if path is None:
+        return None
+    argv = sys.argv[1:] if argv is None else argv
+    arch = HFArchitecture.from_dir(path)
+    heads = args.num_attention_heads
+    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
+    want = [("--num-layers", args.num_layers, arch.num_layers),
+            ("--hidden-size", args.hidden_size, arch.hidden_size),
+            ("--num-attention-heads", heads, arch.num_attention_heads),
+            ("--num-query-groups (with --group-query-attention)", groups,
+             arch.num_query_groups),
+            ("--ffn-hidden-size", args.ffn_hidden_size, arch.ffn_hidden_size),
+            ("--norm-epsilon", args.norm_epsilon, arch.norm_epsilon),
+            ("--swiglu", getattr(args, "swiglu", False), True),
+            ("--normalization", args.normalization, "RMSNorm"),
+            ("--disable-bias-linear", not getattr(args, "add_bias_linear", True), True),
+            ("--position-embedding-type", args.position_embedding_type, "rope"),
+            ("--untie-embeddings-and-output-weights",
+             getattr(args, "untie_embeddings_and_output_weights", False),
+             not arch.tie_word_embeddings)]
+    kind = getattr(args, "sp_model_kind", None) or "softmax"
+    pattern = SPOptions.from_flags(args, num_layers=args.num_layers).pattern
+    want.append(("--sp-model-kind / --sp-hybrid-pattern", f"{kind} {pattern}",
+                 f"{arch.model_kind} {arch.pattern}"))
+    if not _given("--rotary-base", argv):
+        want.append(("--rotary-base", float(args.rotary_base), arch.rotary_base))
+    scaling = arch.rope_scaling or {}
+    if scaling.get("rope_type") == "linear":
+        raise ValueError(f"--load-hf {path}: linear RoPE scaling is not supported by this "
+                         "launcher (train.py --load-hf takes it)")
+    want.append(("--use-rope-scaling", bool(getattr(args, "use_rope_scaling", False)),
+                 bool(scaling)))
+    if scaling and not _given("--rope-scaling-factor", argv):
+        want.append(("--rope-scaling-factor", float(args.rope_scaling_factor),
+                     float(scaling["factor"])))
+    for flag, mine, theirs in want:
+        if mine != theirs:
+            raise ValueError(f"{flag} is {mine} but --load-hf {path}'s config.json says "
+                             f"{theirs}: pass the checkpoint's value")
+    return arch
+
+
+def rope_scaling_of(args, arch: Optional[HFArchitecture]) -> Optional[dict]:
+    """The RoPE scaling the launcher's model uses: Llama 3's with ``--rope-scaling-factor``
+    when ``--use-rope-scaling`` is given (its other figures from the ``--load-hf`` config,
+    else Llama 3.1's), else none."""
+    if not getattr(args, "use_rope_scaling", False):
+        return None
+    base = (arch.rope_scaling if arch is not None and arch.rope_scaling else
+            {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 8192})
+    return dict(base, factor=float(args.rope_scaling_factor))
+
+
 # validate_args' last result: (a weak reference to Megatron-LM's args namespace, its options).
 # Not an attribute of the namespace: Megatron pickles its args into checkpoints.
 _VALIDATED: list = []
@@ -185,6 +253,10 @@ def validate_args(args) -> SPOptions:
     :func:`options_of` (the launcher's model provider and the prebuilt specs), so the checks run
     once per run. Raises ``ValueError`` naming the flag to change."""
     options = options_from_args(args)
+    if not options.megatron_attention:
+        hf_architecture(args)           # --load-hf against the model flags, before anything
+    elif getattr(args, "load_hf", None):
+        raise ValueError("--load-hf builds our model; drop --context-parallel-impl megatron")
     _VALIDATED[:] = [(weakref.ref(args), options)]
     return options
 

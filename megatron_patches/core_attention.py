@@ -41,8 +41,9 @@ from megatron.core.transformer.module import MegatronModule
 
 from sp_attention import (SoftmaxSchedule, SPContext, build_sp_context,
                           context_parallel_attention, lightning_attention)
-from sp_attention.linear.slopes import decay_slopes
 from sp_attention.planning.packing import packing_context
+
+from models.linear_core import decay_kwargs, layer_slopes, out_norm
 
 from .options import DEFAULT_SLOPE_SCHEDULE, take_renamed
 from .packing import check_packed_seq_params, plan_of
@@ -222,13 +223,16 @@ class SoftmaxCoreAttention(_CPCoreAttention):
 
 
 class LinearCoreAttention(_CPCoreAttention):
-    """Lightning-style linear attention with per-head decay over Megatron's CP group.
+    """Lightning-style linear attention with per-head decay over Megatron's CP group: a shell
+    around the one layer core of both frameworks, :mod:`models.linear_core` (the HF layer is
+    the other).
 
     ``o_t = scale · Σ_{j≤t} λ_h^{t−j} (q_t·k_j) v_j`` per head (``scale`` = Megatron's
-    softmax scale, ``hn^-0.5`` by default; q and k arrive with RoPE applied), then a per-head
-    RMS normalisation with a learnt ``[np·hn]`` weight (RetNet / GLA / TransNormer-style output
-    norm: linear attention's output scale grows with the sequence). The norm is per head so a
-    TP rank normalises only its own heads; its weight is TP-sharded like the heads.
+    softmax scale, ``hn^-0.5`` by default; q and k arrive with RoPE applied), then the per-head
+    RMS output norm with its learnt ``out_norm_weight [np·hn]`` (one value per head and
+    channel, :func:`models.linear_core.out_norm`; linear attention's output scale grows with
+    the sequence). The norm is per head, so a TP rank normalises only its own heads; its weight
+    is TP-sharded like the heads.
 
     Spec params: ``context_parallel_impl`` (the scan, ``--context-parallel-impl``: blelloch /
     allgather / ring / auto, handed to ``lightning_attention(impl=...)``; None: the library's
@@ -253,10 +257,9 @@ class LinearCoreAttention(_CPCoreAttention):
         first = self.tp_rank * self.heads_per_rank
         # This TP rank's heads' slopes, fp32. A plain attribute, not a buffer: Megatron's
         # Float16Module casts buffers to bf16, which would round the decay rates.
-        self._slopes = decay_slopes(config.num_attention_heads, self.slope_schedule,
-                                    layer_number=self.layer_number,
-                                    num_layers=max(config.num_layers, self.layer_number)
-                                    )[first:first + self.heads_per_rank].contiguous()
+        self._slopes = layer_slopes(config.num_attention_heads, self.slope_schedule,
+                                    self.layer_number, config.num_layers, first,
+                                    self.heads_per_rank)
         self._slopes_on: dict = {}
         self.eps = config.layernorm_epsilon
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
@@ -290,15 +293,12 @@ class LinearCoreAttention(_CPCoreAttention):
         return self._output(self._out_norm(o, q.dtype), packed=plan is not None)
 
     def _decay(self, q: torch.Tensor):
-        """``(q, the decay keyword of lightning_attention)``: this layer's fixed slopes."""
-        return q, {"slopes": self._slopes_for(q.device)}
+        """``(q, the decay keywords of lightning_attention)``: this layer's fixed slopes."""
+        return q, decay_kwargs(slopes=self._slopes_for(q.device))
 
     def _out_norm(self, o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Per-head RMS norm in fp32 with the learnt weight, back in ``dtype``."""
-        of = o.float()
-        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = self.out_norm_weight.float().view(self.heads_per_rank, self.head_dim)
-        return (of * w).to(dtype)
+        """The core's per-head RMS norm with the learnt weight, in ``dtype``."""
+        return out_norm(o, self.out_norm_weight, self.eps).to(dtype)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """The output-norm weight is sharded over TP along dim 0 (distributed checkpoints)."""

@@ -4,8 +4,8 @@
     S_t = exp(g_t) · S_{t−1} + k_tᵀ v_t,    o_t = scale · q_t S_t
 
 ``x_t`` is the layer's input (after its input norm), ``W [hidden → heads]`` the gate
-projection, ``A_log`` and ``dt_bias`` one value per head (Mamba2's initialisation; the gate's
-one home: :mod:`sp_attention.linear.gate_param`). The decay then runs through
+projection, ``A_log`` and ``dt_bias`` one value per head (Mamba2's initialisation; the layer
+core both frameworks share: :mod:`models.linear_core`). The decay then runs through
 ``sp_attention.lightning_attention(g=...)`` across the CP group, and the output gets the linear
 layers' per-head RMS norm.
 
@@ -30,16 +30,11 @@ import torch
 
 from megatron.core.transformer.attention import SelfAttention
 
-from sp_attention import LinearTuning
-from sp_attention.linear.gate_param import gate_log_decay, mamba2_gate_init
+from models.linear_core import decay_kwargs, gate_log_decay, gate_params
 
 from .core_attention import LinearCoreAttention
 
 __all__ = ["GatedCoreAttention", "GatedSelfAttention"]
-
-# The gates are non-positive by construction (−exp · softplus), so the op need not read them
-# back (a device sync per layer) to check their sign.
-_TUNING = LinearTuning(check_gate_values=False)
 
 
 class GatedCoreAttention(LinearCoreAttention):
@@ -61,7 +56,7 @@ class GatedCoreAttention(LinearCoreAttention):
         heads = config.num_attention_heads
         first = self.tp_rank * self.heads_per_rank
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        a_log, dt_bias = mamba2_gate_init(heads)        # full, then this TP rank's heads
+        a_log, dt_bias = gate_params(heads)            # full, then this TP rank's heads
         cut = slice(first, first + self.heads_per_rank)
         self.A_log = torch.nn.Parameter(a_log[cut].to(device=device, dtype=config.params_dtype))
         self.dt_bias = torch.nn.Parameter(dt_bias[cut].to(device=device,
@@ -85,7 +80,7 @@ class GatedCoreAttention(LinearCoreAttention):
                              "megatron_patches.gated_attention.GatedSelfAttention (the 'gated' "
                              "layer spec, pattern letter G)")
         g = gate_log_decay(query[..., -1], self.A_log, self.dt_bias)     # [b, s, np]
-        return query[..., :-1], {"g": g, "tuning": _TUNING}
+        return query[..., :-1], decay_kwargs(g=g)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """The output norm, ``A_log``, ``dt_bias`` and the gate projection are sharded over TP

@@ -52,6 +52,9 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from sp_attention import SoftmaxSchedule, build_sp_context
+from sp_attention.cost.auto import auto_softmax_preset
+from sp_attention.linear.attention import resolve_impl
+from sp_attention.softmax import PRESETS
 from sp_attention.tokens import global_token_mean
 
 from .core_attention import resolve_groups
@@ -59,10 +62,12 @@ from .options import MODEL_KINDS as KINDS
 from .options import SPOptions, model_pattern, take_renamed
 from .rotary import install_cp_rope, link_packed_rope
 from .specs import block_spec, options_spec_kwargs
+from .weights import tp_shard_state_dict
+from .weights import tp_slice as _tp_slice  # noqa: F401  (the old private name, used by tests)
 
 __all__ = ["build_gpt_model", "model_options", "KINDS", "POSITION_EMBEDDINGS", "tp_shard_state_dict",
            "grad_reduce_group", "cp_context", "layer_pattern", "global_loss_share",
-           "HiddenStatesGPTModel", "output_weight"]
+           "HiddenStatesGPTModel", "output_weight", "auto_picks"]
 
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 
@@ -141,6 +146,7 @@ def build_gpt_model(config: TransformerConfig, options: Optional[SPOptions] = No
                     hybrid_pattern: Optional[str] = None, slope_schedule: Optional[str] = None,
                     layout: Optional[str] = None, position_embedding_type: str = "rope",
                     pg_collection=None, rotary_base: float = 10000,
+                    rope_scaling: Optional[dict] = None,
                     return_hidden_states: bool = False, **gpt_kwargs) -> GPTModel:
     """A Megatron ``GPTModel`` whose attention layers run over Megatron's CP group.
 
@@ -171,6 +177,8 @@ def build_gpt_model(config: TransformerConfig, options: Optional[SPOptions] = No
             ``"learned_absolute"``.
         pg_collection: Megatron ``ProcessGroupCollection``; None uses ``parallel_state``'s.
         rotary_base, **gpt_kwargs: passed on (``share_embeddings_and_output_weights``, ...).
+        rope_scaling: HF's ``linear`` or ``llama3`` RoPE frequency scaling
+            (:func:`megatron_patches.rotary.rope_inv_freq`; None: none).
         return_hidden_states: build a :class:`HiddenStatesGPTModel` (forward returns the final
             hidden states; apply the output layer in the loss with :func:`output_weight`).
 
@@ -179,6 +187,8 @@ def build_gpt_model(config: TransformerConfig, options: Optional[SPOptions] = No
     ``model.sp_options``. See the module docstring for the input/output and gradient contract.
     """
     _check(config, position_embedding_type)
+    if rope_scaling is not None and position_embedding_type != "rope":
+        raise ValueError("rope_scaling needs position_embedding_type='rope'")
     scan = take_renamed(gpt_kwargs, "cp_impl", "context_parallel_impl", context_parallel_impl)
     options = model_options(config, options, kind=kind, context_parallel_impl=scan,
                             softmax_schedule=softmax_schedule, hybrid_pattern=hybrid_pattern,
@@ -210,7 +220,7 @@ def build_gpt_model(config: TransformerConfig, options: Optional[SPOptions] = No
         install_cp_rope(model, config, ctx, rotary_base=rotary_base,
                         rotary_percent=gpt_kwargs.get("rotary_percent", 1.0),
                         seq_len_interpolation_factor=gpt_kwargs.get(
-                            "seq_len_interpolation_factor"))
+                            "seq_len_interpolation_factor"), rope_scaling=rope_scaling)
     else:           # THD batches: positions come from the embeddings, nothing to rotate
         link_packed_rope(model, None)
     model.sp_options = options
@@ -257,41 +267,30 @@ def global_loss_share(token_loss: torch.Tensor, labels: torch.Tensor, group, *,
     return global_token_mean(token_loss, labels != ignore_index, group)
 
 
-def _tp_slice(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) -> torch.Tensor:
-    """Megatron's split of a master weight: ``size·stride`` equal pieces along ``dim``, rank r
-    keeps pieces ``r, r+size, …`` (stride 2 = SwiGLU fc1's [gate; up] interleave)."""
-    n = full.shape[dim]
-    if n % (size * stride):
-        raise ValueError(f"dim {dim} of size {n} does not split into {size} x {stride} pieces")
-    pieces = torch.split(full, n // (size * stride), dim=dim)
-    return torch.cat(pieces[rank::size], dim=dim)
-
-
-def tp_shard_state_dict(full_state_dict: dict, model: torch.nn.Module, tp_rank: int,
-                        tp_size: int) -> dict:
-    """This TP rank's state dict for ``model`` cut from a 1×1×1 model's ``state_dict()``.
-
-    Tensor-parallel parameters are cut by their Megatron attributes (``partition_dim``,
-    ``partition_stride``); everything else is copied. Keys missing from ``full_state_dict``
-    raise (``_extra_state`` entries are skipped). Load with ``model.load_state_dict(...,
-    strict=False)`` to leave extra states alone.
-    """
+def auto_picks(options: SPOptions, ctx, *, micro_batch_size: int, seq_length: int,
+               head_dim: int, dtype: torch.dtype, device) -> dict:
+    """The schedules each layer kind runs, resolved now for the run's per-rank shape
+    (``micro_batch_size`` rows of ``seq_length / CP`` tokens, the options' heads per TP rank):
+    ``{"softmax": preset, "linear": scan}`` for the kinds the model has. ``auto`` is resolved
+    as the op will resolve it (the cost model on GPUs, the fixed rule on CPU; logged once per
+    shape on the ``sp_attention.cost`` logger); a named schedule is itself. No memory is
+    allocated (shape-only views)."""
+    tp = options.tensor_model_parallel_size or 1
+    heads = (options.num_attention_heads or 1) // tp
+    kv = options.kv_heads_per_tp_rank or heads
+    t_local = seq_length // ctx.world_size
+    zero = torch.zeros((), dtype=dtype, device=device)
+    q = zero.expand(micro_batch_size, t_local, heads, head_dim)
+    k = zero.expand(micro_batch_size, t_local, kv, head_dim)
     out = {}
-    params = dict(model.named_parameters())
-    for name, local in model.state_dict(keep_vars=True).items():
-        if name.endswith("_extra_state"):
-            continue
-        if name not in full_state_dict:
-            raise KeyError(f"{name} missing from the full state dict (build the reference "
-                           "model with the same config and kind)")
-        full = full_state_dict[name]
-        p = params.get(name)
-        if p is not None and getattr(p, "tensor_model_parallel", False) and tp_size > 1:
-            val = _tp_slice(full, p.partition_dim, getattr(p, "partition_stride", 1), tp_rank,
-                            tp_size)
+    if options.has_softmax:
+        s = options.softmax_schedule
+        if s.is_auto and ctx.world_size > 1:
+            out["softmax"] = auto_softmax_preset(ctx, q, k,
+                                                 heads_k_stride=s.heads_k_stride).name
         else:
-            val = full
-        if tuple(val.shape) != tuple(local.shape):
-            raise ValueError(f"{name}: cut shape {tuple(val.shape)} != local {tuple(local.shape)}")
-        out[name] = val.detach().clone()
+            out["softmax"] = next((n for n, pair in PRESETS.items()
+                                   if pair == (s.fwd, s.bwd)), f"{s.fwd}/{s.bwd}")
+    if options.has_scan:
+        out["linear"] = resolve_impl(options.context_parallel_impl, ctx, q, q)
     return out

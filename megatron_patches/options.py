@@ -162,6 +162,12 @@ SP_OPTIONS: tuple[Option, ...] = (
            "ranks, e.g. the GPUs of a node; must divide the CP size and the heads per TP "
            "rank); with auto, lets the cost model consider a2a_ring of this size",
            type=_positive_int),
+    Option("--load-hf", "initialise the model from a local Hugging Face checkpoint directory "
+           "(LlamaForCausalLM or our LinearLlamaForCausalLM: config.json and safetensors) under "
+           "any TP × CP × DP; its config.json gives the model, and a model flag that "
+           "contradicts it is refused by name (RoPE: --rotary-base and --rope-scaling-factor "
+           "override it); a checkpoint found under --load wins (requeue)",
+           default_help=lambda: "random weights"),
 )
 _BY_DEST = {o.dest: o for o in SP_OPTIONS}
 

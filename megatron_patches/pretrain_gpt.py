@@ -77,8 +77,11 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     from megatron.training import get_args, print_rank_0
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from .args import options_of
-    from .model import build_gpt_model
+    from megatron.core import parallel_state
+
+    from .args import hf_architecture, options_of, rope_scaling_of
+    from .model import auto_picks, build_gpt_model
+    from .weights import load_hf_into
 
     args = get_args()
     options = options_of(args)          # what main's validate_args built, once
@@ -99,11 +102,31 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
             normalization=args.normalization), rotary_base=args.rotary_base,
             pg_collection=pg_collection, vp_stage=vp_stage, **common)
-    print_rank_0(f"building {options.model_kind} GPT with --context-parallel-impl "
-                 f"{options.context_parallel_impl}, layers {options.pattern}, softmax "
-                 f"{options.softmax_schedule}")
-    return build_gpt_model(config, options, pg_collection=pg_collection,
-                           rotary_base=args.rotary_base, vp_stage=vp_stage, **common)
+    arch = hf_architecture(args)        # checked in validate_args; None without --load-hf
+    model = build_gpt_model(config, options, pg_collection=pg_collection,
+                            rotary_base=args.rotary_base, vp_stage=vp_stage,
+                            rope_scaling=rope_scaling_of(args, arch), **common)
+    picks = auto_picks(options, model.sp_context, micro_batch_size=args.micro_batch_size,
+                       seq_length=args.seq_length, head_dim=config.kv_channels,
+                       dtype=config.params_dtype, device=next(model.parameters()).device)
+    print_rank_0(f"building {options.model_kind} GPT, layers {options.pattern}: "
+                 + ", ".join(f"{k} {'auto → ' if _is_auto(options, k) else ''}{v}"
+                             for k, v in picks.items()))
+    if arch is not None:
+        load_hf_into(model, args.load_hf, arch,
+                     tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                     tp_size=args.tensor_model_parallel_size)
+        print_rank_0(f"initialised from --load-hf {args.load_hf} (a checkpoint under --load "
+                     "replaces these weights)")
+    return model
+
+
+def _is_auto(options, kind: str) -> bool:
+    """Whether the layer kind's schedule was left to ``auto`` (the header says what it picked)."""
+    import sp_attention.linear.attention as linear
+    if kind == "softmax":
+        return options.softmax_schedule.is_auto
+    return (options.context_parallel_impl or linear.DEFAULT_IMPL) == "auto"
 
 
 def model_context(model):

@@ -20,28 +20,74 @@ frequencies Megatron's ``apply_rotary_pos_emb`` expects (non-interleaved ``cat(f
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
 from sp_attention import SPContext, build_sp_context, shard_position_ids
 
-__all__ = ["CPRotaryEmbedding", "install_cp_rope", "link_packed_rope"]
+__all__ = ["CPRotaryEmbedding", "install_cp_rope", "link_packed_rope", "rope_inv_freq",
+           "check_rope_scaling"]
+
+
+def check_rope_scaling(scaling: Optional[dict]) -> Optional[dict]:
+    """``scaling`` checked: None, ``{"rope_type": "linear", "factor": f}`` or Llama 3's
+    ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}`` (HF's names); anything else raises."""
+    if scaling is None:
+        return None
+    kind = scaling.get("rope_type")
+    need = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                              "original_max_position_embeddings")}.get(kind)
+    if need is None:
+        raise ValueError(f"RoPE scaling {kind!r}: use 'linear' or 'llama3' (HF's rope_type)")
+    missing = [k for k in need if k not in scaling]
+    if missing:
+        raise ValueError(f"{kind} RoPE scaling needs {', '.join(missing)}")
+    if not float(scaling["factor"]) > 0:
+        raise ValueError(f"RoPE scaling factor must be > 0, got {scaling['factor']}")
+    return dict(scaling)
+
+
+def rope_inv_freq(dim: int, base: float, scaling: Optional[dict] = None) -> torch.Tensor:
+    """``[dim/2]`` fp32 inverse frequencies of RoPE with base θ = ``base``: θ^(−2i/dim), then
+    ``scaling`` (:func:`check_rope_scaling`) as HF computes it: ``linear`` divides every
+    frequency by the factor; ``llama3`` divides the low frequencies (wavelength above
+    ``original / low_freq_factor``) by the factor, keeps the high ones (below ``original /
+    high_freq_factor``) and blends in between."""
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+    scaling = check_rope_scaling(scaling)
+    if scaling is None:
+        return inv
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv / factor
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, blended, scaled)
 
 
 class CPRotaryEmbedding(torch.nn.Module):
     """Drop-in for ``model.rotary_pos_emb`` (see the module docstring). ``sp_context``: the
-    model's CP context (None: a single rank)."""
+    model's CP context (None: a single rank). ``rope_scaling``: HF's ``linear`` or ``llama3``
+    frequency scaling (:func:`rope_inv_freq`), e.g. from a Llama 3 checkpoint's config."""
 
     def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: float = 10000,
                  sp_context: Optional[SPContext] = None, rotary_interleaved: bool = False,
-                 seq_len_interpolation_factor: Optional[float] = None):
+                 seq_len_interpolation_factor: Optional[float] = None,
+                 rope_scaling: Optional[dict] = None):
         super().__init__()
         if rotary_interleaved:
             raise ValueError("rotary_interleaved=True is not supported by CPRotaryEmbedding; "
                              "use the default (non-interleaved) RoPE")
         dim = int(kv_channels * rotary_percent) if rotary_percent < 1.0 else kv_channels
-        self.inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.inv_freq = rope_inv_freq(dim, rotary_base, rope_scaling)
         self.interpolation = seq_len_interpolation_factor
         self.sp_ctx = build_sp_context(None) if sp_context is None else sp_context
         # tracks the model's device through .cuda()/.to(); a float tensor of size 0 is harmless
@@ -105,7 +151,8 @@ def _capture_positions(rope: CPRotaryEmbedding):
 
 def install_cp_rope(model: torch.nn.Module, config, sp_context: SPContext, *,
                     rotary_percent: float = 1.0, rotary_base: float = 10000,
-                    seq_len_interpolation_factor: Optional[float] = None) -> None:
+                    seq_len_interpolation_factor: Optional[float] = None,
+                    rope_scaling: Optional[dict] = None) -> None:
     """Put a :class:`CPRotaryEmbedding` over ``sp_context`` (the model's) in
     ``model.rotary_pos_emb`` (GPTModel or HybridModel), make the model hand it the position
     ids of each call, and link our core attentions to it for THD batches."""
@@ -114,7 +161,7 @@ def install_cp_rope(model: torch.nn.Module, config, sp_context: SPContext, *,
                          "position_embedding_type='rope'")
     rope = CPRotaryEmbedding(config.kv_channels, rotary_percent, rotary_base, sp_context,
                              getattr(config, "rotary_interleaved", False),
-                             seq_len_interpolation_factor)
+                             seq_len_interpolation_factor, rope_scaling)
     anchor = next(model.parameters())
     rope.to(anchor.device)
     model.rotary_pos_emb = rope

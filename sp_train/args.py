@@ -19,7 +19,10 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Sequence
 
-from megatron_patches.options import MODEL_KINDS, SPOptions, UsageError, option, seq_multiple
+from megatron_patches.options import (MODEL_KINDS, SPOptions, UsageError, expand_pattern,
+                                      option, seq_multiple)
+from megatron_patches.rotary import check_rope_scaling
+from megatron_patches.weights import HFArchitecture
 from .data import ENCODINGS as DATA_ENCODINGS
 from .data import PACKINGS
 from .loss import LOSS_IMPLS
@@ -63,7 +66,7 @@ _TINY = dict(num_layers=2, num_attention_heads=4, num_query_groups=4, seq_length
 # sp_train/README.md. Linear attention needs head dim >= 32 to learn the copy
 # and learns it slowly: a plateau to ~100 steps, then 200 steps end at 2.10, 300 at 1.10,
 # 400 at 0.67-0.84 (lr 3e-3 / 4e-3 and head dim 64 were slower). Gated (linear's shape and
-# steps, Mamba2-initialised gates): at chance to ~120 steps, 1.81 at 220, 0.88 at 400. The
+# steps, Mamba2-initialised gates): at chance to ~120 steps, 1.81 at 220, 0.61-0.88 at 400. The
 # hybrid (LS) sits at chance to ~200 steps (3.46 there) and ends 400 at 0.0011. (SL, softmax first, ends 200
 # steps at 0.036, but its fp32 losses drift apart across TP/CP layouts faster than LS's —
 # 2e-5 by step 4, past the parity test's 1e-5 — so LS stays the pattern.)
@@ -114,6 +117,17 @@ class TrainArgs:
     ffn_hidden_size: Optional[int] = _f(help="SwiGLU width", default_help="the preset's")
     seq_length: Optional[int] = _f(help="tokens per sequence", default_help="the preset's, "
                                    "rounded up to a multiple of the CP layout's chunks")
+    load_hf: Optional[str] = _sp("load_hf")
+    norm_epsilon: Optional[float] = _f(help="RMSNorm epsilon", default_help="1e-5, or the "
+                                       "--load-hf config's rms_norm_eps")
+    rotary_base: Optional[float] = _f(help="RoPE base θ (e.g. a larger one to continue a "
+                                      "checkpoint at a longer --seq-length)",
+                                      default_help="10000, or the --load-hf config's")
+    rope_scaling_factor: Optional[float] = _f(
+        help="RoPE frequency scaling factor: the --load-hf config's scaling (llama3 or linear) "
+        "with this factor, or, without one, Llama 3's scaling (low/high frequency factors 1 "
+        "and 4, original context 8192)", default_help="the --load-hf config's scaling; none "
+        "without --load-hf")
     sp_hybrid_pattern: Optional[str] = _sp("sp_hybrid_pattern")
     sp_slope_schedule: Optional[str] = _sp("sp_slope_schedule")
     tensor_model_parallel_size: int = _f(1, "TP: ranks sharing each layer's heads")
@@ -196,7 +210,10 @@ class TrainArgs:
     no_checkpoint_checksums: bool = _f(False, "skip the CRC-32 of every checkpoint file at save "
                                        "and its check at load (sizes are still checked)")
     log_interval: int = _f(10, "a log line every N steps when stdout is not a terminal")
-    log_dir: str = _f("runs", "where log.jsonl, loss.png and tensorboard/ go")
+    log_dir: Optional[str] = _f(help="where log.jsonl, run.json (which run owns the folder), "
+                                "loss.png, summary.json and tensorboard/ go; a folder holding "
+                                "another run's log is refused", default_help="runs/<model "
+                                "kind>, runs/<model kind>-local with --local-attention-only")
     tensorboard_dir: Optional[str] = _f(help="TensorBoard logs", default_help="LOG_DIR/tensorboard")
     log_json: Optional[str] = _f(help="JSON lines, one per step", default_help="LOG_DIR/log.jsonl")
     loss_png: Optional[str] = _f(help="loss curve", default_help="LOG_DIR/loss.png")
@@ -212,11 +229,13 @@ class TrainArgs:
         if self.set_by_user is None:
             self.set_by_user = tuple(f.name for f in fields(self) if f.name != "set_by_user"
                                      and getattr(self, f.name) != f.default)
+        self.hf = self._hf_architecture()
         kind = self.sp_model_kind
         if kind not in KIND_DEFAULTS:
             raise UsageError(f"--sp-model-kind {kind!r}: use one of {MODEL_KINDS}")
         if self.preset not in PRESETS:
             raise UsageError(f"--preset {self.preset!r}: use one of {PRESETS}")
+        self._rope_and_norms()
         for k, v in self.preset_shape().items():
             if getattr(self, k) is None:
                 setattr(self, k, v)
@@ -226,14 +245,72 @@ class TrainArgs:
         self.lr = defaults.lr if self.lr is None else self.lr
         self.min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
         self.train_iters = defaults.train_iters if self.train_iters is None else self.train_iters
+        self.log_dir = self.log_dir or os.path.join(
+            "runs", kind + ("-local" if self.local_attention_only else ""))
         self.log_json = self.log_json or os.path.join(self.log_dir, "log.jsonl")
         self.loss_png = self.loss_png or os.path.join(self.log_dir, "loss.png")
         self.tensorboard_dir = self.tensorboard_dir or os.path.join(self.log_dir, "tensorboard")
         self._check_model()
         self._check_training()
 
+    def _hf_architecture(self) -> Optional[HFArchitecture]:
+        """``--load-hf``'s architecture, its flag values set here; a flag given with another
+        value is refused by name."""
+        if self.load_hf is None:
+            return None
+        try:
+            arch = HFArchitecture.from_dir(self.load_hf)
+        except ValueError as e:
+            msg = str(e)
+            raise UsageError(msg if msg.startswith("--load-hf") else
+                             f"--load-hf {self.load_hf}: {msg}") from None
+        if self._given("preset"):
+            raise UsageError(f"--preset and --load-hf both give the model's shape; drop --preset "
+                             f"(the shape comes from {self.load_hf}/config.json)")
+        given = dict(arch.flags(), vocab_size=arch.vocab_size)
+        for name, value in given.items():
+            mine = getattr(self, name)
+            if not self._given(name) or mine == value or (
+                    name == "sp_hybrid_pattern" and mine and value
+                    and arch.num_layers % len(mine) == 0
+                    and expand_pattern(mine, arch.num_layers) == value):
+                setattr(self, name, value)
+                continue
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} {mine} contradicts --load-hf {self.load_hf}: its "
+                             f"config.json says {value}; drop {flag} (the architecture comes "
+                             "from the checkpoint)")
+        return arch
+
+    def _rope_and_norms(self) -> None:
+        """RoPE θ and scaling, the norms' epsilon and the tied embeddings: the flags, else the
+        ``--load-hf`` config, else the defaults."""
+        hf = self.hf
+        if self.norm_epsilon is None:
+            self.norm_epsilon = hf.norm_epsilon if hf else 1e-5
+        if self.rotary_base is None:
+            self.rotary_base = hf.rotary_base if hf else 10000.0
+        if not self.norm_epsilon > 0 or not self.rotary_base > 0:
+            raise UsageError("--norm-epsilon and --rotary-base must be > 0")
+        scaling = hf.rope_scaling if hf else None
+        if self.rope_scaling_factor is not None:
+            scaling = dict(scaling or {"rope_type": "llama3", "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192},
+                           factor=self.rope_scaling_factor)
+        try:
+            self.rope_scaling = check_rope_scaling(scaling)
+        except ValueError as e:
+            raise UsageError(f"--rope-scaling-factor: {e}") from None
+        self.tie_embeddings = bool(hf and hf.tie_word_embeddings)
+
     def preset_shape(self) -> dict:
-        """The shape ``--preset`` gives this model kind."""
+        """The shape ``--preset`` gives this model kind (``--load-hf``: the checkpoint's, with
+        its context length up to 4096 tokens)."""
+        if self.hf is not None:
+            keys = SHAPE_KEYS[:-1]
+            return dict({k: getattr(self.hf, k) for k in keys},
+                        seq_length=min(self.hf.max_position_embeddings, 4096))
         if self.preset == "tiny":
             return dict(KIND_DEFAULTS[self.sp_model_kind].tiny)
         return dict(SHAPES[self.preset])
@@ -246,6 +323,12 @@ class TrainArgs:
         if h % heads:
             raise UsageError(f"--hidden-size {h} is not divisible by --num-attention-heads "
                              f"{heads}; pick a head count that divides it")
+        head_dim = h // heads
+        if head_dim % 2:        # RoPE rotates pairs of channels
+            raise UsageError(f"--hidden-size {h} / --num-attention-heads {heads} gives head dim "
+                             f"{head_dim}: RoPE rotates pairs of channels, so the head dim must "
+                             f"be even; e.g. --hidden-size {heads * (head_dim + 1)} or "
+                             f"--num-attention-heads dividing {h} into an even head dim")
         if heads % g:
             raise UsageError(f"--num-attention-heads {heads} is not divisible by "
                              f"--num-query-groups {g}; use a divisor of the head count")
@@ -317,8 +400,24 @@ class TrainArgs:
         """What a checkpoint must match to load (see checkpoint.check_compatible)."""
         keys = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                 "ffn_hidden_size")
+        tied = {"tie_embeddings": True} if self.tie_embeddings else {}
         return ({"model_kind": self.sp_model_kind} | {k: getattr(self, k) for k in keys}
-                | {"layers": self.layer_kinds()})
+                | {"layers": self.layer_kinds()} | tied)
+
+    def hf_export(self, vocab_size: int) -> dict:
+        """What ``python -m sp_train.export_hf`` needs beyond the weights to write an HF
+        config (kept in each checkpoint's meta.json): ``vocab_size``, the model's vocabulary
+        (padded; an HF start's own vocabulary instead)."""
+        hf = self.hf
+        return {"model_type": hf.model_type if hf else
+                ("llama" if self.sp_model_kind == "softmax" else "sp_linear_llama"),
+                "vocab_size": hf.vocab_size if hf else vocab_size,
+                "tie_word_embeddings": self.tie_embeddings, "rotary_base": self.rotary_base,
+                "rope_scaling": self.rope_scaling, "norm_epsilon": self.norm_epsilon,
+                "max_position_embeddings": max(self.seq_length,
+                                               hf.max_position_embeddings if hf else 0),
+                "slope_schedule": self.sp_options.slopes if "L" in self.layer_kinds() else None,
+                "layer_kinds": list(self.sp_options.layer_kinds)}
 
     def layout(self, world_size: int) -> Layout:
         """Check the parallel sizes against ``world_size``; return the layout. A sequence

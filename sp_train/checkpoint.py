@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 __all__ = ["save_checkpoint", "load_checkpoint", "find_latest", "resume_path",
+           "require_checkpoint",
            "check_compatible", "read_meta", "verify_checkpoint", "verify_checksums",
            "CheckpointError"]
 
@@ -97,6 +98,23 @@ def resume_path(load: Optional[str], step: Optional[int] = None) -> Optional[str
         raise CheckpointError(f"--ckpt-step {step}: there is no {path} (steps in {load}: "
                               f"{have})")
     return path
+
+
+def require_checkpoint(load: Optional[str], save: Optional[str], found: Optional[str]) -> None:
+    """``--load`` must find a checkpoint, unless it is also ``--save`` (a job's first run,
+    requeue-friendly: it starts fresh and saves there). Raises :class:`CheckpointError`
+    naming ``--load`` and what it looked for."""
+    if load is None or found is not None:
+        return
+    if save is not None and os.path.abspath(load) == os.path.abspath(save):
+        return
+    what = ("it does not exist" if not os.path.exists(load) else
+            f"it holds {', '.join(sorted(os.listdir(load))[:6]) or 'nothing'}")
+    raise CheckpointError(
+        f"--load {load} holds no checkpoint: looked for {os.path.join(load, 'iter_NNNNNNN')}/ "
+        f"directories (a train.py --save directory) or a checkpoint directory itself, and "
+        f"{what}. Point --load at an earlier run's --save directory; to start fresh and save "
+        f"there, give the same directory as --save (a requeued job's command line)")
 
 
 def _damaged(path: str, what: str) -> CheckpointError:
@@ -221,18 +239,19 @@ def _record_files(tmp: str, rank: int, group, checksums: bool) -> Optional[dict]
 
 def check_compatible(meta: dict, path: str, *, tp: int, cp: int, dp: int, model: dict) -> None:
     """Refuse a checkpoint this run cannot load (pure: call it on every rank before any
-    collective). CP and DP may change freely; TP and the model's shape may not."""
+    collective; :class:`CheckpointError`, which train.py prints once). CP and DP may change
+    freely; TP and the model's shape may not."""
     here = f"TP{tp}·CP{cp}·DP{dp}"
     there = f"TP{meta['tp']}·CP{meta['cp']}·DP{meta['dp']}"
     if meta["tp"] != tp:
-        raise ValueError(f"checkpoint {path} was saved with layout {there}; this run is {here}. "
+        raise CheckpointError(f"checkpoint {path} was saved with layout {there}; this run is {here}. "
                          "Parameters are split by TP, so relaunch with "
                          f"--tensor-model-parallel-size {meta['tp']} (CP and DP may differ)")
     diff = {k: (meta["model"].get(k), v) for k, v in model.items() if meta["model"].get(k) != v}
     if diff:
         detail = ", ".join(f"{k}: checkpoint {a!r} vs run {b!r}" for k, (a, b) in diff.items())
-        raise ValueError(f"checkpoint {path} holds a different model ({detail}); pass the same "
-                         "model flags or a different --load directory")
+        raise CheckpointError(f"checkpoint {path} holds a different model ({detail}); pass the "
+                              "same model flags or a different --load directory")
 
 
 def _state(model: torch.nn.Module, optimizer, tp_rank: int) -> dict:

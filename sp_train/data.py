@@ -94,6 +94,7 @@ class CopyTask:
         self.packed = packed
         self.sep = copy_vocab
         self.vocab_size = pad_vocab(max(copy_vocab + 1, vocab_size or 0), tp)
+        self.tokens_used = copy_vocab + 1            # ids 0 … copy_vocab (the separator)
         self.chance_loss = math.log(copy_vocab)
         self.period = max(2, seq_length // 4)
         what = (f"packed documents: {self.period - 1} random tokens of {copy_vocab}, separator, "
@@ -256,6 +257,7 @@ class TokenFile:
             n_vocab = 257
         self.eod = eos
         self.vocab_size = pad_vocab(n_vocab, tp)
+        self.tokens_used = n_vocab
         self.tokens = torch.tensor(ids, dtype=torch.int64)
         self.num_samples = (len(ids) - 1) // seq_length
         if self.num_samples < 1:

@@ -13,7 +13,7 @@ import signal
 import socket
 import subprocess
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -113,10 +113,14 @@ class TrainHooks:
         after_checkpoint_write: ``f(step, tmp_path)`` on every rank once a checkpoint's
             shards are written, before they are recorded and renamed into place (a crash
             here must leave the previous checkpoint in charge).
+        on_model: ``f(model, step)`` on every rank once the weights are in place (``step``:
+            the first step's predecessor, 0 for a fresh run) and after the last step (e.g.
+            the model's logits on fixed tokens).
     """
 
     after_step: Optional[Callable[[int], None]] = None
     after_checkpoint_write: Optional[Callable[[int, str], None]] = None
+    on_model: Optional[Callable[[Any, int], None]] = None
 
 
 class StopSignals:

@@ -5,17 +5,20 @@ from __future__ import annotations
 import json
 import os
 import resource
+import socket
 import sys
 import time
 from typing import Optional, Sequence
 
 import torch
 
+import sp_attention.linear.attention as _linear
 from sp_attention.linear.attention import resolve_impl
 from sp_attention.softmax import PRESETS
 
 __all__ = ["flops_per_token", "peak_flops", "memory_gb", "Progress", "plot_losses",
-           "read_log", "describe_attention"]
+           "read_log", "describe_attention", "log_dir_refusal", "claim_log_dir",
+           "release_log_dir"]
 
 # Dense bf16 tensor-core peak (no sparsity), FLOP/s.
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "GH200": 989e12, "B200": 2250e12,
@@ -123,8 +126,10 @@ class Progress:
     def _show(self, rec: dict) -> None:
         step, n = rec["step"], self.total
         mfu = f" | MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else ""
+        # GPU: peak allocated tensor memory; CPU: the whole process's peak resident set
+        mem = "GPU mem" if self.device.type == "cuda" else "rank-0 RSS"
         text = (f"step {step}/{n} | loss {rec['loss']:.4f} | {rec['tokens_per_s']:,.0f} tok/s"
-                f"{mfu} | mem {rec['mem_gb']:.2f} GB | {rec['step_time_s'] * 1e3:.0f} ms/step")
+                f"{mfu} | {mem} {rec['mem_gb']:.2f} GB | {rec['step_time_s'] * 1e3:.0f} ms/step")
         if self.tty:
             width = 24
             done = int(width * step / n)
@@ -155,6 +160,71 @@ class Progress:
             self.json.close()
         if self.tb:
             self.tb.close()
+
+
+def _owner_file(log_json: str) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(log_json)), "run.json")
+
+
+def _alive(owner: dict) -> bool:
+    """Whether the rank-0 process ``owner`` names still runs (on this host; elsewhere: we
+    cannot tell, so no)."""
+    if owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
+        return False
+    try:
+        os.kill(owner["pid"], 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return owner["pid"] != os.getpid()
+
+
+def log_dir_refusal(log_json: str, identity: dict, resumed: bool) -> Optional[str]:
+    """None when a run with ``identity`` (its model, data, baseline switch, ``--save``) may
+    write ``log_json``; else the error, with the fix. A resumed run appends, so the folder's
+    log must be its own (``run.json`` names the same run) or absent; a fresh run starts the
+    log afresh, unless another run is still writing it."""
+    try:
+        with open(_owner_file(log_json)) as f:
+            owner = json.load(f)
+    except (OSError, ValueError):
+        return None         # no log, or one of a train.py before run.json: as before
+    if not os.path.exists(log_json):
+        return None
+    folder = os.path.dirname(os.path.abspath(log_json))
+    if not resumed:
+        if owner.get("finished", True) or not _alive(owner):
+            return None
+        return (f"--log-dir {folder} is being written by another run (pid {owner['pid']}); "
+                "give this run its own --log-dir")
+    mine = {k: owner.get(k) for k in identity}
+    if mine == identity:
+        return None
+    differ = "; ".join(f"{k}: {mine[k]!r} there, {v!r} here" for k, v in identity.items()
+                       if mine[k] != v)
+    return (f"--log-dir {folder} holds the log of another run ({differ}): this resumed run "
+            f"would append to it. Pass the --log-dir of the run you resume, or a new one")
+
+
+def claim_log_dir(log_json: str, identity: dict, fresh: bool) -> None:
+    """Record this run as the owner of ``log_json``'s folder (``run.json``: ``identity``,
+    host and pid, unfinished); a fresh run (not resumed) starts its log afresh. Rank 0."""
+    os.makedirs(os.path.dirname(os.path.abspath(log_json)), exist_ok=True)
+    if fresh and os.path.exists(log_json):
+        os.remove(log_json)
+    with open(_owner_file(log_json), "w") as f:
+        json.dump(dict(identity, host=socket.gethostname(), pid=os.getpid(), finished=False),
+                  f, indent=1)
+
+
+def release_log_dir(log_json: str) -> None:
+    """Mark the folder's run finished (rank 0, at the end of a run, stopped or not)."""
+    try:
+        with open(_owner_file(log_json)) as f:
+            owner = json.load(f)
+        with open(_owner_file(log_json), "w") as f:
+            json.dump(dict(owner, finished=True), f, indent=1)
+    except (OSError, ValueError):
+        pass
 
 
 def read_log(path: str) -> tuple[list, list]:
@@ -198,21 +268,32 @@ def plot_losses(curves: dict, path: str, *, chance: Optional[float] = None,
     return path
 
 
-def describe_attention(options, ctx, local_only: bool = False) -> str:
+def describe_attention(options, ctx, local_only: bool = False,
+                       picks: Optional[dict] = None) -> str:
     """The header's attention part: each layer kind's schedule as it will run over ``ctx``
-    (``options``: the run's :class:`~megatron_patches.options.SPOptions`)."""
+    (``options``: the run's :class:`~megatron_patches.options.SPOptions`; ``picks``: the
+    schedules resolved for the run's shape, :func:`megatron_patches.model.auto_picks`, so an
+    ``auto`` shows what it picked: ``linear scan auto → allgather``)."""
     if local_only:
         return "local shard only (baseline, no cross-rank attention)"
+    picks = picks or {}
     pattern, parts = options.pattern, []
     if "S" in pattern:
         s = options.softmax_schedule
-        name = "auto (cost model)" if s.is_auto else next(
+        name = picks.get("softmax") or next(
             (n for n, pair in PRESETS.items() if pair == (s.fwd, s.bwd)), f"{s.fwd}/{s.bwd}")
-        parts.append(f"softmax {name}")
+        parts.append(f"softmax {_auto(s.is_auto, name)}")
     for letter, name in (("L", "linear"), ("G", "gated")):
         if letter in pattern:
-            scan = resolve_impl(options.context_parallel_impl, ctx)
-            parts.append(f"{name} scan {'auto (cost model)' if scan == 'auto' else scan}")
+            scan = picks.get("linear") or resolve_impl(options.context_parallel_impl, ctx)
+            asked = options.context_parallel_impl or _linear.DEFAULT_IMPL
+            parts.append(f"{name} scan {_auto(asked == 'auto' and ctx.world_size > 1, scan)}")
     if ctx.world_size == 1:
         return " + ".join(p.split(" ")[0] for p in parts) + " on one rank (CP 1)"
     return f"{' + '.join(parts)} across CP {ctx.world_size} ({ctx.layout})"
+
+
+def _auto(is_auto: bool, name: str) -> str:
+    if not is_auto:
+        return name
+    return "auto (cost model)" if name == "auto" else f"auto → {name}"

@@ -5,15 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import os
+
 import torch
 import torch.distributed as dist
 
-from .args import Layout, TrainArgs
+from megatron_patches.weights import load_hf_into, padded_vocab
+
+from .args import Layout, TrainArgs, UsageError
 from .loss import default_chunk_tokens
 from .memory import GIB, ModelShape, StepShape, estimate_memory
 
 __all__ = ["Groups", "init_groups", "transformer_config", "build_model", "count_params",
-           "memory_estimate", "check_memory"]
+           "memory_estimate", "check_memory", "memory_capacity", "model_vocab", "load_hf",
+           "schedule_picks"]
 
 
 @dataclass
@@ -71,7 +76,7 @@ def transformer_config(args: TrainArgs, layout: Layout, *, bf16: bool, on_gpu: b
         ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.hidden_size
         // args.num_attention_heads,
         tensor_model_parallel_size=layout.tp, context_parallel_size=cp,
-        sequence_parallel=False, normalization="RMSNorm", layernorm_epsilon=1e-5,
+        sequence_parallel=False, normalization="RMSNorm", layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
@@ -96,6 +101,8 @@ def build_model(args: TrainArgs, layout: Layout, groups: Groups, vocab_size: int
     kw = {} if groups.model_pgs is None else {"pg_collection": groups.model_pgs}
     model = build_gpt_model(config, args.sp_options, vocab_size=vocab_size,
                             max_sequence_length=args.seq_length,
+                            rotary_base=args.rotary_base, rope_scaling=args.rope_scaling,
+                            share_embeddings_and_output_weights=args.tie_embeddings,
                             return_hidden_states=args.loss_impl != "megatron", **kw)
     if bf16:
         # What Megatron's Float16Module does to the model: every parameter in bf16. Megatron's
@@ -103,6 +110,17 @@ def build_model(args: TrainArgs, layout: Layout, groups: Groups, vocab_size: int
         # torch from its fused RMSNorm (the unfused one cost ~0.2 s of a 1.3 s 1B step).
         model = model.bfloat16()
     return model.to(device)
+
+
+def schedule_picks(model, args: TrainArgs, layout: Layout, cp_ctx, *, bf16: bool,
+                   device: torch.device) -> dict:
+    """What each layer kind's schedule resolves to for this run's shape (``auto``: the cost
+    model's or the CPU rule's pick): :func:`megatron_patches.model.auto_picks`."""
+    from megatron_patches.model import auto_picks
+    return auto_picks(model.sp_options, cp_ctx, micro_batch_size=layout.micro_batch_size,
+                      seq_length=args.seq_length,
+                      head_dim=args.hidden_size // args.num_attention_heads,
+                      dtype=torch.bfloat16 if bf16 else torch.float32, device=device)
 
 
 def count_params(model: torch.nn.Module, tp: int) -> int:
@@ -116,7 +134,7 @@ def memory_estimate(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: b
     rc = args.recompute()
     model = ModelShape(args.num_layers, args.hidden_size, args.ffn_hidden_size,
                        args.num_attention_heads, args.num_query_groups, vocab_size,
-                       args.layer_kinds())
+                       args.layer_kinds(), tied_embeddings=args.tie_embeddings)
     step = StepShape(tp=layout.tp, cp=layout.cp, dp=layout.dp,
                      micro_batch_size=layout.micro_batch_size,
                      num_micro_batches=layout.num_micro_batches, seq_length=args.seq_length,
@@ -127,12 +145,55 @@ def memory_estimate(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: b
     return model, step, estimate_memory(model, step)
 
 
+def memory_capacity(device: torch.device) -> tuple[Optional[float], str]:
+    """``(bytes one rank may use, what that is)``: the GPU's memory, or on CPU the RAM the
+    kernel reports available (``MemAvailable`` of ``/proc/meminfo``, else psutil) shared by
+    the ranks of this node (torchrun's ``LOCAL_WORLD_SIZE``)."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory), "the GPU's memory"
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f
+                         if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        try:
+            import psutil
+            avail = psutil.virtual_memory().available
+        except ImportError:
+            pass
+    if avail is None:
+        return None, "RAM (unknown: no /proc/meminfo, no psutil; not checked)"
+    share = f" / {ranks} ranks on this node" if ranks > 1 else ""
+    return avail / ranks, f"available RAM per rank (MemAvailable {avail / GIB:.1f} GiB{share})"
+
+
+def model_vocab(args: TrainArgs, data, tp: int) -> int:
+    """The model's vocabulary (embedding and output rows over all TP ranks): the data's
+    (padded, :func:`sp_train.data.pad_vocab`), or a ``--load-hf`` checkpoint's padded to a
+    multiple of TP only, which must hold every token the data uses."""
+    if args.hf is None:
+        return data.vocab_size
+    if data.tokens_used > args.hf.vocab_size:
+        raise UsageError(f"the data uses {data.tokens_used} token ids but the --load-hf "
+                         f"checkpoint's vocabulary has {args.hf.vocab_size}: pass its tokenizer "
+                         f"(--tokenizer-model {args.load_hf}) or a smaller --copy-vocab")
+    return padded_vocab(args.hf.vocab_size, tp)
+
+
+def load_hf(model: torch.nn.Module, args: TrainArgs, groups: Groups, tp: int) -> None:
+    """``--load-hf``'s weights into the freshly built ``model`` (this rank's TP slices)."""
+    load_hf_into(model, args.load_hf, args.hf, tp_rank=groups.tp_rank, tp_size=tp)
+
+
 def check_memory(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: bool,
-                 capacity: Optional[float]):
-    """The run's :class:`~sp_train.memory.MemoryEstimate`; raises ``ValueError`` naming
-    the fixes (more CP, recompute, a smaller micro-batch, each with its own estimate) when it
-    exceeds
-    ``capacity`` bytes (None: no limit, e.g. on CPU) and ``--no-memory-check`` is not given."""
+                 capacity: Optional[float], where: str = "the device holds",
+                 on_gpu: bool = True):
+    """The run's :class:`~sp_train.memory.MemoryEstimate`; raises :class:`UsageError` (the
+    same on every rank) naming the fixes (more CP, recompute on GPUs, a smaller micro-batch,
+    each with its own estimate) when it exceeds ``capacity`` bytes (``where``: what that is;
+    None: no limit) and ``--no-memory-check`` is not given."""
     import dataclasses
     model, step, est = memory_estimate(args, layout, vocab_size, bf16=bf16)
     line = f"memory estimate per rank: {est.summary(capacity)}"
@@ -142,12 +203,13 @@ def check_memory(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: bool
     cp = 2 * layout.cp            # the smallest CP (doubling) that fits, or the last tried
     while cp < 64 and estimate_memory(model, dataclasses.replace(step, cp=cp)).total > capacity:
         cp *= 2
-    options = [(f"--context-parallel-size {cp} ({cp // layout.cp}x the GPUs)", dict(cp=cp))]
-    if step.recompute != "full":
+    unit = "GPUs" if on_gpu else "ranks"
+    options = [(f"--context-parallel-size {cp} ({cp // layout.cp}x the {unit})", dict(cp=cp))]
+    if on_gpu and step.recompute != "full":
         options.append(("--recompute-granularity full",
                         dict(recompute="full", recompute_method=None,
                              recompute_num_layers=None)))
-    if step.recompute is None:
+    if on_gpu and step.recompute is None:
         options.append(("--recompute-granularity selective --recompute-modules core_attn mlp",
                         dict(recompute="selective", recompute_modules=("core_attn", "mlp"))))
     if layout.micro_batch_size > 1:
@@ -158,5 +220,5 @@ def check_memory(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: bool
             continue
         alt = estimate_memory(model, dataclasses.replace(step, **change))
         fixes.append(f"{flag}: {alt.total / GIB:.1f} GiB")
-    raise ValueError(f"the {line}: more than the device holds. Fixes (their estimates): "
+    raise UsageError(f"the {line}: more than {where}. Fixes (their estimates): "
                      + "; ".join(fixes) + ". (--no-memory-check starts anyway.)")

@@ -14,12 +14,15 @@ twice), or a signal that comes before the workers exist, is torchrun's own (forw
 kill); a second SIGTERM is forwarded again. Linux (reads ``/proc`` to find the workers).
 
 When the first worker to fail exited 2 (train.py's status for bad input: flags, data, a
-damaged checkpoint, each already explained) and the others did too or were stopped by the
-agent, this launcher exits 2 without torchrun's failure report; any other failure is reported
-as torchrun reports it.
+damaged checkpoint, each already explained once, by rank 0) and the others did too or were
+stopped by the agent, this launcher exits 2 without torchrun's failure report (and without
+its log line about the worker's exit status): the user sees train.py's one line. Any other
+failure is reported as torchrun reports it. ``OMP_NUM_THREADS`` defaults to 1 (torchrun's
+own default, without its notice).
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -45,6 +48,17 @@ def children(pid: int) -> list[int]:
     return out
 
 
+class _QuietBadInput(logging.Filter):
+    """Drops the agent's "failed (exitcode: 2)" line (train.py has said what was wrong) and
+    its "closing signal SIGTERM" notices to the other workers (a failure's report, where one
+    is printed, names them)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return (f"(exitcode: {BAD_INPUT_EXIT_STATUS})" not in msg
+                and "closing signal SIGTERM" not in msg)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run torchrun with ``argv``; returns 0, or the stop status after SIGTERM/SIGINT."""
     from torch.distributed import run as torchrun
@@ -52,6 +66,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     got: list[int] = []
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietBadInput())
 
     def forward(signum, frame) -> None:
         workers = children(os.getpid())

@@ -92,3 +92,34 @@ def test_modules_and_names_in_the_library_docs_exist():
                 names.append(".".join(base + [rel.lstrip(".")]))
         missing += [f"{doc}: {n}" for n in names if not _resolves(n)]
     assert not missing, "names that do not resolve:\n" + "\n".join(missing)
+
+
+def _commands(text: str, marker: str) -> list:
+    """The README's shell commands (code blocks, ``\\`` continuations joined) that run
+    ``marker``, as argument lists after it."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("#")[0].split("&&")[-1].strip()
+            if marker in line.split():
+                out.append(line.split()[line.split().index(marker) + 1:])
+    return out
+
+
+def test_the_readme_commands_are_ones_the_tests_run():
+    """The Quickstart trains through ``python -m sp_train.torchrun`` (what
+    tests/train/test_first_hour.py launches); every train.py and export_hf command in the
+    README parses with their own parsers."""
+    from sp_train.args import build_parser
+    text = open(os.path.join(ROOT, "README.md")).read()
+    assert ("pip install torch==2.13.0 -e \".[train]\" && python -m sp_train.torchrun "
+            "--nproc-per-node 4 train.py") in text
+    first_hour = open(os.path.join(ROOT, "tests", "train", "test_first_hour.py")).read()
+    assert '"-m", "sp_train.torchrun", "--nproc-per-node"' in first_hour
+    trains = _commands(text, "train.py")
+    assert len(trains) >= 3
+    for argv in trains:
+        build_parser().parse_args([a for a in argv if a != "..."])
+    exports = _commands(text, "sp_train.export_hf")
+    assert exports and all("--load" in a and "--out" in a for a in exports)
+    assert "examples/hf_llama_cp.py" in text and "models/README.md" in text

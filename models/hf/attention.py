@@ -46,11 +46,13 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from megatron_patches.options import SPOptions, take_renamed
-from sp_attention import (LinearTuning, SoftmaxSchedule, SPContext, build_sp_context,
+from sp_attention import (SoftmaxSchedule, SPContext, build_sp_context,
                           context_parallel_attention, lightning_attention)
 from sp_attention.caches import LRU
 from sp_attention.linear import IMPLS as LINEAR_IMPLS
 from sp_attention.planning.packing import PackingPlan, packing_context, resolve_plan
+
+from ..linear_core import decay_kwargs as core_decay_kwargs
 
 __all__ = ["CPSchedule", "CPHandle", "prepare_model_for_cp", "make_cp_attention", "model_options",
            "LINEAR_IMPLS"]
@@ -59,9 +61,6 @@ __all__ = ["CPSchedule", "CPHandle", "prepare_model_for_cp", "make_cp_attention"
 # linear layers' scan is prepare_model_for_cp's context_parallel_impl=).
 CPSchedule = SoftmaxSchedule
 
-# a gated layer's gates are non-positive by construction: the op need not read them back to
-# check (one device sync per layer)
-_GATED_TUNING = LinearTuning(check_gate_values=False)
 # HF's names for a packed row's boundaries (flash kwargs; the second pair: older spellings).
 _CU_NAMES = (("cu_seq_lens_q", "cu_seq_lens_k"), ("cu_seqlens_q", "cu_seqlens_k"))
 # CP = 1: the boundaries found in a position_ids tensor, by its id (one host copy per forward,
@@ -158,8 +157,8 @@ def decay_kwargs(module, log_decay) -> dict:
     """``lightning_attention``'s decay arguments for a linear layer of ours: its gates
     (``log_decay [b, s, h]``, a gated layer) or its fixed slopes."""
     if log_decay is not None:
-        return {"g": log_decay, "tuning": _GATED_TUNING}
-    return {"slopes": module.decay_slopes()}
+        return core_decay_kwargs(g=log_decay)
+    return core_decay_kwargs(slopes=module.decay_slopes())
 
 
 def make_cp_attention(ctx: SPContext, schedule: SoftmaxSchedule,

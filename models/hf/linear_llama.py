@@ -9,8 +9,16 @@ load). A linear layer
 keeps Llama's q/k/v/o projections, GQA and RoPE on q and k (train.py's trials: linear attention
 with decay learned long-range copying only with RoPE), replaces softmax by
 ``sp_attention.lightning_attention`` with scale ``head_dim ** -0.5``, and normalises each
-head's output (RMSNorm over the head dim) before ``o_proj``, because the un-normalised sum
-grows with the number of tokens a head remembers.
+head's output (RMS over the head dim, a weight per head and channel, ``o_norm.weight
+[heads·head_dim]``) before ``o_proj``, because the un-normalised sum grows with the number of
+tokens a head remembers. The decay, the gate and the norm are the layer core the Megatron
+layers share (:mod:`models.linear_core`: same math, same weights).
+
+Checkpoints saved before this release hold one ``o_norm.weight [head_dim]`` shared by the
+heads; their ``config.json`` has no ``out_norm_per_head``, which then reads False and builds
+that form, so they load and run unchanged; ``train.py --load-hf`` broadcasts it to the
+per-head form exactly (:func:`models.linear_core.out_norm_weight_from`) and the export
+(``python -m sp_train.export_hf``) writes the per-head form.
 
 Slopes are fixed by the config (not parameters, not saved), so ``save_pretrained`` /
 ``from_pretrained`` round-trip through the config alone. A ``"gated"`` layer learns its decay
@@ -37,13 +45,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers import initialization as init
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (LlamaForCausalLM, LlamaModel,
-                                                      LlamaPreTrainedModel, LlamaRMSNorm,
+                                                      LlamaPreTrainedModel,
                                                       apply_rotary_pos_emb)
 
 from sp_attention import lightning_attention
-from sp_attention.linear.gate_param import gate_log_decay, mamba2_gate_init
-from sp_attention.linear.slopes import DEFAULT_SLOPE_SCHEDULE, SLOPE_SCHEDULES, decay_slopes
+from sp_attention.linear.slopes import DEFAULT_SLOPE_SCHEDULE, SLOPE_SCHEDULES
 from sp_attention.validation import resolve_ctx
+
+from ..linear_core import HeadRMSNorm, gate_log_decay, gate_params, layer_slopes
 
 from .attention import decay_kwargs, packed_plan
 
@@ -66,14 +75,26 @@ def hybrid_layer_kinds(num_layers: int, softmax_every: int) -> list[str]:
 
 @strict
 class LinearLlamaConfig(LlamaConfig):
-    """``LlamaConfig`` plus ``layer_kinds`` (None: every layer linear) and ``slope_schedule``
+    """``LlamaConfig`` plus ``layer_kinds`` (None: every layer linear), ``slope_schedule``
     (``"long_range"`` or ``"lightning"``, see ``sp_attention.linear.slopes``; the old name
-    ``decay_schedule`` is read from saved configs)."""
+    ``decay_schedule`` is read from saved configs) and ``out_norm_per_head`` (True: the
+    output norm's weight is ``[heads·head_dim]``; False: one ``[head_dim]`` weight shared by
+    the heads, the form of checkpoints saved before it existed — a saved config without the
+    field reads False)."""
 
     model_type = "sp_linear_llama"
 
     layer_kinds: list[str] | None = None
     slope_schedule: str = DEFAULT_SLOPE_SCHEDULE
+    out_norm_per_head: bool = True
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """A saved config; one saved before ``out_norm_per_head`` existed holds the shared
+        ``[head_dim]`` norm weight (the field then reads False)."""
+        if "out_norm_per_head" not in config_dict:
+            config_dict = dict(config_dict, out_norm_per_head=False)
+        return super().from_dict(config_dict, **kwargs)
 
     def __post_init__(self, **kwargs):
         old = kwargs.pop("decay_schedule", None)      # configs saved before the rename
@@ -134,19 +155,19 @@ class LinearLlamaAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim,
                                 bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.o_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.o_norm = HeadRMSNorm(self.num_heads, self.head_dim, eps=config.rms_norm_eps,
+                                  shared=not config.out_norm_per_head)
         if gated:       # initialised by LinearLlamaForCausalLM._init_weights (Mamba2's rule)
             self.gate_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
-            a_log, dt_bias = mamba2_gate_init(self.num_heads)
+            a_log, dt_bias = gate_params(self.num_heads)
             self.A_log = nn.Parameter(a_log)
             self.dt_bias = nn.Parameter(dt_bias)
 
     def decay_slopes(self) -> torch.Tensor:
         """``[H]`` fp32 slopes of this layer (computed, not stored: from_pretrained builds
         modules on the meta device, where a stored tensor would be lost)."""
-        return decay_slopes(self.num_heads, self.config.slope_schedule,
-                            layer_number=self.layer_idx + 1,
-                            num_layers=self.config.num_hidden_layers)
+        return layer_slopes(self.num_heads, self.config.slope_schedule, self.layer_idx + 1,
+                            self.config.num_hidden_layers)
 
     def log_decay(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """A gated layer's gates ``[b, s, h]`` (fp32) for its input ``hidden_states``."""
@@ -208,8 +229,10 @@ class LinearLlamaForCausalLM(LlamaForCausalLM):
         """Llama's initialisation, plus Mamba2's for a gated layer's ``A_log`` and
         ``dt_bias`` (parameters of our own, which HF's rule does not know)."""
         super()._init_weights(module)
+        if isinstance(module, HeadRMSNorm):
+            init.ones_(module.weight)
         if isinstance(module, LinearLlamaAttention) and module.gated:
-            a_log, dt_bias = mamba2_gate_init(module.num_heads)
+            a_log, dt_bias = gate_params(module.num_heads)
             init.copy_(module.A_log, a_log)
             init.copy_(module.dt_bias, dt_bias)
 

@@ -21,8 +21,16 @@ def _check_qkv(q, k, v) -> None:
         raise ValueError(f"q, k, v must be [B, T, H, K/V]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        hint = ""
+        if q.shape[0] == k.shape[0] and q.shape[2:] == k.shape[2:] and k.shape[1] \
+                and q.shape[1] % k.shape[1] == 0:
+            hint = (" They look like [B, H, T, D] (the SDPA / HF layout: dim 1 holds the "
+                    f"{q.shape[1]} query and {k.shape[1]} KV heads); this op takes "
+                    "[B, T_local, H, K]: pass q, k, v .transpose(1, 2) and transpose the "
+                    "output back.")
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must have the same shape "
-                         "but for k's heads (B, T, K equal; k may have fewer, grouped heads)")
+                         "but for k's heads (B, T, K equal; k may have fewer, grouped "
+                         f"heads).{hint}")
     if v.shape[:3] != k.shape[:3]:
         raise ValueError(f"v {tuple(v.shape)} must match q {tuple(q.shape)} in B, T and k "
                          f"{tuple(k.shape)} in its heads")

@@ -150,3 +150,36 @@ def test_configs_saved_with_the_old_field_name_load(tmp_path):
     assert "decay_schedule" not in loaded.config.to_dict()
     ids = torch.randint(0, 64, (2, 10))
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_checkpoints_with_the_old_shared_output_norm_still_load(tmp_path):
+    """A checkpoint saved before ``out_norm_per_head`` existed (one ``o_norm.weight
+    [head_dim]`` for all heads, no such field in config.json) loads and runs as it did; the
+    per-head form with that weight repeated for every head gives the same logits (the
+    conversion train.py --load-hf applies, models.linear_core.out_norm_weight_from)."""
+    import json
+
+    from models.linear_core import out_norm_weight_from
+    torch.manual_seed(3)
+    old = LinearLlamaForCausalLM(_tiny(LinearLlamaConfig, out_norm_per_head=False))
+    with torch.no_grad():
+        for layer in old.model.layers:
+            layer.self_attn.o_norm.weight.add_(0.3 * torch.randn(8))
+    old.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["out_norm_per_head"]                      # as saved before the field existed
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    loaded = LinearLlamaForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert loaded.config.out_norm_per_head is False
+    assert loaded.model.layers[0].self_attn.o_norm.weight.shape == (8,)
+    new = LinearLlamaForCausalLM(_tiny(LinearLlamaConfig)).eval()
+    state = {k: out_norm_weight_from(v, 4, 8) if k.endswith("o_norm.weight") else v
+             for k, v in loaded.state_dict().items()}
+    new.load_state_dict(state)
+    assert new.model.layers[0].self_attn.o_norm.weight.shape == (32,)
+    ids = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        assert torch.allclose(new(ids).logits, loaded(ids).logits, atol=1e-6)
+        assert torch.allclose(old.eval()(ids).logits, loaded(ids).logits, atol=0)
+    with pytest.raises(ValueError, match="fits neither"):
+        out_norm_weight_from(torch.ones(5), 4, 8)

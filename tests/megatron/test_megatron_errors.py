@@ -342,7 +342,7 @@ def test_public_api_is_pinned():
     assert set(m.__all__) == {"build_gpt_model", "model_options", "KINDS", "POSITION_EMBEDDINGS",
                               "tp_shard_state_dict", "grad_reduce_group", "cp_context",
                               "layer_pattern", "global_loss_share", "HiddenStatesGPTModel",
-                              "output_weight"}
+                              "output_weight", "auto_picks"}
     assert {"SoftmaxCoreAttention", "LinearCoreAttention"} <= set(c.__all__)
     assert {"patch_core_attention", "layer_spec", "block_spec", "softmax_layer_spec",
             "linear_layer_spec", "hybrid_layer_spec"} <= set(s.__all__)
