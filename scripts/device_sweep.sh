@@ -8,7 +8,10 @@
 # Knobs (environment): WORLDS (default: 4 2 1, those the machine has), LINEAR_ARGS /
 # LINEAR_ARGS_P1, SOFTMAX_ARGS, TESTS (pytest paths), STEP_TIMEOUT (seconds per benchmark run).
 # Needs fla-core (carry .whl from ../shared/tools/device-wheels.sh; yunchang for the Ulysses
-# anchor). fla's autotune results for Hopper ship in the package; for other GPUs step
+# anchor). Every step ends by packing $OUT into $OUT/all.tgz (the device tool returns at most 8
+# files). Timings on 4 x H100 (2026-11-26): linear at P = 4 with --ab graphs ~3.5 min, softmax
+# at P = 4 with the anchors ~4 min, calibrate > 75 s, the multi-GPU tests on a fresh machine
+# > 3 min (Triton compiles their shapes): split them over calls of 10 minutes. fla's autotune results for Hopper ship in the package; for other GPUs step
 # `triton_cache` packs Triton's autotuning results into $OUT/autotune.tgz: copy it to
 # .tritoncache/ here and carry it, the next machine starts from it.
 set -uo pipefail
@@ -40,6 +43,8 @@ bench() {   # bench SCRIPT P ARGS...: one benchmark at P GPUs; rows appended to 
   echo "$name P=$P exit $? ($(grep -c '^{' "$log") rows)"
 }
 
+pack() { (cd "$OUT" && tar czf /tmp/sweep_all.tgz --exclude all.tgz . && cp /tmp/sweep_all.tgz all.tgz); }
+
 for step in ${*:-tests calibrate linear softmax report}; do
   case $step in
     tests)      # -m gpu and -m multigpu (each multi-GPU test runs at P = 2 and 4 as GPUs allow)
@@ -67,4 +72,5 @@ for step in ${*:-tests calibrate linear softmax report}; do
       ls -la "$OUT/autotune.tgz" ;;
     *) echo "unknown step $step" ;;
   esac
+  pack
 done
