@@ -11,7 +11,8 @@
 # anchor). Every step ends by packing $OUT into $OUT/all.tgz (the device tool returns at most 8
 # files). Timings on 4 x H100 (2026-11-26): linear at P = 4 with --ab graphs ~3.5 min, softmax
 # at P = 4 with the anchors ~4 min, calibrate > 75 s, the multi-GPU tests on a fresh machine
-# > 3 min (Triton compiles their shapes): split them over calls of 10 minutes. fla's autotune results for Hopper ship in the package; for other GPUs step
+# > 3 min (Triton compiles their shapes): split them over calls of 10 minutes. fla's autotune
+# results for Hopper ship in the package; for other GPUs step
 # `triton_cache` packs Triton's autotuning results into $OUT/autotune.tgz: copy it to
 # .tritoncache/ here and carry it, the next machine starts from it.
 set -uo pipefail
