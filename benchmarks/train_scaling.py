@@ -11,7 +11,9 @@ A layout is ``[tpN][cpN][dpN]`` (missing factors 1); each run is ``torchrun --st
 --global-batch-size dp``, so every layout of one ``--seq-length`` trains the same sequences per
 step. Runs on one GPU go side by side, one per GPU (``--no-side-by-side`` to run them one
 after the other). ``mfu``, ``tokens_per_s``: means over the steps after the first;
-``mem_gb``: the largest peak of any step; ``command``: what ran. A run that fails or outlasts
+``mem_gb``: the largest peak of any step; ``first_step_s``: from the launch to the end of the
+first step (imports, model, the kernels' first compilation; ``--fresh-triton-cache`` gives
+each run an empty Triton cache, as on a fresh machine); ``command``: what ran. A run that fails or outlasts
 ``--timeout`` is recorded with its ``status`` and the last lines of its log.
 """
 from __future__ import annotations
@@ -51,7 +53,7 @@ def command(a, kind: str, lay: dict, log_json: str, log_dir: str) -> list:
     return cmd + a.extra
 
 
-def summarize(log_json: str) -> dict:
+def summarize(log_json: str, t0: float = 0.0) -> dict:
     recs = [json.loads(line) for line in open(log_json) if line.strip()] \
         if os.path.exists(log_json) else []
     recs = [r for r in recs if "tokens_per_s" in r]
@@ -60,6 +62,8 @@ def summarize(log_json: str) -> dict:
     steady = recs[1:] or recs
     out = {"steps": len(recs), "mem_gb": max(r.get("mem_gb", 0) for r in recs),
            "first_loss": recs[0].get("loss"), "last_loss": recs[-1].get("loss")}
+    if t0 and "time" in recs[0]:
+        out["first_step_s"] = round(recs[0]["time"] - t0, 1)
     for key in ("tokens_per_s", "mfu", "step_time_s"):
         vals = [r[key] for r in steady if key in r]
         if vals:
@@ -79,6 +83,10 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=240)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--no-side-by-side", action="store_true")
+    p.add_argument("--fresh-triton-cache", nargs="?", const="", default=None, metavar="DIR",
+                   help="each run gets its own empty TRITON_CACHE_DIR, DIR/<kind>_<layout> "
+                        "(default: a temporary folder): a fresh machine's first step; the "
+                        "package still installs its shipped autotune results")
     p.add_argument("--out", help="append the JSON lines to this file too")
     p.add_argument("extra", nargs=argparse.REMAINDER,
                    help="after --: more train.py flags for every run (e.g. --recompute-...)")
@@ -105,6 +113,10 @@ def main() -> int:
             log_json, log = os.path.join(tmp, tag + ".jsonl"), os.path.join(tmp, tag + ".log")
             cmd = command(a, kind, lay, log_json, os.path.join(tmp, tag))
             env = dict(os.environ)
+            if a.fresh_triton_cache is not None:
+                cache = os.path.join(a.fresh_triton_cache or os.path.join(tmp, "triton"), tag)
+                os.makedirs(cache, exist_ok=False)
+                env["TRITON_CACHE_DIR"] = cache
             if len(batch) > 1:
                 env["CUDA_VISIBLE_DEVICES"] = str(slot)
                 cmd[cmd.index("--standalone") + 1:cmd.index("--standalone") + 1] = [
@@ -129,7 +141,7 @@ def main() -> int:
                    "status": status, "wall_s": round(time.time() - t0, 1),
                    "device": _device(a.device), "date": time.strftime("%Y-%m-%d"),
                    "command": " ".join(cmd[cmd.index(os.path.join(ROOT, "train.py")):]
-                                       ).replace(ROOT + "/", ""), **summarize(log_json)}
+                                       ).replace(ROOT + "/", ""), **summarize(log_json, t0)}
             if status != "ok":
                 failed += 1
                 rec["log_tail"] = open(log).read()[-600:]

@@ -107,7 +107,8 @@ class Progress:
         dt, self._t_last = now - self._t_last, now
         tps = self.tokens_per_step / dt
         rec = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-               "step_time_s": dt, "tokens_per_s": tps, "mem_gb": memory_gb(self.device)}
+               "step_time_s": dt, "tokens_per_s": tps, "mem_gb": memory_gb(self.device),
+               "time": time.time()}
         if self.peak:
             # tokens/s of the whole job over the peak of all its devices
             world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1

@@ -1,0 +1,155 @@
+"""The Megatron launcher (``megatron_patches.pretrain_gpt`` on ``megatron.training``) against
+train.py on the same model, layout and sequence: tokens/s per GPU side by side, as JSON lines
+(``bench: "launcher_vs_train"``). Needs megatron-core 0.19.x with ``megatron.training``.
+
+    python benchmarks/launcher_vs_train.py --kinds softmax hybrid --layouts cp4 tp2cp2 \
+        --seq-length 16384 --train-iters 12 --out launcher.jsonl
+
+Both run the 1B shape (Llama-3.2-1B: 16 layers, d2048, 32 heads, 8 KV heads, FFN 8192, vocab
+128256), bf16, one sequence per DP rank per step, the hybrid as LLLS with
+``--context-parallel-impl blelloch``. The launcher trains on Megatron's mock data with
+``--transformer-impl local`` (TransformerEngine cannot be installed without compiling here);
+train.py on its default data. tokens/s: the mean over the steps after the first two (the
+launcher: from its ``elapsed time per iteration``); ``ratio`` = launcher ÷ train.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_scaling import ROOT, parse_layout  # noqa: E402
+
+SHAPE = dict(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8,
+             ffn_hidden_size=8192, vocab_size=128256)
+
+
+def launcher_cmd(kind: str, lay: dict, seq: int, iters: int, port: int) -> list:
+    world = lay["tp"] * lay["cp"] * lay["dp"]
+    s = SHAPE
+    cmd = ["torchrun", "--nproc-per-node", str(world), "--master-port", str(port),
+           "-m", "megatron_patches.pretrain_gpt",
+           "--num-layers", str(s["num_layers"]), "--hidden-size", str(s["hidden_size"]),
+           "--ffn-hidden-size", str(s["ffn_hidden_size"]),
+           "--num-attention-heads", str(s["num_attention_heads"]), "--group-query-attention",
+           "--num-query-groups", str(s["num_query_groups"]),
+           "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+           "--micro-batch-size", "1", "--global-batch-size", str(lay["dp"]),
+           "--tensor-model-parallel-size", str(lay["tp"]),
+           "--context-parallel-size", str(lay["cp"]),
+           "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine",
+           "--lr-warmup-iters", "2", "--train-iters", str(iters), "--weight-decay", "0.1",
+           "--clip-grad", "1.0", "--bf16", "--seed", "1234",
+           "--mock-data", "--tokenizer-type", "NullTokenizer",
+           "--vocab-size", str(s["vocab_size"]),
+           "--transformer-impl", "local", "--no-persist-layer-norm", "--no-rope-fusion",
+           "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+           "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
+           "--no-create-attention-mask-in-dataloader", "--attention-dropout", "0",
+           "--hidden-dropout", "0", "--position-embedding-type", "rope",
+           "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+           "--untie-embeddings-and-output-weights",
+           "--sp-model-kind", kind, "--log-interval", "1", "--eval-iters", "0",
+           "--eval-interval", "1000000"]
+    if kind == "hybrid":
+        cmd += ["--sp-hybrid-pattern", "LLLS", "--context-parallel-impl", "blelloch"]
+    return cmd
+
+
+def train_cmd(kind: str, lay: dict, seq: int, iters: int, port: int, log_dir: str) -> list:
+    world = lay["tp"] * lay["cp"] * lay["dp"]
+    cmd = ["torchrun", "--nproc-per-node", str(world), "--master-port", str(port),
+           os.path.join(ROOT, "train.py"), "--preset", "1b", "--sp-model-kind", kind,
+           "--seq-length", str(seq), "--vocab-size", str(SHAPE["vocab_size"]),
+           "--tensor-model-parallel-size", str(lay["tp"]),
+           "--context-parallel-size", str(lay["cp"]), "--micro-batch-size", "1",
+           "--global-batch-size", str(lay["dp"]), "--train-iters", str(iters),
+           "--log-interval", "1", "--no-progress-bar", "--log-dir", log_dir]
+    if kind == "hybrid":
+        cmd += ["--sp-hybrid-pattern", "LLLS", "--context-parallel-impl", "blelloch"]
+    return cmd
+
+
+def launcher_tokens_per_s(log: str, tokens_per_step: int, skip: int = 2) -> tuple:
+    """(tokens/s over the iterations after ``skip``, iterations seen) from Megatron's log."""
+    ms = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", log)]
+    steady = ms[skip:] or ms
+    return (tokens_per_step / (sum(steady) / len(steady) / 1e3) if steady else None), len(ms)
+
+
+def run(cmd: list, log_path: str, timeout: float) -> tuple:
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1",
+                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        try:
+            rc = proc.wait(timeout=timeout)
+            status = "ok" if rc == 0 else f"exit {rc}"
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            status = "timeout"
+    return status, round(time.time() - t0, 1), open(log_path).read()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kinds", nargs="+", default=["softmax", "hybrid"],
+                   choices=["softmax", "hybrid"])
+    p.add_argument("--layouts", nargs="+", default=["cp4", "tp2cp2"])
+    p.add_argument("--seq-length", type=int, default=16384)
+    p.add_argument("--train-iters", type=int, default=12)
+    p.add_argument("--timeout", type=float, default=200)
+    p.add_argument("--out")
+    a = p.parse_args()
+    tmp = tempfile.mkdtemp(prefix="launcher_vs_train_")
+    import torch
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    for kind in a.kinds:
+        for name in a.layouts:
+            lay = parse_layout(name)
+            world = lay["tp"] * lay["cp"] * lay["dp"]
+            tokens = a.seq_length * lay["dp"]
+            tag = f"{kind}_{name}"
+            t_cmd = train_cmd(kind, lay, a.seq_length, a.train_iters, 29621,
+                              os.path.join(tmp, tag))
+            t_status, t_wall, t_log = run(t_cmd, os.path.join(tmp, tag + "_train.log"),
+                                          a.timeout)
+            recs = [json.loads(x) for x in open(os.path.join(tmp, tag, "log.jsonl"))
+                    ] if os.path.exists(os.path.join(tmp, tag, "log.jsonl")) else []
+            steady = recs[2:] or recs
+            t_tps = (sum(r["tokens_per_s"] for r in steady) / len(steady)) if steady else None
+            l_cmd = launcher_cmd(kind, lay, a.seq_length, a.train_iters, 29622)
+            l_status, l_wall, l_log = run(l_cmd, os.path.join(tmp, tag + "_launcher.log"),
+                                          a.timeout)
+            l_tps, l_iters = launcher_tokens_per_s(l_log, tokens)
+            rec = {"bench": "launcher_vs_train", "model_kind": kind, "layout": name,
+                   "world": world, **lay, "seq_length": a.seq_length,
+                   "train_status": t_status, "launcher_status": l_status,
+                   "train_tokens_per_s_per_gpu": t_tps and t_tps / world,
+                   "launcher_tokens_per_s_per_gpu": l_tps and l_tps / world,
+                   "ratio": (l_tps / t_tps) if (l_tps and t_tps) else None,
+                   "launcher_iterations": l_iters, "train_wall_s": t_wall,
+                   "launcher_wall_s": l_wall, "device": device,
+                   "date": time.strftime("%Y-%m-%d"),
+                   "command": "python benchmarks/launcher_vs_train.py " + " ".join(sys.argv[1:])}
+            for label, status, log in (("train", t_status, t_log), ("launcher", l_status, l_log)):
+                if status != "ok":
+                    rec[f"{label}_log_tail"] = log[-800:]
+            line = json.dumps(rec, sort_keys=True)
+            print(line, flush=True)
+            if a.out:
+                with open(a.out, "a") as f:
+                    f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# One device call for training on this machine's P GPUs: each step under its own timeout, JSON
+# rows and logs under $OUT (the device tool's output folder; ./device-out elsewhere), packed
+# into $OUT/all.tgz after every step. Usage on a GPU machine:
+#   bash scripts/device_train.sh [first_step] [scaling] [launcher] [hf] [parity] [slurm]
+#     first_step  the first step of each model kind at CP = P in an empty Triton cache (a fresh
+#                 machine; the package installs its shipped autotune results), the hybrid with
+#                 packed documents first; what Triton autotuned anyway -> autotune_new.tgz
+#     scaling     train_scaling.py: FIRST_KINDS at cp1 and cpP (tp2/dp2 layouts from P = 4)
+#     launcher    launcher_vs_train.py (megatron-core 0.19 with megatron.training)
+#     hf          examples/hf_llama_cp.py --device cuda, every --model at CP = P and CP = 1
+#     parity      train_parity.py: CP = P against two CP = 1 runs, 300 steps, PNG
+#     slurm       scripts/slurm/one_host.sh 2 P/2: the sbatch path as two nodes, save + resume
+# Knobs: KINDS (softmax hybrid gated), SEQ (32768), ITERS (10), FIRST_KINDS (hybrid-packed
+# gated softmax linear), STEP_TIMEOUT (seconds per run, 240).
+set -uo pipefail
+. "$(dirname "$0")/device_env.sh"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+P=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+H=$((P / 2))
+KINDS=${KINDS:-softmax hybrid gated}
+SEQ=${SEQ:-32768}
+ITERS=${ITERS:-10}
+T=${STEP_TIMEOUT:-240}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
+pack() { (cd "$OUT" && tar czf /tmp/train_all.tgz --exclude all.tgz . && cp /tmp/train_all.tgz all.tgz); }
+layouts() { echo cp1 "cp$P"; [ "$P" -ge 4 ] && echo "tp2cp$H dp2cp$H"; }
+
+for step in ${*:-first_step scaling}; do
+  echo "== $step $(date +%T)"
+  case $step in
+    first_step)
+      for k in ${FIRST_KINDS:-hybrid-packed gated softmax linear}; do
+        kind=${k%-packed}; extra=(); [ "$k" != "$kind" ] && extra=(-- --packing documents)
+        python3 benchmarks/train_scaling.py --kinds "$kind" --layouts "cp$P" --seq-length "$SEQ" \
+          --train-iters 2 --timeout "$T" --fresh-triton-cache "/tmp/first/$k" \
+          --out "$OUT/first_step.jsonl" "${extra[@]}" > "$OUT/first_step_$k.log" 2>&1
+        python3 -c 'import json,sys; r=json.loads(open(sys.argv[1]).readlines()[-1]); print(sys.argv[2], r["status"], "first step", r.get("first_step_s"), "s")' \
+          "$OUT/first_step.jsonl" "$k"
+        (cd /tmp/first/$k && find . -name '*.autotune.json' | sed 's#.*/##' | sort | uniq -c \
+          > "$OUT/first_step_${k}_autotuned.txt"; find . -name '*.json' ! -name '*.autotune.json' \
+          ! -name '__grp__*' | sed 's#.*/##' | sort | uniq -c > "$OUT/first_step_${k}_compiled.txt")
+      done
+      (cd /tmp/first && find . -name '*.autotune.json' | sed 's#^\./[^/]*/##' | sort -u \
+        | while read -r f; do ls ./*/"$f" | head -n 1; done | tar czf "$OUT/autotune_new.tgz" -T - \
+        --transform 's#^\./[^/]*/##') ;;
+    scaling)
+      python3 benchmarks/train_scaling.py --kinds $KINDS --layouts $(layouts) --seq-length "$SEQ" \
+        --train-iters "$ITERS" --timeout "$T" --out "$OUT/train_scaling.jsonl" \
+        > "$OUT/train_scaling.log" 2>&1
+      python3 -c 'import json,sys
+for l in open(sys.argv[1]):
+    r = json.loads(l); print(r["model_kind"], r["layout"], r["status"], "mfu", round(100 * r.get("mfu", 0), 1), "tok/s", round(r.get("tokens_per_s", 0)), "mem", round(r.get("mem_gb", 0), 1))' "$OUT/train_scaling.jsonl" ;;
+    launcher)
+      lays="cp$P"; [ "$P" -ge 4 ] && lays="cp$P tp2cp$H"
+      timeout $((4 * T)) python3 benchmarks/launcher_vs_train.py --kinds softmax hybrid \
+        --layouts $lays --seq-length "${LAUNCHER_SEQ:-16384}" --timeout "$T" \
+        --out "$OUT/launcher_vs_train.jsonl" > "$OUT/launcher_vs_train.log" 2>&1
+      cut -c1-400 "$OUT/launcher_vs_train.jsonl" ;;
+    hf)
+      for m in llama linear gated hybrid; do
+        for cp in "$P" 1; do
+          timeout "$T" torchrun --nproc-per-node "$cp" --master-port 29631 examples/hf_llama_cp.py \
+            --cp "$cp" --device cuda --model "$m" > "$OUT/hf_${m}_cp$cp.log" 2>&1
+          echo "hf $m cp$cp exit $?: $(tail -n 1 "$OUT/hf_${m}_cp$cp.log")"
+        done
+      done ;;
+    parity)
+      timeout $((3 * T)) python3 benchmarks/train_parity.py --cp "$P" --kind hybrid \
+        --train-iters 300 --png "$OUT/train_parity_cp$P.png" --out "$OUT/train_parity.jsonl" \
+        > "$OUT/train_parity.log" 2>&1
+      tail -n 3 "$OUT/train_parity.log" | cut -c1-600 ;;
+    slurm)
+      rm -rf /tmp/slurm_ck
+      args=(--preset 1b --num-layers 4 --seq-length 8192 --context-parallel-size "$P"
+            --save /tmp/slurm_ck --save-interval 5)
+      timeout "$T" bash scripts/slurm/one_host.sh 2 "$H" "${args[@]}" --train-iters 10 \
+        --log-dir "$OUT/slurm" > "$OUT/slurm_train.log" 2>&1
+      echo "slurm train exit $?"
+      timeout "$T" bash scripts/slurm/one_host.sh 2 "$H" "${args[@]}" --train-iters 20 \
+        --load /tmp/slurm_ck --log-dir "$OUT/slurm" > "$OUT/slurm_resume.log" 2>&1
+      echo "slurm resume exit $?"
+      grep -h "sp-train:\|resumed\|step 10/\|step 20/\|saved checkpoint" "$OUT"/slurm_*.log ;;
+    *) echo "unknown step $step" ;;
+  esac
+  pack
+done
