@@ -44,7 +44,8 @@ from sp_train.progress import (Progress, claim_log_dir, describe_attention, flop
                                release_log_dir)
 from sp_train.setup import (build_model, check_memory, count_params, init_groups, load_hf,
                             memory_capacity, model_vocab, schedule_picks)
-from sp_attention import build_sp_context, shard_position_ids, shard_sequence
+from sp_attention import (build_sp_context, release_cuda_graphs, shard_position_ids,
+                          shard_sequence)
 from sp_train.reduce import all_reduce_gradients
 
 
@@ -286,5 +287,6 @@ if __name__ == "__main__":
         sys.exit(BAD_INPUT_EXIT_STATUS)
     finally:
         if dist.is_initialized():
+            release_cuda_graphs()        # a live CUDA graph holding NCCL blocks the destroy
             dist.destroy_process_group()
     sys.exit(stop.exit_status)           # 0, or 75 after SIGTERM (requeue), 130 after SIGINT

@@ -24,7 +24,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_scaling import ROOT, parse_layout  # noqa: E402
+from train_scaling import ROOT, kill_tree, parse_layout  # noqa: E402
 
 SHAPE = dict(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8,
              ffn_hidden_size=8192, vocab_size=128256)
@@ -93,7 +93,7 @@ def run(cmd: list, log_path: str, timeout: float) -> tuple:
             rc = proc.wait(timeout=timeout)
             status = "ok" if rc == 0 else f"exit {rc}"
         except subprocess.TimeoutExpired:
-            proc.kill()
+            kill_tree(proc)
             proc.wait()
             status = "timeout"
     return status, round(time.time() - t0, 1), open(log_path).read()

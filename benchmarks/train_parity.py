@@ -52,6 +52,7 @@ def compare(a: list, b: list, c: list, window: int) -> dict:
 
 
 def main() -> int:
+    from sp_attention.testing import kill_tree
     from sp_train.progress import plot_losses, read_log
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cp", type=int, default=4)
@@ -94,7 +95,8 @@ def main() -> int:
             try:
                 rc = proc.wait(timeout=max(1.0, a.timeout - (time.time() - t0)))
             except subprocess.TimeoutExpired:
-                proc.kill()
+                kill_tree(proc)
+                proc.wait()
                 rc = "timeout"
             if rc != 0:
                 tail = open(os.path.join(tmp, name + ".log")).read()[-1500:]

@@ -28,6 +28,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from sp_attention.testing import kill_tree  # noqa: E402
 
 
 def parse_layout(name: str) -> dict:
@@ -88,6 +90,8 @@ def main() -> int:
                         "(default: a temporary folder): a fresh machine's first step; the "
                         "package still installs its shipped autotune results")
     p.add_argument("--out", help="append the JSON lines to this file too")
+    p.add_argument("--log-root", help="keep each run's log and log folder here (default: a "
+                                      "temporary folder)")
     p.add_argument("extra", nargs=argparse.REMAINDER,
                    help="after --: more train.py flags for every run (e.g. --recompute-...)")
     a = p.parse_args()
@@ -98,7 +102,8 @@ def main() -> int:
         import torch
         ngpu = torch.cuda.device_count()
     runs = [(kind, name, lay) for kind in a.kinds for name, lay in lays]
-    tmp = tempfile.mkdtemp(prefix="train_scaling_")
+    tmp = a.log_root or tempfile.mkdtemp(prefix="train_scaling_")
+    os.makedirs(tmp, exist_ok=True)
     batches, single = [], [r for r in runs if r[2]["tp"] * r[2]["cp"] * r[2]["dp"] == 1]
     if single and ngpu > 1 and not a.no_side_by_side:
         for i in range(0, len(single), ngpu):
@@ -132,7 +137,7 @@ def main() -> int:
                 rc = proc.wait(timeout=max(1.0, a.timeout - (time.time() - t0)))
                 status = "ok" if rc == 0 else f"exit {rc}"
             except subprocess.TimeoutExpired:
-                proc.kill()
+                kill_tree(proc)          # torchrun and its workers (their own sessions)
                 proc.wait()
                 status = "timeout"
             rec = {"bench": "train", "model_kind": kind, "layout": name,
@@ -144,13 +149,22 @@ def main() -> int:
                                        ).replace(ROOT + "/", ""), **summarize(log_json, t0)}
             if status != "ok":
                 failed += 1
-                rec["log_tail"] = open(log).read()[-600:]
+                rec["log_tail"] = error_tail(open(log).read())
             line = json.dumps(rec, sort_keys=True)
             print(line, flush=True)
             if a.out:
                 with open(a.out, "a") as f:
                     f.write(line + "\n")
     return 1 if failed else 0
+
+
+def error_tail(text: str, n: int = 1200) -> str:
+    """The end of a failed run's log before torchrun's own failure report (which names only
+    exit codes): where train.py's error or traceback is."""
+    marks = [i for i in (text.find(m) for m in ("] failed (exitcode:",
+                                                  "elastic.multiprocessing.errors")) if i > 0]
+    cut = text.rfind("\n", 0, min(marks)) if marks else len(text)
+    return text[max(0, cut - n):cut]
 
 
 def _device(device: str) -> str:

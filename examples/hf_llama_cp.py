@@ -35,7 +35,7 @@ import torch.distributed as dist  # noqa: E402
 from models.hf import (LinearLlamaConfig, LinearLlamaForCausalLM, causal_lm_loss,
                        global_loss_value, hybrid_layer_kinds, prepare_cp_batch,
                        prepare_model_for_cp)  # noqa: E402
-from sp_attention import SoftmaxSchedule  # noqa: E402
+from sp_attention import SoftmaxSchedule, release_cuda_graphs  # noqa: E402
 from sp_attention.linear import IMPLS  # noqa: E402
 from sp_attention.linear.attention import resolve_impl  # noqa: E402
 from sp_train.reduce import all_reduce_gradients  # noqa: E402
@@ -142,6 +142,7 @@ def main():
         verdict = "far below chance" if mean < 0.5 * chance else "not below half of chance"
         print(f"final loss {mean:.4f} (mean of the last {len(last)} steps; chance {chance:.3f}: "
               f"{verdict})", flush=True)
+    release_cuda_graphs()       # the linear scans' CUDA graphs hold NCCL: drop them first
     dist.destroy_process_group()
 
 

@@ -28,6 +28,9 @@ from functools import partial
 from typing import Optional
 
 _PROGRAM_START = time.time()
+
+from sp_attention import release_cuda_graphs  # noqa: E402 (after the start time)
+
 MIN_CORE = (0, 18)          # parse_and_validate_args(extra_args_provider=) arrived in 0.18
 
 
@@ -283,6 +286,7 @@ def main(argv=None) -> None:
     with _prebuilt_dataset_helpers():
         pretrain(pretrain_cfg_container_from_args(args), datasets_provider,
                  ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+    release_cuda_graphs()       # before any destroy_process_group (the scans' graphs hold NCCL)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@
 #     hf          examples/hf_llama_cp.py --device cuda, every --model at CP = P and CP = 1
 #     parity      train_parity.py: CP = P against two CP = 1 runs, 300 steps, PNG
 #     slurm       scripts/slurm/one_host.sh 2 P/2: the sbatch path as two nodes, save + resume
-# Knobs: KINDS (softmax hybrid gated), SEQ (32768), ITERS (10), FIRST_KINDS (hybrid-packed
-# gated softmax linear), STEP_TIMEOUT (seconds per run, 240).
+# Knobs: KINDS (softmax hybrid gated), SEQ (32768), ITERS (10), SCALE_EXTRA (train.py flags for
+# every scaling run, after "--"), FIRST_KINDS (hybrid-packed gated softmax linear), STEP_TIMEOUT
+# (seconds per run, 240).
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -24,6 +25,8 @@ ITERS=${ITERS:-10}
 T=${STEP_TIMEOUT:-240}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 pack() { (cd "$OUT" && tar czf /tmp/train_all.tgz --exclude all.tgz . && cp /tmp/train_all.tgz all.tgz); }
+reap() {   # a run killed at its time limit must not leave workers holding GPU memory
+  nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9 2>/dev/null; sleep 1; }
 layouts() { echo cp1 "cp$P"; [ "$P" -ge 4 ] && echo "tp2cp$H dp2cp$H"; }
 
 for step in ${*:-first_step scaling}; do
@@ -34,20 +37,31 @@ for step in ${*:-first_step scaling}; do
         kind=${k%-packed}; extra=(); [ "$k" != "$kind" ] && extra=(-- --packing documents)
         python3 benchmarks/train_scaling.py --kinds "$kind" --layouts "cp$P" --seq-length "$SEQ" \
           --train-iters 2 --timeout "$T" --fresh-triton-cache "/tmp/first/$k" \
-          --out "$OUT/first_step.jsonl" "${extra[@]}" > "$OUT/first_step_$k.log" 2>&1
-        python3 -c 'import json,sys; r=json.loads(open(sys.argv[1]).readlines()[-1]); print(sys.argv[2], r["status"], "first step", r.get("first_step_s"), "s")' \
+          --log-root "$OUT/first_step_$k" --out "$OUT/first_step.jsonl" "${extra[@]}" \
+          > /dev/null 2>&1
+        python3 -c 'import json,sys; r=json.loads(open(sys.argv[1]).readlines()[-1]); print(sys.argv[2], r["status"], "first step", r.get("first_step_s"), "s", r.get("log_tail", "")[-300:])' \
           "$OUT/first_step.jsonl" "$k"
-        (cd /tmp/first/$k && find . -name '*.autotune.json' | sed 's#.*/##' | sort | uniq -c \
-          > "$OUT/first_step_${k}_autotuned.txt"; find . -name '*.json' ! -name '*.autotune.json' \
-          ! -name '__grp__*' | sed 's#.*/##' | sort | uniq -c > "$OUT/first_step_${k}_compiled.txt")
+        (cd /tmp/first/$k && find . -name '*.json' ! -name '__grp__*' | sed 's#.*/##' | sort \
+          | uniq -c > "$OUT/first_step_$k/triton_cache.txt")
       done
-      (cd /tmp/first && find . -name '*.autotune.json' | sed 's#^\./[^/]*/##' | sort -u \
-        | while read -r f; do ls ./*/"$f" | head -n 1; done | tar czf "$OUT/autotune_new.tgz" -T - \
-        --transform 's#^\./[^/]*/##') ;;
+      # every autotune result of these runs (<hash>/<kernel>.autotune.json, as the shipped seeds)
+      python3 - "$OUT/autotune_new.tgz" <<'PY'
+import glob, os, sys, tarfile
+seen = {}
+for f in glob.glob("/tmp/first/**/*.autotune.json", recursive=True):
+    seen.setdefault(os.path.join(*f.split(os.sep)[-2:]), f)
+with tarfile.open(sys.argv[1], "w:gz") as tar:
+    for name, f in sorted(seen.items()):
+        tar.add(f, arcname=name)
+print(len(seen), "autotune results")
+PY
+      # later steps start from these kernels (as a second run on this machine would)
+      mkdir -p "$HOME/.triton/cache"
+      for d in /tmp/first/*/*/; do cp -rn "$d". "$HOME/.triton/cache/" 2>/dev/null; done ;;
     scaling)
       python3 benchmarks/train_scaling.py --kinds $KINDS --layouts $(layouts) --seq-length "$SEQ" \
         --train-iters "$ITERS" --timeout "$T" --out "$OUT/train_scaling.jsonl" \
-        > "$OUT/train_scaling.log" 2>&1
+        --log-root "$OUT/scaling" ${SCALE_EXTRA:-} >> "$OUT/train_scaling.log" 2>&1
       python3 -c 'import json,sys
 for l in open(sys.argv[1]):
     r = json.loads(l); print(r["model_kind"], r["layout"], r["status"], "mfu", round(100 * r.get("mfu", 0), 1), "tok/s", round(r.get("tokens_per_s", 0)), "mem", round(r.get("mem_gb", 0), 1))' "$OUT/train_scaling.jsonl" ;;
@@ -83,5 +97,6 @@ for l in open(sys.argv[1]):
       grep -h "sp-train:\|resumed\|step 10/\|step 20/\|saved checkpoint" "$OUT"/slurm_*.log ;;
     *) echo "unknown step $step" ;;
   esac
+  reap
   pack
 done

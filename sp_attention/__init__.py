@@ -6,7 +6,7 @@ all-gather schedules. Every public function takes an explicit :class:`SPContext`
 """
 from .context import (DEFAULT_LAYOUT, LAYOUTS, CPGroupOptions, SPContext, build_sp_context,
                       new_cp_group)
-from .linear import lightning_attention
+from .linear import lightning_attention, release_cuda_graphs
 from .planning.packing import PackingPlan, plan_packing
 from .sharding import (pad_for_layout, pad_to_multiple, shard_position_ids, shard_sequence,
                        shift_labels, unshard_sequence)
@@ -20,5 +20,5 @@ __all__ = [
     "lightning_attention", "context_parallel_attention", "SoftmaxSchedule",
     "shard_sequence", "unshard_sequence", "shard_position_ids", "shift_labels",
     "pad_to_multiple", "pad_for_layout", "LinearTuning", "SoftmaxTuning",
-    "PackingPlan", "plan_packing",
+    "PackingPlan", "plan_packing", "release_cuda_graphs",
 ]

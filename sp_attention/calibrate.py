@@ -41,7 +41,7 @@ from .context import build_sp_context
 from .cost import (LinearShape, Machine, calibration_path, default_machine, linear_flops,
                    save_machine, softmax_flops)
 from .cost.fit import fit_machine
-from .linear import lightning_attention
+from .linear import lightning_attention, release_cuda_graphs
 from .sharding import shard_sequence
 from .softmax import context_parallel_attention
 from .testing import run_distributed
@@ -324,6 +324,7 @@ def _finish(rank: int, world: int, rows: tuple, a, device: str) -> Optional[Mach
         flag = torch.tensor([len(problems)], device=_DEV)
         dist.broadcast(flag, 0)
         problems = problems or (["see rank 0"] if int(flag.item()) else [])
+        release_cuda_graphs()           # a live graph holding NCCL blocks the destroy
         dist.destroy_process_group()
     if problems:
         if rank == 0:

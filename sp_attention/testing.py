@@ -26,6 +26,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .linear.scan_common import release_cuda_graphs
+
 __all__ = ["run_distributed", "WorkerError", "assert_close", "rel_rms", "seeded",
            "megatron_groups", "gather_objects", "Stall", "run_process", "finish_process",
            "spin_cap"]
@@ -119,7 +121,9 @@ class Stall:
         return None
 
 
-def _kill_tree(p: subprocess.Popen) -> None:
+def kill_tree(p: subprocess.Popen) -> None:
+    """SIGKILL ``p`` and every process below it (torchrun's workers run in sessions of their
+    own: killing torchrun alone leaves them holding their GPUs)."""
     pids = _with_descendants([p.pid]) if os.path.isdir("/proc/self") else [p.pid]
     for pid in reversed(pids):
         try:
@@ -139,7 +143,7 @@ def finish_process(p: subprocess.Popen, timeout: float) -> tuple:
         except subprocess.TimeoutExpired:
             why = stall.expired()
             if why is not None:
-                _kill_tree(p)
+                kill_tree(p)
                 out, err = p.communicate()
                 raise subprocess.TimeoutExpired(p.args, timeout, output=out, stderr=err) \
                     from RuntimeError(f"the process {why}")
@@ -170,6 +174,7 @@ def _worker(fn, rank, world, init_file, args, results, timeout_s, backend):
     finally:
         if dist.is_initialized():
             try:
+                release_cuda_graphs()   # a live graph holding NCCL blocks the destroy
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - teardown after a failure is best effort
                 pass

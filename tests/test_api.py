@@ -11,7 +11,7 @@ def test_top_level_api():
         "SoftmaxSchedule",
         "shard_sequence", "unshard_sequence", "shard_position_ids", "shift_labels",
         "pad_to_multiple", "pad_for_layout", "LinearTuning", "SoftmaxTuning",
-        "PackingPlan", "plan_packing"])
+        "PackingPlan", "plan_packing", "release_cuda_graphs"])
     for name in sp_attention.__all__:
         assert hasattr(sp_attention, name), name
 
@@ -19,7 +19,7 @@ def test_top_level_api():
 def test_subpackage_apis():
     assert sorted(sp_attention.linear.__all__) == sorted([
         "lightning_attention", "IMPLS", "DEFAULT_IMPL", "LinearTuning", "recurrent_linear_attention",
-        "chunked_linear_attention"])
+        "chunked_linear_attention", "release_cuda_graphs"])
     assert sorted(sp_attention.comm.__all__) == sorted([
         "all_gather_flat", "reduce_scatter_flat", "all_gather_along", "reduce_scatter_along",
         "gather_along", "scatter_reduce_along", "pad_flat", "p2p_exchange", "RingComm",

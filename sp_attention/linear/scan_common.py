@@ -12,7 +12,9 @@ from later leaves (backward). All cross-rank math is in fp32 (fp64 when the inpu
 """
 from __future__ import annotations
 
+import atexit
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -307,25 +309,50 @@ class GraphReplay:
     eagerly (communicators and connections are made), the second captures ``compute`` on the
     staged rows and replays it, later ones stage and replay. Every rank makes the same calls,
     so every rank captures at the same call, as NCCL requires. Under a capture of the caller's
-    own the scan runs eagerly, into that capture."""
+    own the scan runs eagerly, into that capture. One graph per process group (a graph holds
+    its group's communicator); :func:`release_cuda_graphs` drops them all."""
 
     def __init__(self, run):
-        self.run, self.calls, self.graph, self.out = run, 0, None, None
+        self.run = run
+        self.states: dict = {}          # process group -> [calls, graph, output]
+        _REPLAYS.add(self)
 
     def __call__(self, A: torch.Tensor, b: torch.Tensor, ctx: SPContext, *args) -> torch.Tensor:
         if torch.cuda.is_current_stream_capturing():
             return self.run(A, b, ctx, *args)
-        self.calls += 1
-        if self.calls == 1:
+        state = self.states.setdefault(ctx.group, [0, None, None])
+        state[0] += 1
+        if state[0] == 1:
             return self.run(A, b, ctx, *args)
         self.run.stage(A, b)
-        if self.graph is None:
+        if state[1] is None:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):     # synchronizes the device once
-                self.out = self.run.compute(ctx, *args)
-            self.graph = graph
-        self.graph.replay()
-        return self.out.clone()
+                state[2] = self.run.compute(ctx, *args)
+            state[1] = graph
+        state[1].replay()
+        return state[2].clone()
+
+
+_REPLAYS: "weakref.WeakSet[GraphReplay]" = weakref.WeakSet()
+
+
+def release_cuda_graphs() -> int:
+    """Drop every CUDA graph the linear scans captured (they are captured again on later
+    calls); returns how many. Call it before ``torch.distributed.destroy_process_group()``:
+    NCCL cannot destroy a communicator that a live CUDA graph still holds, and the call then
+    hangs (pytorch/pytorch#115388). train.py, the Megatron launcher, the HF example and the
+    test harness do; it also runs at interpreter exit."""
+    held = [r for r in list(_REPLAYS) if r.states]
+    graphs = sum(1 for r in held for s in r.states.values() if s[1] is not None)
+    if graphs and torch.cuda.is_available():
+        torch.cuda.synchronize()        # nothing of theirs still queued
+    for r in held:
+        r.states.clear()
+    return graphs
+
+
+atexit.register(release_cuda_graphs)
 
 
 def replayed(run, graphs: bool, device: torch.device):

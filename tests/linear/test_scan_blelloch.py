@@ -111,3 +111,23 @@ def test_explicit_holders_pack_several_pairs_per_peer(monkeypatch):
             for sends, recvs, _ in rank:
                 assert len(sends) == len(set(sends)) and len(recvs) == len(set(recvs))
         assert max(n for rank in calls for _, _, n in rank) >= 2
+
+
+def test_graph_replays_are_per_group_and_released_before_a_destroy():
+    """A scan's CUDA graph holds its group's communicator: one graph per process group, and
+    ``release_cuda_graphs`` (called before ``destroy_process_group``, which otherwise hangs on
+    NCCL, pytorch/pytorch#115388) drops them all. Stand-ins for the graph and the groups."""
+    import sp_attention
+    from sp_attention.linear.scan_common import GraphReplay
+
+    class Run:
+        def __call__(self, A, b, ctx, *args):
+            return b
+
+    replay = GraphReplay(Run())
+    group_a, group_b = object(), object()
+    replay.states[group_a] = [3, object(), None]       # captured for group a
+    replay.states[group_b] = [1, None, None]           # seen once, not captured
+    assert sp_attention.release_cuda_graphs() == 1
+    assert replay.states == {}
+    assert sp_attention.release_cuda_graphs() == 0
