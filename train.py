@@ -43,7 +43,8 @@ from sp_train.progress import (Progress, claim_log_dir, describe_attention, flop
                                log_dir_refusal, peak_flops, plot_losses, read_log,
                                release_log_dir)
 from sp_train.setup import (build_model, check_memory, count_params, init_groups, load_hf,
-                            memory_capacity, model_vocab, schedule_picks)
+                            memory_capacity, memory_margin_warning, model_vocab,
+                            schedule_picks)
 from sp_attention import (build_sp_context, release_cuda_graphs, shard_position_ids,
                           shard_sequence)
 from sp_train.reduce import all_reduce_gradients
@@ -166,6 +167,11 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
                             on_gpu=device.type == "cuda")
     rank0_print(f"memory estimate per rank (the model's tensors): "
                 f"{estimate.summary(capacity)} — {where}")
+    if device.type == "cuda":
+        margin = memory_margin_warning(args, layout, vocab, estimate, bf16=bf16,
+                                       capacity=capacity)
+        if margin:
+            rank0_print(margin)
     claim_logs(args, data, fresh=resume_from is None)
 
     groups = init_groups(layout, local_attention_only=args.local_attention_only)

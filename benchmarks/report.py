@@ -90,6 +90,17 @@ def predict(kind: str, name: str, layout: str, shape, world: int, machine):
     return softmax_step(shape, world, layout, *PRESETS[name], machine, topo)
 
 
+def accumulated_grads_ms(r: dict, kind: str, shape, machine) -> float:
+    """What a linear row measured beyond the op: rows without ``grads: autograd.grad``
+    (``linear_cp.py`` before 2026-11-26 evening) ran ``o.backward(do)`` on leaf q, k, v, so
+    each step also added dq, dk, dv into their ``.grad`` (read two, write one, on both the op
+    and its baseline): the model predicts the op, plus that element-wise work here."""
+    if kind != "linear" or r.get("grads") == "autograd.grad":
+        return 0.0
+    elems = shape.B * shape.T_local * shape.H * (2 * shape.K + shape.V)
+    return 3 * elems * shape.itemsize / (machine.kernels.mem_gbps * 1e9) * 1e3
+
+
 def auto_pick(kind: str, layout: str, shape, world: int, machine,
               a2a_size=None) -> str:
     """What ``auto`` runs: one rank, nothing crosses (linear ``ring``, the default preset);
@@ -115,7 +126,8 @@ def points(rows, calibration=None, timing: str = "queued") -> list[dict]:
             continue
         kind, name, layout, shape = got
         m = machine_for(r["device"], calibration)
-        pred = predict(kind, name, layout, shape, r["world"], m).total_ms
+        pred = predict(kind, name, layout, shape, r["world"], m).total_ms \
+            + accumulated_grads_ms(r, kind, shape, m)
         out.append(dict(kind=kind, schedule=name, layout=layout, shape=shape,
                         world=r["world"], device=r["device"], measured=r["ms_fwd_bwd"],
                         predicted=pred, error=pred / r["ms_fwd_bwd"] - 1.0))

@@ -17,7 +17,7 @@ from .loss import default_chunk_tokens
 from .memory import GIB, ModelShape, StepShape, estimate_memory
 
 __all__ = ["Groups", "init_groups", "transformer_config", "build_model", "count_params",
-           "memory_estimate", "check_memory", "memory_capacity", "model_vocab", "load_hf",
+           "memory_estimate", "check_memory", "memory_margin_warning", "GPU_HEADROOM", "memory_capacity", "model_vocab", "load_hf",
            "schedule_picks"]
 
 
@@ -194,11 +194,40 @@ def check_memory(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: bool
     same on every rank) naming the fixes (more CP, recompute on GPUs, a smaller micro-batch,
     each with its own estimate) when it exceeds ``capacity`` bytes (``where``: what that is;
     None: no limit) and ``--no-memory-check`` is not given."""
-    import dataclasses
     model, step, est = memory_estimate(args, layout, vocab_size, bf16=bf16)
     line = f"memory estimate per rank: {est.summary(capacity)}"
     if capacity is None or est.total <= capacity or args.no_memory_check:
         return est
+    raise UsageError(f"the {line}: more than {where}. Fixes (their estimates): "
+                     + "; ".join(_memory_fixes(args, layout, model, step, capacity, on_gpu))
+                     + ". (--no-memory-check starts anyway.)")
+
+
+# What a GPU process holds outside PyTorch's tensors (CUDA context, cuDNN/cuBLAS/NCCL/Triton
+# state) plus what fragmentation strands: 8.9 GiB outside PyTorch and 2.2 GiB reserved but
+# unallocated when the 1B hybrid at 32K ran out of memory on an 80 GB H100 (2026-11-26), its
+# tensors' peak (68.75 GB) equal to the estimate (69.2 GiB).
+GPU_HEADROOM = 12 * GIB
+
+
+def memory_margin_warning(args: TrainArgs, layout: Layout, vocab_size: int, est, *,
+                          bf16: bool, capacity: Optional[float]) -> Optional[str]:
+    """A warning when a GPU run's estimate fits the card but leaves less than
+    :data:`GPU_HEADROOM` for the memory outside its tensors (None otherwise)."""
+    if capacity is None or est.total > capacity or capacity - est.total >= GPU_HEADROOM:
+        return None
+    model, step, _ = memory_estimate(args, layout, vocab_size, bf16=bf16)
+    fixes = _memory_fixes(args, layout, model, step, capacity - GPU_HEADROOM, True)
+    return (f"warning: the estimate leaves {(capacity - est.total) / GIB:.1f} GiB of the GPU for "
+            f"CUDA, cuDNN, NCCL and fragmentation (about {GPU_HEADROOM / GIB:.0f} GiB seen in "
+            "use): this run may run out of memory. More room (their estimates): "
+            + "; ".join(fixes) + ".")
+
+
+def _memory_fixes(args: TrainArgs, layout: Layout, model, step, capacity: float,
+                  on_gpu: bool) -> list:
+    """The layout and recompute changes that shrink the estimate, each with its estimate."""
+    import dataclasses
     fixes = []
     cp = 2 * layout.cp            # the smallest CP (doubling) that fits, or the last tried
     while cp < 64 and estimate_memory(model, dataclasses.replace(step, cp=cp)).total > capacity:
@@ -220,5 +249,4 @@ def check_memory(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: bool
             continue
         alt = estimate_memory(model, dataclasses.replace(step, **change))
         fixes.append(f"{flag}: {alt.total / GIB:.1f} GiB")
-    raise UsageError(f"the {line}: more than {where}. Fixes (their estimates): "
-                     + "; ".join(fixes) + ". (--no-memory-check starts anyway.)")
+    return fixes

@@ -552,7 +552,8 @@ def _bench_rows(m: Machine, device: str = H100) -> list[dict]:
                 t = linear_step(LinearShape(1, 8192, 16, 128, 128), P, layout, scan, m)
                 rows.append(dict(bench="linear_cp", world=P, B=1, T_local=8192, H=16, K=128,
                                  V=128, dtype="bfloat16", impl=scan, layout=layout,
-                                 timing="queued", ms_fwd_bwd=t.total_ms, device=device))
+                                 timing="queued", ms_fwd_bwd=t.total_ms, device=device,
+                                 grads="autograd.grad"))
         shape = SoftmaxShape(1, 8192, 32, 8, 128)
         for name, (f, b) in PRESETS.items():
             if name in A2A_PRESETS:       # the benchmark's names: "a2a", "a2a_ring U=2"
@@ -610,3 +611,20 @@ def test_report_on_synthetic_rows(tmp_path, capsys):
     with pytest.raises(SystemExit):
         report.main([str(src), "--calibration", str(cal), "--out-dir", str(tmp_path),
                      "--no-projection", "--strict"])
+
+
+def test_report_adds_the_gradient_accumulation_of_older_linear_rows():
+    """linear_cp rows without ``grads: autograd.grad`` timed ``o.backward(do)`` on leaf q, k,
+    v: three ``.grad`` additions (read two, write one) on top of the op. The report predicts
+    them from the machine's memory rate, so such a row that measured op + additions has no
+    error; a row of the current benchmark (``autograd.grad``) gets none added."""
+    from benchmarks import report
+    rows = [r for r in _bench_rows(TRUTH) if r["bench"] == "linear_cp"][:3]
+    extra = 3 * (1 * 8192 * 16 * (2 * 128 + 128)) * 2 / (TRUTH.kernels.mem_gbps * 1e9) * 1e3
+    old = [dict({k: v for k, v in r.items() if k != "grads"}, ms_fwd_bwd=r["ms_fwd_bwd"] + extra)
+           for r in rows]
+    for p in report.points(rows + old, TRUTH):
+        assert abs(p["error"]) < 1e-9, p
+    shape = LinearShape(1, 8192, 16, 128, 128)
+    assert report.accumulated_grads_ms(old[0], "linear", shape, TRUTH) == pytest.approx(extra)
+    assert report.accumulated_grads_ms(rows[0], "linear", shape, TRUTH) == 0.0

@@ -10,7 +10,14 @@ dtype × head-dim × layout cases).
 ``tuned/sm90_triton<T>_fla<F>.tgz`` holds those ``*.autotune.json`` files, measured on Hopper
 (sm_90: H100/H200) for bf16 and fp32 with K = V ∈ {64, 128} (fla's keys do not depend on the
 sequence length or head count); since 2026-11-24 also fla's gated and varlen (packed
-documents) kernels and our own gated kernels at K = V = 64, and the varlen kernels at 128. Triton names each cache entry by a hash of its own version, the
+documents) kernels and our own gated kernels at K = V = 64, and the varlen kernels at 128;
+since 2026-11-26 the keys train.py's 1B models met on a fresh 2 × H100 machine (the packed
+path's K = 64 recurrences and output kernel, the linear and gated models' dv and dq/dk): its
+first step at CP 2 and 32K went from over 140 s to 29–43 s (softmax, linear, gated, hybrid
+with packed documents; ``benchmarks/train_scaling.py --fresh-triton-cache``). H100 and H200
+are both sm_90: Triton keys its cache by the architecture, so one archive serves both (the
+configs were timed on whichever ran; a config tuned on one is a good one on the other).
+Triton names each cache entry by a hash of its own version, the
 GPU target, the kernel source and the tuning key, so an entry can only ever be read by the
 exact Triton + fla + GPU it was made on; we still unpack only when those match. Existing files
 are never overwritten (a cache the user already tuned wins). Set

@@ -169,3 +169,26 @@ def test_train_memory_check_refuses_with_the_fixes():
         check_loss_impl("liger", 2, torch.device("cuda"))
     with pytest.raises(ValueError, match="invalid choice"):   # argparse's choices
         parse_args(["--loss-impl", "plain"])
+
+
+def test_train_warns_when_a_gpu_run_leaves_too_little_headroom():
+    """The 1B hybrid at 32K on one 80 GB H100: the estimate (69.2 GiB, equal to the measured
+    tensor peak) fits, but the run ran out of memory at its third step (8.9 GiB outside
+    PyTorch, 2.2 GiB fragmented): a warning names the margin and the fixes; the softmax model
+    (62.7 GB measured, ran) gets none."""
+    from sp_train.args import parse_args
+    from sp_train.setup import GPU_HEADROOM, check_memory, memory_margin_warning
+    h100 = 79.18 * 2**30
+    argv = ["--preset", "1b", "--seq-length", "32768", "--global-batch-size", "1",
+            "--vocab-size", "128256"]
+    hyb = parse_args(argv + ["--sp-model-kind", "hybrid"])
+    est = check_memory(hyb, hyb.layout(1), 128256, bf16=True, capacity=h100)
+    assert 60 * 2**30 < est.total < h100 - 0.5 * GPU_HEADROOM
+    msg = memory_margin_warning(hyb, hyb.layout(1), 128256, est, bf16=True, capacity=h100)
+    assert msg and "may run out of memory" in msg and "--recompute-granularity" in msg, msg
+    soft = parse_args(argv)
+    est = check_memory(soft, soft.layout(1), 128256, bf16=True, capacity=h100)
+    assert memory_margin_warning(soft, soft.layout(1), 128256, est, bf16=True,
+                                 capacity=h100) is None
+    assert memory_margin_warning(hyb, hyb.layout(1), 128256, est, bf16=True,
+                                 capacity=None) is None

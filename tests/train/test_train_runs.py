@@ -310,3 +310,28 @@ def test_plain_python_sigterm_saves_plots_and_exits_75(tmp_path):
     assert rc == 75 and last.startswith("stopped by SIGTERM after step "), (rc, out[-3000:])
     assert f"loss curve {log_dir}/loss.png" in last and "Traceback" not in out
     assert os.path.exists(f"{log_dir}/loss.png") and os.path.exists(f"{log_dir}/summary.json")
+
+
+def test_sbatch_as_two_nodes_on_one_host_trains_and_resumes(tmp_path):
+    """scripts/slurm/one_host.sh runs the real sbatch script as 2 nodes × 1 process on this
+    host (stand-in srun starts one launcher per "node", c10d rendezvous at the head node): it
+    trains and saves, and a second job resumes from the checkpoint to the end."""
+    ck, env = str(tmp_path / "ck"), dict(os.environ, OMP_NUM_THREADS="1",
+                                         PYTHON=sys.executable, RDZV_PORT=str(_port()))
+    script = os.path.join(ROOT, "scripts", "slurm", "one_host.sh")
+
+    def job(steps, log, *extra):
+        p = subprocess.Popen(["bash", script, "2", "1", *_argv("softmax", 1, 2, str(tmp_path / log),
+                                                             steps=steps),
+                              "--save", ck, "--save-interval", "2", *extra],
+                             cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        return _finish(p)
+    rc, out = job(4, "a")
+    assert rc == 0 and "sp-train: 2 node(s) x 1 GPU(s)" in out, out[-3000:]
+    assert "TP1·CP2·DP1 (world 2)" in out, out[-3000:]
+    assert sorted(_log(tmp_path / "a" / "log.jsonl")) == [1, 2, 3, 4]
+    env["RDZV_PORT"] = str(_port())
+    rc, out = job(6, "b", "--load", ck)
+    assert rc == 0 and f"resumed from {ck}/iter_0000004" in out, out[-3000:]
+    assert sorted(_log(tmp_path / "b" / "log.jsonl")) == [5, 6]
