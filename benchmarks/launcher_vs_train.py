@@ -24,7 +24,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_scaling import ROOT, kill_tree, parse_layout  # noqa: E402
+from train_scaling import ROOT, emit, kill_tree, parse_layout  # noqa: E402
 
 SHAPE = dict(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8,
              ffn_hidden_size=8192, vocab_size=128256)
@@ -143,11 +143,7 @@ def main() -> int:
             for label, status, log in (("train", t_status, t_log), ("launcher", l_status, l_log)):
                 if status != "ok":
                     rec[f"{label}_log_tail"] = log[-800:]
-            line = json.dumps(rec, sort_keys=True)
-            print(line, flush=True)
-            if a.out:
-                with open(a.out, "a") as f:
-                    f.write(line + "\n")
+            emit(rec, a.out)
     return 0
 
 

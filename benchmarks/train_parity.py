@@ -18,7 +18,6 @@ One JSON line (``bench: "train_parity"``) and a PNG of the three curves.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -54,6 +53,8 @@ def compare(a: list, b: list, c: list, window: int) -> dict:
 def main() -> int:
     from sp_attention.testing import kill_tree
     from sp_train.progress import plot_losses, read_log
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from train_scaling import emit
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cp", type=int, default=4)
     p.add_argument("--kind", default="hybrid", choices=["softmax", "linear", "gated", "hybrid"])
@@ -124,11 +125,7 @@ def main() -> int:
            "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
            "date": time.strftime("%Y-%m-%d"), "png": png,
            "command": "python benchmarks/train_parity.py " + " ".join(sys.argv[1:])}
-    line = json.dumps(rec, sort_keys=True)
-    print(line, flush=True)
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(line + "\n")
+    emit(rec, a.out)
     return 0
 
 

@@ -150,12 +150,17 @@ def main() -> int:
             if status != "ok":
                 failed += 1
                 rec["log_tail"] = error_tail(open(log).read())
-            line = json.dumps(rec, sort_keys=True)
-            print(line, flush=True)
-            if a.out:
-                with open(a.out, "a") as f:
-                    f.write(line + "\n")
+            emit(rec, a.out)
     return 1 if failed else 0
+
+
+def emit(rec: dict, out) -> None:
+    """Print one JSON line and append it to ``out`` (when given)."""
+    line = json.dumps(rec, sort_keys=True)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
 
 
 def error_tail(text: str, n: int = 1200) -> str:

@@ -284,9 +284,11 @@ def main(argv=None) -> None:
     validate_args(args)     # fail before Megatron initialises anything; the options, once
     datasets_provider.is_distributed = True
     with _prebuilt_dataset_helpers():
-        pretrain(pretrain_cfg_container_from_args(args), datasets_provider,
-                 ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
-    release_cuda_graphs()       # before any destroy_process_group (the scans' graphs hold NCCL)
+        try:
+            pretrain(pretrain_cfg_container_from_args(args), datasets_provider,
+                     ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+        finally:    # also through Megatron's sys.exit (exit interval, duration, signal handler):
+            release_cuda_graphs()       # the scans' graphs hold NCCL, which a teardown needs
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import json
 import math
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -101,3 +102,23 @@ def test_linear_rank_programs_gated_rows(capsys, monkeypatch):
                                                          ("zigzag", 2)}
     assert all(r["decay"] == "g" and r["ratio"] > 0 and r["ratio_fwd"] > 0 for r in prog)
     assert {r["impl"] for r in rows} >= {"ours P=1 g", "torch fwd g"}
+
+
+def test_training_benchmark_helpers():
+    """train_parity's statistics (moving averages; the CP run against the CP 1 pair) and
+    train_scaling's failure excerpt (train.py's error, not torchrun's report)."""
+    from benchmarks import train_parity, train_scaling
+    assert train_parity.moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    a, b = [2.0] * 10, [2.2] * 10
+    s = train_parity.compare(a, b, [2.1] * 10, window=3)
+    assert s["spread"] == s["spread_max"] == pytest.approx(0.2)
+    assert s["cp_vs_cp1"] == pytest.approx(0.0) and s["bias"] == pytest.approx(0.0)
+    s = train_parity.compare(a, b, [2.6] * 10, window=3)
+    assert s["cp_vs_cp1"] == pytest.approx(0.5) and s["bias"] == pytest.approx(0.5)
+    log = ("step 1/2 ...\ntrain.py: error: CUDA out of memory\n"
+           "E1126 12:00:00 api.py:1] failed (exitcode: 1) local_rank: 0\n"
+           "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n====\n")
+    tail = train_scaling.error_tail(log)
+    assert tail.endswith("train.py: error: CUDA out of memory") and "exitcode" not in tail
+    assert train_scaling.error_tail("no report\n") == "no report\n"
+    assert train_scaling.parse_layout("tp2cp2") == {"tp": 2, "cp": 2, "dp": 1}
