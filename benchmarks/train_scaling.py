@@ -13,8 +13,8 @@ step. Runs on one GPU go side by side, one per GPU (``--no-side-by-side`` to run
 after the other). ``mfu``, ``tokens_per_s``: means over the steps after the first;
 ``mem_gb``: the largest peak of any step; ``first_step_s``: from the launch to the end of the
 first step (imports, model, the kernels' first compilation; ``--fresh-triton-cache`` gives
-each run an empty Triton cache, as on a fresh machine); ``command``: what ran. A run that fails or outlasts
-``--timeout`` is recorded with its ``status`` and the last lines of its log.
+each run an empty Triton cache, as on a fresh machine); ``command``: what ran. A run that
+fails or outlasts ``--timeout`` is recorded with its ``status`` and train.py's error.
 """
 from __future__ import annotations
 

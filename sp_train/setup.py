@@ -17,8 +17,8 @@ from .loss import default_chunk_tokens
 from .memory import GIB, ModelShape, StepShape, estimate_memory
 
 __all__ = ["Groups", "init_groups", "transformer_config", "build_model", "count_params",
-           "memory_estimate", "check_memory", "memory_margin_warning", "GPU_HEADROOM", "memory_capacity", "model_vocab", "load_hf",
-           "schedule_picks"]
+           "memory_estimate", "check_memory", "memory_margin_warning", "GPU_HEADROOM",
+           "memory_capacity", "model_vocab", "load_hf", "schedule_picks"]
 
 
 @dataclass

@@ -352,7 +352,14 @@ def release_cuda_graphs() -> int:
     return graphs
 
 
-atexit.register(release_cuda_graphs)
+def _release_at_exit() -> None:
+    try:
+        release_cuda_graphs()
+    except RuntimeError:    # a CUDA error earlier in the process: nothing left to protect
+        pass
+
+
+atexit.register(_release_at_exit)
 
 
 def replayed(run, graphs: bool, device: torch.device):
