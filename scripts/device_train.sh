@@ -78,7 +78,25 @@ for l in open(sys.argv[1]):
             --cp "$cp" --device cuda --model "$m" > "$OUT/hf_${m}_cp$cp.log" 2>&1
           echo "hf $m cp$cp exit $?: $(tail -n 1 "$OUT/hf_${m}_cp$cp.log")"
         done
-      done ;;
+        # the printed losses (every 10 steps) of CP = P against CP = 1: one JSON line
+        python3 - "$OUT/hf_${m}_cp$P.log" "$OUT/hf_${m}_cp1.log" "$m" "$P" >> "$OUT/hf_cp.jsonl" <<'PY'
+import json, re, sys, time
+import torch
+def losses(path):
+    return {int(s): float(x) for s, x in re.findall(r"step +(\d+)  loss ([0-9.]+)", open(path).read())}
+cp, one = losses(sys.argv[1]), losses(sys.argv[2])
+steps = sorted(set(cp) & set(one))
+diff = [abs(cp[s] - one[s]) for s in steps]
+print(json.dumps({"bench": "hf_cp", "model": sys.argv[3], "cp": int(sys.argv[4]),
+                  "steps_compared": len(steps), "max_abs_diff": max(diff) if diff else None,
+                  "final_cp": cp.get(max(steps)) if steps else None,
+                  "final_cp1": one.get(max(steps)) if steps else None,
+                  "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+                  "command": f"torchrun --nproc-per-node {sys.argv[4]} examples/hf_llama_cp.py "
+                             f"--cp {sys.argv[4]} --device cuda --model {sys.argv[3]} (and --cp 1)"}))
+PY
+      done
+      cat "$OUT/hf_cp.jsonl" ;;
     parity)
       timeout $((3 * T)) python3 benchmarks/train_parity.py --cp "$P" --kind hybrid \
         --train-iters 300 --png "$OUT/train_parity_cp$P.png" --out "$OUT/train_parity.jsonl" \
