@@ -89,7 +89,8 @@ def test_softmax_monotonic_in_world_and_bytes(preset):
 
 def test_linear_scan_formulas_exact():
     """With free combines: ring = hops·(α + S/β), tree = rounds·(α + S/β) (contiguous: every
-    round crosses ranks), all-gather = α + (P−2)·step + (P−1)·S/β."""
+    round crosses ranks; 2⌈log2 P⌉ − 1 rounds: the exclusive scan's dead top up-sweep round
+    left out), all-gather = α + (P−2)·step + (P−1)·S/β."""
     m = _bare(alpha_p2p=50.0, alpha_coll=20.0, step=3.0, gbps=100.0)
     S = LIN.state_bytes
     hop = 50e-3 + S / 100e9 * 1e3
@@ -98,21 +99,21 @@ def test_linear_scan_formulas_exact():
         assert linear_scan_ms("ring", LIN, P, "contiguous", m) == pytest.approx((P - 1) * hop)
         assert linear_scan_ms("ring", LIN, P, "zigzag", m) == pytest.approx(2 * (P - 1) * hop)
         assert linear_scan_ms("blelloch", LIN, P, "contiguous", m) == pytest.approx(
-            2 * depth * hop)
+            (2 * depth - 1) * hop)
         coll = 20e-3 + (P - 2) * 3e-3 + (P - 1) * S / 100e9 * 1e3
         assert linear_scan_ms("allgather", LIN, P, "contiguous", m) == pytest.approx(coll)
 
 
 def test_linear_crossovers_where_the_formulas_put_them():
-    """ring vs tree: P − 1 hops against 2⌈log2 P⌉ rounds: the tree wins from P = 8 on (tie
-    at 7); ring vs all-gather: the P* solving
+    """ring vs tree: P − 1 hops against 2⌈log2 P⌉ − 1 rounds: the tree wins from P = 7 on
+    (tie at 6); ring vs all-gather: the P* solving
     (P−1)(α_p + S/β) = α_c + (P−2)·s + (P−1)·S/β."""
     m = _bare(alpha_p2p=50.0, alpha_coll=1000.0, step=0.0, gbps=1e6)
     for P in range(2, 40):
         ring = linear_scan_ms("ring", LIN, P, "contiguous", m)
         tree = linear_scan_ms("blelloch", LIN, P, "contiguous", m)
         d = math.ceil(math.log2(P))
-        assert (tree < ring) == (2 * d < P - 1), P
+        assert (tree < ring) == (2 * d - 1 < P - 1), P
     # all-gather: α_c = 1000 µs vs (P − 1)·50 µs hops: crossover at P − 1 = 20
     for P in range(2, 40):
         choice = choose_linear_scan(LIN, P, "contiguous", m, candidates=("ring", "allgather"))

@@ -9,8 +9,8 @@ structure instead:
 
 * linear scan (:func:`cpu_linear_scan`), by the number of leaves ``L`` (P contiguous, 2P
   zigzag): ``ring`` for ``L ≤ 2`` (one hop); ``allgather`` for ``L ≤ 16`` (one collective and
-  a fold of at most 16 states); ``blelloch`` beyond (2⌈log2 L⌉ rounds instead of L − 1 hops or
-  a fold of L states);
+  a fold of at most 16 states); ``blelloch`` beyond (2⌈log2 L⌉ − 1 rounds instead of L − 1
+  hops or a fold of L states);
 * softmax preset (:func:`cpu_softmax_preset`): the default preset
   (:data:`sp_attention.planning.schedules.DEFAULT_PRESET`).
 """

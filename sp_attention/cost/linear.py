@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Optional
 
-from ..planning.layout import holder_of_leaf, num_chunks, scan_position, tree_scan_schedule
+from ..planning.layout import holder_of_leaf, num_chunks, scan_position, tree_scan_rounds
 from ..planning.schedules import LINEAR_SCANS
 from .common import LinearShape, StepTime, Topology, combine_ms, linear_flops
 from .machine import Machine
@@ -24,13 +24,13 @@ def _ring_ms(holder: list, S: int, machine: Machine, topo: Topology) -> float:
 
 
 def _tree_ms(holder: list, S: int, machine: Machine, topo: Topology) -> float:
-    """2⌈log2 L⌉ rounds; a round costs one α plus its busiest rank's bytes (``S`` per element
-    it sends or receives) and a combine."""
-    sched = tree_scan_schedule(len(holder))
+    """The rounds of :func:`~sp_attention.planning.layout.tree_scan_rounds` (2⌈log2 L⌉ − 1);
+    a round costs one α plus its busiest rank's bytes (``S`` per pair it takes part in: links
+    are full duplex, so a down pair's two ways cost one) and a combine."""
     t = 0.0
-    for pairs in sched.up + sched.down:
+    for pairs in tree_scan_rounds(len(holder)):
         sent: dict[int, list] = {}
-        for pr in pairs:
+        for pr, _ in pairs:
             a, b = holder[pr.left], holder[pr.right]
             if a != b:
                 sent.setdefault(a, []).append(topo.link(machine, a, b))

@@ -1,8 +1,8 @@
 """All-gather scan: one fixed-shape all-gather of every leaf's packed fp32 element, then each
 rank forms the prefix of its own leaves locally.
 
-One collective instead of 2⌈log2 L⌉ dependent rounds: the lowest latency for small P within a
-node; it moves (P−1)·(per-rank elements) into every rank. Where ranks hold different numbers
+One collective instead of 2⌈log2 L⌉ − 1 dependent rounds: the lowest latency for small P
+within a node; it moves (P−1)·(per-rank elements) into every rank. Where ranks hold different numbers
 of elements (packed documents: one per crossing segment), every rank sends as many as the rank
 holding the most, zero rows padding the rest.
 

@@ -1,9 +1,12 @@
-"""Blelloch (work-efficient tree) exclusive scan across ranks: 2⌈log2 L⌉ rounds, any L.
+"""Blelloch (work-efficient tree) exclusive scan across ranks: 2⌈log2 L⌉ − 1 rounds, any L.
 
 Up-sweep: each tree node's right child receives its left sibling's aggregate (one message).
 Down-sweep from the identity at the root: the two children exchange values; the left takes the
 parent's prefix, the right the prefix ⊕ left aggregate. Partners come from
-``layout.tree_scan_schedule``; a rank holding both ends of a pair (zigzag) combines locally.
+``layout.tree_scan_rounds``, which leaves out what an exclusive scan never reads (every up-sweep
+value of the last position, so the top round) and the identity the leftmost path would carry
+down (there the left becomes the identity without a message): at L = 2 one message, as the
+ring. A rank holding both ends of a pair (zigzag) combines locally.
 Each round is one batched exchange with at most one message per peer and direction: the
 elements a rank sends one peer in a round (zigzag: two leaves whose partners sit on the same
 rank; packed documents: any number) travel packed in one flat buffer, in the order of the
@@ -24,21 +27,24 @@ import torch
 
 from ..comm import p2p_exchange
 from ..context import SPContext
-from ..planning.layout import tree_scan_schedule
+from ..planning.layout import DOWN, SPINE, tree_scan_rounds
 from .scan_common import (IDENTITY, Program, ProgramBuilder, ScanMap, Step, rows_to_list,
                           run_program)
 
 
-def _round(pb: ProgramBuilder, pairs, down: bool) -> None:
-    """One round: up-sweep ``right ← left ⊕ right``; down-sweep ``left ← right``,
-    ``right ← right ⊕ left``."""
+def _round(pb: ProgramBuilder, pairs) -> None:
+    """One round of ``(ScanPair, kind)``: ``up`` ``right ← left ⊕ right``; ``down``
+    ``left ← right``, ``right ← right ⊕ left``; ``spine`` (the right holds the identity)
+    ``left ← identity``, ``right ← left``, only the left's aggregate travelling."""
     leaves, me = pb.leaves, pb.leaves.rank
     pre, post, out, arrivals = [], [], {}, {}
-    for p in pairs:  # same order on every rank -> both ends agree on each buffer's layout
+    for p, kind in pairs:  # same order on every rank -> both ends agree on each buffer's layout
         hl, hr = leaves.holder(p.left), leaves.holder(p.right)
         if hl == me and hr == me:
             left, right = pb.row[p.left], pb.row[p.right]
-            if down:     # the prefix ⊕ left aggregate, into the aggregate's row; left ← prefix
+            if kind == SPINE:           # a rename: the left's aggregate moves right
+                pb.row[p.left], pb.row[p.right] = IDENTITY, left
+            elif kind == DOWN:   # the prefix ⊕ left aggregate, into the aggregate's row
                 pb.fold(pre, left, right)
                 pb.row[p.left], pb.row[p.right] = right, left
             else:
@@ -46,21 +52,25 @@ def _round(pb: ProgramBuilder, pairs, down: bool) -> None:
             continue
         if hl == me:
             out.setdefault(hr, []).append(pb.row[p.left])
-            if down:
+            if kind == DOWN:
                 arrivals.setdefault(hr, []).append((p, "left"))
+            elif kind == SPINE:
+                pb.row[p.left] = IDENTITY
         elif hr == me:
-            arrivals.setdefault(hl, []).append((p, "right"))
-            if down:
+            arrivals.setdefault(hl, []).append((p, kind))
+            if kind == DOWN:
                 out.setdefault(hl, []).append(pb.row[p.right])
     recvs = []
     for peer, arr in sorted(arrivals.items()):
         first = pb.receive(len(arr))
         recvs.append((peer, first, len(arr)))
-        for got, (p, side) in enumerate(arr, start=first):
-            if side == "left":          # the parent's prefix
+        for got, (p, what) in enumerate(arr, start=first):
+            if what == "left":          # the parent's prefix
                 pb.row[p.left] = got
-            elif down:                  # the prefix ⊕ the left aggregate that arrived
+            elif what == DOWN:          # the prefix ⊕ the left aggregate that arrived
                 pb.fold(post, got, pb.row[p.right])
+                pb.row[p.right] = got
+            elif what == SPINE:         # the left aggregate is the right's prefix
                 pb.row[p.right] = got
             else:                       # the left aggregate ⊕ this right one
                 pb.fold(post, pb.row[p.right], got)
@@ -70,16 +80,15 @@ def _round(pb: ProgramBuilder, pairs, down: bool) -> None:
 
 @functools.lru_cache(maxsize=256)
 def compile_blelloch(leaves: ScanMap) -> Program:
-    """The tree scan of this rank's elements (pure rank arithmetic, cached per map)."""
+    """The tree scan of this rank's elements (pure rank arithmetic, cached per map): the
+    rounds of :func:`~sp_attention.planning.layout.tree_scan_rounds` (dead up-sweep work and
+    identity messages left out)."""
     pb = ProgramBuilder(leaves)
     if leaves.local_positions:          # a rank holding no element takes part in no exchange
-        sched = tree_scan_schedule(leaves.num)
-        for pairs in sched.up:
-            _round(pb, pairs, down=False)
         if leaves.is_mine(leaves.num - 1):
-            pb.row[leaves.num - 1] = IDENTITY
-        for pairs in sched.down:
-            _round(pb, pairs, down=True)
+            pb.row[leaves.num - 1] = IDENTITY   # its up-sweep values are dead
+        for pairs in tree_scan_rounds(leaves.num):
+            _round(pb, pairs)
     return pb.finish()
 
 

@@ -178,6 +178,36 @@ def tree_scan_schedule(num_leaves: int) -> ScanSchedule:
     return ScanSchedule(num_leaves, tuple(levels), tuple(reversed(levels)))
 
 
+# Kinds of a pair in a round of :func:`tree_scan_rounds`.
+UP, DOWN, SPINE = "up", "down", "spine"
+
+
+def tree_scan_rounds(num_leaves: int) -> tuple:
+    """The rounds of :func:`tree_scan_schedule` an *exclusive* scan needs: per round, the
+    ``(ScanPair, kind)`` that do work, every empty round dropped.
+
+    ``up``: ``right ← left ⊕ right``. The last position's up-sweep values are dead (the root
+    takes the identity before the down-sweep reads it), so every up pair into it is dropped —
+    the whole top round among them. ``down``: ``left ← right`` (the parent's prefix),
+    ``right ← right ⊕ left``. ``spine``: a down pair whose parent prefix is the identity (the
+    leftmost path from the root): the left becomes the identity without a message and the
+    right takes the left's aggregate as it is, so only that aggregate travels. 2⌈log2 L⌉ − 1
+    rounds (L ≥ 2); the same for every rank (pure arithmetic), so both ends of each message
+    agree."""
+    sched = tree_scan_schedule(num_leaves)
+    last = num_leaves - 1
+    rounds = [tuple((p, UP) for p in pairs if p.right != last) for pairs in sched.up]
+    identity = {last}               # positions whose value is the identity
+    for pairs in sched.down:
+        kinds = tuple((p, SPINE if p.right in identity else DOWN) for p in pairs)
+        for p, kind in kinds:
+            if kind == SPINE:
+                identity.discard(p.right)
+                identity.add(p.left)
+        rounds.append(kinds)
+    return tuple(r for r in rounds if r)
+
+
 def scan_position(leaf: int, num_leaves: int, reverse: bool) -> int:
     """Position of ``leaf`` in scan order; reverse scans (suffixes, for backward) run right to
     left."""

@@ -12,22 +12,22 @@ import torch
 
 from sp_attention.context import SPContext
 from sp_attention.planning.layout import (holder_of_leaf, num_chunks, scan_position,
-                                         tree_scan_schedule)
+                                         tree_scan_rounds)
 from sp_attention.linear import scan_blelloch
 from sp_attention.linear.scan_common import Element
 
 ELEMENT = 2 * 3 + 2 * 3 * 4 * 5        # numbers in one packed element (A [2, 3], b [2, 3, 4, 5])
 
 
-def _round_messages(holder: list, pairs, down: bool) -> set:
+def _round_messages(holder: list, pairs) -> set:
     """The messages ``(sender, receiver)`` a tree round must post: one per peer and direction
-    (a down-sweep pair exchanges both ways)."""
+    (a down-sweep pair exchanges both ways; up and spine pairs send left to right only)."""
     msgs = set()
-    for pr in pairs:
+    for pr, kind in pairs:
         a, b = holder[pr.left], holder[pr.right]
         if a != b:
             msgs.add((a, b))
-            if down:
+            if kind == "down":
                 msgs.add((b, a))
     return msgs
 
@@ -84,7 +84,7 @@ def _run(world: int, layout: str, holders, reverse: bool, monkeypatch):
 def test_one_message_per_peer_and_direction_per_round(world, layout, monkeypatch):
     most = 0
     L = num_chunks(world, layout)
-    sched = tree_scan_schedule(L)
+    rounds = tree_scan_rounds(L)
     for reverse in (False, True):
         calls = _run(world, layout, None, reverse, monkeypatch)
         for sends, recvs, n in (c for rank in calls for c in rank):
@@ -92,8 +92,10 @@ def test_one_message_per_peer_and_direction_per_round(world, layout, monkeypatch
             most = max(most, n)
         # one message per peer and direction, no more, no fewer
         holder = [holder_of_leaf(scan_position(p, L, reverse), world, layout) for p in range(L)]
-        for i, pairs in enumerate(sched.up + sched.down):
-            msgs = _round_messages(holder, pairs, down=i >= len(sched.up))
+        for r in range(world):
+            assert len(calls[r]) == len(rounds) if r in holder else not calls[r]
+        for i, pairs in enumerate(rounds):
+            msgs = _round_messages(holder, pairs)
             for r in range(world):
                 sends, recvs, _ = calls[r][i]
                 assert sorted(sends) == sorted(b for a, b in msgs if a == r)
