@@ -24,10 +24,11 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_scaling import ROOT, emit, kill_tree, parse_layout  # noqa: E402
+from train_scaling import ROOT, emit, kill_tree, parse_layout, train_command  # noqa: E402
+from sp_train.args import SHAPES  # noqa: E402
 
-SHAPE = dict(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8,
-             ffn_hidden_size=8192, vocab_size=128256)
+SHAPE = dict(SHAPES["1b"], vocab_size=128256)       # train.py's --preset 1b, Llama 3's vocab
+HYBRID = ["--sp-hybrid-pattern", "LLLS", "--context-parallel-impl", "blelloch"]
 
 
 def launcher_cmd(kind: str, lay: dict, seq: int, iters: int, port: int) -> list:
@@ -57,23 +58,7 @@ def launcher_cmd(kind: str, lay: dict, seq: int, iters: int, port: int) -> list:
            "--untie-embeddings-and-output-weights",
            "--sp-model-kind", kind, "--log-interval", "1", "--eval-iters", "0",
            "--eval-interval", "1000000"]
-    if kind == "hybrid":
-        cmd += ["--sp-hybrid-pattern", "LLLS", "--context-parallel-impl", "blelloch"]
-    return cmd
-
-
-def train_cmd(kind: str, lay: dict, seq: int, iters: int, port: int, log_dir: str) -> list:
-    world = lay["tp"] * lay["cp"] * lay["dp"]
-    cmd = ["torchrun", "--nproc-per-node", str(world), "--master-port", str(port),
-           os.path.join(ROOT, "train.py"), "--preset", "1b", "--sp-model-kind", kind,
-           "--seq-length", str(seq), "--vocab-size", str(SHAPE["vocab_size"]),
-           "--tensor-model-parallel-size", str(lay["tp"]),
-           "--context-parallel-size", str(lay["cp"]), "--micro-batch-size", "1",
-           "--global-batch-size", str(lay["dp"]), "--train-iters", str(iters),
-           "--log-interval", "1", "--no-progress-bar", "--log-dir", log_dir]
-    if kind == "hybrid":
-        cmd += ["--sp-hybrid-pattern", "LLLS", "--context-parallel-impl", "blelloch"]
-    return cmd
+    return cmd + (HYBRID if kind == "hybrid" else [])
 
 
 def launcher_tokens_per_s(log: str, tokens_per_step: int, skip: int = 2) -> tuple:
@@ -118,8 +103,10 @@ def main() -> int:
             world = lay["tp"] * lay["cp"] * lay["dp"]
             tokens = a.seq_length * lay["dp"]
             tag = f"{kind}_{name}"
-            t_cmd = train_cmd(kind, lay, a.seq_length, a.train_iters, 29621,
-                              os.path.join(tmp, tag))
+            t_cmd = train_command(kind, lay, preset="1b", seq_length=a.seq_length,
+                                  train_iters=a.train_iters, log_dir=os.path.join(tmp, tag),
+                                  vocab_size=SHAPE["vocab_size"], port=29621,
+                                  extra=HYBRID if kind == "hybrid" else ())
             t_status, t_wall, t_log = run(t_cmd, os.path.join(tmp, tag + "_train.log"),
                                           a.timeout)
             recs = [json.loads(x) for x in open(os.path.join(tmp, tag, "log.jsonl"))

@@ -54,7 +54,7 @@ def main() -> int:
     from sp_attention.testing import kill_tree
     from sp_train.progress import plot_losses, read_log
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from train_scaling import emit
+    from train_scaling import emit, train_command
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cp", type=int, default=4)
     p.add_argument("--kind", default="hybrid", choices=["softmax", "linear", "gated", "hybrid"])
@@ -78,13 +78,11 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="train_parity_")
 
     def launch(name: str, cp: int, gpus: str, port: int) -> tuple:
-        cmd = ["torchrun", "--nproc-per-node", str(cp), "--master-port", str(port),
-               os.path.join(ROOT, "train.py"), "--preset", a.preset, "--sp-model-kind", a.kind,
-               "--num-layers", str(a.num_layers), "--seq-length", str(a.seq_length),
-               "--context-parallel-size", str(cp), "--micro-batch-size", "1",
-               "--global-batch-size", "1", "--train-iters", str(a.train_iters),
-               "--seed", str(a.seed), "--log-interval", "50", "--no-progress-bar",
-               "--log-dir", os.path.join(tmp, name)] + a.extra
+        cmd = train_command(a.kind, {"tp": 1, "cp": cp, "dp": 1}, preset=a.preset,
+                            seq_length=a.seq_length, train_iters=a.train_iters,
+                            log_dir=os.path.join(tmp, name), port=port,
+                            extra=["--num-layers", str(a.num_layers), "--seed", str(a.seed)]
+                            + a.extra)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="" if a.device == "cpu" else gpus)
         log = open(os.path.join(tmp, name + ".log"), "w")
         return name, cmd, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -40,19 +41,27 @@ def parse_layout(name: str) -> dict:
     return {k: int(got.get(k, 1)) for k in ("tp", "cp", "dp")}
 
 
-def command(a, kind: str, lay: dict, log_json: str, log_dir: str) -> list:
+def train_command(kind: str, lay: dict, *, preset: str, seq_length: int, train_iters: int,
+                  log_dir: str, log_json: Optional[str] = None, vocab_size: Optional[int] = None,
+                  port: Optional[int] = None, extra=()) -> list:
+    """``torchrun … train.py`` at layout ``lay`` with one sequence per DP rank per step (so
+    every layout of one ``seq_length`` trains the same sequences); ``port``: a rendezvous port
+    of its own (runs side by side), else ``--standalone``. The training benchmarks' one
+    train.py command line."""
     world = lay["tp"] * lay["cp"] * lay["dp"]
-    launch = ["torchrun", "--standalone", "--nproc-per-node", str(world)]
-    cmd = launch + [os.path.join(ROOT, "train.py"), "--preset", a.preset,
-                    "--sp-model-kind", kind, "--seq-length", str(a.seq_length),
+    launch = ["torchrun", "--nproc-per-node", str(world)]
+    launch += ["--master-port", str(port)] if port else ["--standalone"]
+    cmd = launch + [os.path.join(ROOT, "train.py"), "--preset", preset,
+                    "--sp-model-kind", kind, "--seq-length", str(seq_length),
                     "--tensor-model-parallel-size", str(lay["tp"]),
                     "--context-parallel-size", str(lay["cp"]), "--micro-batch-size", "1",
-                    "--global-batch-size", str(lay["dp"]), "--train-iters", str(a.train_iters),
-                    "--log-interval", "1", "--no-progress-bar", "--log-json", log_json,
-                    "--log-dir", log_dir]
-    if a.vocab_size:
-        cmd += ["--vocab-size", str(a.vocab_size)]
-    return cmd + a.extra
+                    "--global-batch-size", str(lay["dp"]), "--train-iters", str(train_iters),
+                    "--log-interval", "1", "--no-progress-bar", "--log-dir", log_dir]
+    if log_json:
+        cmd += ["--log-json", log_json]
+    if vocab_size:
+        cmd += ["--vocab-size", str(vocab_size)]
+    return cmd + list(extra)
 
 
 def summarize(log_json: str, t0: float = 0.0) -> dict:
@@ -116,7 +125,10 @@ def main() -> int:
         for slot, (kind, name, lay) in enumerate(batch):
             tag = f"{kind}_{name}"
             log_json, log = os.path.join(tmp, tag + ".jsonl"), os.path.join(tmp, tag + ".log")
-            cmd = command(a, kind, lay, log_json, os.path.join(tmp, tag))
+            cmd = train_command(kind, lay, preset=a.preset, seq_length=a.seq_length,
+                                train_iters=a.train_iters, log_dir=os.path.join(tmp, tag),
+                                log_json=log_json, vocab_size=a.vocab_size, extra=a.extra,
+                                port=29600 + slot if len(batch) > 1 else None)
             env = dict(os.environ)
             if a.fresh_triton_cache is not None:
                 cache = os.path.join(a.fresh_triton_cache or os.path.join(tmp, "triton"), tag)
@@ -124,9 +136,6 @@ def main() -> int:
                 env["TRITON_CACHE_DIR"] = cache
             if len(batch) > 1:
                 env["CUDA_VISIBLE_DEVICES"] = str(slot)
-                cmd[cmd.index("--standalone") + 1:cmd.index("--standalone") + 1] = [
-                    "--master-port", str(29600 + slot)]
-                cmd.remove("--standalone")
             if a.device == "cpu":
                 env["CUDA_VISIBLE_DEVICES"] = ""
             procs.append((kind, name, lay, cmd, log_json, log, time.time(),

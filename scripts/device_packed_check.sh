@@ -29,20 +29,13 @@ grep -E "^(softmax|linear|gated|hybrid) \{|passed|failed|Error" "$OUT/packed_gpu
 [ $rc -eq 0 ] || fail="$fail gpu-test(rc=$rc)"
 
 echo "== 2. pretrain_gpt --reset-attention-mask --reset-position-ids --eod-mask-loss (LGLS)"
-ARGS=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 4
-      --group-query-attention --num-query-groups 2
+. "$(dirname "$0")/megatron_small.sh"
+ARGS=("${MEGATRON_SMALL[@]}"
       --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 8
-      --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 5 --lr-decay-iters 40
-      --weight-decay 0.01 --clip-grad 1.0 --bf16 --seed 1234
-      --mock-data --tokenizer-type NullTokenizer --vocab-size 1024
+      --lr-warmup-iters 5 --lr-decay-iters 40
       --reset-attention-mask --reset-position-ids --eod-mask-loss
-      --transformer-impl local --no-persist-layer-norm --no-rope-fusion
-      --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-swiglu-fusion
-      --no-bias-dropout-fusion
-      --no-create-attention-mask-in-dataloader --attention-dropout 0 --hidden-dropout 0
-      --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
       --sp-model-kind hybrid --sp-hybrid-pattern LGLS --context-parallel-impl auto
-      --log-interval 5 --eval-iters 0 --eval-interval 1000000 --train-iters 40)
+      --log-interval 5 --train-iters 40)
 timeout 200 torchrun --nproc-per-node 1 --master-port 29518 -m megatron_patches.pretrain_gpt \
   "${ARGS[@]}" > "$OUT/packed_train.log" 2>&1
 rc=$?

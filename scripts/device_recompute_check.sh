@@ -9,19 +9,12 @@ set -u
 OUT=${OUT:-/tmp/mp_recompute}
 mkdir -p "$OUT"
 export CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS=4
-ARGS=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 4
-      --group-query-attention --num-query-groups 2
+. "$(dirname "$0")/megatron_small.sh"
+ARGS=("${MEGATRON_SMALL[@]}"
       --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 4 --global-batch-size 8
-      --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 2 --lr-decay-iters 8
-      --weight-decay 0.01 --clip-grad 1.0 --bf16 --seed 1234 --train-iters 8
-      --mock-data --tokenizer-type NullTokenizer --vocab-size 1024
-      --transformer-impl local --no-persist-layer-norm --no-rope-fusion
-      --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-swiglu-fusion
-      --no-bias-dropout-fusion
-      --no-create-attention-mask-in-dataloader --attention-dropout 0 --hidden-dropout 0
-      --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
+      --lr-warmup-iters 2 --lr-decay-iters 8 --train-iters 8
       --sp-model-kind hybrid --sp-hybrid-pattern LLLS --context-parallel-impl blelloch
-      --log-interval 1 --eval-iters 0 --eval-interval 1000000)
+      --log-interval 1)
 LAUNCH=(torchrun --nproc-per-node 1 --master-port 29519 -m megatron_patches.pretrain_gpt)
 declare -A MODES=(
   [none]=""

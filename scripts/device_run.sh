@@ -29,20 +29,12 @@ else
   echo "pytest missing on this machine: spec tests not run" > "$OUT/specs.log"
 fi
 
-ARGS=(--num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 4
-      --group-query-attention --num-query-groups 2
+. "$(dirname "$0")/megatron_small.sh"
+ARGS=("${MEGATRON_SMALL[@]}"
       --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 8
-      --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 5 --lr-decay-iters 80
-      --weight-decay 0.01 --clip-grad 1.0 --bf16 --seed 1234
-      --mock-data --tokenizer-type NullTokenizer --vocab-size 1024
-      --transformer-impl local --no-persist-layer-norm --no-rope-fusion
-      --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-swiglu-fusion
-      --no-bias-dropout-fusion
-      --no-create-attention-mask-in-dataloader --attention-dropout 0 --hidden-dropout 0
-      --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
+      --lr-warmup-iters 5 --lr-decay-iters 80
       --sp-model-kind hybrid --sp-hybrid-pattern LLLS --context-parallel-impl blelloch
-      --log-interval 5 --eval-iters 0 --eval-interval 1000000
-      --save "$CK" --save-interval 30)
+      --log-interval 5 --save "$CK" --save-interval 30)
 LAUNCH=(torchrun --nproc-per-node 1 --master-port 29517 -m megatron_patches.pretrain_gpt)
 
 timeout 170 "${LAUNCH[@]}" "${ARGS[@]}" --train-iters 80 --exit-interval 60 > "$OUT/train.log" 2>&1
