@@ -42,12 +42,11 @@ from sp_train.optim import MasterAdamW, lr_at
 from sp_train.progress import (Progress, claim_log_dir, describe_attention, flops_per_token,
                                log_dir_refusal, peak_flops, plot_losses, read_log,
                                release_log_dir)
+from sp_train.reduce import GradientReducer
 from sp_train.setup import (build_model, check_memory, count_params, init_groups, load_hf,
-                            memory_capacity, memory_margin_warning, model_vocab,
-                            schedule_picks)
+                            memory_capacity, memory_margin_warning, model_vocab, schedule_picks)
 from sp_attention import (build_sp_context, release_cuda_graphs, shard_position_ids,
                           shard_sequence)
-from sp_train.reduce import all_reduce_gradients
 
 
 def rank0_print(*a) -> None:
@@ -89,20 +88,21 @@ def local_micro_batches(data, step: int, args: TrainArgs, layout, groups, cp_ctx
     return out
 
 
-def train_step(model, optimizer, micro_batches, groups, args, lr: float, clip: float):
-    """Forward/backward over the micro-batches, gradient sum over DP × CP, optimizer step.
-    Returns (this rank's share of the global mean loss, gradient norm)."""
+def train_step(model, optimizer, reducer, micro_batches, groups, args, lr, clip: float):
+    """Forward/backward over the micro-batches, gradient sum over DP × CP (``reducer``: in the
+    last backward), optimizer step. Returns (this rank's loss share, gradient norm)."""
     share = torch.zeros((), dtype=torch.float64, device=micro_batches[0][0].device)
     count = step_token_count(micro_batches, groups.dp_cp)   # the step's loss tokens, all ranks
-    for tok, pos, lab, msk, packed in micro_batches:
-        # this rank's share of the step's global token mean (--loss-impl: the model's own
-        # loss over full logits, or the chunked linear + cross entropy on its hidden states)
+    for i, (tok, pos, lab, msk, packed) in enumerate(micro_batches):
+        # this rank's share of the step's global token mean (--loss-impl picks the loss)
         loss = micro_batch_loss(model, tok, pos, lab, msk, impl=args.loss_impl,
                                 tp_group=groups.tp, dp_cp_group=groups.dp_cp,
                                 token_count=count, packed_seq_params=packed)
+        if i == len(micro_batches) - 1:
+            reducer.arm()                   # these gradients are final: buckets travel now
         loss.backward()
         share += loss.detach().double()     # stays on the device: agree() syncs once a step
-    all_reduce_gradients(model.parameters(), groups.dp_cp)
+    reducer.finish()
     return share, optimizer.step(lr, clip)
 
 
@@ -187,6 +187,8 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
                             weight_decay=args.weight_decay, tp_group=groups.tp,
                             tp_rank=groups.tp_rank)
     optimizer.init_state()          # Adam's moments now, so a run that cannot fit fails in step 1
+    reducer = GradientReducer(model.parameters(), groups.dp_cp,
+                              overlap=not args.no_overlap_grad_reduce)
     start = 0
     if resume_from is not None:
         start = ckpt.load_checkpoint(resume_from, model, optimizer, tp_rank=groups.tp_rank,
@@ -229,7 +231,7 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
         while step < args.train_iters and not stopped:
             lr = lr_at(step, args.lr, args.min_lr, args.lr_warmup_iters, args.train_iters)
             batches = local_micro_batches(data, step, args, layout, groups, cp_ctx, device)
-            share, gnorm = train_step(model, optimizer, batches, groups, args, lr,
+            share, gnorm = train_step(model, optimizer, reducer, batches, groups, args, lr,
                                       args.clip_grad)
             step += 1
             if hooks.after_step is not None:

@@ -12,8 +12,9 @@
 #     parity      train_parity.py: CP = P against two CP = 1 runs, 300 steps, PNG
 #     slurm       scripts/slurm/one_host.sh 2 P/2: the sbatch path as two nodes, save + resume
 # Knobs: KINDS (softmax hybrid gated), SEQ (32768), ITERS (10), SCALE_EXTRA (train.py flags for
-# every scaling run, after "--"), FIRST_KINDS (hybrid-packed gated softmax linear), STEP_TIMEOUT
-# (seconds per run, 240).
+# every scaling run, after "--"), FIRST_KINDS (hybrid-packed gated softmax linear), HF_MODELS
+# (llama linear gated hybrid), STEP_TIMEOUT (seconds per run, 240; a fresh machine compiles
+# the HF example's linear kernels for ~70 s before its first step).
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -72,7 +73,7 @@ for l in open(sys.argv[1]):
         --out "$OUT/launcher_vs_train.jsonl" > "$OUT/launcher_vs_train.log" 2>&1
       cut -c1-400 "$OUT/launcher_vs_train.jsonl" ;;
     hf)
-      for m in llama linear gated hybrid; do
+      for m in ${HF_MODELS:-llama linear gated hybrid}; do
         for cp in "$P" 1; do
           timeout "$T" torchrun --nproc-per-node "$cp" --master-port 29631 examples/hf_llama_cp.py \
             --cp "$cp" --device cuda --model "$m" > "$OUT/hf_${m}_cp$cp.log" 2>&1

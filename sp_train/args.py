@@ -165,6 +165,9 @@ class TrainArgs:
                         "full logits (vocabulary-parallel under TP); liger: Liger-Kernel's fused "
                         "linear cross entropy (TP 1, CUDA); megatron: the model's output layer "
                         "and Megatron's cross entropy over the full logits", choices=LOSS_IMPLS)
+    no_overlap_grad_reduce: bool = _f(False, "sum the gradients over DP × CP after the backward "
+                                      "instead of bucket by bucket during the last "
+                                      "micro-batch's backward (same numbers)")
     no_memory_check: bool = _f(False, "start even when the memory estimate printed before the "
                                "model is built exceeds the GPU")
     global_batch_size: int = _f(16, "sequences per step over all DP ranks")

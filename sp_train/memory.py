@@ -36,6 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .reduce import BUCKET_ELEMENTS, IN_FLIGHT
+
 __all__ = ["ModelShape", "StepShape", "MemoryEstimate", "estimate_memory", "layer_saved_bytes",
            "param_count", "GIB"]
 
@@ -95,6 +97,8 @@ class StepShape:
         loss: ``"chunked"`` (ours), ``"liger"`` or ``"megatron"`` (full logits).
         loss_chunk_tokens: the chunked loss's tokens per chunk (train.py passes its
             loss's default; None: the whole micro-batch in one chunk).
+        grad_reduce_overlap: the gradient sum over DP × CP travels during the backward
+            (train.py's default) rather than after it.
     """
 
     tp: int = 1
@@ -110,6 +114,7 @@ class StepShape:
     recompute_modules: tuple = ("core_attn",)
     loss: str = "chunked"
     loss_chunk_tokens: Optional[int] = None
+    grad_reduce_overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.param_bytes not in (2, 4):
@@ -290,6 +295,17 @@ def _loss_bytes(m: ModelShape, s: StepShape, n: int, e: int) -> tuple:
     return float(fwd), float(held)
 
 
+def _reduce_bytes(m: ModelShape, s: StepShape, p: float) -> float:
+    """fp32 buckets of the gradient sum alive at once: ``IN_FLIGHT`` + 1 consecutive buckets
+    of ``BUCKET_ELEMENTS`` (the largest parameter, the embedding, a bucket of its own), plus
+    the 16-bit concatenation of the bucket being launched."""
+    h, f, d, t = m.hidden_size, m.ffn_hidden_size, m.head_dim, s.tp
+    largest = max(m.vocab_size * h // t, 2 * f * h // t,
+                  h * (m.num_attention_heads + 2 * m.num_query_groups) * d // t)
+    launch = min(p, max(largest, BUCKET_ELEMENTS))
+    return 4 * min(p, launch + IN_FLIGHT * BUCKET_ELEMENTS) + s.param_bytes * launch
+
+
 def estimate_memory(m: ModelShape, s: StepShape) -> MemoryEstimate:
     """Peak bytes of one rank for model ``m`` and step ``s`` (see the module docstring)."""
     e = s.param_bytes                       # activations travel in the parameters' dtype
@@ -309,13 +325,16 @@ def estimate_memory(m: ModelShape, s: StepShape) -> MemoryEstimate:
     workspace = n * (replay + max(_workspace_per_token(m, k, s, e) for k in set(m.layer_kinds)))
     loss_fwd, loss_held = _loss_bytes(m, s, n, e)
     static = weights + optimizer + grads
+    # the gradient sum over DP × CP (sp_train.reduce): a few fp32 buckets travel at once
+    reducing = _reduce_bytes(m, s, p) if s.dp * s.cp > 1 else 0.0
     backward = static + activations + loss_held + workspace
+    if s.grad_reduce_overlap:
+        backward += reducing
     forward = static + activations + loss_fwd
-    # after the backward: every gradient, plus all_reduce_gradients' fp32 copies and flat
-    # bucket (DP × CP > 1), or the optimizer's fp32 copies of 16-bit gradients
+    # after the backward: every gradient, plus the reduction's buckets or the optimizer's
+    # fp32 copies of 16-bit gradients
     copies = 4 * p if s.param_bytes == 2 else 0.0
-    extra = copies + 4 * p if s.dp * s.cp > 1 else copies
-    step = weights + p * s.param_bytes + optimizer + extra
+    step = weights + p * s.param_bytes + optimizer + max(copies, reducing)
     total = max(backward, forward, step)
     phase = "backward" if total == backward else "forward" if total == forward else "optimizer"
     return MemoryEstimate(weights=weights, grads=grads, optimizer=optimizer,

@@ -2,9 +2,18 @@
 (:func:`sp_attention.tokens.global_token_mean`, re-exported here) summed over the DP × CP group
 in fp32 buckets. Megatron's own optimizer/DDP do the same job on GPUs; FSDP users reduce their
 way.
+
+:class:`GradientReducer` overlaps the reduction with the backward, as DDP and Megatron's
+``--overlap-grad-reduce`` do: armed before the backward whose gradients are final (the last
+micro-batch's), it starts a bucket's all-reduce as soon as every gradient in it is accumulated
+(``register_post_accumulate_grad_hook``), buckets in their fixed order on every rank (a bucket
+that fills early waits for the ones before it, so the ranks' collectives match), and writes
+the sums back while later buckets travel. :func:`all_reduce_gradients` is the same reduction
+after the backward.
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Iterable, Optional
 
 import torch
@@ -13,41 +22,133 @@ import torch.distributed as dist
 from sp_attention.precision import acc_dtype
 from sp_attention.tokens import global_token_count, global_token_mean, group_size
 
-__all__ = ["global_token_mean", "global_token_count", "all_reduce_gradients"]
+__all__ = ["global_token_mean", "global_token_count", "all_reduce_gradients",
+           "GradientReducer", "BUCKET_ELEMENTS"]
+
+# elements per bucket (fp32: 100 MB): large enough for NCCL's bandwidth, small enough that
+# the first buckets travel while most of the backward still runs (DDP's default is 25 MB)
+BUCKET_ELEMENTS = 25_000_000
+# buckets travelling at once: launching bucket i writes bucket i − IN_FLIGHT back, so the fp32
+# copies alive during the backward stay a few buckets
+IN_FLIGHT = 2
+
+
+class GradientReducer:
+    """Sum ``.grad`` of ``parameters`` over ``group`` in fp32 buckets (fp64 for fp64
+    parameters), multiplied by ``scale``, written back in each gradient's dtype.
+
+    Every rank of ``group`` must pass the same parameters in the same order (same shapes). A
+    parameter without a gradient counts as zeros (on every rank that has none). Buckets hold
+    parameters in reverse order (the backward makes the last layers' gradients first), up to
+    ``bucket_elements`` each (a larger parameter is a bucket of its own), one device and dtype
+    per bucket.
+
+    Use: ``arm(scale)`` before the backward whose gradients are final, ``finish()`` after it
+    (before anything reads ``.grad``). With ``overlap=False`` (or a group of one rank) nothing
+    happens during the backward and ``finish`` does all the work. A gradient accumulated twice
+    in one armed backward (a parameter reached by two separate backward passes, e.g. a tied
+    weight across reentrant checkpoints) is an error: its bucket may already have travelled.
+    """
+
+    def __init__(self, parameters: Iterable[torch.nn.Parameter],
+                 group: Optional[dist.ProcessGroup], *, overlap: bool = True,
+                 bucket_elements: int = BUCKET_ELEMENTS):
+        params = [p for p in parameters if p.requires_grad]
+        self.group = group
+        self.reduce = group_size(group) > 1
+        self.buckets: list[list[torch.nn.Parameter]] = []
+        open_: dict = {}
+        for p in reversed(params):
+            key = (p.device, acc_dtype(p))
+            b = open_.get(key)
+            if b is None or sum(q.numel() for q in b) + p.numel() > bucket_elements:
+                b = open_[key] = []
+                self.buckets.append(b)
+            b.append(p)
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self._hooks = ([p.register_post_accumulate_grad_hook(self._ready) for p in params]
+                       if overlap and self.reduce else [])
+        self._armed = False
+
+    def arm(self, scale: float = 1.0) -> None:
+        """The next backward's gradients are final: reduce each bucket as it fills."""
+        self._scale = scale
+        self._filled = [set() for _ in self.buckets]
+        self._next = 0                       # the next bucket to launch, in order
+        self._inflight: deque = deque()
+        self._armed = True
+
+    def finish(self) -> None:
+        """Launch what has not travelled (gradients the backward did not reach count as zeros),
+        wait for every bucket and write the sums back."""
+        if not self._armed:
+            raise RuntimeError("GradientReducer.finish() without arm(): call arm(scale) before "
+                               "the backward whose gradients are final")
+        self._armed = False
+        if not self.reduce:
+            if self._scale != 1.0:
+                for b in self.buckets:
+                    for p in b:
+                        if p.grad is not None:
+                            p.grad.mul_(self._scale)
+            return
+        while self._next < len(self.buckets):
+            self._launch()
+        while self._inflight:
+            self._write_back()
+
+    def remove(self) -> None:
+        """Drop the gradient hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _ready(self, p: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        i = self._bucket_of[id(p)]
+        if id(p) in self._filled[i]:
+            raise RuntimeError(
+                f"a gradient of shape {tuple(p.shape)} was accumulated twice in one backward "
+                "while its bucket was being reduced (a parameter reached by two separate "
+                "backward passes): reduce after the backward instead (train.py: "
+                "--no-overlap-grad-reduce)")
+        self._filled[i].add(id(p))
+        while (self._next < len(self.buckets)
+               and len(self._filled[self._next]) == len(self.buckets[self._next])):
+            self._launch()
+
+    def _launch(self) -> None:
+        ps = self.buckets[self._next]
+        self._next += 1
+        acc = acc_dtype(ps[0])
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in ps]).to(acc)
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self._inflight.append((ps, flat, work))
+        while len(self._inflight) > IN_FLIGHT:
+            self._write_back()
+
+    def _write_back(self) -> None:
+        ps, flat, work = self._inflight.popleft()
+        work.wait()                          # NCCL: the current stream waits, not the host
+        if self._scale != 1.0:
+            flat.mul_(self._scale)
+        offset = 0
+        for p in ps:
+            n = p.numel()
+            g = flat[offset:offset + n].view_as(p)
+            offset += n
+            if p.grad is None:
+                p.grad = g.to(p.dtype, copy=True)
+            else:
+                p.grad.copy_(g)
 
 
 def all_reduce_gradients(parameters: Iterable[torch.nn.Parameter],
                          group: Optional[dist.ProcessGroup], *, scale: float = 1.0) -> None:
-    """Sum ``.grad`` of ``parameters`` over ``group`` in place, then multiply by ``scale``.
-
-    Every rank of ``group`` must pass the same parameters in the same order (same shapes);
-    parameters without a gradient are skipped on every rank alike only if they are skipped on
-    all of them, so a missing gradient is treated as zeros. Gradients travel in fp32 flat
-    buckets (fp64 for fp64 parameters; one all-reduce per device and dtype) and are written back in their own dtype.
-    """
-    params = [p for p in parameters if p.requires_grad]
-    if group_size(group) == 1:
-        if scale != 1.0:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        return
-    buckets: dict = {}
-    for p in params:     # fp64 stays fp64, everything else travels in fp32
-        acc = acc_dtype(p)
-        buckets.setdefault((str(p.device), acc), []).append(p)
-    for (_, acc), ps in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
-                          .reshape(-1).to(acc) for p in ps])
-        dist.all_reduce(flat, group=group)
-        if scale != 1.0:
-            flat.mul_(scale)
-        offset = 0
-        for p in ps:
-            n = p.numel()
-            g = flat[offset:offset + n].view_as(p).to(p.dtype)
-            offset += n
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.copy_(g)
+    """Sum ``.grad`` of ``parameters`` over ``group`` in place after the backward, then
+    multiply by ``scale`` (the rules: :class:`GradientReducer`)."""
+    reducer = GradientReducer(parameters, group, overlap=False)
+    reducer.arm(scale)
+    reducer.finish()

@@ -141,7 +141,8 @@ def memory_estimate(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: b
                      param_bytes=2 if bf16 else 4, recompute=rc.granularity,
                      recompute_method=rc.method, recompute_num_layers=rc.num_layers,
                      recompute_modules=rc.modules or ("core_attn",), loss=args.loss_impl,
-                     loss_chunk_tokens=default_chunk_tokens(vocab_size // layout.tp))
+                     loss_chunk_tokens=default_chunk_tokens(vocab_size // layout.tp),
+                     grad_reduce_overlap=not args.no_overlap_grad_reduce)
     return model, step, estimate_memory(model, step)
 
 

@@ -42,3 +42,79 @@ def test_bad_input():
         global_token_mean(torch.ones(3), torch.zeros(3))
     with pytest.raises(TypeError, match="member"):
         global_token_mean(torch.ones(3), None, group=-100)
+
+
+def _reducer_worker(rank, world, overlap):
+    """Two micro-batches, three small buckets, an fp32 and an fp64 bucket, a parameter no rank
+    reaches, a scale: the reducer's sums equal the single-process gradient at every rank."""
+    from sp_train.reduce import GradientReducer
+    w1 = torch.nn.Parameter(seeded((6, 5), 1))
+    w2 = torch.nn.Parameter(seeded((5,), 2))
+    b = torch.nn.Parameter(seeded((5,), 3, dtype=torch.float32))
+    unused = torch.nn.Parameter(seeded((4,), 4))
+    params = [unused, w1, b, w2]     # buckets in reverse: [w2] [b] (fp32) [w1] [unused]
+    x = seeded((world, 2, 3, 6), 5)            # [rank, micro-batch, tokens, features]
+
+    def loss(xs, ws):
+        _, a, bb, c = ws
+        return ((torch.tanh(xs @ a + bb.double()) @ c) ** 2).sum()
+
+    ref = [p.detach().clone().requires_grad_() for p in params]
+    loss(x, ref).backward()
+    reducer = GradientReducer(params, dist.group.WORLD, overlap=overlap, bucket_elements=12)
+    assert [[id(p) for p in bk] for bk in reducer.buckets] == [[id(w2)], [id(b)], [id(w1)],
+                                                               [id(unused)]]
+    for step in range(2):                      # the hooks stay; each step arms again
+        for p in params:
+            p.grad = None
+        for mb in range(2):
+            if mb == 1:
+                reducer.arm(scale=0.5)
+            loss(x[rank, mb], params).backward()
+        # with overlap every bucket before the unreached parameter's left during the backward
+        assert reducer._next == (3 if overlap else 0)
+        reducer.finish()
+        for p, r in zip(params, ref):
+            want = 0.5 * r.grad if r.grad is not None else torch.zeros_like(p)
+            assert p.grad is not None and p.grad.dtype == p.dtype
+            tol = 1e-6 if p.dtype == torch.float32 else 1e-12     # fp32: summed per rank
+            assert torch.allclose(p.grad, want, rtol=tol, atol=tol), (step, p.shape)
+    reducer.remove()
+    return True
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_reducer_matches_single_process(overlap):
+    assert all(run_distributed(_reducer_worker, 3, overlap))
+
+
+def _twice_worker(rank, world):
+    from sp_train.reduce import GradientReducer
+    w = torch.nn.Parameter(seeded((3,), 1))
+    reducer = GradientReducer([w], dist.group.WORLD)
+    reducer.arm()
+    (w * 2).sum().backward()
+    try:
+        (w * 3).sum().backward()      # a second accumulation after the bucket travelled
+    except RuntimeError as e:
+        assert "accumulated twice" in str(e) and "--no-overlap-grad-reduce" in str(e)
+    else:
+        raise AssertionError("no error")
+    reducer.finish()
+    return True
+
+
+def test_reducer_refuses_a_gradient_accumulated_twice():
+    assert all(run_distributed(_twice_worker, 2))
+
+
+def test_reducer_single_rank_scales_and_needs_arm():
+    from sp_train.reduce import GradientReducer
+    w = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    reducer = GradientReducer([w], None)
+    with pytest.raises(RuntimeError, match="arm"):
+        reducer.finish()
+    reducer.arm(scale=0.25)
+    (w * 4).sum().backward()
+    reducer.finish()
+    assert torch.equal(w.grad, torch.ones(3, dtype=torch.float64))
