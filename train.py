@@ -102,8 +102,7 @@ def train_step(model, optimizer, reducer, micro_batches, groups, args, lr, clip:
             reducer.arm()                   # these gradients are final: buckets travel now
         loss.backward()
         share += loss.detach().double()     # stays on the device: agree() syncs once a step
-    reducer.finish()
-    return share, optimizer.step(lr, clip)
+    return share, optimizer.step(lr, clip, reducer.finish())   # fp32 sums, or None: .grad
 
 
 def agree(share: torch.Tensor, signum: Optional[int], tp: int) -> tuple[float, Optional[int]]:
@@ -187,7 +186,7 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
                             weight_decay=args.weight_decay, tp_group=groups.tp,
                             tp_rank=groups.tp_rank)
     optimizer.init_state()          # Adam's moments now, so a run that cannot fit fails in step 1
-    reducer = GradientReducer(model.parameters(), groups.dp_cp,
+    reducer = GradientReducer(optimizer.params, groups.dp_cp, write_back=False,
                               overlap=not args.no_overlap_grad_reduce)
     start = 0
     if resume_from is not None:

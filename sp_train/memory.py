@@ -331,10 +331,13 @@ def estimate_memory(m: ModelShape, s: StepShape) -> MemoryEstimate:
     if s.grad_reduce_overlap:
         backward += reducing
     forward = static + activations + loss_fwd
-    # after the backward: every gradient, plus the reduction's buckets or the optimizer's
-    # fp32 copies of 16-bit gradients
+    # after the backward: every gradient and the optimizer's fp32 copies of 16-bit ones, or,
+    # summed over DP × CP, the fp32 sums the masters step from (the 16-bit gradients are gone)
     copies = 4 * p if s.param_bytes == 2 else 0.0
-    step = weights + p * s.param_bytes + optimizer + max(copies, reducing)
+    if s.dp * s.cp > 1:
+        step = weights + optimizer + 4 * p
+    else:
+        step = weights + p * s.param_bytes + optimizer + copies
     total = max(backward, forward, step)
     phase = "backward" if total == backward else "forward" if total == forward else "optimizer"
     return MemoryEstimate(weights=weights, grads=grads, optimizer=optimizer,

@@ -15,6 +15,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from sp_attention.precision import acc_dtype
+
 __all__ = ["MasterAdamW", "lr_at"]
 
 
@@ -56,31 +58,48 @@ class MasterAdamW:
             if m is not p:
                 m.grad = None
 
-    def grad_norm(self) -> float:
+    def grad_norm(self, grads: Optional[list] = None) -> float:
+        """The global L2 norm of the gradients (``.grad``, or ``grads`` aligned with
+        ``params``): per tensor by one multi-tensor kernel that reads each gradient once,
+        accumulating in fp32 (fp64 for fp64 gradients), the squares summed in fp64."""
+        grads = [p.grad for p in self.params] if grads is None else grads
         sq = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
-        for p in self.params:
+        by_acc: dict = {}
+        for p, g in zip(self.params, grads):
             counted = getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0
-            if p.grad is not None and counted:
-                sq += p.grad.detach().to(torch.float64).pow(2).sum()
+            if g is not None and counted:
+                by_acc.setdefault(acc_dtype(g), []).append(g.detach())
+        for acc, grads in by_acc.items():
+            norms = torch._foreach_norm(grads, 2.0, dtype=acc)
+            sq += torch.stack(norms).to(torch.float64).pow(2).sum()
         if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
             dist.all_reduce(sq, group=self.tp_group)
         return float(sq.sqrt())
 
-    def step(self, lr: float, clip_grad: float) -> float:
-        """Clip to ``clip_grad`` (0 = off), step at ``lr``; returns the gradient norm."""
-        norm = self.grad_norm()
+    def step(self, lr: float, clip_grad: float, grads: Optional[list] = None) -> float:
+        """Clip to ``clip_grad`` (0 = off), step at ``lr``; returns the gradient norm. The
+        gradients are ``.grad``, or ``grads`` (one per parameter, in ``params`` order; fp32, as
+        :class:`sp_train.reduce.GradientReducer` returns them: the masters step from them
+        without a cast)."""
+        if grads is not None and len(grads) != len(self.params):
+            raise ValueError(f"grads: {len(grads)} tensors for {len(self.params)} parameters")
+        norm = self.grad_norm(grads)
         scale = min(1.0, clip_grad / (norm + 1e-6)) if clip_grad > 0 else 1.0
-        for m, p in zip(self.master, self.params):
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            g = g.float() if m is not p else g
-            m.grad = g.mul_(scale) if scale != 1.0 else g
+        given = grads if grads is not None else [p.grad for p in self.params]
+        grads = []
+        for m, p, g in zip(self.master, self.params, given):
+            g = g if g is not None else torch.zeros_like(m)
+            m.grad = g.to(m.dtype) if g.dtype != m.dtype else g
+            grads.append(m.grad)
+        if scale != 1.0:
+            torch._foreach_mul_(grads, scale)
         for group in self.opt.param_groups:
             group["lr"] = lr
         self.opt.step()
-        with torch.no_grad():
-            for m, p in zip(self.master, self.params):
-                if m is not p:
-                    p.copy_(m)
+        low = [(p, m) for m, p in zip(self.master, self.params) if m is not p]
+        if low:
+            with torch.no_grad():
+                torch._foreach_copy_([p for p, _ in low], [m for _, m in low])
         self.zero_grad()
         return norm
 

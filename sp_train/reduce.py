@@ -45,15 +45,24 @@ class GradientReducer:
 
     Use: ``arm(scale)`` before the backward whose gradients are final, ``finish()`` after it
     (before anything reads ``.grad``). With ``overlap=False`` (or a group of one rank) nothing
-    happens during the backward and ``finish`` does all the work. A gradient accumulated twice
+    happens during the backward and ``finish`` does all the work.
+
+    ``write_back=True`` writes the sums into ``.grad`` (rounded to its dtype).
+    ``write_back=False`` keeps them in fp32 (fp64): ``.grad`` is dropped as soon as its bucket
+    has left (its memory freed during the backward) and ``finish()`` returns the sums, one per
+    parameter in the order given, for an optimizer with fp32 masters to step from
+    (:meth:`sp_train.optim.MasterAdamW.step` ``grads=``): no rounding of the summed gradient to
+    16 bits, and two passes over the gradients fewer. A gradient accumulated twice
     in one armed backward (a parameter reached by two separate backward passes, e.g. a tied
     weight across reentrant checkpoints) is an error: its bucket may already have travelled.
     """
 
     def __init__(self, parameters: Iterable[torch.nn.Parameter],
                  group: Optional[dist.ProcessGroup], *, overlap: bool = True,
-                 bucket_elements: int = BUCKET_ELEMENTS):
+                 write_back: bool = True, bucket_elements: int = BUCKET_ELEMENTS):
         params = [p for p in parameters if p.requires_grad]
+        self.params = params
+        self.write_back = write_back
         self.group = group
         self.reduce = group_size(group) > 1
         self.buckets: list[list[torch.nn.Parameter]] = []
@@ -76,26 +85,31 @@ class GradientReducer:
         self._filled = [set() for _ in self.buckets]
         self._next = 0                       # the next bucket to launch, in order
         self._inflight: deque = deque()
+        self._sums: dict = {}
         self._armed = True
 
-    def finish(self) -> None:
+    def finish(self) -> Optional[list]:
         """Launch what has not travelled (gradients the backward did not reach count as zeros),
-        wait for every bucket and write the sums back."""
+        wait for every bucket and write the sums back; with ``write_back=False`` return them
+        (None for a group of one rank: ``.grad`` holds the gradients, scaled)."""
         if not self._armed:
             raise RuntimeError("GradientReducer.finish() without arm(): call arm(scale) before "
                                "the backward whose gradients are final")
         self._armed = False
         if not self.reduce:
             if self._scale != 1.0:
-                for b in self.buckets:
-                    for p in b:
-                        if p.grad is not None:
-                            p.grad.mul_(self._scale)
-            return
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.mul_(self._scale)
+            return None
         while self._next < len(self.buckets):
             self._launch()
         while self._inflight:
             self._write_back()
+        if self.write_back:
+            return None
+        sums, self._sums = self._sums, {}
+        return [sums[id(p)] for p in self.params]
 
     def remove(self) -> None:
         """Drop the gradient hooks."""
@@ -121,9 +135,13 @@ class GradientReducer:
     def _launch(self) -> None:
         ps = self.buckets[self._next]
         self._next += 1
-        acc = acc_dtype(ps[0])
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in ps]).to(acc)
+        flat = torch.empty(sum(p.numel() for p in ps), dtype=acc_dtype(ps[0]),
+                           device=ps[0].device)
+        torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                   for p in ps], out=flat)          # cast on the way: one pass
+        if not self.write_back:
+            for p in ps:
+                p.grad = None
         work = dist.all_reduce(flat, group=self.group, async_op=True)
         self._inflight.append((ps, flat, work))
         while len(self._inflight) > IN_FLIGHT:
@@ -139,7 +157,9 @@ class GradientReducer:
             n = p.numel()
             g = flat[offset:offset + n].view_as(p)
             offset += n
-            if p.grad is None:
+            if not self.write_back:
+                self._sums[id(p)] = g
+            elif p.grad is None:
                 p.grad = g.to(p.dtype, copy=True)
             else:
                 p.grad.copy_(g)

@@ -44,7 +44,7 @@ def test_bad_input():
         global_token_mean(torch.ones(3), None, group=-100)
 
 
-def _reducer_worker(rank, world, overlap):
+def _reducer_worker(rank, world, overlap, write_back):
     """Two micro-batches, three small buckets, an fp32 and an fp64 bucket, a parameter no rank
     reaches, a scale: the reducer's sums equal the single-process gradient at every rank."""
     from sp_train.reduce import GradientReducer
@@ -61,7 +61,8 @@ def _reducer_worker(rank, world, overlap):
 
     ref = [p.detach().clone().requires_grad_() for p in params]
     loss(x, ref).backward()
-    reducer = GradientReducer(params, dist.group.WORLD, overlap=overlap, bucket_elements=12)
+    reducer = GradientReducer(params, dist.group.WORLD, overlap=overlap, bucket_elements=12,
+                              write_back=write_back)
     assert [[id(p) for p in bk] for bk in reducer.buckets] == [[id(w2)], [id(b)], [id(w1)],
                                                                [id(unused)]]
     for step in range(2):                      # the hooks stay; each step arms again
@@ -73,19 +74,29 @@ def _reducer_worker(rank, world, overlap):
             loss(x[rank, mb], params).backward()
         # with overlap every bucket before the unreached parameter's left during the backward
         assert reducer._next == (3 if overlap else 0)
-        reducer.finish()
-        for p, r in zip(params, ref):
+        sums = reducer.finish()
+        if write_back:
+            assert sums is None
+            got = [p.grad for p in params]
+        else:     # fp32 (fp64) sums in parameter order; .grad dropped when its bucket left
+            assert all(p.grad is None for p in params) and len(sums) == len(params)
+            assert [g.dtype for g in sums] == [torch.float64, torch.float64, torch.float32,
+                                               torch.float64]
+            got = sums
+        for p, r, g in zip(params, ref, got):
             want = 0.5 * r.grad if r.grad is not None else torch.zeros_like(p)
-            assert p.grad is not None and p.grad.dtype == p.dtype
+            assert g is not None and g.dtype == p.dtype and g.shape == p.shape
+            p.grad = g
             tol = 1e-6 if p.dtype == torch.float32 else 1e-12     # fp32: summed per rank
             assert torch.allclose(p.grad, want, rtol=tol, atol=tol), (step, p.shape)
     reducer.remove()
     return True
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_reducer_matches_single_process(overlap):
-    assert all(run_distributed(_reducer_worker, 3, overlap))
+@pytest.mark.parametrize("overlap,write_back", [(True, True), (False, True), (True, False),
+                                                (False, False)])
+def test_reducer_matches_single_process(overlap, write_back):
+    assert all(run_distributed(_reducer_worker, 3, overlap, write_back))
 
 
 def _twice_worker(rank, world):

@@ -25,7 +25,9 @@ __all__ = ["FlaKernels", "fla_kernels", "resolve_kernels"]
 class FlaKernels:
     """The kernels the multi-leaf fla path runs, with fla 0.6's keyword signatures.
 
-    ``chunk_fwd_h`` … ``chunk_bwd_dv``: fla's internal chunk kernels. ``output_from_states``:
+    ``chunk_fwd_h`` … ``chunk_bwd_dv``: fla's internal chunk kernels (the two chunk-state
+    ones also take ``split_offsets=`` and ``num_splits=`` for varlen sequences:
+    :mod:`.fla_states`). ``output_from_states``:
     :func:`sp_attention.linear.kernels.output_from_states` (``gates=`` for per-token gates).
     ``state_sum(x, y, decay, base, step, scale, gates=None, pieces=None)``: ``scale · Σ_t
     λ^(base + step·t) x_tᵀ y_t`` in fp32, or its gated form, per token range with ``pieces``
@@ -60,14 +62,15 @@ def fla_kernels() -> FlaKernels:
     lone layer's step, loses the selector's per-call cost. fla, Triton and our Triton kernels
     are optional dependencies (the ``gpu`` extra): imported here, on the first fla call.
     """
-    from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
     from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv, chunk_fwd_o
 
+    from . import fla_states
     from .dqk_kernel import chunk_dqkdg
     from .kernels import output_from_states
     install_once()      # shipped autotune results: a fresh machine's first step in seconds
-    return FlaKernels(*(inspect.unwrap(f) for f in (chunk_fwd_h, chunk_fwd_o, chunk_bwd_dh,
-                                                    chunk_bwd_dqkwg, chunk_bwd_dv)),
+    fwd_o, dqkwg, dv = (inspect.unwrap(f) for f in (chunk_fwd_o, chunk_bwd_dqkwg, chunk_bwd_dv))
+    # the chunk-state kernels through our launchers: no device sync for varlen sequences
+    return FlaKernels(fla_states.chunk_fwd_h, fwd_o, fla_states.chunk_bwd_dh, dqkwg, dv,
                       output_from_states=output_from_states, state_sum=decayed_sum,
                       chunk_dqkdg=chunk_dqkdg)
 

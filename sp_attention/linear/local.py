@@ -27,14 +27,21 @@ __all__ = ["Sequences", "ROWS", "chunk_states", "local_output", "local_backward"
 @dataclass(frozen=True)
 class Sequences:
     """How the (flattened) rows are cut into sequences: every batch row one sequence (the
-    default, :data:`ROWS`), or fla's varlen layout of one row (``cu`` the boundaries, int64 on
-    the device; ``chunks`` fla's chunk index table)."""
+    default, :data:`ROWS`), or fla's varlen layout of one row (``cu`` the boundaries, int32 on
+    the device; ``chunks`` fla's chunk index table; ``offsets`` each sequence's first chunk,
+    int64 on the device, and ``num_chunks`` their total, known on the host: the chunk-state
+    kernels then need no device sync, :mod:`.fla_states`)."""
 
     cu: Optional[torch.Tensor] = None
     chunks: Optional[torch.Tensor] = None
+    offsets: Optional[torch.Tensor] = None
+    num_chunks: Optional[int] = None
 
     def states_kw(self) -> dict:
-        return {} if self.cu is None else {"cu_seqlens": self.cu}
+        if self.cu is None:
+            return {}
+        return {"cu_seqlens": self.cu, "split_offsets": self.offsets,
+                "num_splits": self.num_chunks}
 
     def chunk_kw(self) -> dict:
         return {} if self.cu is None else {"cu_seqlens": self.cu, "chunk_indices": self.chunks}

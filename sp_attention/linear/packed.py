@@ -28,7 +28,7 @@ from .local import Sequences, local_backward, local_output
 from .state_sum import decayed_sum
 from .leaves import state_dtype
 from .slope_constants import fla_g_gamma
-from .varlen import chunk_indices, cu_seqlens_tensor
+from .varlen import chunk_indices, chunk_offsets, chunk_offsets_tensor, cu_seqlens_tensor
 
 __all__ = ["packed_output", "packed_grads", "varlen_layout"]
 
@@ -181,12 +181,13 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 def _varlen_args(q, decay: Decay, lp: LinearPacking, kern):
     B = q.shape[0]
     cu, _ = varlen_layout(lp, B)
-    cu_t, ci = cu_seqlens_tensor(cu, q.device), chunk_indices(cu, CHUNK, q.device)
+    seqs = Sequences(cu_seqlens_tensor(cu, q.device), chunk_indices(cu, CHUNK, q.device),
+                     chunk_offsets_tensor(cu, CHUNK, q.device), chunk_offsets(cu, CHUNK)[-1])
     if decay.gated:
         gates = dict(g=chunk_local_sums(_flat(decay.g), CHUNK, cu)[0], g_gamma=None)
     else:
         gates = dict(g=None, g_gamma=fla_g_gamma(decay.slopes, q.device))
-    return cu, cu_t, ci, gates
+    return cu, seqs, gates
 
 
 def _zero_padding(lp: LinearPacking, *xs) -> None:
@@ -197,12 +198,12 @@ def _zero_padding(lp: LinearPacking, *xs) -> None:
 
 def _fla_output(q, k, v, decay, scale, lp, entering, kern) -> torch.Tensor:
     B, T = q.shape[:2]
-    cu, cu_t, ci, gates = _varlen_args(q, decay, lp, kern)
+    cu, seqs, gates = _varlen_args(q, decay, lp, kern)
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     h0 = _states(entering, lp, B, len(cu) - 1, qf.new_zeros(1, q.shape[2], q.shape[3],
                                                           v.shape[3]))
     with torch.cuda.device(q.device) if q.is_cuda else _null():
-        o = local_output(kern, qf, kf, vf, gates, scale, h0, Sequences(cu_t, ci))
+        o = local_output(kern, qf, kf, vf, gates, scale, h0, seqs)
     o = o.view(B, T, *o.shape[2:])
     _zero_padding(lp, o)
     return o
@@ -210,14 +211,13 @@ def _fla_output(q, k, v, decay, scale, lp, entering, kern) -> torch.Tensor:
 
 def _fla_grads(q, k, v, decay, scale, lp, entering, arriving, do, kern) -> tuple:
     B, T = q.shape[:2]
-    cu, cu_t, ci, gates = _varlen_args(q, decay, lp, kern)
+    cu, seqs, gates = _varlen_args(q, decay, lp, kern)
     qf, kf, vf, dof = _flat(q), _flat(k), _flat(v), _flat(do.to(v.dtype))
     like = qf.new_zeros(1, q.shape[2], q.shape[3], v.shape[3])
     h0 = _states(entering, lp, B, len(cu) - 1, like)
     dht = _states(arriving, lp, B, len(cu) - 1, like)
     with torch.cuda.device(q.device) if q.is_cuda else _null():
-        dq, dk, dv, dg = local_backward(kern, qf, kf, vf, dof, gates, scale, h0, dht,
-                                        Sequences(cu_t, ci))
+        dq, dk, dv, dg = local_backward(kern, qf, kf, vf, dof, gates, scale, h0, dht, seqs)
     dq, dk, dv = (x.view(B, T, *x.shape[2:]) for x in (dq, dk, dv))
     dg = None if dg is None else dg.view(B, T, -1)
     _zero_padding(lp, dq, dk, dv, dg)

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-__all__ = ["cu_seqlens_tensor", "chunk_indices", "chunk_offsets"]
+__all__ = ["cu_seqlens_tensor", "chunk_indices", "chunk_offsets", "chunk_offsets_tensor"]
 
 
 def _chunks(n: int, chunk: int) -> int:
@@ -38,3 +38,11 @@ def chunk_offsets(cu: tuple, chunk: int) -> tuple:
     for n in range(len(cu) - 1):
         out.append(out[-1] + _chunks(cu[n + 1] - cu[n], chunk))
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=128)
+def chunk_offsets_tensor(cu: tuple, chunk: int, device: torch.device) -> torch.Tensor:
+    """:func:`chunk_offsets` as the int64 tensor fla's chunk-state kernels read
+    (``split_offsets``: fla computes the same on the device and reads its last entry on the
+    host, a device sync; :mod:`.fla_states` passes both from here)."""
+    return torch.tensor(chunk_offsets(cu, chunk), dtype=torch.int64).to(device)

@@ -62,11 +62,26 @@ def _tok_cat(parts, like):
     return torch.cat([out, out.new_zeros(out.shape[0], pad, *out.shape[2:])], 1) if pad else out
 
 
+def _check_splits(cu_seqlens, chunk_size, split_offsets, num_splits) -> None:
+    """The host-known chunk offsets the path passes to the chunk-state launchers
+    (:mod:`sp_attention.linear.fla_states`) are fla's: each sequence's first chunk, int64,
+    and their total."""
+    if cu_seqlens is None:
+        assert split_offsets is None and num_splits is None
+        return
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    want = torch.nn.functional.pad((lens + chunk_size - 1) // chunk_size, (1, 0)).cumsum(0)
+    assert split_offsets is not None and split_offsets.dtype == torch.int64
+    assert torch.equal(split_offsets.cpu(), want) and num_splits == int(want[-1])
+
+
 def fake_kernels() -> FlaKernels:
     """fla 0.6's gated / fixed chunk kernels (varlen too) and ours, in pure torch, fp64."""
     def chunk_fwd_h(k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None,
                     output_final_state=False, state_v_first=False, cu_seqlens=None,
-                    chunk_size=64, split_size=None, states_in_fp32=False):
+                    chunk_size=64, split_size=None, states_in_fp32=False, split_offsets=None,
+                    num_splits=None):
+        _check_splits(cu_seqlens, chunk_size, split_offsets, num_splits)
         def dense(k, v, g=None, h0=None):
             nat = _natural(g, g_gamma, k.shape[0], k.shape[1], chunk_size)
             h = gn.gated_chunk_states(k, v, nat, chunk_size, h0)
@@ -94,8 +109,9 @@ def fake_kernels() -> FlaKernels:
 
     def chunk_bwd_dh(q, k, v, do, h0, dht, scale, g=None, g_gamma=None, gk=None, gv=None,
                      state_v_first=False, cu_seqlens=None, chunk_size=64, split_size=None,
-                     states_in_fp32=False):
+                     states_in_fp32=False, split_offsets=None, num_splits=None):
         assert h0 is None, "the CP backward never asks fla for dh0"
+        _check_splits(cu_seqlens, chunk_size, split_offsets, num_splits)
 
         def dense(q, do, dht=None, g=None):
             nat = _natural(g, g_gamma, q.shape[0], q.shape[1], chunk_size)

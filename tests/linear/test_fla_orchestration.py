@@ -74,8 +74,10 @@ def _fake_fla(slopes: torch.Tensor) -> FlaKernels:
 
     def chunk_fwd_h(k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None,
                     output_final_state=False, state_v_first=False, cu_seqlens=None,
-                    chunk_size=64, split_size=None, states_in_fp32=False):
+                    chunk_size=64, split_size=None, states_in_fp32=False, split_offsets=None,
+                    num_splits=None):
         log("chunk_fwd_h")
+        assert cu_seqlens is None and split_offsets is None and num_splits is None
         assert g is None and g_gamma is not None
         h = chunk_start_states(k, v, slopes, chunk_size, h0)
         ht = chunked_core(k, k, v, slopes, 1.0, h0, chunk_size)[1] if output_final_state else None
@@ -89,8 +91,9 @@ def _fake_fla(slopes: torch.Tensor) -> FlaKernels:
 
     def chunk_bwd_dh(q, k, v, do, h0, dht, scale, g=None, g_gamma=None, gk=None, gv=None,
                      state_v_first=False, cu_seqlens=None, chunk_size=64, split_size=None,
-                     states_in_fp32=False):
+                     states_in_fp32=False, split_offsets=None, num_splits=None):
         log("chunk_bwd_dh")
+        assert cu_seqlens is None and split_offsets is None and num_splits is None
         assert h0 is None, "the CP backward never asks fla for dh0"
         return ("dh", dht, scale), None
 

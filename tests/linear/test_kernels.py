@@ -165,3 +165,51 @@ def test_our_kernels_every_config_gpu(dtype):
             else:
                 check(o.float(), ref, f"output cfg {i} T {T} {dtype}")
     assert not bad, "candidate configs off the reference:\n" + "\n".join(bad)
+
+
+@apply(gpu)
+@pytest.mark.parametrize("gated", [False, True])
+def test_varlen_state_launchers_equal_fla_gpu(gated):
+    """Our launchers of fla's chunk-state kernels (:mod:`sp_attention.linear.fla_states`,
+    varlen without a device sync) give fla's own results bit for bit: states and final states
+    from h0, state gradients from dht, bf16 and fp32 states, fixed rates and gates."""
+    import math
+
+    from fla.ops.common import chunk_h
+
+    from sp_attention.linear import fla_states
+    from sp_attention.linear.varlen import (chunk_offsets, chunk_offsets_tensor,
+                                            cu_seqlens_tensor)
+
+    cu = (0, 70, 71, 200, 640, 700)
+    T, H, K, V = cu[-1], 4, 64, 64
+    q, k, v, _, do, _ = inputs(B=1, T=T, H=H, K=K, V=V, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    N = len(cu) - 1
+    h0 = torch.randn(N, H, K, V, device="cuda", generator=gen)
+    dht = torch.randn(N, H, K, V, device="cuda", generator=gen)
+    if gated:
+        g = -torch.rand(1, T, H, device="cuda", generator=gen)   # chunk-local sums as fla's
+        from sp_attention.linear.gates import chunk_local_sums
+        fkw = dict(g=chunk_local_sums(g, 64, cu)[0], g_gamma=None)
+    else:
+        fkw = dict(g=None, g_gamma=(-torch.tensor([0.0, 0.01, 0.3, 50.0], device="cuda")
+                                    / math.log(2)).float())
+    cu_t = cu_seqlens_tensor(cu, q.device)
+    host = dict(split_offsets=chunk_offsets_tensor(cu, 64, q.device),
+                num_splits=chunk_offsets(cu, 64)[-1])
+    for fp32 in (False, True):
+        ref = chunk_h.chunk_fwd_h(k=k, v=v, h0=h0, output_final_state=True, cu_seqlens=cu_t,
+                                  chunk_size=64, states_in_fp32=fp32, **fkw)
+        got = fla_states.chunk_fwd_h(k=k, v=v, h0=h0, output_final_state=True,
+                                     cu_seqlens=cu_t, chunk_size=64, states_in_fp32=fp32,
+                                     **host, **fkw)
+        for a, b in zip(got, ref):
+            assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+        ref = chunk_h.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=h0, dht=dht, scale=0.3,
+                                   cu_seqlens=cu_t, chunk_size=64, states_in_fp32=fp32, **fkw)
+        got = fla_states.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=h0, dht=dht, scale=0.3,
+                                      cu_seqlens=cu_t, chunk_size=64, states_in_fp32=fp32,
+                                      **host, **fkw)
+        for a, b in zip(got, ref):
+            assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)

@@ -2,6 +2,7 @@
 environment mapping and the sbatch script (fake SLURM), atomic checkpoints in one process,
 learning rate, FLOP count, logs and the loss PNG."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -415,6 +416,57 @@ def test_bf16_masters_and_lr():
     assert torch.equal(m.weight, o.master[0].to(torch.bfloat16))
     assert "weight.master" in o.state_tensors()
     assert lr_at(0, 1.0, 0.1, 4, 20) == 0.25 and abs(lr_at(20, 1.0, 0.1, 4, 20) - 0.1) < 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_master_adamw_matches_plain_clipped_adamw(dtype):
+    """The multi-tensor norm, clip and copy-back are the textbook step: the norm in fp64 of
+    every gradient, scale min(1, clip / (norm + 1e-6)), AdamW on fp32 masters (decay on
+    matrices only; fp32 parameters are their own masters), the parameters rounded from them."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)).to(dtype)
+    ref = [p.detach().float().requires_grad_() for p in m.parameters()]   # fp32 masters
+    o = MasterAdamW(list(m.named_parameters()), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
+                    tp_group=None, tp_rank=0)
+    plain = torch.optim.AdamW([{"params": [r for r in ref if r.dim() > 1], "weight_decay": 0.1},
+                               {"params": [r for r in ref if r.dim() <= 1],
+                                "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    for i in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(i)).to(dtype)
+        (m(x).pow(2).sum() * 10).backward()
+        want = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in m.parameters()))
+        scale = min(1.0, 0.5 / (want + 1e-6))
+        for r, p in zip(ref, m.parameters()):
+            r.grad = p.grad.to(r.dtype) * scale
+        norm = o.step(1e-2, 0.5)
+        plain.step()
+        assert abs(norm - want) <= 1e-6 * want
+        assert scale < 1.0                                 # the clip is exercised
+        tol = 2 ** -8 if dtype == torch.bfloat16 else 1e-6
+        for r, p in zip(ref, m.parameters()):      # bf16: at most one rounding step apart
+            assert torch.allclose(p.detach().to(r.dtype), r.detach(), rtol=tol, atol=tol)
+
+
+def test_master_adamw_steps_from_given_fp32_gradients():
+    """``step(grads=)`` (the reducer's fp32 sums) steps the masters as ``.grad`` would."""
+    models, opts = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(torch.nn.Linear(4, 3).to(torch.bfloat16))
+        opts.append(MasterAdamW(list(models[-1].named_parameters()), lr=1e-2, betas=(0.9, 0.95),
+                                weight_decay=0.1, tp_group=None, tp_rank=0))
+    for i in range(2):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        for m in models:
+            m(x).float().pow(2).sum().backward()
+        given = [p.grad.float() for p in models[1].parameters()]
+        for p in models[1].parameters():
+            p.grad = None
+        assert opts[0].step(1e-2, 0.1) == opts[1].step(1e-2, 0.1, grads=given)
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="1 tensors for 2 parameters"):
+        opts[0].step(1e-2, 0.1, grads=[given[0]])
 
 
 # --- progress ----------------------------------------------------------------------------
