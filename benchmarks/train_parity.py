@@ -6,6 +6,11 @@ CP = 1 runs that differ only in their kernels' nondeterminism (their spread is t
     python benchmarks/train_parity.py --device cpu --preset tiny --cp 2 --train-iters 20 \
         --seq-length 256                                   # CPU / gloo dry run
 
+The data (``--data repo``, the default) is this checkout's own ``.py`` and ``.md`` files as a
+``.jsonl`` corpus (one document per file, sorted paths, UTF-8 bytes), so the loss keeps falling
+for hundreds of steps and a drift has room to show; ``--data copy`` is train.py's copy task,
+which at 8K sits at chance (ln 32) after ~40 steps (2 × H100, 2026-11-26).
+
 The two CP = 1 runs go side by side (GPUs 0 and 1), then the CP run on GPUs 0 … P−1. Every run
 is ``train.py --seed S --context-parallel-size c`` with one sequence per step, so all three see
 the same batches. Differences are taken between ``--window``-step moving averages of the loss:
@@ -18,6 +23,7 @@ One JSON line (``bench: "train_parity"``) and a PNG of the three curves.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -36,6 +42,24 @@ def moving_average(xs: list, w: int) -> list:
             acc -= xs[i - w]
         out.append(acc / min(i + 1, w))
     return out
+
+
+SKIP_DIRS = ("probe", "results", "build", "device-out", "runs", "__pycache__")
+
+
+def repo_corpus(path: str) -> str:
+    """This checkout's ``.py`` and ``.md`` files (not hidden, virtual-env, result or scratch
+    folders) written to ``path`` as ``.jsonl``, one ``{"text": …}`` per file in sorted order."""
+    files = []
+    for d, dirs, names in os.walk(ROOT):
+        dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x not in SKIP_DIRS
+                         and "venv" not in x and not x.endswith(".egg-info"))
+        files += [os.path.join(d, n) for n in sorted(names) if n.endswith((".py", ".md"))]
+    with open(path, "w", encoding="utf-8") as f:
+        for name in files:
+            with open(name, encoding="utf-8", errors="replace") as src:
+                f.write(json.dumps({"text": src.read()}) + "\n")
+    return path
 
 
 def compare(a: list, b: list, c: list, window: int) -> dict:
@@ -58,6 +82,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cp", type=int, default=4)
     p.add_argument("--kind", default="hybrid", choices=["softmax", "linear", "gated", "hybrid"])
+    p.add_argument("--data", choices=["repo", "copy"], default="repo",
+                   help="repo: this checkout's .py and .md files, bytes (the loss keeps "
+                   "falling); copy: train.py's copy task")
     p.add_argument("--preset", default="1b")
     p.add_argument("--num-layers", type=int, default=4,
                    help="fewer layers than the preset's keep 300 steps short (default 4)")
@@ -76,13 +103,15 @@ def main() -> int:
     a = p.parse_args()
     a.extra = [x for x in a.extra if x != "--"]
     tmp = tempfile.mkdtemp(prefix="train_parity_")
+    data = ([] if a.data == "copy" else
+            ["--data-path", repo_corpus(os.path.join(tmp, "corpus.jsonl")), "--packing", "none"])
 
     def launch(name: str, cp: int, gpus: str, port: int) -> tuple:
         cmd = train_command(a.kind, {"tp": 1, "cp": cp, "dp": 1}, preset=a.preset,
                             seq_length=a.seq_length, train_iters=a.train_iters,
                             log_dir=os.path.join(tmp, name), port=port,
                             extra=["--num-layers", str(a.num_layers), "--seed", str(a.seed)]
-                            + a.extra)
+                            + data + a.extra)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="" if a.device == "cpu" else gpus)
         log = open(os.path.join(tmp, name + ".log"), "w")
         return name, cmd, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -112,9 +141,9 @@ def main() -> int:
     label = {"cp1_a": "CP 1 (run a)", "cp1_b": "CP 1 (run b)", f"cp{a.cp}": f"CP {a.cp}"}
     png = plot_losses({label[k]: (list(range(1, n + 1)), v[:n]) for k, v in curves.items()},
                       a.png, title=f"train.py {a.kind}, {a.preset} ({a.num_layers} layers), "
-                      f"{a.seq_length} tokens: CP {a.cp} vs CP 1")
+                      f"{a.seq_length} tokens, {a.data} data: CP {a.cp} vs CP 1")
     import torch
-    rec = {"bench": "train_parity", "model_kind": a.kind, "preset": a.preset,
+    rec = {"bench": "train_parity", "model_kind": a.kind, "preset": a.preset, "data": a.data,
            "num_layers": a.num_layers, "seq_length": a.seq_length, "cp": a.cp, "steps": n,
            "window": a.window, **{k: round(v, 5) for k, v in stats.items()},
            "verdict": "within" if stats["cp_vs_cp1"] <= a.tolerance * stats["spread"] + a.atol

@@ -122,3 +122,17 @@ def test_training_benchmark_helpers():
     assert tail.endswith("train.py: error: CUDA out of memory") and "exitcode" not in tail
     assert train_scaling.error_tail("no report\n") == "no report\n"
     assert train_scaling.parse_layout("tp2cp2") == {"tp": 2, "cp": 2, "dp": 1}
+
+
+def test_parity_corpus_is_the_checkout_text(tmp_path):
+    """train_parity's default data: one JSON document per .py/.md file of the checkout, in a
+    fixed order, none from hidden or result folders; train.py reads it."""
+    import json
+    from benchmarks import train_parity
+    from sp_train.data import TokenFile
+    path = train_parity.repo_corpus(str(tmp_path / "c.jsonl"))
+    docs = [json.loads(line)["text"] for line in open(path)]
+    assert len(docs) > 50 and any(d.startswith("# sp-attention") or "train.py" in d
+                                  for d in docs)
+    assert open(path).read() == open(train_parity.repo_corpus(str(tmp_path / "d.jsonl"))).read()
+    assert TokenFile(path, 8192, seed=1).num_samples > 200     # 300 steps: about one epoch
