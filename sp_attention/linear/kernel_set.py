@@ -14,6 +14,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from . import fla_states
 from .autotune_seeds import install_once
 from .fla_ops import resolve_backend
 from .state_sum import decayed_sum
@@ -64,7 +65,6 @@ def fla_kernels() -> FlaKernels:
     """
     from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv, chunk_fwd_o
 
-    from . import fla_states
     from .dqk_kernel import chunk_dqkdg
     from .kernels import output_from_states
     install_once()      # shipped autotune results: a fresh machine's first step in seconds
