@@ -145,6 +145,27 @@ def test_estimate_arithmetic():
         StepShape(recompute="partial")
 
 
+def test_estimate_counts_the_gradient_sum():
+    """Summed over DP × CP, the step holds the fp32 sums the masters step from (not the 16-bit
+    gradients and the optimizer's copies of them), and an overlapped sum adds its buckets in
+    flight to the backward: the embedding (its own bucket) and two more, with the 16-bit
+    concatenation of the one being launched."""
+    from sp_train.memory import _reduce_bytes
+    from sp_train.reduce import BUCKET_ELEMENTS, IN_FLIGHT
+    m = ModelShape(16, 2048, 8192, 32, 8, 128256, "S" * 16)
+    p = float(sum(param_count(m).values()))
+    base = dict(seq_length=8192)
+    one = estimate_memory(m, StepShape(**base))
+    cp2 = estimate_memory(m, StepShape(**base, cp=2))
+    after = estimate_memory(m, StepShape(**base, cp=2, grad_reduce_overlap=False))
+    emb = 128256 * 2048
+    held = _reduce_bytes(m, StepShape(**base, cp=2), p)
+    assert held == 4 * (emb + IN_FLIGHT * BUCKET_ELEMENTS) + 2 * emb
+    # the step: the 16-bit gradients and the optimizer's fp32 copies give way to the fp32 sums
+    assert one.parts["optimizer"] - cp2.parts["optimizer"] == pytest.approx(2 * p)
+    assert cp2.parts["backward"] - after.parts["backward"] == pytest.approx(held)
+
+
 def test_train_memory_check_refuses_with_the_fixes():
     """train.py's check: 1B softmax at 256K tokens without recompute cannot fit an H200; the
     refusal names CP, full recompute and their estimates; full recompute fits."""
