@@ -47,7 +47,8 @@ def parse_args():
     p.add_argument("--cp", type=int, default=2, help="context-parallel size (divides world)")
     p.add_argument("--model", choices=("llama", "linear", "gated", "hybrid"), default="llama")
     p.add_argument("--softmax-cp-preset", choices=PRESET_NAMES, default=None,
-                   help="softmax layers' schedule (default: the library's DEFAULT_PRESET)")
+                   help="softmax layers' schedule (default: auto, the cost model's pick; on CPU "
+                   "the library's DEFAULT_PRESET)")
     p.add_argument("--context-parallel-impl", choices=IMPLS, default=None,
                    help="linear layers' scan (default: the library's DEFAULT_IMPL)")
     p.add_argument("--steps", type=int, default=150)
@@ -106,7 +107,7 @@ def main():
 
     torch.manual_seed(0)                               # same initial weights on every rank
     model = build_model(args).to(device)
-    schedule = SoftmaxSchedule(preset=args.softmax_cp_preset)
+    schedule = SoftmaxSchedule(preset=args.softmax_cp_preset) if args.softmax_cp_preset else None
     handle = prepare_model_for_cp(model, cp_group, schedule=schedule,
                                   context_parallel_impl=args.context_parallel_impl)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -114,8 +115,9 @@ def main():
     if rank == 0:
         attention = []
         if args.model in ("llama", "hybrid"):
-            attention.append("softmax auto (cost model)" if schedule.is_auto
-                             else f"softmax {schedule.fwd}/{schedule.bwd}")
+            sched = handle.schedule
+            attention.append("softmax auto (cost model)" if sched.is_auto
+                             else f"softmax {sched.fwd}/{sched.bwd}")
         if args.model in ("linear", "gated", "hybrid"):
             scan = resolve_impl(args.context_parallel_impl, handle.ctx)
             attention.append(f"linear scan {'auto (cost model)' if scan == 'auto' else scan}")

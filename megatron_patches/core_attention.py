@@ -45,6 +45,7 @@ from sp_attention.planning.packing import packing_context
 
 from models.linear_core import decay_kwargs, layer_slopes, out_norm
 
+from . import options as _options
 from .options import DEFAULT_SLOPE_SCHEDULE, take_renamed
 from .packing import check_packed_seq_params, plan_of
 
@@ -53,9 +54,9 @@ __all__ = ["SoftmaxCoreAttention", "LinearCoreAttention", "resolve_groups", "sof
 
 def softmax_schedule_of(schedule: Union[SoftmaxSchedule, dict, None]) -> SoftmaxSchedule:
     """A :class:`~sp_attention.SoftmaxSchedule` from a spec param (the schedule, a dict of its
-    fields, or None for the library's default, read now)."""
+    fields, or None for the trainers' default, :data:`.options.DEFAULT_SOFTMAX_SCHEDULE`)."""
     if schedule is None:
-        return SoftmaxSchedule()
+        return _options.DEFAULT_SOFTMAX_SCHEDULE
     if isinstance(schedule, dict):
         return SoftmaxSchedule(**schedule)
     if not isinstance(schedule, SoftmaxSchedule):
@@ -199,7 +200,7 @@ class SoftmaxCoreAttention(_CPCoreAttention):
     all-to-all: every preset of :func:`sp_attention.context_parallel_attention`).
 
     Spec params: ``softmax_schedule`` (:class:`sp_attention.SoftmaxSchedule`, a dict of its
-    fields, or None: the library's default, read when the layer is built), ``sp_context``.
+    fields, or None: ``auto``, :data:`.options.DEFAULT_SOFTMAX_SCHEDULE`), ``sp_context``.
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",

@@ -163,7 +163,7 @@ def build_gpt_model(config: TransformerConfig, options: Optional[SPOptions] = No
             ``sp_attention.linear.DEFAULT_IMPL``, read at each call). ``cp_impl=``, its old
             name, works for one release.
         softmax_schedule: :class:`sp_attention.SoftmaxSchedule` (preset, head strides, backend)
-            of softmax layers; None: the library's default.
+            of softmax layers; None: ``auto`` (:data:`.options.DEFAULT_SOFTMAX_SCHEDULE`).
         hybrid_pattern: ``L`` (linear) / ``G`` (gated) / ``S`` (softmax) per layer, repeated to
             ``num_layers`` (must divide it); ``"LLLS"``: three linear layers to one softmax
             layer. None: ``megatron_patches.options.default_hybrid_pattern(num_layers)``.

@@ -30,11 +30,12 @@ from sp_attention.planning.layout import num_chunks
 from sp_attention.linear import IMPLS as LINEAR_IMPLS
 from sp_attention.linear.slopes import DEFAULT_SLOPE_SCHEDULE, SLOPE_SCHEDULES
 from sp_attention.softmax import PRESETS
-from sp_attention.softmax.schedule import PRESET_NAMES
+from sp_attention.softmax.schedule import AUTO_PRESET, PRESET_NAMES
 
 __all__ = ["UsageError", "Option", "SP_OPTIONS", "add_sp_options", "option", "MODEL_KINDS",
            "LAYER_KINDS", "SCAN_LETTERS",
            "MEGATRON_IMPL", "CP_IMPLS", "DEFAULT_SLOPE_SCHEDULE", "SOFTMAX_FLAGS",
+           "DEFAULT_SOFTMAX_SCHEDULE",
            "expand_pattern", "default_hybrid_pattern", "model_pattern", "SPOptions",
            "softmax_schedule", "seq_multiple", "take_renamed"]
 
@@ -60,6 +61,12 @@ SOFTMAX_FLAGS = {"softmax_cp_preset": "preset", "softmax_heads_k_stride": "heads
                  "softmax_bwd_head_first_stride": "bwd_head_first_stride",
                  "softmax_bwd_head_last_stride": "bwd_head_last_stride",
                  "softmax_a2a_size": "a2a_size"}
+# The softmax layers' schedule when no --softmax-cp-preset names one (train.py, the launcher,
+# the Megatron specs, HF's prepare_model_for_cp): the cost model's pick per layer shape — on
+# 4 x H200 it runs a2a at 8K tokens per GPU (0.91 of one GPU against ring's 0.86) and ring where
+# ring is fastest; on CPU/gloo its fixed rule, the library's DEFAULT_PRESET. The library op's own
+# default stays DEFAULT_PRESET: a plain function call makes no machine-dependent choice.
+DEFAULT_SOFTMAX_SCHEDULE = SoftmaxSchedule(preset=AUTO_PRESET)
 
 
 @dataclass(frozen=True)
@@ -147,8 +154,8 @@ SP_OPTIONS: tuple[Option, ...] = (
            "inside groups of --softmax-a2a-size ranks, ring across them; auto: the cost "
            "model's pick per layer shape)",
            choices=PRESET_NAMES,
-           default_help=lambda: f"{_schedule.DEFAULT_PRESET}, the library's "
-           "sp_attention.softmax.DEFAULT_PRESET"),
+           default_help=lambda: "auto; on CPU the library's "
+           f"sp_attention.softmax.DEFAULT_PRESET, {_schedule.DEFAULT_PRESET}"),
     Option("--softmax-heads-k-stride", "softmax all-gather schedules: KV heads per all-gather "
            "step; must divide the KV heads per TP rank", type=_positive_int,
            default_help=lambda: "the library's choice"),
@@ -253,11 +260,13 @@ def _flag(dest: str) -> str:
 
 def softmax_schedule(ns) -> SoftmaxSchedule:
     """The :class:`~sp_attention.SoftmaxSchedule` of the ``--softmax-*`` flags in ``ns``
-    (:data:`SOFTMAX_FLAGS`: each flag's schedule field; absent flags: the library's defaults);
-    an invalid combination raises naming the flags."""
+    (:data:`SOFTMAX_FLAGS`: each flag's schedule field; an absent preset:
+    :data:`DEFAULT_SOFTMAX_SCHEDULE`'s ``auto``); an invalid combination raises naming the flags."""
+    fields = {name: getattr(ns, dest, None) for dest, name in SOFTMAX_FLAGS.items()}
+    if fields["preset"] is None:
+        fields["preset"] = DEFAULT_SOFTMAX_SCHEDULE.preset
     try:
-        return SoftmaxSchedule(**{name: getattr(ns, dest, None)
-                                  for dest, name in SOFTMAX_FLAGS.items()})
+        return SoftmaxSchedule(**fields)
     except ValueError as e:
         raise ValueError(f"{e} [flags: --softmax-cp-preset, --softmax-heads-k-stride, "
                          "--softmax-bwd-head-first/last-stride, --softmax-a2a-size]") from None
@@ -265,7 +274,7 @@ def softmax_schedule(ns) -> SoftmaxSchedule:
 
 def _set_softmax_flags(schedule: SoftmaxSchedule) -> list[str]:
     """The flags whose schedule fields differ from the default schedule (what a user set)."""
-    default = SoftmaxSchedule()
+    default = DEFAULT_SOFTMAX_SCHEDULE
     if schedule == default:
         return []
     return [_flag(dest) for dest, name in SOFTMAX_FLAGS.items()
@@ -293,8 +302,8 @@ class SPOptions:
             ``sp_attention.lightning_attention``), or ``megatron`` (the launcher only:
             Megatron's own attention). None: the library's ``DEFAULT_IMPL``, read at each call.
         softmax_schedule: the softmax layers' :class:`~sp_attention.SoftmaxSchedule` (the
-            ``--softmax-*`` flags, :func:`softmax_schedule`); None: the library's default,
-            read now.
+            ``--softmax-*`` flags, :func:`softmax_schedule`); None:
+            :data:`DEFAULT_SOFTMAX_SCHEDULE` (``auto``).
         slope_schedule: ``--sp-slope-schedule``: the fixed decay of ``L`` layers; None: the
             library's ``DEFAULT_SLOPE_SCHEDULE`` (:attr:`slopes`).
         num_attention_heads, num_query_groups, tensor_model_parallel_size,
@@ -325,7 +334,8 @@ class SPOptions:
         except ValueError as e:
             raise ValueError(f"--sp-hybrid-pattern: {e}") from None
         object.__setattr__(self, "pattern", pattern)
-        schedule = SoftmaxSchedule() if self.softmax_schedule is None else self.softmax_schedule
+        schedule = (DEFAULT_SOFTMAX_SCHEDULE if self.softmax_schedule is None
+                    else self.softmax_schedule)
         if not isinstance(schedule, SoftmaxSchedule):
             raise TypeError(f"softmax_schedule must be an sp_attention.SoftmaxSchedule or None, "
                             f"got {type(schedule).__name__}")

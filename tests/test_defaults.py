@@ -1,7 +1,8 @@
 """Each default lives in one constant, read when it is needed: changing the default layout,
-linear scan or softmax preset is a one-line change that every route follows — the library's,
-and the adapters': Megatron's model (core attention, RoPE, the data context), the launcher's
-and train.py's parsed arguments, HF's prepare_model_for_cp."""
+linear scan or softmax preset is a one-line change that every route follows — the library's
+(``DEFAULT_PRESET`` for a plain call), and the adapters' (``DEFAULT_SOFTMAX_SCHEDULE``, auto):
+Megatron's model (core attention, RoPE, the data context), the launcher's and train.py's
+parsed arguments, HF's prepare_model_for_cp."""
 import pytest
 
 import sp_attention.context as context
@@ -27,9 +28,26 @@ def test_library_defaults_follow_their_constants(monkeypatch):
 
 
 def _patch_defaults(monkeypatch):
+    import megatron_patches.options as options
     monkeypatch.setattr(context, "DEFAULT_LAYOUT", "contiguous")
     monkeypatch.setattr(linear, "DEFAULT_IMPL", "blelloch")
     monkeypatch.setattr(schedule, "DEFAULT_PRESET", "ag_ring")
+    monkeypatch.setattr(options, "DEFAULT_SOFTMAX_SCHEDULE", SoftmaxSchedule("ag_ring"))
+
+
+def test_the_adapters_default_is_auto_and_auto_on_cpu_is_the_library_default(monkeypatch):
+    """train.py, the launcher and HF run ``auto`` unless a preset is named; off CUDA ``auto``
+    is the library's DEFAULT_PRESET (read now)."""
+    import torch
+    from megatron_patches.options import DEFAULT_SOFTMAX_SCHEDULE, SPOptions
+    from sp_attention.cost.auto import auto_softmax_preset
+    assert DEFAULT_SOFTMAX_SCHEDULE == SoftmaxSchedule("auto")
+    assert SPOptions(num_layers=1).softmax_schedule.is_auto
+    import sp_attention.planning.schedules as plans
+    monkeypatch.setattr(plans, "DEFAULT_PRESET", "ag_ring")
+    q = torch.zeros(1, 8, 4, 16)
+    ctx = SPContext(None, 0, 1)
+    assert auto_softmax_preset(ctx, q, q[:, :, :2]).name == "ag_ring"
 
 
 def _follows(ctx, sched, impl):

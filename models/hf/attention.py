@@ -326,7 +326,8 @@ def prepare_model_for_cp(model, cp: Union[SPContext, dist.ProcessGroup, None], *
             a command line's, ``SPOptions.from_flags``); it must describe the model's layers.
             Or give its pieces instead:
         schedule: the softmax layers' :class:`~sp_attention.SoftmaxSchedule` (``CPSchedule``
-            is the same class; None: the library's default preset, read now).
+            is the same class; None: ``auto``, the trainers' default
+            :data:`megatron_patches.options.DEFAULT_SOFTMAX_SCHEDULE`).
         context_parallel_impl: the linear-attention layers' scan (``blelloch``,
             ``allgather``, ``ring``, ``auto``; None: the library's ``DEFAULT_IMPL``, read at
             each call). ``linear_impl=``, its old name, works for one release.

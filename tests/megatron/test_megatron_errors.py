@@ -16,6 +16,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 from megatron_patches.args import add_arguments, options_from_args, validate_args  # noqa: E402
 from megatron_patches.core_attention import LinearCoreAttention, SoftmaxCoreAttention  # noqa: E402
+from megatron_patches.options import DEFAULT_SOFTMAX_SCHEDULE  # noqa: E402
 from sp_attention import SoftmaxSchedule  # noqa: E402
 
 
@@ -51,10 +52,12 @@ BAD = [  # (our argv, Megatron fields, text the message must contain)
      "would be ignored"),
     (["--context-parallel-impl", "auto", "--sp-model-kind", "linear",
       "--softmax-cp-preset", "ring"], {}, "would be ignored"),
-    (GOOD + ["--softmax-heads-k-stride", "2"], {}, "bwd='ring' would ignore it"),
+    (GOOD + ["--softmax-cp-preset", "ring", "--softmax-heads-k-stride", "2"], {},
+     "bwd='ring' would ignore it"),
     (GOOD + ["--softmax-cp-preset", "ring_ag", "--softmax-heads-k-stride", "3"], {},
      "must divide"),
-    (GOOD + ["--softmax-bwd-head-first-stride", "1"], {}, "only applies to bwd='allgather'"),
+    (GOOD + ["--softmax-cp-preset", "ring", "--softmax-bwd-head-first-stride", "1"], {},
+     "only applies to bwd='allgather'"),
     (GOOD + ["--softmax-cp-preset", "ring_ag", "--softmax-heads-k-stride", "2",
              "--softmax-bwd-head-first-stride", "2"], {}, "--softmax-bwd-head-first/last"),
     (["--context-parallel-impl", "ring"], {}, "--softmax-cp-preset ring sets"),
@@ -83,7 +86,8 @@ BAD = [  # (our argv, Megatron fields, text the message must contain)
     (GOOD, dict(cp_comm_type=["a2a+p2p"]), "needs a2a_size"),
     (GOOD + ["--softmax-cp-preset", "a2a"], dict(num_attention_heads=6, num_query_groups=2),
      "splits the 3 local query heads over 2 ranks"),
-    (GOOD + ["--softmax-a2a-size", "2"], {}, "only applies to preset 'a2a_ring'"),
+    (GOOD + ["--softmax-cp-preset", "ring", "--softmax-a2a-size", "2"], {},
+     "only applies to preset 'a2a_ring'"),
     (["--context-parallel-impl", "megatron"], dict(spec=["megatron_patches.specs",
                                                          "hybrid_layer_spec"]), "--spec"),
     (GOOD, dict(spec=["megatron_patches.specs", "nope"]), "hybrid_layer_spec"),
@@ -108,10 +112,13 @@ def test_good_arguments_give_options():
     spec = options_from_args(_args("--context-parallel-impl", "auto",
                                    spec=["megatron_patches.specs", "linear_layer_spec"]))
     assert spec.model_kind == "linear" and spec.pattern == "LLLL"
-    # the defaults: our attention with the library's defaults (None), softmax model
+    # the defaults: our attention, the library's scan (None), the softmax schedule auto
     plain = options_from_args(_args())
     assert plain.context_parallel_impl is None and plain.pattern == "SSSS"
-    assert plain.softmax_schedule == SoftmaxSchedule()
+    assert plain.softmax_schedule == SoftmaxSchedule("auto") == DEFAULT_SOFTMAX_SCHEDULE
+    # strides and a2a_size without a preset go to auto (they apply where its pick uses them)
+    got = options_from_args(_args(*GOOD, "--softmax-heads-k-stride", "2")).softmax_schedule
+    assert got == SoftmaxSchedule("auto", heads_k_stride=2)
     mega = options_from_args(_args("--context-parallel-impl", "megatron"))
     assert mega.megatron_attention and mega.model_kind == "softmax"
     hyb = options_from_args(_args("--sp-model-kind", "hybrid", num_layers=6))
@@ -119,7 +126,7 @@ def test_good_arguments_give_options():
     # Megatron-LM's own names for the softmax CP schedule
     for comm, preset in (("p2p", None), ("all_gather", "allgather"), ("a2a", "a2a")):
         got = options_from_args(_args(cp_comm_type=[comm])).softmax_schedule
-        assert got == SoftmaxSchedule(preset), comm
+        assert got == SoftmaxSchedule(preset or "auto"), comm   # p2p: Megatron's default
     usp = options_from_args(_args(cp_comm_type=["a2a+p2p"], context_parallel_size=4,
                                   seq_length=64, hierarchical_context_parallel_sizes=[2, 2]))
     assert usp.softmax_schedule == SoftmaxSchedule("a2a_ring", a2a_size=2)

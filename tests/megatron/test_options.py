@@ -162,7 +162,7 @@ def test_each_options_rule_names_its_flag(change, error, message):
 def test_options_are_one_frozen_value():
     o = SPOptions(**_HYBRID, context_parallel_impl="blelloch")
     assert o.pattern == "LLLS" and o.layer_kinds == ("linear",) * 3 + ("softmax",)
-    assert o.softmax_schedule == SoftmaxSchedule() and o.slopes == DEFAULT_SLOPE_SCHEDULE
+    assert o.softmax_schedule == SoftmaxSchedule("auto") and o.slopes == DEFAULT_SLOPE_SCHEDULE
     assert o.kv_heads_per_tp_rank == 2 and o.has_scan and o.has_softmax
     with pytest.raises(dataclasses.FrozenInstanceError):
         o.context_parallel_impl = "ring"

@@ -159,13 +159,17 @@ def test_log_folders_belong_to_their_run(tmp_path):
 
 def test_the_header_names_what_auto_picked():
     from megatron_patches.options import SPOptions
-    from sp_attention import build_sp_context
+    from sp_attention import SoftmaxSchedule, build_sp_context
     from sp_train.progress import describe_attention
     ctx = build_sp_context(None)
     opts = SPOptions(num_layers=2, model_kind="hybrid", hybrid_pattern="LS")
     object.__setattr__(ctx, "world_size", 4)        # a stand-in for a CP group of 4
-    text = describe_attention(opts, ctx, picks={"linear": "allgather", "softmax": "ring"})
-    assert "linear scan auto → allgather" in text and "softmax ring" in text
+    text = describe_attention(opts, ctx, picks={"linear": "allgather", "softmax": "a2a"})
+    assert "linear scan auto → allgather" in text and "softmax auto → a2a" in text
+    named = SPOptions(num_layers=2, model_kind="hybrid", hybrid_pattern="LS",
+                      softmax_schedule=SoftmaxSchedule("ring"))
+    text = describe_attention(named, ctx, picks={"linear": "allgather", "softmax": "ring"})
+    assert "softmax ring +" in text
 
 
 def test_memory_labels_and_checkpoint_refusals(tmp_path):
