@@ -38,13 +38,13 @@ from sp_train.data import build_dataset, packed_micro_batch
 from sp_train.launch import (BAD_INPUT_EXIT_STATUS, STOP_SIGNALS, StopSignals,
                                              TrainHooks, init_distributed)
 from sp_train.loss import check_loss_impl, micro_batch_loss, step_token_count
-from sp_train.optim import MasterAdamW, lr_at
+from sp_train.optim import lr_at
 from sp_train.progress import (Progress, claim_log_dir, describe_attention, flops_per_token,
                                log_dir_refusal, peak_flops, plot_losses, read_log,
                                release_log_dir)
-from sp_train.reduce import GradientReducer
-from sp_train.setup import (build_model, check_memory, count_params, init_groups, load_hf,
-                            memory_capacity, memory_margin_warning, model_vocab, schedule_picks)
+from sp_train.setup import (build_model, build_optimizer, check_memory, count_params,
+                            init_groups, load_hf, memory_capacity, memory_margin_warning,
+                            model_vocab, schedule_picks)
 from sp_attention import (build_sp_context, release_cuda_graphs, shard_position_ids,
                           shard_sequence)
 
@@ -181,13 +181,7 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
     # baseline's model sees a CP group of one; its data is still split over the real group)
     cp_ctx = (build_sp_context(groups.cp, layout=model.sp_context.layout)
               if args.local_attention_only else model.sp_context)
-    optimizer = MasterAdamW(list(model.named_parameters()), lr=args.lr,
-                            betas=(args.adam_beta1, args.adam_beta2),
-                            weight_decay=args.weight_decay, tp_group=groups.tp,
-                            tp_rank=groups.tp_rank)
-    optimizer.init_state()          # Adam's moments now, so a run that cannot fit fails in step 1
-    reducer = GradientReducer(optimizer.params, groups.dp_cp, write_back=False,
-                              overlap=not args.no_overlap_grad_reduce)
+    optimizer, reducer = build_optimizer(model, args, groups)   # Adam's state exists now
     start = 0
     if resume_from is not None:
         start = ckpt.load_checkpoint(resume_from, model, optimizer, tp_rank=groups.tp_rank,
@@ -205,7 +199,8 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
         f"train.py | {args.sp_model_kind} {args.num_layers}L d{args.hidden_size} "
         f"{args.num_attention_heads}h ({n_params / 1e6:.2f}M params) | {layout.summary()} | "
         f"attention {attn}, {rope} | {dist.get_backend()} on {device.type}, "
-        f"{'bf16' if bf16 else 'fp32'} | {args.recompute().describe()}, {args.loss_impl} loss | "
+        f"{'bf16' if bf16 else 'fp32'} | {args.recompute().describe()}, {args.loss_impl} loss"
+        f"{', distributed optimizer' if reducer.shard else ''} | "
         f"{data.description} | steps {start + 1}..{args.train_iters}"
         f" × {args.global_batch_size} seqs × {args.seq_length} tokens"
         + (f" | resumed from {resume_from}" if resume_from else

@@ -168,6 +168,12 @@ class TrainArgs:
     no_overlap_grad_reduce: bool = _f(False, "sum the gradients over DP × CP after the backward "
                                       "instead of bucket by bucket during the last "
                                       "micro-batch's backward (same numbers)")
+    use_distributed_optimizer: bool = _f(False, "shard AdamW's fp32 masters and moments and "
+                                         "the fp32 gradient sum over the DP × CP ranks (ZeRO-1, "
+                                         "Megatron's flag): the sum becomes a reduce-scatter, "
+                                         "each rank steps its slice, the parameters are "
+                                         "all-gathered; same numbers, checkpoints in the same "
+                                         "format (resume with or without it)")
     no_memory_check: bool = _f(False, "start even when the memory estimate printed before the "
                                "model is built exceeds the GPU")
     global_batch_size: int = _f(16, "sequences per step over all DP ranks")

@@ -254,11 +254,14 @@ def check_compatible(meta: dict, path: str, *, tp: int, cp: int, dp: int, model:
                               "same model flags or a different --load directory")
 
 
-def _state(model: torch.nn.Module, optimizer, tp_rank: int) -> dict:
+def _state(model: torch.nn.Module, optim_state: dict, tp_rank: int) -> dict:
+    """The checkpoint's keys: ``tp<r>/model.<name>`` and ``tp<r>/optim.<param>.<what>``
+    (``optim_state``: the optimizer's ``checkpoint_state()`` on save, its
+    ``checkpoint_targets()`` on load; a sharded optimizer gives each rank its own part)."""
     pre = f"tp{tp_rank}/"
     state = {pre + "model." + k: v for k, v in model.state_dict().items()
              if isinstance(v, torch.Tensor)}
-    state.update({pre + "optim." + k: v for k, v in optimizer.state_tensors().items()})
+    state.update({pre + "optim." + k: v for k, v in optim_state.items()})
     return state
 
 
@@ -282,7 +285,8 @@ def save_checkpoint(root: str, step: int, model, optimizer, *, tp_rank: int, met
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)   # a save of this step that died earlier
     _barrier(group)
-    dcp.save(_state(model, optimizer, tp_rank), checkpoint_id=tmp, process_group=group)
+    dcp.save(_state(model, optimizer.checkpoint_state(), tp_rank), checkpoint_id=tmp,
+             process_group=group)
     if after_write is not None:
         after_write(step, tmp)
     files = _record_files(tmp, rank, group, checksums)     # also the barrier after the write
@@ -312,20 +316,19 @@ def _write_pointer(root: str, step: int) -> None:
 def load_checkpoint(path: str, model, optimizer, *, tp_rank: int,
                     group: Optional[dist.ProcessGroup]) -> int:
     """Load ``path`` in place into ``model`` and ``optimizer``; returns the saved step."""
-    optimizer.init_state()
-    state = _state(model, optimizer, tp_rank)
+    optim = optimizer.checkpoint_targets()
+    state = _state(model, optim, tp_rank)
     try:
         dcp.load(state, checkpoint_id=path, process_group=group)
     except (Exception, dcp.CheckpointException) as e:  # (a BaseException) alike on every rank
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise _damaged(path, f"reading it failed ({type(e).__name__}: {first[:300]})") from e
+    pre = f"tp{tp_rank}/optim."
     with torch.no_grad():
         own = model.state_dict()
         for k, v in state.items():        # dcp loads in place; copy back anything it replaced
             name = k.split("/", 1)[1]
             if name.startswith("model.") and own[name[6:]] is not v:
                 own[name[6:]].copy_(v)
-        for m, p in zip(optimizer.master, optimizer.params):
-            if m is not p:
-                p.copy_(m)
+    optimizer.finish_load({k[len(pre):]: v for k, v in state.items() if k.startswith(pre)})
     return int(read_meta(path)["step"])

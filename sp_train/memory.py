@@ -99,6 +99,9 @@ class StepShape:
             loss's default; None: the whole micro-batch in one chunk).
         grad_reduce_overlap: the gradient sum over DP × CP travels during the backward
             (train.py's default) rather than after it.
+        distributed_optimizer: the optimizer's masters and moments and the fp32 gradient sum
+            are sharded over DP × CP (``--use-distributed-optimizer``): each rank holds 1 /
+            (DP · CP) of them.
     """
 
     tp: int = 1
@@ -115,6 +118,7 @@ class StepShape:
     loss: str = "chunked"
     loss_chunk_tokens: Optional[int] = None
     grad_reduce_overlap: bool = True
+    distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if self.param_bytes not in (2, 4):
@@ -314,7 +318,9 @@ def estimate_memory(m: ModelShape, s: StepShape) -> MemoryEstimate:
     p = float(sum(pc.values()))
     weights = p * s.param_bytes
     masters = p * 4 if s.param_bytes == 2 else 0.0
-    optimizer = masters + 2 * p * 4
+    # the distributed optimizer: masters, moments and the fp32 sums in DP × CP slices
+    shards = s.dp * s.cp if s.distributed_optimizer else 1
+    optimizer = (masters + 2 * p * 4) / shards
     grads = p * s.param_bytes if s.num_micro_batches > 1 else 0.0
     saved, replay = _recompute_unit_bytes(m, s, e)
     # shared per micro-batch: token ids and positions (int64), RoPE frequencies (fp32), the
@@ -329,12 +335,14 @@ def estimate_memory(m: ModelShape, s: StepShape) -> MemoryEstimate:
     reducing = _reduce_bytes(m, s, p) if s.dp * s.cp > 1 else 0.0
     backward = static + activations + loss_held + workspace
     if s.grad_reduce_overlap:
-        backward += reducing
+        backward += reducing + (4 * p / shards if shards > 1 else 0.0)   # the slices so far
     forward = static + activations + loss_fwd
     # after the backward: every gradient and the optimizer's fp32 copies of 16-bit ones, or,
     # summed over DP × CP, the fp32 sums the masters step from (the 16-bit gradients are gone)
     copies = 4 * p if s.param_bytes == 2 else 0.0
-    if s.dp * s.cp > 1:
+    if shards > 1:          # + one bucket's 16-bit all-gather of the updated parameters
+        step = weights + optimizer + 4 * p / shards + s.param_bytes * min(p, BUCKET_ELEMENTS)
+    elif s.dp * s.cp > 1:
         step = weights + optimizer + 4 * p
     else:
         step = weights + p * s.param_bytes + optimizer + copies

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from sp_attention.precision import acc_dtype
 
-__all__ = ["MasterAdamW", "lr_at"]
+__all__ = ["MasterAdamW", "lr_at", "squared_norm", "clip_scale"]
 
 
 def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:
@@ -27,6 +27,29 @@ def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float
         return lr * (step + 1) / warmup
     t = (step - warmup) / max(1, total - warmup)
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+def squared_norm(params: list, grads: list, tp_rank: int) -> torch.Tensor:
+    """The fp64 sum of squares of ``grads`` (one per entry of ``params``, None skipped): per
+    tensor by one multi-tensor kernel that reads each gradient once, accumulating in fp32 (fp64
+    for fp64 gradients). TP-split parameters (Megatron marks them ``tensor_model_parallel``)
+    count on every TP rank, replicated ones on TP rank 0 only, so a sum over the TP group is
+    the model's."""
+    sq = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
+    by_acc: dict = {}
+    for p, g in zip(params, grads):
+        counted = getattr(p, "tensor_model_parallel", False) or tp_rank == 0
+        if g is not None and counted:
+            by_acc.setdefault(acc_dtype(g), []).append(g.detach())
+    for acc, gs in by_acc.items():
+        norms = torch._foreach_norm(gs, 2.0, dtype=acc)
+        sq += torch.stack(norms).to(torch.float64).pow(2).sum()
+    return sq
+
+
+def clip_scale(norm: float, clip_grad: float) -> float:
+    """The factor that clips a gradient of global norm ``norm`` to ``clip_grad`` (0: off)."""
+    return min(1.0, clip_grad / (norm + 1e-6)) if clip_grad > 0 else 1.0
 
 
 class MasterAdamW:
@@ -60,18 +83,9 @@ class MasterAdamW:
 
     def grad_norm(self, grads: Optional[list] = None) -> float:
         """The global L2 norm of the gradients (``.grad``, or ``grads`` aligned with
-        ``params``): per tensor by one multi-tensor kernel that reads each gradient once,
-        accumulating in fp32 (fp64 for fp64 gradients), the squares summed in fp64."""
+        ``params``): :func:`squared_norm`, summed over the TP group."""
         grads = [p.grad for p in self.params] if grads is None else grads
-        sq = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
-        by_acc: dict = {}
-        for p, g in zip(self.params, grads):
-            counted = getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0
-            if g is not None and counted:
-                by_acc.setdefault(acc_dtype(g), []).append(g.detach())
-        for acc, grads in by_acc.items():
-            norms = torch._foreach_norm(grads, 2.0, dtype=acc)
-            sq += torch.stack(norms).to(torch.float64).pow(2).sum()
+        sq = squared_norm(self.params, grads, self.tp_rank)
         if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
             dist.all_reduce(sq, group=self.tp_group)
         return float(sq.sqrt())
@@ -84,7 +98,7 @@ class MasterAdamW:
         if grads is not None and len(grads) != len(self.params):
             raise ValueError(f"grads: {len(grads)} tensors for {len(self.params)} parameters")
         norm = self.grad_norm(grads)
-        scale = min(1.0, clip_grad / (norm + 1e-6)) if clip_grad > 0 else 1.0
+        scale = clip_scale(norm, clip_grad)
         given = grads if grads is not None else [p.grad for p in self.params]
         grads = []
         for m, p, g in zip(self.master, self.params, given):
@@ -114,7 +128,10 @@ class MasterAdamW:
                     "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format)}
 
     def state_tensors(self) -> dict:
-        """``{name: tensor}`` of everything a resume needs (Adam moments, step, fp32 masters)."""
+        """``{name: tensor}`` of everything a resume needs (Adam moments, step, fp32 masters):
+        ``<param>.exp_avg``, ``.exp_avg_sq``, ``.step`` and, for 16-bit parameters,
+        ``.master`` (the checkpoint format :class:`~sp_train.sharded_optim.ShardedAdamW` writes
+        and reads too)."""
         out = {}
         for n, m, p in zip(self.names, self.master, self.params):
             for k, v in self.opt.state.get(m, {}).items():
@@ -122,3 +139,21 @@ class MasterAdamW:
             if m is not p:
                 out[f"{n}.master"] = m.data
         return out
+
+    # the checkpoint's protocol (sp_train.checkpoint): what to save, what to load into, and
+    # what to do once loaded
+    def checkpoint_state(self) -> dict:
+        return self.state_tensors()
+
+    def checkpoint_targets(self) -> dict:
+        self.init_state()
+        return self.state_tensors()       # loaded in place
+
+    def finish_load(self, loaded: dict) -> None:
+        """After the checkpoint's tensors landed in :meth:`checkpoint_targets`: the 16-bit
+        parameters from their fp32 masters."""
+        with torch.no_grad():
+            for m, p in zip(self.master, self.params):
+                if m is not p:
+                    p.copy_(m)
+

@@ -23,7 +23,7 @@ from sp_attention.precision import acc_dtype
 from sp_attention.tokens import global_token_count, global_token_mean, group_size
 
 __all__ = ["global_token_mean", "global_token_count", "all_reduce_gradients",
-           "GradientReducer", "BUCKET_ELEMENTS"]
+           "GradientReducer", "BUCKET_ELEMENTS", "make_buckets", "shard_size"]
 
 # elements per bucket (fp32: 100 MB): large enough for NCCL's bandwidth, small enough that
 # the first buckets travel while most of the backward still runs (DDP's default is 25 MB)
@@ -55,25 +55,29 @@ class GradientReducer:
     16 bits, and two passes over the gradients fewer. A gradient accumulated twice
     in one armed backward (a parameter reached by two separate backward passes, e.g. a tied
     weight across reentrant checkpoints) is an error: its bucket may already have travelled.
+
+    ``shard=True`` (with ``write_back=False``; the distributed optimizer,
+    :class:`sp_train.sharded_optim.ShardedAdamW`): each bucket is padded to ``world`` equal
+    slices and reduce-scattered, so rank r receives only the sum of its slice
+    (:func:`shard_size`), half the bytes of an all-reduce; ``finish()`` returns one slice per
+    bucket, in bucket order.
     """
 
     def __init__(self, parameters: Iterable[torch.nn.Parameter],
                  group: Optional[dist.ProcessGroup], *, overlap: bool = True,
-                 write_back: bool = True, bucket_elements: int = BUCKET_ELEMENTS):
+                 write_back: bool = True, bucket_elements: int = BUCKET_ELEMENTS,
+                 shard: bool = False):
         params = [p for p in parameters if p.requires_grad]
         self.params = params
         self.write_back = write_back
         self.group = group
         self.reduce = group_size(group) > 1
-        self.buckets: list[list[torch.nn.Parameter]] = []
-        open_: dict = {}
-        for p in reversed(params):
-            key = (p.device, acc_dtype(p))
-            b = open_.get(key)
-            if b is None or sum(q.numel() for q in b) + p.numel() > bucket_elements:
-                b = open_[key] = []
-                self.buckets.append(b)
-            b.append(p)
+        self.shard = shard and self.reduce
+        if shard and write_back:
+            raise ValueError("GradientReducer(shard=True) returns each rank's shard of the "
+                             "sums: pass write_back=False (the sharded optimizer steps from "
+                             "them)")
+        self.buckets = make_buckets(params, bucket_elements)
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self._hooks = ([p.register_post_accumulate_grad_hook(self._ready) for p in params]
                        if overlap and self.reduce else [])
@@ -109,6 +113,8 @@ class GradientReducer:
         if self.write_back:
             return None
         sums, self._sums = self._sums, {}
+        if self.shard:
+            return [sums[i] for i in range(len(self.buckets))]
         return [sums[id(p)] for p in self.params]
 
     def remove(self) -> None:
@@ -133,25 +139,36 @@ class GradientReducer:
             self._launch()
 
     def _launch(self) -> None:
-        ps = self.buckets[self._next]
+        i, ps = self._next, self.buckets[self._next]
         self._next += 1
-        flat = torch.empty(sum(p.numel() for p in ps), dtype=acc_dtype(ps[0]),
-                           device=ps[0].device)
+        n = sum(p.numel() for p in ps)
+        world = group_size(self.group)
+        padded = shard_size(n, world) * world if self.shard else n
+        flat = torch.empty(padded, dtype=acc_dtype(ps[0]), device=ps[0].device)
         torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                   for p in ps], out=flat)          # cast on the way: one pass
+                   for p in ps], out=flat[:n])      # cast on the way: one pass
+        flat[n:].zero_()
         if not self.write_back:
             for p in ps:
                 p.grad = None
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
-        self._inflight.append((ps, flat, work))
+        if self.shard:                       # each rank receives the sum of its slice
+            out = flat.new_empty(padded // world)
+            work = dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
+            flat = out
+        else:
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self._inflight.append((i, ps, flat, work))
         while len(self._inflight) > IN_FLIGHT:
             self._write_back()
 
     def _write_back(self) -> None:
-        ps, flat, work = self._inflight.popleft()
+        i, ps, flat, work = self._inflight.popleft()
         work.wait()                          # NCCL: the current stream waits, not the host
         if self._scale != 1.0:
             flat.mul_(self._scale)
+        if self.shard:
+            self._sums[i] = flat
+            return
         offset = 0
         for p in ps:
             n = p.numel()
@@ -163,6 +180,28 @@ class GradientReducer:
                 p.grad = g.to(p.dtype, copy=True)
             else:
                 p.grad.copy_(g)
+
+
+def make_buckets(params: list, bucket_elements: int = BUCKET_ELEMENTS) -> list[list]:
+    """``params`` in buckets: reverse order (the backward makes the last layers' gradients
+    first), up to ``bucket_elements`` each (a larger parameter is a bucket of its own), one
+    device and accumulation dtype per bucket. The reducer and the sharded optimizer share it."""
+    buckets: list[list] = []
+    open_: dict = {}
+    for p in reversed(params):
+        key = (p.device, acc_dtype(p))
+        b = open_.get(key)
+        if b is None or sum(q.numel() for q in b) + p.numel() > bucket_elements:
+            b = open_[key] = []
+            buckets.append(b)
+        b.append(p)
+    return buckets
+
+
+def shard_size(n: int, world: int) -> int:
+    """Elements of each rank's slice of an ``n``-element bucket (the bucket padded to
+    ``world`` equal slices; rank r holds ``[r·size, (r+1)·size)``)."""
+    return -(-n // world)
 
 
 def all_reduce_gradients(parameters: Iterable[torch.nn.Parameter],

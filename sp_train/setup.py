@@ -15,8 +15,11 @@ from megatron_patches.weights import load_hf_into, padded_vocab
 from .args import Layout, TrainArgs, UsageError
 from .loss import default_chunk_tokens
 from .memory import GIB, ModelShape, StepShape, estimate_memory
+from .optim import MasterAdamW
+from .reduce import GradientReducer, group_size
+from .sharded_optim import ShardedAdamW
 
-__all__ = ["Groups", "init_groups", "transformer_config", "build_model", "count_params",
+__all__ = ["Groups", "init_groups", "build_optimizer", "transformer_config", "build_model", "count_params",
            "memory_estimate", "check_memory", "memory_margin_warning", "GPU_HEADROOM",
            "memory_capacity", "model_vocab", "load_hf", "schedule_picks"]
 
@@ -142,7 +145,8 @@ def memory_estimate(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: b
                      recompute_method=rc.method, recompute_num_layers=rc.num_layers,
                      recompute_modules=rc.modules or ("core_attn",), loss=args.loss_impl,
                      loss_chunk_tokens=default_chunk_tokens(vocab_size // layout.tp),
-                     grad_reduce_overlap=not args.no_overlap_grad_reduce)
+                     grad_reduce_overlap=not args.no_overlap_grad_reduce,
+                     distributed_optimizer=args.use_distributed_optimizer)
     return model, step, estimate_memory(model, step)
 
 
@@ -251,3 +255,21 @@ def _memory_fixes(args: TrainArgs, layout: Layout, model, step, capacity: float,
         alt = estimate_memory(model, dataclasses.replace(step, **change))
         fixes.append(f"{flag}: {alt.total / GIB:.1f} GiB")
     return fixes
+
+
+def build_optimizer(model: torch.nn.Module, args, groups):
+    """train.py's optimizer and gradient reducer: :class:`~sp_train.optim.MasterAdamW` with
+    the fp32 sums of an (overlapped) all-reduce, or with ``--use-distributed-optimizer`` over
+    more than one DP × CP rank :class:`~sp_train.sharded_optim.ShardedAdamW` with a
+    reduce-scatter. Adam's state exists on return, so a run that cannot fit fails in its
+    first step."""
+    named = list(model.named_parameters())
+    kw = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+              weight_decay=args.weight_decay, tp_group=groups.tp, tp_rank=groups.tp_rank)
+    shard = args.use_distributed_optimizer and group_size(groups.dp_cp) > 1
+    reducer = GradientReducer([p for _, p in named], groups.dp_cp, write_back=False,
+                              overlap=not args.no_overlap_grad_reduce, shard=shard)
+    optimizer = (ShardedAdamW(named, reducer.buckets, groups.dp_cp, **kw) if shard
+                 else MasterAdamW(named, **kw))
+    optimizer.init_state()
+    return optimizer, reducer

@@ -164,6 +164,13 @@ def test_estimate_counts_the_gradient_sum():
     # the step: the 16-bit gradients and the optimizer's fp32 copies give way to the fp32 sums
     assert one.parts["optimizer"] - cp2.parts["optimizer"] == pytest.approx(2 * p)
     assert cp2.parts["backward"] - after.parts["backward"] == pytest.approx(held)
+    # the distributed optimizer over CP 2 · DP 2: masters, moments and fp32 sums in quarters
+    rep = estimate_memory(m, StepShape(**base, cp=2, dp=2))
+    zero = estimate_memory(m, StepShape(**base, cp=2, dp=2, distributed_optimizer=True))
+    assert zero.optimizer == pytest.approx(rep.optimizer / 4) == pytest.approx(3 * p)
+    assert zero.parts["optimizer"] == pytest.approx(
+        2 * p + 3 * p + p + 2 * min(p, BUCKET_ELEMENTS))
+    assert rep.parts["backward"] - zero.parts["backward"] == pytest.approx(9 * p - p)
 
 
 def test_train_memory_check_refuses_with_the_fixes():

@@ -6,7 +6,9 @@
 - In the world-4 spawn: bad input fails on every rank before training; a checkpoint resumes
   under another CP/DP layout and is refused under another TP layout.
 - In the world-4 spawn also: a checkpoint with a flipped byte is refused on every rank with
-  the same error (checksums verified across ranks); ``--ckpt-step`` picks a step.
+  the same error (checksums verified across ranks); ``--ckpt-step`` picks a step; the
+  distributed optimizer trains the same losses and its checkpoint resumes without it under
+  another layout.
 - Real launches (torchrun): two ``--nnodes 2`` launches rendezvous on localhost (c10d) and
   train; a SLURM-like preemption through scripts/slurm/train.sbatch (stand-in srun/scontrol,
   our torchrun launcher, a real SIGTERM to the job's processes) saves, writes the plot and
@@ -125,7 +127,14 @@ def _extra_checks(rank, tmp):
     dist.barrier()
     damaged = _expect_error(_argv("softmax", 1, 2, f"{tmp}/d", extra=["--load", bad]),
                             "does not match its checksum")
-    return {"resumed": resumed, "msg": msg, "damaged": damaged}
+    # the distributed optimizer (CP 2 · DP 2): the same losses as the replicated one, and its
+    # checkpoint resumes without it at CP 4
+    zck = f"{tmp}/zck"
+    zero = _losses(train.main(_argv("hybrid", 1, 2, f"{tmp}/z", extra=[
+        "--use-distributed-optimizer", "--save", zck, "--save-interval", "2"])))
+    moved = _losses(train.main(_argv("hybrid", 1, 4, f"{tmp}/zr",
+                                     extra=["--load", zck, "--ckpt-step", "2"])))
+    return {"resumed": resumed, "msg": msg, "damaged": damaged, "zero": zero, "moved": moved}
 
 
 def _rel(a, b):
@@ -153,6 +162,10 @@ def test_parallelism_invariance_errors_and_layout_changes(tmp_path):
     assert len({e["damaged"] for e in extra}) == 1
     resumed = extra[0]["resumed"]
     assert len(resumed) == 1 and _rel(resumed[0], ref[("softmax", 1, 1, "none")][STEPS - 1]) < 1e-5
+    hybrid = ref[("hybrid", 1, 1, "none")]
+    assert max(_rel(a, b) for a, b in zip(extra[0]["zero"], hybrid)) < 1e-5
+    assert len(extra[0]["moved"]) == STEPS - 2
+    assert max(_rel(a, b) for a, b in zip(extra[0]["moved"], hybrid[2:])) < 1e-5
 
 
 # --- real launches ----------------------------------------------------------------------

@@ -1,0 +1,259 @@
+"""The distributed optimizer (ZeRO-1, Megatron's ``--use-distributed-optimizer``): AdamW whose
+fp32 masters and moments are sharded over the DP × CP ranks.
+
+The gradient reducer's buckets (:func:`sp_train.reduce.make_buckets`) are padded to ``world``
+equal slices; rank r owns slice r of every bucket. The backward's gradient sum is a
+reduce-scatter (:class:`~sp_train.reduce.GradientReducer` ``shard=True``: half the bytes of an
+all-reduce), each rank steps AdamW on its slices only (1/world of the optimizer's time and
+memory), and the updated 16-bit parameters are all-gathered bucket by bucket. The math is
+:class:`~sp_train.optim.MasterAdamW`'s: the same clipping norm (each element counted once over
+DP × CP, the TP rule of :func:`~sp_train.optim.squared_norm`), the same per-element update.
+
+Checkpoints keep MasterAdamW's per-parameter format (``<param>.exp_avg`` …, full tensors), so
+a run resumes with or without the distributed optimizer, at any DP × CP: on save each
+parameter's state is gathered to one rank (parameters dealt round-robin), which writes it; on
+load each rank reads its dealt parameters and a reduce-scatter hands every rank its slices.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .optim import clip_scale, squared_norm
+from .reduce import group_size, shard_size
+
+__all__ = ["ShardedAdamW"]
+
+
+class _Bucket:
+    """One bucket's layout on this rank: its parameters, their offsets in the flat bucket,
+    the slice this rank owns and the pieces of parameters inside it."""
+
+    def __init__(self, params: list, world: int, rank: int):
+        self.params = params
+        self.offsets, n = [], 0
+        for p in params:
+            self.offsets.append(n)
+            n += p.numel()
+        self.numel = n
+        self.size = shard_size(n, world)
+        dtypes = {p.dtype for p in params}     # the all-gather's: fp32 where dtypes mix
+        self.dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        lo, hi = rank * self.size, min((rank + 1) * self.size, n)
+        # (parameter index, start, end in the parameter's flat view, start in the slice)
+        self.pieces = []
+        for i, (p, off) in enumerate(zip(params, self.offsets)):
+            a, b = max(lo, off), min(hi, off + p.numel())
+            if a < b:
+                self.pieces.append((i, a - off, b - off, a - lo))
+
+
+class ShardedAdamW:
+    """AdamW over fp32 masters of ``named_params``, each rank holding its slices of
+    ``buckets`` (the reducer's, :attr:`GradientReducer.buckets`) over ``group`` (DP × CP).
+
+    :meth:`step` takes the reducer's slices (``GradientReducer(shard=True).finish()``).
+    ``tp_group``/``tp_rank``: as :class:`~sp_train.optim.MasterAdamW` (TP-split parameters
+    count on every TP rank in the gradient norm).
+    """
+
+    def __init__(self, named_params, buckets: list, group: Optional[dist.ProcessGroup], *,
+                 lr: float, betas, weight_decay: float, tp_group: Optional[dist.ProcessGroup],
+                 tp_rank: int):
+        self.names = [n for n, p in named_params if p.requires_grad]
+        self.params = [p for _, p in named_params if p.requires_grad]
+        ids = {id(p) for b in buckets for p in b}
+        if ids != {id(p) for p in self.params} or sum(len(b) for b in buckets) != len(ids):
+            raise ValueError("ShardedAdamW: the buckets must hold every trainable parameter "
+                             "once (pass the GradientReducer's buckets for the same params)")
+        self.group, self.tp_group, self.tp_rank = group, tp_group, tp_rank
+        self.world = group_size(group)
+        self.rank = dist.get_rank(group) if self.world > 1 else 0
+        self._name = {id(p): n for n, p in zip(self.names, self.params)}
+        self.buckets = [_Bucket(b, self.world, self.rank) for b in buckets]
+        # this rank's fp32 masters: one leaf tensor per piece
+        self.master = [[p.detach().reshape(-1)[s:e].to(torch.float32, copy=True)
+                        .requires_grad_(True) for i, s, e, _ in bk.pieces
+                        for p in (bk.params[i],)] for bk in self.buckets]
+        decay, no_decay = [], []
+        for bk, ms in zip(self.buckets, self.master):
+            for (i, *_), m in zip(bk.pieces, ms):
+                (decay if bk.params[i].dim() > 1 else no_decay).append(m)
+        groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        fused = all(m.is_cuda for m in decay + no_decay) or None
+        self.opt = (torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=1e-8, fused=fused)
+                    if groups else None)
+        self.steps = 0
+
+    # -- the step ------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        for ms in self.master:
+            for m in ms:
+                m.grad = None
+
+    def _piece_grads(self, shards: list) -> list:
+        return [[shard[o:o + (e - s)] for _, s, e, o in bk.pieces]
+                for bk, shard in zip(self.buckets, shards)]
+
+    def grad_norm(self, shards: list) -> float:
+        """The global L2 norm: each rank's slices, summed over DP × CP and TP."""
+        pieces = self._piece_grads(shards)
+        params = [bk.params[i] for bk in self.buckets for i, *_ in bk.pieces]
+        sq = squared_norm(params, [g for gs in pieces for g in gs], self.tp_rank)
+        sq = sq.to(shards[0].device) if shards else sq
+        if self.world > 1:
+            dist.all_reduce(sq, group=self.group)
+        if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
+            dist.all_reduce(sq, group=self.tp_group)
+        return float(sq.sqrt())
+
+    def step(self, lr: float, clip_grad: float, grads: Optional[list]) -> float:
+        """Clip to ``clip_grad`` (0 = off), step at ``lr``, all-gather the parameters; returns
+        the gradient norm. ``grads``: the reducer's slices, one per bucket."""
+        if grads is None or len(grads) != len(self.buckets):
+            raise ValueError(f"ShardedAdamW.step needs one gradient slice per bucket "
+                             f"({len(self.buckets)}), as GradientReducer(shard=True) returns")
+        norm = self.grad_norm(grads)
+        scale = clip_scale(norm, clip_grad)
+        pieces = [g for gs in self._piece_grads(grads) for g in gs]
+        masters = [m for ms in self.master for m in ms]
+        pieces = [g if g.dtype == torch.float32 else g.to(torch.float32) for g in pieces]
+        for m, g in zip(masters, pieces):
+            m.grad = g
+        if scale != 1.0 and pieces:
+            torch._foreach_mul_(pieces, scale)
+        if self.opt is not None:
+            for group in self.opt.param_groups:
+                group["lr"] = lr
+            self.opt.step()
+        self.steps += 1
+        self._gather_params()
+        self.zero_grad()
+        return norm
+
+    def _gather_params(self) -> None:
+        """Every rank's updated slices into every rank's 16-bit (or fp32) parameters."""
+        with torch.no_grad():
+            for bk, ms in zip(self.buckets, self.master):
+                own = torch.zeros(bk.size, dtype=bk.dtype, device=bk.params[0].device)
+                for (_, s, e, o), m in zip(bk.pieces, ms):
+                    own[o:o + e - s].copy_(m)
+                full = self._all_gather(own)
+                torch._foreach_copy_(bk.params, [full[off:off + p.numel()].view_as(p)
+                                                 for p, off in zip(bk.params, bk.offsets)])
+
+    def _all_gather(self, own: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return own
+        full = own.new_empty(own.numel() * self.world)
+        dist.all_gather_into_tensor(full, own, group=self.group)
+        return full
+
+    # -- state and checkpoints -------------------------------------------------------------------
+    def init_state(self) -> None:
+        """Create Adam's state (zeros) so a run that cannot fit fails in its first step."""
+        if self.opt is None:
+            return
+        for ms in self.master:
+            for m in ms:
+                if m not in self.opt.state or not self.opt.state[m]:
+                    self.opt.state[m] = {
+                        "step": torch.tensor(float(self.steps), dtype=torch.float32,
+                                             device=m.device if m.is_cuda else "cpu"),
+                        "exp_avg": torch.zeros_like(m), "exp_avg_sq": torch.zeros_like(m)}
+
+    def _kinds(self, p: torch.Tensor) -> tuple:
+        return ("exp_avg", "exp_avg_sq") + (("master",) if p.dtype != torch.float32 else ())
+
+    def _piece_state(self, m: torch.Tensor, kind: str) -> torch.Tensor:
+        return m if kind == "master" else self.opt.state[m][kind]
+
+    def _dealt(self, bucket_index: int, i: int) -> bool:
+        """Whether this rank writes / reads parameter ``i`` of a bucket (round robin)."""
+        return (sum(len(b.params) for b in self.buckets[:bucket_index]) + i) % self.world \
+            == self.rank
+
+    @torch.no_grad()
+    def checkpoint_state(self) -> dict:
+        """The full per-parameter state of the parameters dealt to this rank (MasterAdamW's
+        keys), gathered bucket by bucket (one bucket's fp32 copy in flight at a time); host
+        copies, so the device holds no second optimizer."""
+        self.init_state()
+        out = {}
+        for b, (bk, ms) in enumerate(zip(self.buckets, self.master)):
+            dealt = [i for i in range(len(bk.params)) if self._dealt(b, i)]
+            for kind in ("exp_avg", "exp_avg_sq", "master"):
+                if all(kind not in self._kinds(p) for p in bk.params):
+                    continue
+                own = torch.zeros(bk.size, dtype=torch.float32, device=bk.params[0].device)
+                for (_, s, e, o), m in zip(bk.pieces, ms):
+                    own[o:o + e - s].copy_(self._piece_state(m, kind))
+                full = self._all_gather(own)
+                for i in dealt:
+                    p, off = bk.params[i], bk.offsets[i]
+                    if kind in self._kinds(p):
+                        out[f"{self._name[id(p)]}.{kind}"] = \
+                            full[off:off + p.numel()].view(p.shape).cpu()
+            for i in dealt:
+                out[f"{self._name[id(bk.params[i])]}.step"] = torch.tensor(
+                    float(self.steps), dtype=torch.float32)
+        return out
+
+    def checkpoint_targets(self) -> dict:
+        """Host tensors for the state of the parameters dealt to this rank."""
+        self.init_state()
+        out = {}
+        for b, bk in enumerate(self.buckets):
+            for i, p in enumerate(bk.params):
+                if self._dealt(b, i):
+                    name = self._name[id(p)]
+                    for kind in self._kinds(p):
+                        out[f"{name}.{kind}"] = torch.empty(p.shape, dtype=torch.float32)
+                    out[f"{name}.step"] = torch.zeros((), dtype=torch.float32)
+        return out
+
+    def finish_load(self, loaded: dict) -> None:
+        """Hand every rank its slices of the loaded state (one reduce-scatter per bucket and
+        kind), then the parameters from the masters (16-bit) — fp32 parameters are their own
+        masters, loaded with the model."""
+        steps = torch.tensor([max([float(v) for k, v in loaded.items() if k.endswith(".step")]
+                                  or [0.0])], dtype=torch.float64)
+        dev = self.params[0].device
+        if self.world > 1:
+            steps = steps.to(dev)
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=self.group)
+        self.steps = int(steps.item())
+        with torch.no_grad():
+            for b, (bk, ms) in enumerate(zip(self.buckets, self.master)):
+                for kind in ("exp_avg", "exp_avg_sq", "master"):
+                    if all(kind not in self._kinds(p) for p in bk.params):
+                        continue
+                    full = torch.zeros(bk.size * self.world, dtype=torch.float32, device=dev)
+                    for i, (p, off) in enumerate(zip(bk.params, bk.offsets)):
+                        if self._dealt(b, i) and kind in self._kinds(p):
+                            full[off:off + p.numel()].copy_(
+                                loaded[f"{self._name[id(p)]}.{kind}"].reshape(-1))
+                    own = self._scatter(full)
+                    for (_, s, e, o), m in zip(bk.pieces, ms):
+                        self._piece_state(m, kind).copy_(own[o:o + e - s])
+                for (i, s, e, _), m in zip(bk.pieces, ms):
+                    p = bk.params[i]
+                    if "master" not in self._kinds(p):    # fp32: the loaded model weights
+                        m.copy_(p.detach().reshape(-1)[s:e])
+                    if self.opt is not None:
+                        self.opt.state[m]["step"].fill_(float(self.steps))
+            self._gather_params()
+
+    def _scatter(self, full: torch.Tensor) -> torch.Tensor:
+        """Each rank's slice of ``full``, summed over the ranks (only the dealt rank wrote
+        each element, the others hold zeros)."""
+        if self.world == 1:
+            return full
+        own = full.new_empty(full.numel() // self.world)
+        dist.reduce_scatter_tensor(own, full, group=self.group)
+        return own
