@@ -43,9 +43,11 @@ def test_public_api_pinned():
         "choose_linear_scan", "choose_softmax_preset", "cpu_linear_scan",
         "cpu_softmax_preset", "log_choice", "cp_efficiency", "linear_memory",
         "softmax_memory", "rank_memory", "Link", "Kernels", "Machine", "H200_NVLINK_IB400",
+        "H200_NVLINK_4GPU", "H100_NVLINK_2GPU",
         "default_machine", "calibration_path", "load_machine", "save_machine",
         "machine_from_dict", "implausible"]
     assert machine.__all__ == ["Link", "Kernels", "Machine", "H200_NVLINK_IB400",
+                               "H200_NVLINK_4GPU", "H100_NVLINK_2GPU",
                                "default_machine", "calibration_path", "load_machine",
                                "save_machine", "machine_from_dict"]
     assert auto.__all__ == ["machine_for", "topology_for", "auto_linear_scan",
@@ -309,7 +311,11 @@ def test_calibration_json_round_trip(tmp_path, monkeypatch):
                             kernels=dataclasses.replace(H200.kernels, linear_tflops=81.5))
     assert save_machine(m, path) == path
     assert load_machine(H100, path) == m
-    assert load_machine("NVIDIA H200", path) is H200     # measured elsewhere: defaults
+    # measured elsewhere: the built-in figures of that GPU, calibrated on this project's machines
+    assert load_machine("NVIDIA H200", path) is cost.H200_NVLINK_4GPU
+    assert cost.default_machine("NVIDIA H100 80GB HBM3") is cost.H100_NVLINK_2GPU
+    assert not cost.implausible(cost.H200_NVLINK_4GPU)
+    assert not cost.implausible(cost.H100_NVLINK_2GPU)
     with pytest.raises(ValueError, match="GPU model"):
         load_machine("cpu", path)
     monkeypatch.setenv("SP_ATTENTION_CALIBRATION", path)

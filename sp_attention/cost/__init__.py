@@ -50,8 +50,9 @@ from .choose import (choose_linear_scan, choose_softmax_preset, cp_efficiency, c
 from .common import (Choice, LinearShape, SoftmaxShape, StepTime, Topology, linear_flops,
                      softmax_flops)
 from .linear import linear_scan_ms, linear_step
-from .machine import (H200_NVLINK_IB400, Kernels, Link, Machine, calibration_path,
-                      default_machine, load_machine, machine_from_dict, save_machine)
+from .machine import (H100_NVLINK_2GPU, H200_NVLINK_4GPU, H200_NVLINK_IB400, Kernels, Link,
+                      Machine, calibration_path, default_machine, load_machine,
+                      machine_from_dict, save_machine)
 from .memory import linear_memory, rank_memory, softmax_memory
 from .plausible import implausible
 from .softmax import softmax_step
@@ -61,5 +62,6 @@ __all__ = ["LinearShape", "SoftmaxShape", "Topology", "StepTime", "Choice", "lin
            "choose_linear_scan", "choose_softmax_preset", "cpu_linear_scan",
            "cpu_softmax_preset", "log_choice", "cp_efficiency", "linear_memory",
            "softmax_memory", "rank_memory", "Link", "Kernels", "Machine", "H200_NVLINK_IB400",
+           "H200_NVLINK_4GPU", "H100_NVLINK_2GPU",
            "default_machine", "calibration_path", "load_machine", "save_machine",
            "machine_from_dict", "implausible"]

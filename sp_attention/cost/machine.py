@@ -5,9 +5,10 @@ Pure Python (no torch): :mod:`sp_attention.cost` predicts from a :class:`Machine
 ``python -m sp_attention.calibrate`` measures one on GPUs and saves it as JSON (default
 ``$SP_ATTENTION_CALIBRATION`` or ``~/.cache/sp_attention/calibration.json``, under
 ``$XDG_CACHE_HOME`` when set). :func:`load_machine` returns the saved calibration when it
-matches the device, else the built-in figures (:data:`H200_NVLINK_IB400`): NVLink fitted to a
-2 × H200 link probe, one-GPU kernel rates of the H200 runs, the overlap cost fitted to 2 × H200
-softmax CP runs, and **InfiniBand figures that are not calibrated here**: 400 Gb/s is 50 GB/s
+matches the device, else the built-in figures (:func:`default_machine`: the calibrations of
+4 × H200 and 2 × H100, :data:`H200_NVLINK_4GPU`, :data:`H100_NVLINK_2GPU`; the older
+:data:`H200_NVLINK_IB400` from a 2 × H200 link probe and one-GPU kernel runs stays as a fixed
+reference), and **InfiniBand figures that are not calibrated here**: 400 Gb/s is 50 GB/s
 per direction per NIC (one NIC per GPU), taken as 40 GB/s after protocol overhead, with the
 intra-node latency plus 15 µs (network and NCCL proxy).
 
@@ -24,7 +25,8 @@ from typing import Optional
 
 from .plausible import implausible
 
-__all__ = ["Link", "Kernels", "Machine", "H200_NVLINK_IB400", "default_machine",
+__all__ = ["Link", "Kernels", "Machine", "H200_NVLINK_IB400", "H200_NVLINK_4GPU",
+           "H100_NVLINK_2GPU", "default_machine",
            "calibration_path", "load_machine", "save_machine", "machine_from_dict"]
 
 
@@ -204,6 +206,41 @@ H200_NVLINK_IB400 = Machine(
     gpus_per_node=8, overlap_cost=3.0, device="NVIDIA H200")
 
 
+# The same machine fitted by ``python -m sp_attention.calibrate`` on 4 × H200 (NVLink, torch
+# 2.11, NCCL 2.28.3; links among 2 and 4 ranks; 2026-11-26,
+# benchmarks/results/2026-11-26_h200x4_calibration.json): the built-in figures of H200s.
+H200_NVLINK_4GPU = Machine(
+    name="h200-nvlink-4gpu",
+    source="default: calibrated on 4 x H200 NVLink (2026-11-26); InfiniBand 400 Gb/s assumed, "
+           "not calibrated here",
+    kernels=Kernels(linear_tflops=84.4, linear_call_ms=0.0419, linear_fwd_share=0.243,
+                    softmax_fwd_tflops=657.0, softmax_bwd_tflops=553.0, softmax_call_ms=0.0475,
+                    mem_gbps=4290.0, op_us=2.34, softmax_bwd_workspace=8.0,
+                    softmax_ag_call_fwd_ms=0.08, softmax_ag_call_bwd_ms=0.2,
+                    softmax_ag_rate=0.96, linear_rank_contiguous=1.29,
+                    linear_rank_zigzag=1.15),
+    intra=Link(alpha_p2p_us=25.2, p2p_gbps=236.0, alpha_coll_us=24.9, coll_gbps=287.0,
+               step_us=7.54),
+    inter=H200_NVLINK_IB400.inter, gpus_per_node=8, overlap_cost=1.7, device="NVIDIA H200")
+
+# Calibrated on 2 × H100 80GB HBM3 (NVLink; links among 2 ranks; 2026-11-26,
+# benchmarks/results/2026-11-26_h100x2_calibration.json): the built-in figures of H100s.
+H100_NVLINK_2GPU = Machine(
+    name="h100-nvlink-2gpu",
+    source="default: calibrated on 2 x H100 NVLink (2026-11-26); InfiniBand 400 Gb/s assumed, "
+           "not calibrated here",
+    kernels=Kernels(linear_tflops=66.4, linear_call_ms=0.0296, linear_fwd_share=0.236,
+                    softmax_fwd_tflops=656.0, softmax_bwd_tflops=548.0, softmax_call_ms=0.0453,
+                    mem_gbps=3020.0, op_us=2.41, softmax_bwd_workspace=8.0,
+                    softmax_ag_call_fwd_ms=0.08, softmax_ag_call_bwd_ms=0.2,
+                    softmax_ag_rate=0.96, linear_rank_contiguous=1.14,
+                    linear_rank_zigzag=1.11),
+    intra=Link(alpha_p2p_us=22.9, p2p_gbps=277.0, alpha_coll_us=23.6, coll_gbps=236.0,
+               step_us=2.0),
+    inter=H200_NVLINK_IB400.inter, gpus_per_node=8, overlap_cost=1.47,
+    device="NVIDIA H100 80GB HBM3")
+
+
 def _gpu_only(device: str) -> None:
     if device == "cpu":
         raise ValueError("the cost model is a GPU model: on CPU `auto` follows the fixed rule "
@@ -211,10 +248,11 @@ def _gpu_only(device: str) -> None:
 
 
 def default_machine(device: str) -> Machine:
-    """The built-in figures for a CUDA device name: any GPU gets the H200 figures (H100 NVLink
-    is in the same range; calibrate to be sure). ``"cpu"`` raises (no CPU model)."""
+    """The built-in figures for a CUDA device name: an H100 gets :data:`H100_NVLINK_2GPU`, any
+    other GPU :data:`H200_NVLINK_4GPU` (both calibrated on this project's machines; calibrate
+    yours to be sure). ``"cpu"`` raises (no CPU model)."""
     _gpu_only(device)
-    return H200_NVLINK_IB400
+    return H100_NVLINK_2GPU if "H100" in device else H200_NVLINK_4GPU
 
 
 def calibration_path(path: Optional[str] = None) -> str:
