@@ -11,7 +11,8 @@ A layout is ``[tpN][cpN][dpN]`` (missing factors 1); each run is ``torchrun --st
 --global-batch-size dp``, so every layout of one ``--seq-length`` trains the same sequences per
 step. Runs on one GPU go side by side, one per GPU (``--no-side-by-side`` to run them one
 after the other). ``mfu``, ``tokens_per_s``: means over the steps after the first;
-``mem_gb``: the largest peak of any step; ``first_step_s``: from the launch to the end of the
+``mem_gb``: the largest peak of any step (``mem_estimate_gb``: train.py's estimate printed
+before the run, ``estimate_over_measured``); ``first_step_s``: from the launch to the end of the
 first step (imports, model, the kernels' first compilation; ``--fresh-triton-cache`` gives
 each run an empty Triton cache, as on a fresh machine); ``command``: what ran. A run that
 fails or outlasts ``--timeout`` is recorded with its ``status`` and train.py's error.
@@ -156,11 +157,26 @@ def main() -> int:
                    "device": _device(a.device), "date": time.strftime("%Y-%m-%d"),
                    "command": " ".join(cmd[cmd.index(os.path.join(ROOT, "train.py")):]
                                        ).replace(ROOT + "/", ""), **summarize(log_json, t0)}
+            rec.update(_estimate(log, rec.get("mem_gb")))
             if status != "ok":
                 failed += 1
                 rec["log_tail"] = error_tail(open(log).read())
             emit(rec, a.out)
     return 1 if failed else 0
+
+
+def _estimate(log: str, mem_gb: Optional[float]) -> dict:
+    """train.py's memory estimate of the run (the ``summary:`` line of its log) and estimate
+    ÷ measured peak."""
+    lines = [x for x in open(log).read().splitlines() if x.startswith("summary: ")] \
+        if os.path.exists(log) else []
+    if not lines:
+        return {}
+    est = json.loads(lines[-1][len("summary: "):]).get("mem_estimate_gb")
+    out = {"mem_estimate_gb": est}
+    if est and mem_gb:
+        out["estimate_over_measured"] = round(est / mem_gb, 3)
+    return out
 
 
 def emit(rec: dict, out) -> None:

@@ -11,6 +11,9 @@
 #     hf          examples/hf_llama_cp.py --device cuda, every --model at CP = P and CP = 1
 #     parity      train_parity.py: CP = P against two CP = 1 runs, 300 steps, PNG
 #     slurm       scripts/slurm/one_host.sh 2 P/2: the sbatch path as two nodes, save + resume
+#     long        the longest context at CP = P: LONG_KINDS (hybrid softmax) at LONG_SEQS
+#                 (524288 1048576) with full recompute and --use-distributed-optimizer, 3 steps
+#                 (the estimate beside the measured peak in each row)
 # Knobs: KINDS (softmax hybrid gated), SEQ (32768), ITERS (10), SCALE_EXTRA (train.py flags for
 # every scaling run, after "--"), FIRST_KINDS (hybrid-packed gated softmax linear), HF_MODELS
 # (llama linear gated hybrid), STEP_TIMEOUT (seconds per run, 240; a fresh machine compiles
@@ -114,6 +117,14 @@ PY
         --load /tmp/slurm_ck --log-dir "$OUT/slurm" > "$OUT/slurm_resume.log" 2>&1
       echo "slurm resume exit $?"
       grep -h "sp-train:\|resumed\|step 10/\|step 20/\|saved checkpoint" "$OUT"/slurm_*.log ;;
+    long)
+      for seq in ${LONG_SEQS:-524288 1048576}; do
+        python3 benchmarks/train_scaling.py --kinds ${LONG_KINDS:-hybrid softmax} --layouts "cp$P" \
+          --seq-length "$seq" --train-iters 3 --timeout "$T" --out "$OUT/long_context_cp$P.jsonl" \
+          --log-root "$OUT/long_$seq" -- --recompute-granularity full --recompute-method uniform \
+          --recompute-num-layers 1 --use-distributed-optimizer >> "$OUT/long.log" 2>&1
+      done
+      cut -c1-400 "$OUT/long_context_cp$P.jsonl" ;;
     *) echo "unknown step $step" ;;
   esac
   reap
