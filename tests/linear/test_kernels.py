@@ -198,18 +198,30 @@ def test_varlen_state_launchers_equal_fla_gpu(gated):
     cu_t = cu_seqlens_tensor(cu, q.device)
     host = dict(split_offsets=chunk_offsets_tensor(cu, 64, q.device),
                 num_splits=chunk_offsets(cu, 64)[-1])
+    do = do.to(q.dtype)                 # as the op passes it (inputs() keeps do in fp64)
+    bad = []
+
+    def compare(what, got, ref):        # every mismatch, named, with its size
+        for name, a, b in zip(("states", "final/initial"), got, ref):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                bad.append(f"{what} {name}: {a.shape} {a.dtype} vs fla {b.shape} {b.dtype}")
+            elif not torch.equal(a, b):
+                diff = (a.double() - b.double()).abs()
+                bad.append(f"{what} {name}: max |diff| {diff.nan_to_num(float('inf')).max():.3g}"
+                           f" at {diff.argmax().item()} of {diff.numel()}, nan "
+                           f"{int(a.isnan().sum())} vs {int(b.isnan().sum())}")
+
     for fp32 in (False, True):
         ref = chunk_h.chunk_fwd_h(k=k, v=v, h0=h0, output_final_state=True, cu_seqlens=cu_t,
                                   chunk_size=64, states_in_fp32=fp32, **fkw)
         got = fla_states.chunk_fwd_h(k=k, v=v, h0=h0, output_final_state=True,
                                      cu_seqlens=cu_t, chunk_size=64, states_in_fp32=fp32,
                                      **host, **fkw)
-        for a, b in zip(got, ref):
-            assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+        compare(f"fwd fp32={fp32}", got, ref)
         ref = chunk_h.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=h0, dht=dht, scale=0.3,
                                    cu_seqlens=cu_t, chunk_size=64, states_in_fp32=fp32, **fkw)
         got = fla_states.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=h0, dht=dht, scale=0.3,
                                       cu_seqlens=cu_t, chunk_size=64, states_in_fp32=fp32,
                                       **host, **fkw)
-        for a, b in zip(got, ref):
-            assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+        compare(f"bwd fp32={fp32}", got, ref)
+    assert not bad, "\n".join(bad)
