@@ -128,3 +128,18 @@ def test_sharded_bad_input():
         opt.step(0.1, 1.0, None)
     with pytest.raises(ValueError, match="write_back=False"):
         GradientReducer(list(m.parameters()), None, shard=True)
+
+
+def test_one_rank_keeps_the_replicated_optimizer():
+    """``--use-distributed-optimizer`` on one DP × CP rank: nothing to shard, MasterAdamW and an
+    all-reduce-free reducer (the flag is accepted, the numbers are the same)."""
+    from types import SimpleNamespace
+    from sp_train.args import parse_args
+    from sp_train.optim import MasterAdamW
+    from sp_train.setup import Groups, build_optimizer
+    args = parse_args(["--use-distributed-optimizer"])
+    groups = Groups(tp=None, cp=None, dp_cp=None, tp_rank=0, cp_rank=0, dp_rank=0)
+    opt, red = build_optimizer(SimpleNamespace(named_parameters=lambda: list(
+        _Model(torch.float32).named_parameters())), args, groups)
+    assert isinstance(opt, MasterAdamW) and not red.shard and not red.reduce
+    assert args.use_distributed_optimizer and not parse_args([]).use_distributed_optimizer
