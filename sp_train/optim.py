@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from sp_attention.precision import acc_dtype
 
-__all__ = ["MasterAdamW", "lr_at", "squared_norm", "clip_scale"]
+__all__ = ["MasterAdamW", "lr_at", "squared_norm", "clip_scale", "init_adam_state"]
 
 
 def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:
@@ -45,6 +45,18 @@ def squared_norm(params: list, grads: list, tp_rank: int) -> torch.Tensor:
         norms = torch._foreach_norm(gs, 2.0, dtype=acc)
         sq += torch.stack(norms).to(torch.float64).pow(2).sum()
     return sq
+
+
+def init_adam_state(opt: torch.optim.AdamW, masters: list, step: float = 0.0) -> None:
+    """AdamW's state of ``masters`` that has none yet: zero moments, ``step`` (a float32
+    scalar, on the device for CUDA masters, as fused AdamW keeps it)."""
+    for m in masters:
+        if m not in opt.state or not opt.state[m]:
+            opt.state[m] = {
+                "step": torch.tensor(float(step), dtype=torch.float32,
+                                     device=m.device if m.is_cuda else "cpu"),
+                "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format)}
 
 
 def clip_scale(norm: float, clip_grad: float) -> float:
@@ -119,13 +131,7 @@ class MasterAdamW:
 
     def init_state(self) -> None:
         """Create Adam's state (zeros) so a checkpoint can be loaded into it in place."""
-        for m in self.master:
-            if m not in self.opt.state or not self.opt.state[m]:
-                self.opt.state[m] = {
-                    "step": torch.zeros((), dtype=torch.float32,
-                                        device=m.device if m.is_cuda else "cpu"),
-                    "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format)}
+        init_adam_state(self.opt, self.master)
 
     def state_tensors(self) -> dict:
         """``{name: tensor}`` of everything a resume needs (Adam moments, step, fp32 masters):

@@ -19,9 +19,9 @@ from .optim import MasterAdamW
 from .reduce import GradientReducer, group_size
 from .sharded_optim import ShardedAdamW
 
-__all__ = ["Groups", "init_groups", "build_optimizer", "transformer_config", "build_model", "count_params",
-           "memory_estimate", "check_memory", "memory_margin_warning", "GPU_HEADROOM",
-           "memory_capacity", "model_vocab", "load_hf", "schedule_picks"]
+__all__ = ["Groups", "init_groups", "build_optimizer", "transformer_config", "build_model",
+           "count_params", "memory_estimate", "check_memory", "memory_margin_warning",
+           "GPU_HEADROOM", "memory_capacity", "model_vocab", "load_hf", "schedule_picks"]
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .optim import clip_scale, squared_norm
+from .optim import clip_scale, init_adam_state, squared_norm
 from .reduce import group_size, shard_size
 
 __all__ = ["ShardedAdamW"]
@@ -73,6 +73,7 @@ class ShardedAdamW:
         self.rank = dist.get_rank(group) if self.world > 1 else 0
         self._name = {id(p): n for n, p in zip(self.names, self.params)}
         self.buckets = [_Bucket(b, self.world, self.rank) for b in buckets]
+        self._first = [sum(len(b) for b in buckets[:j]) for j in range(len(buckets))]
         # this rank's fp32 masters: one leaf tensor per piece
         self.master = [[p.detach().reshape(-1)[s:e].to(torch.float32, copy=True)
                         .requires_grad_(True) for i, s, e, _ in bk.pieces
@@ -157,15 +158,8 @@ class ShardedAdamW:
     # -- state and checkpoints -------------------------------------------------------------------
     def init_state(self) -> None:
         """Create Adam's state (zeros) so a run that cannot fit fails in its first step."""
-        if self.opt is None:
-            return
-        for ms in self.master:
-            for m in ms:
-                if m not in self.opt.state or not self.opt.state[m]:
-                    self.opt.state[m] = {
-                        "step": torch.tensor(float(self.steps), dtype=torch.float32,
-                                             device=m.device if m.is_cuda else "cpu"),
-                        "exp_avg": torch.zeros_like(m), "exp_avg_sq": torch.zeros_like(m)}
+        if self.opt is not None:
+            init_adam_state(self.opt, [m for ms in self.master for m in ms], self.steps)
 
     def _kinds(self, p: torch.Tensor) -> tuple:
         return ("exp_avg", "exp_avg_sq") + (("master",) if p.dtype != torch.float32 else ())
@@ -175,8 +169,7 @@ class ShardedAdamW:
 
     def _dealt(self, bucket_index: int, i: int) -> bool:
         """Whether this rank writes / reads parameter ``i`` of a bucket (round robin)."""
-        return (sum(len(b.params) for b in self.buckets[:bucket_index]) + i) % self.world \
-            == self.rank
+        return (self._first[bucket_index] + i) % self.world == self.rank
 
     @torch.no_grad()
     def checkpoint_state(self) -> dict:
