@@ -166,13 +166,17 @@ def main() -> int:
 
 
 def _estimate(log: str, mem_gb: Optional[float]) -> dict:
-    """train.py's memory estimate of the run (the ``summary:`` line of its log) and estimate
-    ÷ measured peak."""
-    lines = [x for x in open(log).read().splitlines() if x.startswith("summary: ")] \
-        if os.path.exists(log) else []
-    if not lines:
-        return {}
-    est = json.loads(lines[-1][len("summary: "):]).get("mem_estimate_gb")
+    """train.py's memory estimate of the run and estimate ÷ measured peak: the ``summary:``
+    line at the end of its log, or (a run stopped at its time limit) the ``memory estimate per
+    rank`` line it prints before building the model."""
+    text = open(log).read() if os.path.exists(log) else ""
+    lines = [x for x in text.splitlines() if x.startswith("summary: ")]
+    est = json.loads(lines[-1][len("summary: "):]).get("mem_estimate_gb") if lines else None
+    if est is None:
+        m = re.search(r"memory estimate per rank[^:]*: ([0-9.]+) (GiB|MiB)", text)
+        if not m:
+            return {}
+        est = float(m.group(1)) / (1024 if m.group(2) == "MiB" else 1)
     out = {"mem_estimate_gb": est}
     if est and mem_gb:
         out["estimate_over_measured"] = round(est / mem_gb, 3)

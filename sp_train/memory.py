@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .reduce import BUCKET_ELEMENTS, IN_FLIGHT
+from .reduce import BUCKET_ELEMENTS
 
 __all__ = ["ModelShape", "StepShape", "MemoryEstimate", "estimate_memory", "layer_saved_bytes",
            "param_count", "GIB"]
@@ -245,14 +245,15 @@ def _recompute_unit_bytes(m: ModelShape, s: StepShape, e: int) -> tuple:
         return saved, back
     method = s.recompute_method or "uniform"
     n = s.recompute_num_layers or (1 if method == "uniform" else L)
+    # the replay's first norm reads the checkpoint's input, already counted in ``saved``
     if method == "uniform":
         groups = [range(i, min(L, i + n)) for i in range(0, L, n)]
         saved = len(groups) * e * h
-        back = max(sum(per[j] for j in grp) for grp in groups)
+        back = max(sum(per[j] for j in grp) for grp in groups) - e * h
         return float(saved), float(back)
     # block: the first n layers are checkpointed one by one, the rest keep everything
     saved = n * e * h + sum(per[n:])
-    back = max(per[:n]) if n else 0.0
+    back = max(per[:n]) - e * h if n else 0.0
     return float(saved), float(back)
 
 
@@ -299,15 +300,25 @@ def _loss_bytes(m: ModelShape, s: StepShape, n: int, e: int) -> tuple:
     return float(fwd), float(held)
 
 
-def _reduce_bytes(m: ModelShape, s: StepShape, p: float) -> float:
-    """fp32 buckets of the gradient sum alive at once: ``IN_FLIGHT`` + 1 consecutive buckets
-    of ``BUCKET_ELEMENTS`` (the largest parameter, the embedding, a bucket of its own), plus
-    the 16-bit concatenation of the bucket being launched."""
-    h, f, d, t = m.hidden_size, m.ffn_hidden_size, m.head_dim, s.tp
-    largest = max(m.vocab_size * h // t, 2 * f * h // t,
-                  h * (m.num_attention_heads + 2 * m.num_query_groups) * d // t)
-    launch = min(p, max(largest, BUCKET_ELEMENTS))
-    return 4 * min(p, launch + IN_FLIGHT * BUCKET_ELEMENTS) + s.param_bytes * launch
+def _reduce_bytes(m: ModelShape, s: StepShape, p: float) -> tuple:
+    """The overlapped gradient sum at the backward's peak (the first layer the backward
+    reaches: every checkpoint input still alive): ``(fp32 bytes in flight, 16-bit gradient
+    bytes they replace)``. The reducer's buckets run in reverse parameter order, so the first
+    is the untied output layer's weight, a bucket of its own when it has ``BUCKET_ELEMENTS``
+    or more: launched as the backward starts, its 16-bit gradient dropped into the fp32 bucket
+    (``write_back=False``), with its received slice beside it under the distributed
+    optimizer. Otherwise one bucket is counted (``p`` at most) and nothing replaced.
+    Measured on 4 × H200 (2026-11-27, ``benchmarks/results/2026-11-27_h200x4_long_context.jsonl``):
+    the old count — the largest bucket plus ``IN_FLIGHT`` more and every slice — was 2.9 GiB
+    over the peak of the 1B model at CP 4."""
+    vt_h = m.vocab_size * m.hidden_size // s.tp
+    shards = s.dp * s.cp if s.distributed_optimizer else 1
+    if not m.tied_embeddings and vt_h >= BUCKET_ELEMENTS:
+        first, replaced = vt_h, vt_h * s.param_bytes
+    else:
+        first, replaced = min(p, BUCKET_ELEMENTS), 0
+    slice_ = 4 * first / shards if shards > 1 else 0.0
+    return float(4 * first + slice_), float(replaced)
 
 
 def estimate_memory(m: ModelShape, s: StepShape) -> MemoryEstimate:
@@ -331,11 +342,15 @@ def estimate_memory(m: ModelShape, s: StepShape) -> MemoryEstimate:
     workspace = n * (replay + max(_workspace_per_token(m, k, s, e) for k in set(m.layer_kinds)))
     loss_fwd, loss_held = _loss_bytes(m, s, n, e)
     static = weights + optimizer + grads
-    # the gradient sum over DP × CP (sp_train.reduce): a few fp32 buckets travel at once
-    reducing = _reduce_bytes(m, s, p) if s.dp * s.cp > 1 else 0.0
+    if s.loss != "megatron":
+        # at the layers' backward the loss's dh is the last layer's incoming gradient (the
+        # workspace's dY); only the output weight's gradient is still the loss's
+        loss_held -= n * m.hidden_size * e
     backward = static + activations + loss_held + workspace
-    if s.grad_reduce_overlap:
-        backward += reducing + (4 * p / shards if shards > 1 else 0.0)   # the slices so far
+    if s.grad_reduce_overlap and s.dp * s.cp > 1:
+        # the gradient sum over DP × CP (sp_train.reduce) already travelling
+        in_flight, replaced = _reduce_bytes(m, s, p)
+        backward += in_flight - (replaced if s.loss != "megatron" else 0.0)
     forward = static + activations + loss_fwd
     # after the backward: every gradient and the optimizer's fp32 copies of 16-bit ones, or,
     # summed over DP × CP, the fp32 sums the masters step from (the 16-bit gradients are gone)

@@ -124,6 +124,23 @@ def test_training_benchmark_helpers():
     assert train_scaling.parse_layout("tp2cp2") == {"tp": 2, "cp": 2, "dp": 1}
 
 
+def test_train_scaling_reads_the_estimate_of_a_run_cut_short(tmp_path):
+    """The memory estimate beside the measured peak: from the ``summary:`` line of a finished
+    run, else from the line train.py prints before building the model (a run stopped at its
+    time limit still has it)."""
+    from benchmarks import train_scaling
+    log = tmp_path / "run.log"
+    log.write_text("memory estimate per rank (the model's tensors): 63.5 GiB of 139.8 GiB at "
+                   "the backward peak (weights 2.8, ...)\nstep 1/3 | loss 12.1\n")
+    assert train_scaling._estimate(str(log), 50.8) == {"mem_estimate_gb": 63.5,
+                                                       "estimate_over_measured": 1.25}
+    log.write_text(log.read_text() + 'summary: {"mem_estimate_gb": 63.49}\n')
+    assert train_scaling._estimate(str(log), None) == {"mem_estimate_gb": 63.49}
+    log.write_text("memory estimate per rank: 512.0 MiB of 23.0 GiB at the forward peak\n")
+    assert train_scaling._estimate(str(log), 1.0)["mem_estimate_gb"] == 0.5
+    assert train_scaling._estimate(str(tmp_path / "missing.log"), 1.0) == {}
+
+
 def test_parity_corpus_is_the_checkout_text(tmp_path):
     """train_parity's default data: one JSON document per .py/.md file of the checkout, in a
     fixed order, none from hidden or result folders; train.py reads it."""

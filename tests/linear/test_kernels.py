@@ -205,7 +205,9 @@ def test_varlen_state_launchers_equal_fla_gpu(gated):
         for name, a, b in zip(("states", "final/initial"), got, ref):
             if a.shape != b.shape or a.dtype != b.dtype:
                 bad.append(f"{what} {name}: {a.shape} {a.dtype} vs fla {b.shape} {b.dtype}")
-            elif not torch.equal(a, b):
+            # bit for bit, NaN where fla has NaN: fla's final state of the rate-50 head is NaN
+            # (its exp2 overflows to inf times 0; measured on H100, 2026-11-27), ours must be too
+            elif not bool(((a == b) | (a.isnan() & b.isnan())).all()):
                 diff = (a.double() - b.double()).abs()
                 bad.append(f"{what} {name}: max |diff| {diff.nan_to_num(float('inf')).max():.3g}"
                            f" at {diff.argmax().item()} of {diff.numel()}, nan "

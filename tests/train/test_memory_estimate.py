@@ -147,11 +147,13 @@ def test_estimate_arithmetic():
 
 def test_estimate_counts_the_gradient_sum():
     """Summed over DP × CP, the step holds the fp32 sums the masters step from (not the 16-bit
-    gradients and the optimizer's copies of them), and an overlapped sum adds its buckets in
-    flight to the backward: the embedding (its own bucket) and two more, with the 16-bit
-    concatenation of the one being launched."""
+    gradients and the optimizer's copies of them). An overlapped sum adds to the backward's
+    peak (the first layer the backward reaches) the bucket already travelling: the untied
+    output weight's, in fp32, in place of its 16-bit gradient (and its received slice under
+    the distributed optimizer); a small or tied model counts one bucket and replaces
+    nothing."""
     from sp_train.memory import _reduce_bytes
-    from sp_train.reduce import BUCKET_ELEMENTS, IN_FLIGHT
+    from sp_train.reduce import BUCKET_ELEMENTS
     m = ModelShape(16, 2048, 8192, 32, 8, 128256, "S" * 16)
     p = float(sum(param_count(m).values()))
     base = dict(seq_length=8192)
@@ -159,18 +161,23 @@ def test_estimate_counts_the_gradient_sum():
     cp2 = estimate_memory(m, StepShape(**base, cp=2))
     after = estimate_memory(m, StepShape(**base, cp=2, grad_reduce_overlap=False))
     emb = 128256 * 2048
-    held = _reduce_bytes(m, StepShape(**base, cp=2), p)
-    assert held == 4 * (emb + IN_FLIGHT * BUCKET_ELEMENTS) + 2 * emb
+    assert _reduce_bytes(m, StepShape(**base, cp=2), p) == (4 * emb, 2 * emb)
+    assert _reduce_bytes(m, StepShape(**base, cp=2, dp=2, distributed_optimizer=True), p) \
+        == (4 * emb + emb, 2 * emb)
+    tied = ModelShape(16, 2048, 8192, 32, 8, 128256, "S" * 16, tied_embeddings=True)
+    assert _reduce_bytes(tied, StepShape(**base, cp=2), p) == (4 * BUCKET_ELEMENTS, 0)
+    small = ModelShape(2, 64, 128, 4, 4, 64, "SS")
+    assert _reduce_bytes(small, StepShape(**base, cp=2), 1000.0) == (4000.0, 0)
     # the step: the 16-bit gradients and the optimizer's fp32 copies give way to the fp32 sums
     assert one.parts["optimizer"] - cp2.parts["optimizer"] == pytest.approx(2 * p)
-    assert cp2.parts["backward"] - after.parts["backward"] == pytest.approx(held)
+    assert cp2.parts["backward"] - after.parts["backward"] == pytest.approx(4 * emb - 2 * emb)
     # the distributed optimizer over CP 2 · DP 2: masters, moments and fp32 sums in quarters
     rep = estimate_memory(m, StepShape(**base, cp=2, dp=2))
     zero = estimate_memory(m, StepShape(**base, cp=2, dp=2, distributed_optimizer=True))
     assert zero.optimizer == pytest.approx(rep.optimizer / 4) == pytest.approx(3 * p)
     assert zero.parts["optimizer"] == pytest.approx(
         2 * p + 3 * p + p + 2 * min(p, BUCKET_ELEMENTS))
-    assert rep.parts["backward"] - zero.parts["backward"] == pytest.approx(9 * p - p)
+    assert rep.parts["backward"] - zero.parts["backward"] == pytest.approx(9 * p - emb)
 
 
 def test_train_memory_check_refuses_with_the_fixes():
