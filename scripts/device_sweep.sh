@@ -63,11 +63,17 @@ for step in ${*:-tests calibrate linear softmax report}; do
       done ;;
     softmax)
       for P in $WORLDS; do bench benchmarks/softmax_cp.py "$P" $SOFTMAX_ARGS; done ;;
-    report)     # the cost model against the rows above (acceptance: last line of report.txt)
+    report)     # the cost model against the rows above (acceptance: last line of each report):
+                # linear against the GPU's own time (queued), softmax as a layer runs (eager)
       cal=$([ -f "$OUT/calibration.json" ] && echo "--calibration $OUT/calibration.json")
-      python3 benchmarks/report.py $(ls "$OUT"/linear_cp.jsonl "$OUT"/softmax_cp.jsonl 2>/dev/null) \
-        $cal --out-dir "$OUT" > "$OUT/report.txt" 2>&1
-      tail -25 "$OUT/report.txt" ;;
+      for kind in linear softmax; do
+        [ -f "$OUT/${kind}_cp.jsonl" ] || continue
+        timing=queued; [ "$kind" = softmax ] && timing=eager
+        mkdir -p "$OUT/report_$kind"
+        python3 benchmarks/report.py "$OUT/${kind}_cp.jsonl" $cal --timing "$timing" \
+          --out-dir "$OUT/report_$kind" > "$OUT/report_$kind.txt" 2>&1
+        tail -3 "$OUT/report_$kind.txt"
+      done ;;
     triton_cache)   # Triton's autotuning results (not the kernels) for the next machine
       (cd "$HOME/.triton/cache" && find . -name '*.autotune.json' | tar czf "$OUT/autotune.tgz" -T -)
       ls -la "$OUT/autotune.tgz" ;;
