@@ -200,7 +200,8 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
         f"{args.num_attention_heads}h ({n_params / 1e6:.2f}M params) | {layout.summary()} | "
         f"attention {attn}, {rope} | {dist.get_backend()} on {device.type}, "
         f"{'bf16' if bf16 else 'fp32'} | {args.recompute().describe()}, {args.loss_impl} loss"
-        f"{', distributed optimizer' if reducer.shard else ''} | "
+        f"{', distributed optimizer' if reducer.shard else ''}"
+        f"{' (parameter gather overlapped)' if optimizer.overlap_param_gather else ''} | "
         f"{data.description} | steps {start + 1}..{args.train_iters}"
         f" × {args.global_batch_size} seqs × {args.seq_length} tokens"
         + (f" | resumed from {resume_from}" if resume_from else
@@ -240,6 +241,7 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
         progress.close()
         if rank == 0:
             release_log_dir(args.log_json)
+    optimizer.settle()                  # the last step's parameter gathers, if still in flight
     if hooks.on_model is not None:
         hooks.on_model(model, step)
         if own_signals:

@@ -174,6 +174,10 @@ class TrainArgs:
                                          "each rank steps its slice, the parameters are "
                                          "all-gathered; same numbers, checkpoints in the same "
                                          "format (resume with or without it)")
+    overlap_param_gather: bool = _f(False, "with --use-distributed-optimizer: the step only "
+                                    "launches the parameters' all-gathers; the next forward "
+                                    "waits for each bucket where it first needs it (Megatron's "
+                                    "flag; same numbers)")
     no_memory_check: bool = _f(False, "start even when the memory estimate printed before the "
                                "model is built exceeds the GPU")
     global_batch_size: int = _f(16, "sequences per step over all DP ranks")
@@ -367,6 +371,9 @@ class TrainArgs:
                              "directory of an earlier run (or leave it out to start fresh)")
         if self.ckpt_step is not None and self.load is None:
             raise UsageError("--ckpt-step picks a checkpoint under --load: pass --load DIR too")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise UsageError("--overlap-param-gather overlaps the distributed optimizer's "
+                             "parameter all-gather: add --use-distributed-optimizer")
         if self.data_encoding not in DATA_ENCODINGS:
             raise UsageError(f"--data-encoding {self.data_encoding!r}: use one of "
                              f"{DATA_ENCODINGS}")

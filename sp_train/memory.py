@@ -102,6 +102,9 @@ class StepShape:
         distributed_optimizer: the optimizer's masters and moments and the fp32 gradient sum
             are sharded over DP × CP (``--use-distributed-optimizer``): each rank holds 1 /
             (DP · CP) of them.
+        overlap_param_gather: with ``distributed_optimizer``, the step launches every bucket's
+            parameter all-gather at once (``--overlap-param-gather``): their 16-bit buffers
+            are alive together until the next forward has taken them in.
     """
 
     tp: int = 1
@@ -119,6 +122,7 @@ class StepShape:
     loss_chunk_tokens: Optional[int] = None
     grad_reduce_overlap: bool = True
     distributed_optimizer: bool = False
+    overlap_param_gather: bool = False
 
     def __post_init__(self) -> None:
         if self.param_bytes not in (2, 4):
@@ -355,8 +359,9 @@ def estimate_memory(m: ModelShape, s: StepShape) -> MemoryEstimate:
     # after the backward: every gradient and the optimizer's fp32 copies of 16-bit ones, or,
     # summed over DP × CP, the fp32 sums the masters step from (the 16-bit gradients are gone)
     copies = 4 * p if s.param_bytes == 2 else 0.0
-    if shards > 1:          # + one bucket's 16-bit all-gather of the updated parameters
-        step = weights + optimizer + 4 * p / shards + s.param_bytes * min(p, BUCKET_ELEMENTS)
+    if shards > 1:          # + the 16-bit all-gather of the updated parameters: one bucket
+        gathering = p if s.overlap_param_gather else min(p, BUCKET_ELEMENTS)   # or all
+        step = weights + optimizer + 4 * p / shards + s.param_bytes * gathering
     elif s.dp * s.cp > 1:
         step = weights + optimizer + 4 * p
     else:

@@ -93,6 +93,12 @@ class MasterAdamW:
             if m is not p:
                 m.grad = None
 
+    overlap_param_gather = False         # nothing to overlap: the parameters step in place
+
+    def settle(self) -> None:
+        """Nothing travels after a step here (:meth:`ShardedAdamW.settle
+        <sp_train.sharded_optim.ShardedAdamW.settle>` finishes its parameter gathers)."""
+
     def grad_norm(self, grads: Optional[list] = None) -> float:
         """The global L2 norm of the gradients (``.grad``, or ``grads`` aligned with
         ``params``): :func:`squared_norm`, summed over the TP group."""

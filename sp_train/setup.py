@@ -146,7 +146,8 @@ def memory_estimate(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: b
                      recompute_modules=rc.modules or ("core_attn",), loss=args.loss_impl,
                      loss_chunk_tokens=default_chunk_tokens(vocab_size // layout.tp),
                      grad_reduce_overlap=not args.no_overlap_grad_reduce,
-                     distributed_optimizer=args.use_distributed_optimizer)
+                     distributed_optimizer=args.use_distributed_optimizer,
+                     overlap_param_gather=args.overlap_param_gather)
     return model, step, estimate_memory(model, step)
 
 
@@ -269,7 +270,11 @@ def build_optimizer(model: torch.nn.Module, args, groups):
     shard = args.use_distributed_optimizer and group_size(groups.dp_cp) > 1
     reducer = GradientReducer([p for _, p in named], groups.dp_cp, write_back=False,
                               overlap=not args.no_overlap_grad_reduce, shard=shard)
-    optimizer = (ShardedAdamW(named, reducer.buckets, groups.dp_cp, **kw) if shard
-                 else MasterAdamW(named, **kw))
+    if shard:
+        optimizer = ShardedAdamW(named, reducer.buckets, groups.dp_cp, **kw,
+                                 overlap_param_gather=args.overlap_param_gather)
+        optimizer.attach(model)          # --overlap-param-gather: the forward waits per bucket
+    else:
+        optimizer = MasterAdamW(named, **kw)
     optimizer.init_state()
     return optimizer, reducer

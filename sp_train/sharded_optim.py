@@ -9,6 +9,14 @@ memory), and the updated 16-bit parameters are all-gathered bucket by bucket. Th
 :class:`~sp_train.optim.MasterAdamW`'s: the same clipping norm (each element counted once over
 DP × CP, the TP rule of :func:`~sp_train.optim.squared_norm`), the same per-element update.
 
+With ``overlap_param_gather`` (Megatron's ``--overlap-param-gather``) the step only launches
+the all-gathers, bucket by bucket in the order the next forward needs them, and returns; a
+forward pre-hook on each module that owns parameters (:meth:`ShardedAdamW.attach`) waits for
+its buckets and copies them in, so the gathers travel beside the next forward's first layers
+instead of before it. Anything that reads the parameters outside the model's forward calls
+:meth:`ShardedAdamW.settle` first (the model's own forward ends with it, for a loss that reads
+the output weight after the model; checkpoints and the next step call it).
+
 Checkpoints keep MasterAdamW's per-parameter format (``<param>.exp_avg`` …, full tensors), so
 a run resumes with or without the distributed optimizer, at any DP × CP: on save each
 parameter's state is gathered to one rank (parameters dealt round-robin), which writes it; on
@@ -56,12 +64,14 @@ class ShardedAdamW:
 
     :meth:`step` takes the reducer's slices (``GradientReducer(shard=True).finish()``).
     ``tp_group``/``tp_rank``: as :class:`~sp_train.optim.MasterAdamW` (TP-split parameters
-    count on every TP rank in the gradient norm).
+    count on every TP rank in the gradient norm). ``overlap_param_gather``: the step launches
+    the parameters' all-gathers and the next forward waits for each bucket where it first
+    needs it (call :meth:`attach` with the model once).
     """
 
     def __init__(self, named_params, buckets: list, group: Optional[dist.ProcessGroup], *,
                  lr: float, betas, weight_decay: float, tp_group: Optional[dist.ProcessGroup],
-                 tp_rank: int):
+                 tp_rank: int, overlap_param_gather: bool = False):
         self.names = [n for n, p in named_params if p.requires_grad]
         self.params = [p for _, p in named_params if p.requires_grad]
         ids = {id(p) for b in buckets for p in b}
@@ -88,6 +98,10 @@ class ShardedAdamW:
         self.opt = (torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=1e-8, fused=fused)
                     if groups else None)
         self.steps = 0
+        self.overlap_param_gather = overlap_param_gather and self.world > 1
+        self._bucket_of = {id(p): b for b, bk in enumerate(self.buckets) for p in bk.params}
+        self._pending: dict = {}             # bucket -> (work, gathered flat buffer)
+        self._hooks: list = []
 
     # -- the step ------------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -133,20 +147,82 @@ class ShardedAdamW:
                 group["lr"] = lr
             self.opt.step()
         self.steps += 1
-        self._gather_params()
+        if self.overlap_param_gather:
+            self._start_gather()
+        else:
+            self._gather_params()
         self.zero_grad()
         return norm
 
+    def _own_slices(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s slice of this rank, from the masters, in the bucket's dtype."""
+        bk = self.buckets[b]
+        own = torch.zeros(bk.size, dtype=bk.dtype, device=bk.params[0].device)
+        for (_, s, e, o), m in zip(bk.pieces, self.master[b]):
+            own[o:o + e - s].copy_(m)
+        return own
+
+    def _copy_in(self, b: int, full: torch.Tensor) -> None:
+        bk = self.buckets[b]
+        torch._foreach_copy_(bk.params, [full[off:off + p.numel()].view_as(p)
+                                         for p, off in zip(bk.params, bk.offsets)])
+
+    @torch.no_grad()
     def _gather_params(self) -> None:
         """Every rank's updated slices into every rank's 16-bit (or fp32) parameters."""
-        with torch.no_grad():
-            for bk, ms in zip(self.buckets, self.master):
-                own = torch.zeros(bk.size, dtype=bk.dtype, device=bk.params[0].device)
-                for (_, s, e, o), m in zip(bk.pieces, ms):
-                    own[o:o + e - s].copy_(m)
-                full = self._all_gather(own)
-                torch._foreach_copy_(bk.params, [full[off:off + p.numel()].view_as(p)
-                                                 for p, off in zip(bk.params, bk.offsets)])
+        self.settle()
+        for b in range(len(self.buckets)):
+            self._copy_in(b, self._all_gather(self._own_slices(b)))
+
+    @torch.no_grad()
+    def _start_gather(self) -> None:
+        """Launch every bucket's all-gather in the order the forward reaches them (the buckets
+        run in reverse parameter order); :meth:`_wait` finishes one."""
+        self.settle()
+        for b in reversed(range(len(self.buckets))):
+            own = self._own_slices(b)
+            full = own.new_empty(own.numel() * self.world)
+            work = dist.all_gather_into_tensor(full, own, group=self.group, async_op=True)
+            self._pending[b] = (work, full)
+
+    @torch.no_grad()
+    def _wait(self, b: int) -> None:
+        work, full = self._pending.pop(b)
+        work.wait()                          # NCCL: the current stream waits, not the host
+        self._copy_in(b, full)
+
+    def _wait_for(self, buckets: tuple) -> None:
+        for b in buckets:
+            if b in self._pending:
+                self._wait(b)
+
+    def settle(self) -> None:
+        """Finish the parameters' all-gathers still in flight (``overlap_param_gather``): call
+        before reading the parameters outside the model's forward."""
+        self._wait_for(sorted(self._pending, reverse=True))
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """With ``overlap_param_gather``: a forward pre-hook on every module of ``model`` that
+        owns parameters waits for their buckets, and the model's own forward ends with
+        :meth:`settle` (a loss that reads the output weight after the model sees it updated).
+        Without it, nothing."""
+        self.detach()
+        if not self.overlap_param_gather:
+            return
+        for module in model.modules():
+            mine = tuple(sorted({self._bucket_of[id(p)] for p in module.parameters(recurse=False)
+                                 if id(p) in self._bucket_of}))
+            if mine:
+                self._hooks.append(module.register_forward_pre_hook(
+                    lambda _m, _args, mine=mine: self._wait_for(mine)))
+        self._hooks.append(model.register_forward_hook(lambda *_: self.settle()))
+
+    def detach(self) -> None:
+        """Drop :meth:`attach`'s hooks (the gathers in flight finished first)."""
+        self.settle()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def _all_gather(self, own: torch.Tensor) -> torch.Tensor:
         if self.world == 1:
@@ -176,6 +252,7 @@ class ShardedAdamW:
         """The full per-parameter state of the parameters dealt to this rank (MasterAdamW's
         keys), gathered bucket by bucket (one bucket's fp32 copy in flight at a time); host
         copies, so the device holds no second optimizer."""
+        self.settle()
         self.init_state()
         out = {}
         for b, (bk, ms) in enumerate(zip(self.buckets, self.master)):
@@ -198,7 +275,9 @@ class ShardedAdamW:
         return out
 
     def checkpoint_targets(self) -> dict:
-        """Host tensors for the state of the parameters dealt to this rank."""
+        """Host tensors for the state of the parameters dealt to this rank (called before the
+        model is loaded: nothing in flight may overwrite it after)."""
+        self.settle()
         self.init_state()
         out = {}
         for b, bk in enumerate(self.buckets):
@@ -214,6 +293,7 @@ class ShardedAdamW:
         """Hand every rank its slices of the loaded state (one reduce-scatter per bucket and
         kind), then the parameters from the masters (16-bit) — fp32 parameters are their own
         masters, loaded with the model."""
+        self.settle()
         steps = torch.tensor([max([float(v) for k, v in loaded.items() if k.endswith(".step")]
                                   or [0.0])], dtype=torch.float64)
         dev = self.params[0].device

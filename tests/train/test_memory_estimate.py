@@ -178,6 +178,11 @@ def test_estimate_counts_the_gradient_sum():
     assert zero.parts["optimizer"] == pytest.approx(
         2 * p + 3 * p + p + 2 * min(p, BUCKET_ELEMENTS))
     assert rep.parts["backward"] - zero.parts["backward"] == pytest.approx(9 * p - emb)
+    # --overlap-param-gather: every bucket's 16-bit gather buffer alive after the step
+    over = estimate_memory(m, StepShape(**base, cp=2, dp=2, distributed_optimizer=True,
+                                        overlap_param_gather=True))
+    assert over.parts["optimizer"] - zero.parts["optimizer"] == pytest.approx(
+        2 * (p - BUCKET_ELEMENTS))
 
 
 def test_train_memory_check_refuses_with_the_fixes():

@@ -88,12 +88,79 @@ def test_sharded_steps_equal_replicated(world, dtype):
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (device machine)")
 @pytest.mark.parametrize("world", [2, 4])
-def test_sharded_steps_equal_replicated_on_nccl(world):
-    """The same on NCCL (reduce-scatter, all-gather, fused AdamW), bf16, at P = 2 and 4."""
+@pytest.mark.parametrize("case", ["steps", "overlap"])
+def test_sharded_optimizer_on_nccl(world, case):
+    """The same on NCCL, bf16, at P = 2 and 4: the steps equal the replicated optimizer's
+    (reduce-scatter, all-gather, fused AdamW); the overlapped parameter gather (async
+    all-gathers waited for on the forward's stream) equals the gather after the step."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs")
-    assert all(run_distributed(_equal_worker, world, torch.bfloat16, "cuda", timeout=300,
+    worker = {"steps": _equal_worker, "overlap": _overlap_worker}[case]
+    assert all(run_distributed(worker, world, torch.bfloat16, "cuda", timeout=300,
                                backend="nccl"))
+
+
+class _Net(torch.nn.Module):
+    """Modules that own parameters, and an output weight the loss reads after the forward
+    (as train.py's chunked loss reads the output layer's)."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(6, 5).to(dtype)
+        self.mid = torch.nn.Sequential(torch.nn.Linear(5, 5), torch.nn.Tanh(),
+                                       torch.nn.Linear(5, 4)).to(dtype)
+        self.out = torch.nn.Parameter(seeded((4, 3), 7, dtype=dtype))
+
+    def forward(self, x):
+        return self.mid(torch.tanh(self.inp(x)))
+
+
+def _overlap_worker(rank, world, dtype, device="cpu"):
+    """``overlap_param_gather``: the step returns with the gathers in flight and the parameters
+    as they were; the next forward takes each bucket in before its module runs; the losses,
+    norms and parameters equal the gather-after-the-step optimizer's bit for bit."""
+    from sp_train.reduce import GradientReducer
+    from sp_train.sharded_optim import ShardedAdamW
+    kw = dict(lr=0.05, betas=(0.9, 0.95), weight_decay=0.1, tp_group=None, tp_rank=0)
+    runs = []
+    for overlap in (False, True):
+        net = _Net(dtype).to(device)
+        red = GradientReducer(list(net.parameters()), dist.group.WORLD, write_back=False,
+                              shard=True, bucket_elements=11)
+        opt = ShardedAdamW(list(net.named_parameters()), red.buckets, dist.group.WORLD, **kw,
+                           overlap_param_gather=overlap)
+        opt.attach(net)
+        assert len(opt.buckets) >= 4 and opt.overlap_param_gather == overlap
+        losses = []
+        for step in range(4):
+            x = seeded((3, 6), 100 * step + rank, dtype=dtype, device=device)
+            red.arm(0.5)
+            loss = (net(x) @ net.out).pow(2).sum()       # net.out: read after the forward
+            loss.backward()
+            losses.append(float(loss))
+            before = [p.detach().clone() for p in net.parameters()]
+            opt.step(0.05, 0.3, red.finish())
+            if overlap:                                  # nothing copied in yet
+                assert len(opt._pending) == len(opt.buckets)
+                assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+        opt.settle()
+        assert not opt._pending
+        runs.append((losses, [p.detach().clone() for p in net.parameters()],
+                     _gathered(opt.checkpoint_state())))
+        opt.detach()
+    (la, pa, sa), (lb, pb, sb) = runs
+    assert la == lb, (la, lb)
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_overlapped_param_gather_equals_gather_after_the_step(world, dtype):
+    assert all(run_distributed(_overlap_worker, world, dtype))
+
 
 
 def _checkpoint_worker(rank, world, root):

@@ -7,8 +7,8 @@
   under another CP/DP layout and is refused under another TP layout.
 - In the world-4 spawn also: a checkpoint with a flipped byte is refused on every rank with
   the same error (checksums verified across ranks); ``--ckpt-step`` picks a step; the
-  distributed optimizer trains the same losses and its checkpoint resumes without it under
-  another layout.
+  distributed optimizer (its parameter gather overlapped with the next forward) trains the
+  same losses and its checkpoint resumes without it under another layout.
 - Real launches (torchrun): two ``--nnodes 2`` launches rendezvous on localhost (c10d) and
   train; a SLURM-like preemption through scripts/slurm/train.sbatch (stand-in srun/scontrol,
   our torchrun launcher, a real SIGTERM to the job's processes) saves, writes the plot and
@@ -103,6 +103,7 @@ def _extra_checks(rank, tmp):
     _expect_error(base + ["--context-parallel-impl", "blelloch"], "does not fit")
     _expect_error(base + ["--recompute-granularity", "full"], "needs a GPU")
     _expect_error(base + ["--loss-impl", "liger"], "CUDA only")
+    _expect_error(base + ["--overlap-param-gather"], "add --use-distributed-optimizer")
     _expect_error(base + ["--recompute-granularity", "selective", "--recompute-num-layers",
                           "2"], "full only")
     ck = f"{tmp}/ck"
@@ -127,11 +128,13 @@ def _extra_checks(rank, tmp):
     dist.barrier()
     damaged = _expect_error(_argv("softmax", 1, 2, f"{tmp}/d", extra=["--load", bad]),
                             "does not match its checksum")
-    # the distributed optimizer (CP 2 · DP 2): the same losses as the replicated one, and its
-    # checkpoint resumes without it at CP 4
+    # the distributed optimizer (CP 2 · DP 2) with its parameter gather overlapped with the
+    # next forward: the same losses as the replicated one, and its checkpoint resumes without
+    # it at CP 4
     zck = f"{tmp}/zck"
     zero = _losses(train.main(_argv("hybrid", 1, 2, f"{tmp}/z", extra=[
-        "--use-distributed-optimizer", "--save", zck, "--save-interval", "2"])))
+        "--use-distributed-optimizer", "--overlap-param-gather", "--save", zck,
+        "--save-interval", "2"])))
     moved = _losses(train.main(_argv("hybrid", 1, 4, f"{tmp}/zr",
                                      extra=["--load", zck, "--ckpt-step", "2"])))
     return {"resumed": resumed, "msg": msg, "damaged": damaged, "zero": zero, "moved": moved}
