@@ -11,6 +11,8 @@
 #     hf          examples/hf_llama_cp.py --device cuda, every --model at CP = P and CP = 1
 #     parity      train_parity.py: CP = P against two CP = 1 runs, 300 steps, PNG
 #     slurm       scripts/slurm/one_host.sh 2 P/2: the sbatch path as two nodes, save + resume
+#     distopt     KINDS at CP = P three ways in one call: the replicated optimizer,
+#                 --use-distributed-optimizer, and with --overlap-param-gather too
 #     long        the longest context at CP = P: LONG_KINDS (hybrid softmax) at LONG_SEQS
 #                 (524288 1048576) with full recompute and --use-distributed-optimizer, 3 steps
 #                 (the estimate beside the measured peak in each row)
@@ -117,6 +119,17 @@ PY
         --load /tmp/slurm_ck --log-dir "$OUT/slurm" > "$OUT/slurm_resume.log" 2>&1
       echo "slurm resume exit $?"
       grep -h "sp-train:\|resumed\|step 10/\|step 20/\|saved checkpoint" "$OUT"/slurm_*.log ;;
+    distopt)
+      for flags in "" "--use-distributed-optimizer" \
+                   "--use-distributed-optimizer --overlap-param-gather"; do
+        python3 benchmarks/train_scaling.py --kinds $KINDS --layouts "cp$P" --seq-length "$SEQ" \
+          --train-iters "$ITERS" --timeout "$T" --out "$OUT/train_distopt.jsonl" \
+          --log-root "$OUT/distopt_${flags// /_}" -- $flags >> "$OUT/train_distopt.log" 2>&1
+      done
+      python3 -c 'import json,sys
+for l in open(sys.argv[1]):
+    r = json.loads(l); c = r["command"]
+    print(r["model_kind"], r["status"], "mfu", round(100 * r.get("mfu", 0), 1), "mem", round(r.get("mem_gb", 0), 1), "overlap" if "overlap-param" in c else "distopt" if "distributed-opt" in c else "replicated")' "$OUT/train_distopt.jsonl" ;;
     long)
       for seq in ${LONG_SEQS:-524288 1048576}; do
         python3 benchmarks/train_scaling.py --kinds ${LONG_KINDS:-hybrid softmax} --layouts "cp$P" \
