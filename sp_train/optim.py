@@ -71,6 +71,8 @@ class MasterAdamW:
     them ``tensor_model_parallel``) count on every TP rank, replicated ones once.
     """
 
+    overlap_param_gather = False         # nothing to overlap: the parameters step in place
+
     def __init__(self, named_params, *, lr: float, betas, weight_decay: float,
                  tp_group: Optional[dist.ProcessGroup], tp_rank: int):
         self.names = [n for n, p in named_params if p.requires_grad]
@@ -92,8 +94,6 @@ class MasterAdamW:
         for m, p in zip(self.master, self.params):
             if m is not p:
                 m.grad = None
-
-    overlap_param_gather = False         # nothing to overlap: the parameters step in place
 
     def settle(self) -> None:
         """Nothing travels after a step here (:meth:`ShardedAdamW.settle

@@ -170,7 +170,6 @@ class ShardedAdamW:
     @torch.no_grad()
     def _gather_params(self) -> None:
         """Every rank's updated slices into every rank's 16-bit (or fp32) parameters."""
-        self.settle()
         for b in range(len(self.buckets)):
             self._copy_in(b, self._all_gather(self._own_slices(b)))
 
