@@ -25,9 +25,11 @@ __all__ = [
 ]
 
 # torch 2.13 renamed the fixed-shape collectives to `*_single` and deprecated the `*_tensor`
-# names; torch 2.11 (the GPU image) only has the old names. One shim, chosen once.
-_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# names; torch 2.11 (the GPU image) only has the old names. One shim, chosen once (not in
+# __all__: the trainer's gradient and parameter collectives use it too).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
+                         or dist.reduce_scatter_tensor)
 
 
 def _flat_collective(name: str, fn, out: torch.Tensor, inp: torch.Tensor, ctx: SPContext,
@@ -48,13 +50,15 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, ctx: SPContext,
                     async_op: bool = False):
     """All-gather ``inp`` of every rank into ``out`` (``out.numel() == P · inp.numel()``,
     rank-major). Returns the work handle when ``async_op``."""
-    return _flat_collective("all_gather_flat", _AG, out, inp, ctx, async_op, inp, out)
+    return _flat_collective("all_gather_flat", all_gather_single, out, inp, ctx, async_op, inp,
+                            out)
 
 
 def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, ctx: SPContext,
                         async_op: bool = False):
     """Sum ``inp`` (rank-major, ``P · out.numel()`` elements) over ranks; rank r receives block r."""
-    return _flat_collective("reduce_scatter_flat", _RS, out, inp, ctx, async_op, out, inp)
+    return _flat_collective("reduce_scatter_flat", reduce_scatter_single, out, inp, ctx,
+                            async_op, out, inp)
 
 
 def all_to_all_flat(out: torch.Tensor, inp: torch.Tensor, ctx: SPContext,

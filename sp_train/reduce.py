@@ -19,6 +19,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from sp_attention.comm import reduce_scatter_single
 from sp_attention.precision import acc_dtype
 from sp_attention.tokens import global_token_count, global_token_mean, group_size
 
@@ -153,7 +154,7 @@ class GradientReducer:
                 p.grad = None
         if self.shard:                       # each rank receives the sum of its slice
             out = flat.new_empty(padded // world)
-            work = dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
+            work = reduce_scatter_single(out, flat, group=self.group, async_op=True)
             flat = out
         else:
             work = dist.all_reduce(flat, group=self.group, async_op=True)

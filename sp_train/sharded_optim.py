@@ -29,6 +29,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from sp_attention.comm import all_gather_single, reduce_scatter_single
+
 from .optim import clip_scale, init_adam_state, squared_norm
 from .reduce import group_size, shard_size
 
@@ -181,7 +183,7 @@ class ShardedAdamW:
         for b in reversed(range(len(self.buckets))):
             own = self._own_slices(b)
             full = own.new_empty(own.numel() * self.world)
-            work = dist.all_gather_into_tensor(full, own, group=self.group, async_op=True)
+            work = all_gather_single(full, own, group=self.group, async_op=True)
             self._pending[b] = (work, full)
 
     @torch.no_grad()
@@ -227,7 +229,7 @@ class ShardedAdamW:
         if self.world == 1:
             return own
         full = own.new_empty(own.numel() * self.world)
-        dist.all_gather_into_tensor(full, own, group=self.group)
+        all_gather_single(full, own, group=self.group)
         return full
 
     # -- state and checkpoints -------------------------------------------------------------------
@@ -327,5 +329,5 @@ class ShardedAdamW:
         if self.world == 1:
             return full
         own = full.new_empty(full.numel() // self.world)
-        dist.reduce_scatter_tensor(own, full, group=self.group)
+        reduce_scatter_single(own, full, group=self.group)
         return own
