@@ -31,13 +31,13 @@ from sp_attention.cost import (LinearShape, SoftmaxShape, Topology,  # noqa: E40
                                default_machine, linear_step, load_machine, softmax_step)
 from sp_attention.cost.softmax import MODELLED  # noqa: E402
 from sp_attention.cost.softmax_a2a import A2A_PRESETS, a2a_step  # noqa: E402
+from sp_attention.planning.softmax_a2a import head_chunks  # noqa: E402
 from sp_attention.planning.schedules import DEFAULT_PRESET, LINEAR_SCANS, PRESETS  # noqa: E402
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reports")
 ERROR_TOLERANCE = 0.20
 PICK_TOLERANCE = 0.05
 PRESET_OF = {f"{f}/{b}": name for name, (f, b) in PRESETS.items() if name not in A2A_PRESETS}
-PRESET_OF["a2a"] = "a2a"
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 PROJECTION_P = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 PROJECTION_T = (2048, 8192, 32768)
@@ -60,13 +60,19 @@ def _schedule(r: dict):
         return ("linear", r["impl"], r["layout"],
                 LinearShape(r["B"], r["T_local"], r["H"], r["K"], r["V"], size))
     impl = r.get("impl", "")
+    if r.get("bench") == "softmax_cp" and (impl == "a2a" or impl.startswith("a2a C=")):
+        # head chunks: the row's (rows before 2026-11-27 ran one chunk: all there was)
+        chunks = int(impl.partition("C=")[2]) if "C=" in impl else r.get("a2a_chunks", 1)
+        return ("softmax", f"a2a C={chunks}", r.get("layout", "zigzag"),
+                SoftmaxShape(r["B"], r["T_local"], r["H"], r["Hkv"], r["K"], size,
+                             bool(r.get("causal", True))))
     if r.get("bench") == "softmax_cp" and impl.startswith("a2a_ring U="):   # a2a_ring U=size
         return ("softmax", impl.replace(" ", ""), r.get("layout", "zigzag"),
                 SoftmaxShape(r["B"], r["T_local"], r["H"], r["Hkv"], r["K"], size,
                              bool(r.get("causal", True))))
     if r.get("bench") == "softmax_cp" and r.get("impl") in PRESET_OF \
             and r.get("stride", "default") == "default" \
-            and all(x in MODELLED + tuple(A2A_PRESETS) for x in PRESETS[PRESET_OF[r["impl"]]]):
+            and all(x in MODELLED for x in PRESETS[PRESET_OF[r["impl"]]]):
         return ("softmax", PRESET_OF[r["impl"]], r.get("layout", "zigzag"),
                 SoftmaxShape(r["B"], r["T_local"], r["H"], r["Hkv"], r["K"], size,
                              bool(r.get("causal", True))))
@@ -80,10 +86,14 @@ def machine_for(device: str, calibration) -> object:
 
 
 def predict(kind: str, name: str, layout: str, shape, world: int, machine):
-    """The model's step of schedule ``name`` (``a2a_ringU=u``: a2a_ring with groups of u)."""
+    """The model's step of schedule ``name`` (``a2a_ringU=u``: a2a_ring with groups of u;
+    ``a2a C=c``: a2a in c head chunks)."""
     topo = Topology.single_node(world)
     if kind == "linear":
         return linear_step(shape, world, layout, name, machine, topo)
+    if name.startswith("a2a C="):
+        return a2a_step(shape, world, layout, machine, topo, world,
+                        int(name.partition("C=")[2]))
     if name == "a2a" or name.startswith("a2a_ring"):
         size = world if name == "a2a" else int(name.partition("U=")[2])
         return a2a_step(shape, world, layout, machine, topo, size)
@@ -113,6 +123,8 @@ def auto_pick(kind: str, layout: str, shape, world: int, machine,
         return DEFAULT_PRESET
     name = choose_softmax_preset(shape, world, layout, machine, Topology.single_node(world),
                                  a2a_size=a2a_size).name
+    if name == "a2a":                   # in the default head chunks
+        return f"a2a C={head_chunks(shape.H, shape.Hkv, world, 1, None)}"
     return f"a2a_ringU={a2a_size}" if name == "a2a_ring" else name
 
 

@@ -28,7 +28,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (COMM_VARIANTS, base_parser, cp_groups, device_name,  # noqa: E402
                                emit, init_dist, time_ms)
-from sp_attention import build_sp_context, shard_sequence  # noqa: E402
+from sp_attention import SoftmaxTuning, build_sp_context, shard_sequence  # noqa: E402
+from sp_attention.planning.softmax_a2a import head_chunks  # noqa: E402
 from sp_attention.softmax import context_parallel_attention  # noqa: E402
 from sp_attention.softmax.backends import get_backend  # noqa: E402
 
@@ -163,6 +164,9 @@ def _parser():
                    help="the all-to-all presets and auto to run (default: all)")
     p.add_argument("--a2a-sizes", type=int, nargs="*", default=None,
                    help="a2a_ring group sizes (default: every 1 < U < P dividing P and H)")
+    p.add_argument("--a2a-chunks", type=int, nargs="*", default=[],
+                   help="also run preset a2a with each of these SoftmaxTuning.a2a_head_chunks "
+                        "(rows 'a2a C=n'; the plain 'a2a' row runs the default)")
     p.add_argument("--fwd-bwd-only", action="store_true",
                    help="time fwd+bwd only (the ratio's measure): a shorter sweep")
     p.add_argument("--no-torch-cp", action="store_true")
@@ -207,6 +211,10 @@ def _runs(a, world, H):
             runs.append(("auto", kw, "default"))
         else:
             runs.append((preset, dict(preset=preset), "default"))
+            if preset == "a2a":
+                runs += [(f"a2a C={c}", dict(preset="a2a",
+                                             tuning=SoftmaxTuning(a2a_head_chunks=c)), "default")
+                         for c in a.a2a_chunks]
     return runs
 
 
@@ -214,7 +222,7 @@ def _resolved(kw, ctx, q, k, causal):
     """The preset ``auto`` runs for these tensors (its row's ``resolved``)."""
     if kw.get("preset") != "auto" or ctx.world_size == 1:
         return None
-    from sp_attention.auto import auto_softmax_preset
+    from sp_attention.cost.auto import auto_softmax_preset
     return auto_softmax_preset(ctx, q, k, causal=causal, a2a_size=kw.get("a2a_size")).name
 
 
@@ -316,6 +324,9 @@ def _sweep(a, T_local, world, rank, device, dtype, backend, groups, timer, mode)
                        ratio_fwd=fl[0] / tf / 1e9 / ref["single_global"][0])
         if resolved:
             row["resolved"] = resolved
+        if (resolved or kw.get("preset")) == "a2a":     # the head chunks it ran in
+            row["a2a_chunks"] = head_chunks(H, Hkv, world, 1, kw.get(
+                "tuning", SoftmaxTuning()).a2a_head_chunks)
         emit(row, a.out, rank)
     if world > 1:
         _anchors(a, world, rank, q, k, v, do, base, ref["single_global"], fl, timer, dev,

@@ -9,6 +9,7 @@ is part of the call signature the cross-rank check compares, see :mod:`sp_attent
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from .planning.schedules import MIN_QUERY_HEADS_PER_CALL
 from .validation import is_int
@@ -109,6 +110,13 @@ class SoftmaxTuning:
         packed_varlen_gaps: packed documents: one varlen call may skip query rows and keys
             between its document pairs (they become sequences without keys / queries, fewer
             calls); False starts a new call at every gap instead.
+        a2a_head_chunks: the all-to-all presets run the heads in this many chunks, each its
+            own exchange, kernel and exchange back, issued so that the exchanges of one chunk
+            travel while the kernel runs on another (chunk ``c`` is the KV heads ``[c·Hkv/C,
+            (c+1)·Hkv/C)`` and their query heads:
+            :func:`sp_attention.planning.softmax_a2a.head_chunks`, which names the counts a
+            shape takes). None: 2 for ``a2a`` where the heads split so, else 1 (``a2a_ring``:
+            1). The A/B: ``benchmarks/softmax_cp.py --a2a-chunks 1 2 4``.
     """
 
     min_query_heads_per_call: int = MIN_QUERY_HEADS_PER_CALL
@@ -116,9 +124,14 @@ class SoftmaxTuning:
     pack_kv: bool = False
     packed_dense_min: int = 1 << 20
     packed_varlen_gaps: bool = True
+    a2a_head_chunks: Optional[int] = None
 
     def __post_init__(self) -> None:
         _check_bools(self, "check_every_call", "pack_kv", "packed_varlen_gaps")
+        if self.a2a_head_chunks is not None and (not is_int(self.a2a_head_chunks)
+                                                 or self.a2a_head_chunks < 1):
+            raise ValueError("SoftmaxTuning.a2a_head_chunks must be a positive int (head chunks "
+                             f"of the all-to-all presets) or None, got {self.a2a_head_chunks!r}")
         if not is_int(self.min_query_heads_per_call) or self.min_query_heads_per_call < 1:
             raise ValueError("SoftmaxTuning.min_query_heads_per_call must be a positive int, "
                              f"got {self.min_query_heads_per_call!r}")

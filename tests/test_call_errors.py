@@ -127,6 +127,9 @@ def test_tuning_is_validated():
         LinearTuning(static_zero_paths=1)
     with pytest.raises(ValueError, match="min_query_heads_per_call"):
         SoftmaxTuning(min_query_heads_per_call=0)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="a2a_head_chunks must be a positive int"):
+            SoftmaxTuning(a2a_head_chunks=bad)
     q = torch.zeros(1, 4, 2, 4, dtype=torch.float64)
     with pytest.raises(TypeError, match="LinearTuning"):
         lightning_attention(q, q, q, SLOPES, tuning=SoftmaxTuning())

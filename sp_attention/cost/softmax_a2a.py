@@ -13,8 +13,12 @@ one shard's rows ``B·T_local·D`` times:
   ``Hkv % U == 0``: ``(U−1)/U · B·T_local·D · (2H + 2Hkv)``;
 * backward: dout ``H``, dK/dV ``2·n·U`` (fp32 where the kernel took K/V expanded), dq ``H``.
 
-The exchanges are not hidden behind compute (K/V's is issued before Q is packed, which this
-model ignores). Then the inner schedule on the head shard: the kernel on the group's
+With ``C`` head chunks (:func:`sp_attention.planning.softmax_a2a.head_chunks`: the tuning's,
+else the default) the wire time ``W`` of a direction's exchanges overlaps the inner schedule's
+``S``: only the first chunk's inputs and the last one's output wait in the open, and the middle
+chunks' exchanges show where they outlast their kernels: ``W / C + max(S, W·(C − 1) / C)``
+(``C = 1``: ``W + S``; the copies stay on the compute stream; the NCCL kernels' share of the
+SMs beside the kernel is not modelled). Then the inner schedule on the head shard: the kernel on the group's
 ``U·T_local`` tokens with ``H / U`` query heads, which for ``R = 1`` is the whole causal
 sequence, and for ``R > 1`` today's ring across the groups (:func:`.softmax.softmax_step` with
 ``"ring"``/``"ring"`` on the shard shape, over the ring's ranks in the topology).
@@ -24,7 +28,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..planning.schedules import A2A_SCHEDULES
-from ..planning.softmax_a2a import head_split
+from ..planning.softmax_a2a import head_chunks, head_split
 from .common import SoftmaxShape, StepTime, Topology
 from .machine import Machine
 from .memory import softmax_memory
@@ -64,9 +68,11 @@ def _parts(shape: SoftmaxShape, size: int):
 
 
 def a2a_step(shape: SoftmaxShape, world: int, layout: str, machine: Machine,
-             topology: Optional[Topology] = None, size: Optional[int] = None) -> StepTime:
+             topology: Optional[Topology] = None, size: Optional[int] = None,
+             chunks: Optional[int] = None) -> StepTime:
     """Predicted fwd / bwd of ``preset="a2a"`` (``size`` None or P) or ``"a2a_ring"`` with
-    ``a2a_size=size`` (module doc); group 0 and ring 0 stand for all (every group alike)."""
+    ``a2a_size=size`` (module doc), in ``chunks`` head chunks (None: the default for the
+    shape); group 0 and ring 0 stand for all (every group alike)."""
     U = world if size is None else size
     if U < 1 or world % U:
         raise ValueError(f"a2a size {U} must divide the CP group size {world}")
@@ -78,17 +84,23 @@ def a2a_step(shape: SoftmaxShape, world: int, layout: str, machine: Machine,
                         Topology(topo.nodes[::U]))
     if U == 1:
         return step
+    C = head_chunks(shape.H, shape.Hkv, U, world // U, chunks)
     link = Topology(topo.nodes[:U]).collective_link(machine)
     k = machine.kernels
 
-    def exchange(nbytes: float) -> float:
-        copies = 2 * k.op_us * 1e-3 + 4 * nbytes / k.mem_gbps * 1e-6
-        return link.collective_ms(U, (U - 1) / U * nbytes) + copies
+    def wire(nbytes: float) -> float:       # one chunk's exchange of a C-th of nbytes
+        return link.collective_ms(U, (U - 1) / U * nbytes / C)
 
-    fwd = exchange(kv_b) + 2 * exchange(q_b)             # K/V, Q, out
-    bwd = exchange(dkv_b) + 2 * exchange(q_b)            # dout, dK/dV, dq
-    wire = sum(link.collective_ms(U, (U - 1) / U * b) for b in (kv_b, q_b, q_b, dkv_b, q_b, q_b))
-    return StepTime(step.fwd_ms + fwd, step.bwd_ms + bwd, step.compute_ms, step.comm_ms + wire)
+    def copies(nbytes: float) -> float:     # packing + unpacking: the compute stream's
+        return C * 2 * k.op_us * 1e-3 + 4 * nbytes / k.mem_gbps * 1e-6
+
+    def overlapped(inner_ms: float, sent: tuple, back: tuple) -> tuple[float, float]:
+        w = C * sum(wire(b) for b in sent + back)
+        return w / C + max(inner_ms, w * (C - 1) / C) + sum(map(copies, sent + back)), w
+
+    fwd, w_f = overlapped(step.fwd_ms, (kv_b, q_b), (q_b,))           # K/V, Q; out
+    bwd, w_b = overlapped(step.bwd_ms, (q_b,), (dkv_b, q_b))          # dout; dK/dV, dq
+    return StepTime(fwd, bwd, step.compute_ms, step.comm_ms + w_f + w_b)
 
 
 def a2a_memory(shape: SoftmaxShape, world: int, layout: str, machine: Machine,

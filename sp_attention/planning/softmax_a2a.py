@@ -46,7 +46,13 @@ from .layout import leaves_of_rank, num_chunks
 from .packing import PackingPlan, Segment
 
 __all__ = ["HeadSplit", "head_split", "arrival_order", "GroupedPlan", "grouped_plan",
-           "check_a2a_heads"]
+           "check_a2a_heads", "head_chunk_counts", "head_chunks", "DEFAULT_HEAD_CHUNKS"]
+
+# Head chunks of the whole-group all-to-all (``a2a``) when the tuning names none: the
+# exchange of chunk c + 1 travels while the kernel runs on chunk c (measured: see
+# :attr:`sp_attention.tuning.SoftmaxTuning.a2a_head_chunks`). ``a2a_ring`` keeps one chunk
+# (each chunk would run the ring across the groups once more).
+DEFAULT_HEAD_CHUNKS = 2
 
 
 def check_a2a_heads(heads: int, size: int, preset: str) -> None:
@@ -58,6 +64,34 @@ def check_a2a_heads(heads: int, size: int, preset: str) -> None:
         raise ValueError(f"preset={preset!r} splits the {heads} local query heads over "
                          f"{size} ranks (all-to-all from sequence to head shards), so {size} "
                          f"must divide {heads}; use {other}")
+
+
+def head_chunk_counts(heads: int, kv_heads: int, size: int) -> tuple[int, ...]:
+    """Every chunk count ``C`` the heads of an all-to-all call can be pipelined in: chunk
+    ``c`` is KV heads ``[c·Hkv/C, (c+1)·Hkv/C)`` with their query heads ``[c·H/C, (c+1)·H/C)``
+    (GQA maps query head ``h`` to KV head ``h // G``, so a chunk's query heads use only its
+    KV heads), so ``C`` divides ``Hkv`` and the chunk's ``H / C`` query heads split over the
+    ``size`` positions."""
+    return tuple(c for c in range(1, kv_heads + 1)
+                 if kv_heads % c == 0 and heads % c == 0 and (heads // c) % size == 0)
+
+
+def head_chunks(heads: int, kv_heads: int, size: int, ring: int,
+                requested: "int | None") -> int:
+    """The head chunks of one all-to-all call (U = ``size`` positions, ``ring`` groups):
+    ``requested`` if given (``ValueError`` naming the counts that split otherwise), else
+    :data:`DEFAULT_HEAD_CHUNKS` for ``a2a`` (``ring == 1``) where it splits, else 1. One
+    position (no exchange) runs one chunk."""
+    counts = head_chunk_counts(heads, kv_heads, size)
+    if requested is None:
+        return DEFAULT_HEAD_CHUNKS if size > 1 and ring == 1 and \
+            DEFAULT_HEAD_CHUNKS in counts else 1
+    if requested not in counts:
+        raise ValueError(f"SoftmaxTuning.a2a_head_chunks={requested} must divide the {kv_heads} "
+                         f"local KV heads with the {heads} query heads of each chunk splitting "
+                         f"over the {size} ranks of the all-to-all: use one of {list(counts)} "
+                         "(or None)")
+    return requested if size > 1 else 1
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,14 @@ group's ``U`` ranks (``batch_isend_irecv`` on the CP group: NCCL runs its all-to
 so), and the ring across groups is point-to-point too. So ``a2a_ring`` needs no sub-group
 and nothing to set up: any U dividing P and the local query heads works on any CP group.
 
-Overlap: K/V's exchange is issued first, then Q is packed and its exchange issued, and K/V
-are unpacked while Q travels; backward issues dK/dV's exchange before packing dq's.
+Overlap: the heads run in ``C`` chunks (``SoftmaxTuning.a2a_head_chunks``; chunk ``c``: KV
+heads ``[c·Hkv/C, (c+1)·Hkv/C)`` and their query heads), each its own exchanges and inner
+schedule: chunk ``c + 1``'s inputs are sent before chunk ``c``'s kernel is launched, and chunk
+``c``'s output is sent back while chunk ``c + 1``'s kernel runs, so with ``C > 1`` only the first
+chunk's inputs and the last chunk's output wait in the open (the backward alike with ``dout``
+and the gradients). Within a chunk K/V's exchange is issued first, then Q is packed and its
+exchange issued, and K/V are unpacked while Q travels; backward issues dK/dV's exchange before
+dq's. Every head's numbers are the same for any ``C``: a head's kernel sees the same tokens.
 
 Bytes per rank and direction (forward; the backward alike): ``(U−1)/U · B·T_local·D ·
 (2·H + 2·Hkv)`` elements when ``Hkv % U == 0`` (Q, K+V, out), plus the ring's across groups.
@@ -62,7 +68,8 @@ _INDEX = LRU(256)
 class A2AConfig:
     """Everything the all-to-all Function needs (built by the public function after its
     checks). ``size``: U (``ctx.world_size`` for ``a2a``); ``plan``: packed documents (a
-    non-trivial plan) or None."""
+    non-trivial plan) or None; ``chunks``: head chunks pipelined
+    (:func:`sp_attention.planning.softmax_a2a.head_chunks`, checked by the public function)."""
 
     ctx: SPContext
     size: int
@@ -73,6 +80,7 @@ class A2AConfig:
     pack_kv: bool
     plan: Optional[PackingPlan] = None
     policy: Optional[CallPolicy] = None
+    chunks: int = 1
 
 
 def a2a_split(ctx: SPContext, size: int) -> tuple[SPContext, SPContext]:
@@ -230,6 +238,13 @@ def _heads_home(recv: Tensor, slot: int = 0) -> Tensor:
     return recv[:, slot].permute(1, 2, 0, 3, 4).reshape(B, L, U * h, D)
 
 
+def _heads_into(dst: Tensor, recv: Tensor, slot: int = 0) -> None:
+    """Copy an arrival buffer ``[U, S, B, L, h, D]`` of head shards into ``dst [B, L, U·h,
+    D]`` (a view: one chunk's heads of the call's output), converting its dtype."""
+    U, h = recv.shape[0], recv.shape[4]
+    dst.unflatten(2, (U, h)).copy_(recv[:, slot].permute(1, 2, 0, 3, 4))
+
+
 def _index(kind: str, split: HeadSplit, u: int, device) -> Tensor:
     def make():
         if kind == "sel":           # [U, n]: the KV head in each slot of every position
@@ -244,20 +259,20 @@ def _index(kind: str, split: HeadSplit, u: int, device) -> Tensor:
                       lambda: make().to(device))
 
 
-def _kv_home(recv: Tensor, split: HeadSplit, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """dK, dV ``[B, L, Hkv, D]`` from the arrivals ``[U, 2, B, L, n, D]``: a copy when every KV
-    head had one position, else the positions' parts summed in fp32 and rounded once."""
+def _kv_into(dk: Tensor, dv: Tensor, recv: Tensor, split: HeadSplit) -> None:
+    """dK, dV (views ``[B, L, Hkv_chunk, D]`` of the call's gradients) from the arrivals
+    ``[U, 2, B, L, n, D]``: a copy when every KV head had one position, else the positions'
+    parts summed in fp32 and rounded once."""
     if split.disjoint:
-        return _heads_home(recv, 0).to(dtype), _heads_home(recv, 1).to(dtype)
+        _heads_into(dk, recv, 0), _heads_into(dv, recv, 1)
+        return
     U, _, B, L, n, D = recv.shape
-    acc = acc_dtype(dtype)
+    acc = acc_dtype(dk.dtype)
     real, heads = (_index(k, split, 0, recv.device) for k in ("real", "heads"))
-    out = []
-    for s in (0, 1):
+    for s, dst in ((0, dk), (1, dv)):
         parts = _heads_home(recv, s).index_select(2, real).to(acc)
         total = torch.zeros((B, L, split.kv_heads, D), dtype=acc, device=recv.device)
-        out.append(total.index_add_(2, heads, parts).to(dtype))
-    return out[0], out[1]
+        dst.copy_(total.index_add_(2, heads, parts))
 
 
 def _expand(k: Tensor, v: Tensor, split: HeadSplit, u: int) -> tuple[Tensor, Tensor]:
@@ -284,15 +299,22 @@ def _fold(dk: Tensor, dv: Tensor, split: HeadSplit, u: int) -> tuple[Tensor, Ten
 
 # ------------------------------------------------------------------------------ schedules
 class _Groups:
-    """The all-to-all group, the ring across groups and the heads of one call."""
+    """The all-to-all group, the ring across groups and the heads of one chunk of a call."""
 
     def __init__(self, cfg: A2AConfig, heads: int, kv_heads: int):
         self.intra, self.inter = a2a_split(cfg.ctx, cfg.size)
         self.whole = cfg.size == cfg.ctx.world_size
-        self.split = head_split(heads, kv_heads, cfg.size)
+        self.chunks = cfg.chunks
+        self.split = head_split(heads // cfg.chunks, kv_heads // cfg.chunks, cfg.size)
 
     def exchange(self, send: Tensor):
         return _exchange(send, self.intra, self.whole)
+
+
+def _chunk(x: Tensor, c: int, chunks: int, dim: int = 2) -> Tensor:
+    """Head chunk ``c`` of ``chunks`` of ``x`` along ``dim`` (a view)."""
+    n = x.shape[dim] // chunks
+    return x.narrow(dim, c * n, n)
 
 
 def _inner_plan(cfg: A2AConfig) -> PackingPlan:
@@ -300,60 +322,18 @@ def _inner_plan(cfg: A2AConfig) -> PackingPlan:
     return cfg.plan if cfg.size == 1 else grouped_plan(cfg.plan, cfg.size)
 
 
-def a2a_forward(q: Tensor, k: Tensor, v: Tensor, cfg: A2AConfig
-                ) -> tuple[Tensor, Optional[Tensor], tuple]:
-    """Forward: ``(out [B, L, H, D], lse [B, H, L] or None, saved)``; ``saved`` = the
-    head-sharded ``(q, k, v, out, lse)`` the backward reads (module doc)."""
-    gr = _Groups(cfg, q.shape[2], k.shape[2])
-    U, (B, L), split = cfg.size, q.shape[:2], gr.split
-    if U == 1:                             # no exchange: the inner schedule on the shard
-        qh, kh, vh = q, k, v
-    else:
-        order = _Order(cfg, B, L, q.device)
-        sel = None if split.disjoint else _index("sel", split, 0, q.device)
-        kv_recv, kv_work = gr.exchange(_send_heads((k, v), U, sel))
-        q_recv, q_work = gr.exchange(_send_heads((q,), U, None))
-        _wait(kv_work)                     # unpack K/V while Q travels
-        kh, vh = (_arrived(kv_recv, order.rows[2][s]) for s in (0, 1))
-        _wait(q_work)
-        qh = _arrived(q_recv, order.rows[1][0])
-    ke, ve = _expand(kh, vh, split, gr.intra.rank)
+def _inner_forward(qh: Tensor, kh: Tensor, vh: Tensor, gr: _Groups, cfg: A2AConfig):
+    ke, ve = _expand(kh, vh, gr.split, gr.intra.rank)
     if cfg.plan is None:
-        outh, lseh = ring_forward(qh, ke, ve, gr.inter, cfg.backend, causal=cfg.causal,
-                                  scale=cfg.scale, pack_kv=cfg.pack_kv)
-    else:
-        outh, lseh = packed_ring_forward(qh, ke, ve, gr.inter, _inner_plan(cfg), cfg.backend,
-                                         scale=cfg.scale, policy=cfg.policy,
-                                         pack_kv=cfg.pack_kv)
-    saved = (qh, kh, vh, outh, lseh)
-    if U == 1:
-        return outh, lseh if cfg.return_lse else None, saved
-    out_recv, work = gr.exchange(_send_back((outh,), order))
-    lse = None
-    if cfg.return_lse:             # [B, a, T] -> rows [B, T, a, 1] -> home [B, H, L]
-        lse_recv, lse_work = gr.exchange(_send_back((lseh.transpose(1, 2).unsqueeze(3),),
-                                                    order))
-        _wait(lse_work)
-        lse = _heads_home(lse_recv).squeeze(3).transpose(1, 2)
-    _wait(work)
-    return _heads_home(out_recv), lse, saved
+        return ring_forward(qh, ke, ve, gr.inter, cfg.backend, causal=cfg.causal,
+                            scale=cfg.scale, pack_kv=cfg.pack_kv)
+    return packed_ring_forward(qh, ke, ve, gr.inter, _inner_plan(cfg), cfg.backend,
+                               scale=cfg.scale, policy=cfg.policy, pack_kv=cfg.pack_kv)
 
 
-def a2a_backward(dout: Tensor, saved: tuple, cfg: A2AConfig,
-                 kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward of :func:`a2a_forward` from its ``saved`` head shards (``kv_heads``: Hkv of
-    the call's k): ``(dq, dk, dv)`` in the dtypes of q, k, v."""
+def _inner_backward(doh: Tensor, saved: tuple, gr: _Groups, cfg: A2AConfig):
     qh, kh, vh, outh, lseh = saved
-    gr = _Groups(cfg, dout.shape[2], kv_heads)
-    U, (B, L), split = cfg.size, dout.shape[:2], gr.split
-    if U == 1:
-        doh = dout
-    else:
-        order = _Order(cfg, B, L, dout.device)
-        do_recv, work = gr.exchange(_send_heads((dout,), U, None))
-        _wait(work)
-        doh = _arrived(do_recv, order.rows[1][0])
-    ke, ve = _expand(kh, vh, split, gr.intra.rank)
+    ke, ve = _expand(kh, vh, gr.split, gr.intra.rank)
     if cfg.plan is None:
         dqh, dkh, dvh = ring_backward(doh, qh, ke, ve, outh, lseh, gr.inter, cfg.backend,
                                       causal=cfg.causal, scale=cfg.scale, pack_kv=cfg.pack_kv)
@@ -361,15 +341,88 @@ def a2a_backward(dout: Tensor, saved: tuple, cfg: A2AConfig,
         dqh, dkh, dvh = packed_ring_backward(doh, qh, ke, ve, outh, lseh, gr.inter,
                                              _inner_plan(cfg), cfg.backend, scale=cfg.scale,
                                              policy=cfg.policy, pack_kv=cfg.pack_kv)
-    dkh, dvh = _fold(dkh, dvh, split, gr.intra.rank)
+    dkh, dvh = _fold(dkh, dvh, gr.split, gr.intra.rank)
+    return dqh, dkh, dvh
+
+
+def a2a_forward(q: Tensor, k: Tensor, v: Tensor, cfg: A2AConfig
+                ) -> tuple[Tensor, Optional[Tensor], tuple]:
+    """Forward: ``(out [B, L, H, D], lse [B, H, L] or None, saved)``; ``saved`` = the
+    head-sharded ``(q, k, v, out, lse)`` of every head chunk in turn, which the backward
+    reads (module doc). Chunk ``c + 1``'s exchanges are issued before chunk ``c``'s kernel,
+    chunk ``c``'s output goes back while chunk ``c + 1``'s kernel runs."""
+    gr = _Groups(cfg, q.shape[2], k.shape[2])
+    U, C, (B, L), split = cfg.size, cfg.chunks, q.shape[:2], gr.split
+    if U == 1:                             # no exchange: the inner schedule on the shard
+        outh, lseh = _inner_forward(q, k, v, gr, cfg)
+        return outh, lseh if cfg.return_lse else None, (q, k, v, outh, lseh)
+    order = _Order(cfg, B, L, q.device)
+    sel = None if split.disjoint else _index("sel", split, 0, q.device)
+
+    def send(c):                           # K/V first: unpacked while Q travels
+        kv = gr.exchange(_send_heads((_chunk(k, c, C), _chunk(v, c, C)), U, sel))
+        return kv, gr.exchange(_send_heads((_chunk(q, c, C),), U, None))
+
+    out, lse = torch.empty(q.shape, dtype=q.dtype, device=q.device), None
+    saved, back, pending = [], [], send(0)
+    for c in range(C):
+        (kv_recv, kv_work), (q_recv, q_work) = pending
+        if c + 1 < C:
+            pending = send(c + 1)
+        _wait(kv_work)
+        kh, vh = (_arrived(kv_recv, order.rows[2][s]) for s in (0, 1))
+        _wait(q_work)
+        qh = _arrived(q_recv, order.rows[1][0])
+        outh, lseh = _inner_forward(qh, kh, vh, gr, cfg)
+        saved += [qh, kh, vh, outh, lseh]
+        back.append((c, _chunk(out, c, C), gr.exchange(_send_back((outh,), order))))
+        if cfg.return_lse:         # [B, a, T] -> rows [B, T, a, 1] -> home [B, L, H/C, 1]
+            if lse is None:
+                lse = torch.empty((B, q.shape[2], L), dtype=lseh.dtype, device=q.device)
+            back.append((c, _chunk(lse.transpose(1, 2), c, C).unsqueeze(3), gr.exchange(
+                _send_back((lseh.transpose(1, 2).unsqueeze(3),), order))))
+    for _, dst, (recv, work) in back:
+        _wait(work)
+        _heads_into(dst, recv)
+    return out, lse, tuple(saved)
+
+
+def a2a_backward(dout: Tensor, saved: tuple, cfg: A2AConfig,
+                 kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward of :func:`a2a_forward` from its ``saved`` head shards (``kv_heads``: Hkv of
+    the call's k): ``(dq, dk, dv)`` in the dtypes of q, k, v. Chunk ``c + 1``'s ``dout``
+    travels while chunk ``c``'s kernel runs; chunk ``c``'s gradients go back during chunk
+    ``c + 1``'s."""
+    gr = _Groups(cfg, dout.shape[2], kv_heads)
+    U, C, (B, L), split = cfg.size, cfg.chunks, dout.shape[:2], gr.split
+    q_t, k_t = saved[0], saved[1]
     if U == 1:
-        return dqh, dkh.to(kh.dtype), dvh.to(vh.dtype)
-    kv_recv, kv_work = gr.exchange(_send_back((dkh, dvh), order))
-    dq_recv, dq_work = gr.exchange(_send_back((dqh,), order))
-    _wait(kv_work)                         # sum dK/dV while dq travels
-    dk, dv = _kv_home(kv_recv, split, kh.dtype)
-    _wait(dq_work)
-    return _heads_home(dq_recv), dk, dv
+        dqh, dkh, dvh = _inner_backward(dout, saved, gr, cfg)
+        return dqh, dkh.to(k_t.dtype), dvh.to(saved[2].dtype)
+    order = _Order(cfg, B, L, dout.device)
+
+    def send(c):
+        return gr.exchange(_send_heads((_chunk(dout, c, C),), U, None))
+
+    dq = torch.empty((B, L) + dout.shape[2:], dtype=q_t.dtype, device=dout.device)
+    dk, dv = (torch.empty((B, L, kv_heads, dout.shape[3]), dtype=t.dtype, device=dout.device)
+              for t in (k_t, saved[2]))
+    back, pending = [], send(0)
+    for c in range(C):
+        do_recv, work = pending
+        if c + 1 < C:
+            pending = send(c + 1)
+        _wait(work)
+        doh = _arrived(do_recv, order.rows[1][0])
+        dqh, dkh, dvh = _inner_backward(doh, saved[5 * c:5 * c + 5], gr, cfg)
+        kv_back = gr.exchange(_send_back((dkh, dvh), order))       # dK/dV first
+        back.append((c, kv_back, gr.exchange(_send_back((dqh,), order))))
+    for c, (kv_recv, kv_work), (dq_recv, dq_work) in back:
+        _wait(kv_work)                     # sum dK/dV while dq travels
+        _kv_into(_chunk(dk, c, C), _chunk(dv, c, C), kv_recv, split)
+        _wait(dq_work)
+        _heads_into(_chunk(dq, c, C), dq_recv)
+    return dq, dk, dv
 
 
 class A2AAttention(torch.autograd.Function):

@@ -18,6 +18,7 @@ import torch
 from ..call_check import agree_across_ranks
 from ..context import SPContext
 from ..cost.auto import auto_softmax_preset
+from ..planning.softmax_a2a import head_chunks
 from ..planning.softmax_packed import CallPolicy
 from ..tuning import SoftmaxTuning
 from ..validation import (autocast_inputs, autocast_off, check_local_length, check_tensors,
@@ -52,6 +53,7 @@ class _Config:
     return_lse: bool
     pack_kv: bool
     a2a_size: Optional[int] = None     # the all-to-all schedules: U (P for "a2a")
+    a2a_chunks: int = 1                # the all-to-all schedules: head chunks (pipelined)
 
 
 class _ContextParallelAttention(torch.autograd.Function):
@@ -246,7 +248,8 @@ def context_parallel_attention(
             return A2AAttention.apply(q, k, v, A2AConfig(
                 cfg.ctx, cfg.a2a_size, cfg.causal, cfg.scale, cfg.backend, cfg.return_lse,
                 cfg.pack_kv, plan if packed else None,
-                CallPolicy(tuning.packed_dense_min, tuning.packed_varlen_gaps)))
+                CallPolicy(tuning.packed_dense_min, tuning.packed_varlen_gaps),
+                cfg.a2a_chunks))
         if packed:
             return PackedAttention.apply(q, k, v, PackedConfig(
                 cfg.ctx, plan, cfg.fwd, cfg.bwd, cfg.scale, cfg.backend, cfg.stride, cfg.first,
@@ -278,12 +281,14 @@ def _config(q, k, v, ctx: SPContext, tuning, *, fwd, bwd, preset, heads_k_stride
             ctx, q, k, causal=causal, heads_k_stride=sched.heads_k_stride,
             a2a_size=_auto_a2a_size(ctx, q.shape[2], sched.a2a_size)).name)
     size = sched.a2a_group_size(ctx.world_size, q.shape[2])
+    chunks = 1 if size is None else head_chunks(q.shape[2], kv_heads, size,
+                                                ctx.world_size // size, tuning.a2a_head_chunks)
     stride = sched.local_stride(kv_heads, default_heads_k_stride(kv_heads, group, tuning))
     kernel = get_backend(backend, q.device, q.dtype, q.shape[3])   # raises if it cannot run
     scale = q.shape[3] ** -0.5 if softmax_scale is None else float(softmax_scale)
     return _Config(ctx, sched.fwd, sched.bwd, causal, scale, kernel, stride,
                    sched.bwd_head_first_stride, sched.bwd_head_last_stride, return_lse,
-                   tuning.pack_kv, size)
+                   tuning.pack_kv, size, chunks)
 
 
 def _auto_a2a_size(ctx: SPContext, heads: int, size: Optional[int]) -> Optional[int]:

@@ -8,7 +8,7 @@ import pytest
 
 from sp_attention.cost import SoftmaxShape, Topology, choose_softmax_preset, softmax_step
 from sp_attention.cost.softmax_a2a import a2a_candidates, a2a_memory, a2a_step
-from sp_attention.machine import H200_NVLINK_IB400 as H200, Link
+from sp_attention.cost.machine import H200_NVLINK_IB400 as H200, Link
 
 LLAMA = SoftmaxShape(1, 8192, 32, 8, 128)
 
@@ -32,7 +32,7 @@ def test_candidates():
 def test_exchanges_plus_inner_schedule(P, U):
     m = _bare()
     U_ = P if U is None else U
-    t = a2a_step(LLAMA, P, "zigzag", m, size=U)
+    t = a2a_step(LLAMA, P, "zigzag", m, size=U, chunks=1)
     s = LLAMA
     inner = SoftmaxShape(1, U_ * s.T_local, s.H // U_, max(1, s.Hkv // U_), s.D)
     ring = softmax_step(inner, P // U_, "zigzag", "ring", "ring", m)
@@ -45,6 +45,28 @@ def test_exchanges_plus_inner_schedule(P, U):
     assert t.bwd_ms == pytest.approx(ring.bwd_ms + x(kv) + 2 * x(q))
     assert t.compute_ms == pytest.approx(ring.compute_ms)
     assert a2a_memory(LLAMA, P, "zigzag", m, U)["peak"] > 0
+
+
+@pytest.mark.parametrize("P,C", [(2, 2), (4, 2), (4, 4), (8, 1)])
+def test_head_chunks_hide_the_middle_exchanges(P, C):
+    """C chunks: the first chunk's inputs and the last one's output in the open, the middle
+    ones only where they outlast the kernel (module doc), C · alpha per exchange."""
+    s = LLAMA
+    rows = s.B * s.T_local * s.D * s.itemsize
+    q, kv = rows * s.H, rows * 2 * max(P, s.Hkv)
+    ring = softmax_step(SoftmaxShape(1, P * s.T_local, s.H // P, max(1, s.Hkv // P), s.D), 1,
+                        "zigzag", "ring", "ring", _bare())
+    for gbps in (100.0, 1.0):      # NVLink-like: hidden; a slow link: the wire shows
+        m = _bare(gbps=gbps)
+        t = a2a_step(s, P, "zigzag", m, chunks=C)
+        w = C * (3 * 20e-3) + (P - 1) / P * (kv + 2 * q) / (gbps * 1e9) * 1e3
+        assert t.fwd_ms == pytest.approx(w / C + max(ring.fwd_ms, w * (C - 1) / C))
+    default = a2a_step(s, 4, "zigzag", _bare())
+    assert default == a2a_step(s, 4, "zigzag", _bare(), chunks=2)         # the default
+    assert a2a_step(s, 8, "zigzag", _bare(), size=4) == a2a_step(     # a2a_ring: one chunk
+        s, 8, "zigzag", _bare(), size=4, chunks=1)
+    with pytest.raises(ValueError, match="a2a_head_chunks=3"):
+        a2a_step(s, 4, "zigzag", _bare(), chunks=3)
 
 
 def test_auto_picks_as_measured_on_four_h100():

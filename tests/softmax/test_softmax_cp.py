@@ -9,7 +9,8 @@ lse, dq, dk, dv within 1e-10 relative of `attention_reference` + autograd on the
 sequence, compared with this rank's shard. The all-to-all presets in the same spawns: `a2a`
 with GQA groups whose KV heads split over the ranks, are replicated (Hkv < P) or straddle
 ranks unevenly (expanded locally), batch 1 and 2, both layouts, causal and not; `a2a_ring`
-with every all-to-all size that divides P.
+with every all-to-all size that divides P; both in every head-chunk count the shape takes
+(`SoftmaxTuning.a2a_head_chunks`: the pipelined exchanges change no number).
 World 8 also runs DP > 1 with TP-inner (non-contiguous) CP groups, the all-to-all presets on
 them too. Bad inputs raise before any collective (a fake two-rank context whose group is not
 a process group proves it). GPU checks are marked `gpu` / `multigpu`.
@@ -22,6 +23,7 @@ import torch
 from sp_attention import (CPGroupOptions, SoftmaxTuning, SPContext, build_sp_context,
                           new_cp_group, shard_sequence)
 from sp_attention.softmax import PRESETS, attention_reference, context_parallel_attention
+from sp_attention.planning.softmax_a2a import head_chunk_counts
 from sp_attention.softmax.schedule import A2A_SCHEDULES
 from sp_attention.softmax.attention import default_heads_k_stride
 from sp_attention.testing import assert_close, megatron_groups, rel_rms, run_distributed, seeded
@@ -112,8 +114,14 @@ def _check_a2a(group, P, tag, full=True):
             inputs, expected = _reference(shape, P, causal, 41 + 7 * i + causal)
             for layout in ("zigzag", "contiguous"):
                 runs = [dict(preset="a2a")]
+                # the heads in every chunk count that splits them (the default: 2 or 1)
+                runs += [dict(preset="a2a", tuning=SoftmaxTuning(a2a_head_chunks=c))
+                         for c in head_chunk_counts(shape[2], shape[3], P) if c != 2]
                 if i == 0 and P > 1:
                     runs += [dict(preset="a2a_ring", a2a_size=u) for u in sizes]
+                    runs += [dict(preset="a2a_ring", a2a_size=u,
+                                  tuning=SoftmaxTuning(a2a_head_chunks=2))
+                             for u in sizes if 2 in head_chunk_counts(shape[2], shape[3], u)]
                 ctx = build_sp_context(group, layout=layout) if P > 1 else SPContext(
                     None, 0, 1, (0,), layout)
                 for kw in runs:
@@ -276,6 +284,8 @@ def _qkv(B=1, T=8, H=8, Hkv=4, D=4, dtype=torch.float64):
     (dict(preset="a2a", a2a_size=2), {}, "'a2a' is the all-to-all over the whole CP group"),
     (dict(fwd="a2a", bwd="ring"), {}, "runs forward and backward together"),
     (dict(preset="a2a", heads_k_stride=2), {}, "only applies to the all-gather schedules"),
+    (dict(preset="a2a", tuning=SoftmaxTuning(a2a_head_chunks=3)), {},
+     "a2a_head_chunks=3 must divide the 4 local KV heads.*use one of \\[1, 2\\]"),
 ])
 def test_bad_arguments_raise_before_any_collective(kwargs, inputs, match):
     q, k, v = _qkv(**inputs)
