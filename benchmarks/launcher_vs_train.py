@@ -11,6 +11,8 @@ Both run the 1B shape (Llama-3.2-1B: 16 layers, d2048, 32 heads, 8 KV heads, FFN
 ``--transformer-impl local`` (TransformerEngine cannot be installed without compiling here);
 train.py on its default data. tokens/s: the mean over the steps after the first two (the
 launcher: from its ``elapsed time per iteration``); ``ratio`` = launcher ÷ train.py.
+``--resume-check``: the launcher saves Megatron's checkpoint on those GPUs and a second run
+resumes from it (``bench: "launcher_resume"``).
 """
 from __future__ import annotations
 
@@ -31,12 +33,14 @@ SHAPE = dict(SHAPES["1b"], vocab_size=128256)       # train.py's --preset 1b, Ll
 HYBRID = ["--sp-hybrid-pattern", "LLLS", "--context-parallel-impl", "blelloch"]
 
 
-def launcher_cmd(kind: str, lay: dict, seq: int, iters: int, port: int) -> list:
+def launcher_cmd(kind: str, lay: dict, seq: int, iters: int, port: int,
+                 layers: int = 0) -> list:
+    """The launcher's command line (``layers``: fewer layers than the 1B shape's, 0: all)."""
     world = lay["tp"] * lay["cp"] * lay["dp"]
     s = SHAPE
     cmd = ["torchrun", "--nproc-per-node", str(world), "--master-port", str(port),
            "-m", "megatron_patches.pretrain_gpt",
-           "--num-layers", str(s["num_layers"]), "--hidden-size", str(s["hidden_size"]),
+           "--num-layers", str(layers or s["num_layers"]), "--hidden-size", str(s["hidden_size"]),
            "--ffn-hidden-size", str(s["ffn_hidden_size"]),
            "--num-attention-heads", str(s["num_attention_heads"]), "--group-query-attention",
            "--num-query-groups", str(s["num_query_groups"]),
@@ -68,6 +72,39 @@ def launcher_tokens_per_s(log: str, tokens_per_step: int, skip: int = 2) -> tupl
     return (tokens_per_step / (sum(steady) / len(steady) / 1e3) if steady else None), len(ms)
 
 
+def resume_check(lay: dict, name: str, seq: int, tmp: str, timeout: float, device: str,
+                 every: int = 3, layers: int = 4) -> dict:
+    """The launcher's save and resume on ``lay``'s GPUs (the LLLS hybrid, ``layers`` layers):
+    ``2·every`` iterations saving Megatron's checkpoint every ``every``, then a second run
+    with ``--load`` to ``3·every``; the record says where the second run started and its
+    losses beside the first run's."""
+    ckpt = os.path.join(tmp, f"ckpt_{name}")
+    logs = {}
+    for label, iters, extra in (("first", 2 * every, []), ("resumed", 3 * every, ["--load", ckpt])):
+        cmd = launcher_cmd("hybrid", lay, seq, iters, 29623, layers) + [
+            "--save", ckpt, "--save-interval", str(every)] + extra
+        status, wall, log = run(cmd, os.path.join(tmp, f"resume_{name}_{label}.log"), timeout)
+        logs[label] = dict(status=status, wall_s=wall, log=log)
+    loaded = re.findall(r"successfully loaded checkpoint from .* at iteration (\d+)",
+                        logs["resumed"]["log"])
+    losses = {k: [float(x) for x in re.findall(r"lm loss: ([0-9.Ee+-]+)", v["log"])]
+              for k, v in logs.items()}
+    rec = {"bench": "launcher_resume", "model_kind": "hybrid", "layout": name, **lay,
+           "world": lay["tp"] * lay["cp"] * lay["dp"], "seq_length": seq, "num_layers": layers,
+           "save_interval": every, "first_status": logs["first"]["status"],
+           "resumed_status": logs["resumed"]["status"],
+           "resumed_from_iteration": int(loaded[-1]) if loaded else None,
+           "first_losses": losses["first"], "resumed_losses": losses["resumed"],
+           "ok": bool(loaded) and int(loaded[-1]) == 2 * every
+           and len(losses["resumed"]) == every and logs["resumed"]["status"] == "ok",
+           "device": device, "date": time.strftime("%Y-%m-%d"),
+           "command": "python benchmarks/launcher_vs_train.py " + " ".join(sys.argv[1:])}
+    for label, v in logs.items():
+        if v["status"] != "ok" or not rec["ok"]:
+            rec[f"{label}_log_tail"] = v["log"][-800:]
+    return rec
+
+
 def run(cmd: list, log_path: str, timeout: float) -> tuple:
     t0 = time.time()
     with open(log_path, "w") as log:
@@ -93,11 +130,15 @@ def main() -> int:
     p.add_argument("--train-iters", type=int, default=12)
     p.add_argument("--timeout", type=float, default=200)
     p.add_argument("--out")
+    p.add_argument("--resume-check", action="store_true",
+                   help="then the launcher's save + resume on the first layout's GPUs (the "
+                        "hybrid, 4 layers: 6 iterations saving every 3, resumed to 9)")
+    p.add_argument("--no-compare", action="store_true", help="only the --resume-check")
     a = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="launcher_vs_train_")
     import torch
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    for kind in a.kinds:
+    for kind in ([] if a.no_compare else a.kinds):
         for name in a.layouts:
             lay = parse_layout(name)
             world = lay["tp"] * lay["cp"] * lay["dp"]
@@ -131,6 +172,9 @@ def main() -> int:
                 if status != "ok":
                     rec[f"{label}_log_tail"] = log[-800:]
             emit(rec, a.out)
+    if a.resume_check:
+        name = a.layouts[0]
+        emit(resume_check(parse_layout(name), name, a.seq_length, tmp, a.timeout, device), a.out)
     return 0
 
 

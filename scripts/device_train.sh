@@ -7,7 +7,8 @@
 #                 machine; the package installs its shipped autotune results), the hybrid with
 #                 packed documents first; what Triton autotuned anyway -> autotune_new.tgz
 #     scaling     train_scaling.py: FIRST_KINDS at cp1 and cpP (tp2/dp2 layouts from P = 4)
-#     launcher    launcher_vs_train.py (megatron-core 0.19 with megatron.training)
+#     launcher    launcher_vs_train.py (megatron-core 0.19 with megatron.training): tokens/s
+#                 beside train.py, then the launcher's save + resume on the P GPUs
 #     hf          examples/hf_llama_cp.py --device cuda, every --model at CP = P and CP = 1
 #     parity      train_parity.py: CP = P against two CP = 1 runs, 300 steps, PNG
 #     slurm       scripts/slurm/one_host.sh 2 P/2: the sbatch path as two nodes, save + resume
@@ -74,8 +75,8 @@ for l in open(sys.argv[1]):
     launcher)
       lays="cp$P"; [ "$P" -ge 4 ] && lays="cp$P tp2cp$H"
       timeout $((4 * T)) python3 benchmarks/launcher_vs_train.py --kinds softmax hybrid \
-        --layouts $lays --seq-length "${LAUNCHER_SEQ:-16384}" --timeout "$T" \
-        --out "$OUT/launcher_vs_train.jsonl" > "$OUT/launcher_vs_train.log" 2>&1
+        --layouts $lays --seq-length "${LAUNCHER_SEQ:-16384}" --timeout "$T" --resume-check \
+        ${LAUNCHER_EXTRA:-} --out "$OUT/launcher_vs_train.jsonl" > "$OUT/launcher_vs_train.log" 2>&1
       cut -c1-400 "$OUT/launcher_vs_train.jsonl" ;;
     hf)
       for m in ${HF_MODELS:-llama linear gated hybrid}; do

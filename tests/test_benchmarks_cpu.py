@@ -141,6 +141,32 @@ def test_train_scaling_reads_the_estimate_of_a_run_cut_short(tmp_path):
     assert train_scaling._estimate(str(tmp_path / "missing.log"), 1.0) == {}
 
 
+def test_launcher_resume_check_reads_megatrons_logs(tmp_path, monkeypatch):
+    """launcher_vs_train --resume-check: the second run's command loads the first run's
+    checkpoint; the record says where it started (Megatron's load line) and the losses."""
+    from benchmarks import launcher_vs_train as lvt
+    calls = []
+
+    def fake_run(cmd, log_path, timeout):
+        calls.append(cmd)
+        if "--load" not in cmd:
+            return "ok", 1.0, "".join(f" iteration {i}/ 6 | lm loss: {9 - i}.0E+00 |\n"
+                                      for i in range(1, 7))
+        return "ok", 1.0, ("  successfully loaded checkpoint from /x [ t 1/1, gtp_remat 1/1, "
+                           "p 1/1 ] at iteration 6\n" + "".join(
+                               f" iteration {i}/ 9 | lm loss: {9 - i}.0E+00 |\n"
+                               for i in range(7, 10)))
+    monkeypatch.setattr(lvt, "run", fake_run)
+    rec = lvt.resume_check({"tp": 1, "cp": 4, "dp": 1}, "cp4", 8192, str(tmp_path), 10.0, "x")
+    assert rec["ok"] and rec["resumed_from_iteration"] == 6
+    assert rec["first_losses"] == [8.0, 7.0, 6.0, 5.0, 4.0, 3.0]
+    assert rec["resumed_losses"] == [2.0, 1.0, 0.0]
+    first, second = calls
+    assert "--load" not in first and second[second.index("--load") + 1] == \
+        first[first.index("--save") + 1]
+    assert first[first.index("--num-layers") + 1] == "4" and "--nproc-per-node" in first
+
+
 def test_parity_corpus_is_the_checkout_text(tmp_path):
     """train_parity's default data: one JSON document per .py/.md file of the checkout, in a
     fixed order, none from hidden or result folders; train.py reads it."""
