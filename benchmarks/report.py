@@ -124,7 +124,7 @@ def auto_pick(kind: str, layout: str, shape, world: int, machine,
     name = choose_softmax_preset(shape, world, layout, machine, Topology.single_node(world),
                                  a2a_size=a2a_size).name
     if name == "a2a":                   # in the default head chunks
-        return f"a2a C={head_chunks(shape.H, shape.Hkv, world, 1, None)}"
+        return f"a2a C={head_chunks(shape.H, shape.Hkv, world, None)}"
     return f"a2a_ringU={a2a_size}" if name == "a2a_ring" else name
 
 

@@ -325,7 +325,7 @@ def _sweep(a, T_local, world, rank, device, dtype, backend, groups, timer, mode)
         if resolved:
             row["resolved"] = resolved
         if (resolved or kw.get("preset")) == "a2a":     # the head chunks it ran in
-            row["a2a_chunks"] = head_chunks(H, Hkv, world, 1, kw.get(
+            row["a2a_chunks"] = head_chunks(H, Hkv, world, kw.get(
                 "tuning", SoftmaxTuning()).a2a_head_chunks)
         emit(row, a.out, rank)
     if world > 1:

@@ -115,8 +115,14 @@ class SoftmaxTuning:
             travel while the kernel runs on another (chunk ``c`` is the KV heads ``[c·Hkv/C,
             (c+1)·Hkv/C)`` and their query heads:
             :func:`sp_attention.planning.softmax_a2a.head_chunks`, which names the counts a
-            shape takes). None: 2 for ``a2a`` where the heads split so, else 1 (``a2a_ring``:
-            1). The A/B: ``benchmarks/softmax_cp.py --a2a-chunks 1 2 4``.
+            shape takes). None: 1 — on NVLink the chunks lose: Llama-3-8B attention, zigzag,
+            eager fwd+bwd ÷ one GPU's cuDNN on the whole sequence (4 × H100, 2026-11-27,
+            ``benchmarks/results/2026-11-27_h100x4_softmax_a2a_chunks.jsonl``), C = 1 / 2 / 4:
+            P = 4 8K 0.879 / 0.831 / 0.752, 32K 0.952 / 0.920 / 0.893; P = 2 8K 0.811 /
+            0.768 / 0.554, 32K 0.939 / 0.921 / 0.888 — the NCCL kernels beside cuDNN and
+            the smaller kernels cost more than the hidden exchanges save. For slower links
+            (an all-to-all across nodes) measure it: ``benchmarks/softmax_cp.py --a2a-chunks
+            1 2 4``.
     """
 
     min_query_heads_per_call: int = MIN_QUERY_HEADS_PER_CALL

@@ -17,8 +17,10 @@ With ``C`` head chunks (:func:`sp_attention.planning.softmax_a2a.head_chunks`: t
 else the default) the wire time ``W`` of a direction's exchanges overlaps the inner schedule's
 ``S``: only the first chunk's inputs and the last one's output wait in the open, and the middle
 chunks' exchanges show where they outlast their kernels: ``W / C + max(S, W·(C − 1) / C)``
-(``C = 1``: ``W + S``; the copies stay on the compute stream; the NCCL kernels' share of the
-SMs beside the kernel is not modelled). Then the inner schedule on the head shard: the kernel on the group's
+(``C = 1``: ``W + S``; the copies stay on the compute stream). The NCCL kernels' share of the
+SMs and memory beside the kernel is not modelled, so ``C > 1`` is optimistic: on NVLink it
+measured slower than one chunk (:attr:`sp_attention.tuning.SoftmaxTuning.a2a_head_chunks`),
+which is why the default and ``auto``'s figures use one. Then the inner schedule on the head shard: the kernel on the group's
 ``U·T_local`` tokens with ``H / U`` query heads, which for ``R = 1`` is the whole causal
 sequence, and for ``R > 1`` today's ring across the groups (:func:`.softmax.softmax_step` with
 ``"ring"``/``"ring"`` on the shard shape, over the ring's ranks in the topology).
@@ -84,7 +86,7 @@ def a2a_step(shape: SoftmaxShape, world: int, layout: str, machine: Machine,
                         Topology(topo.nodes[::U]))
     if U == 1:
         return step
-    C = head_chunks(shape.H, shape.Hkv, U, world // U, chunks)
+    C = head_chunks(shape.H, shape.Hkv, U, chunks)
     link = Topology(topo.nodes[:U]).collective_link(machine)
     k = machine.kernels
 

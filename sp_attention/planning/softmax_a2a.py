@@ -48,11 +48,10 @@ from .packing import PackingPlan, Segment
 __all__ = ["HeadSplit", "head_split", "arrival_order", "GroupedPlan", "grouped_plan",
            "check_a2a_heads", "head_chunk_counts", "head_chunks", "DEFAULT_HEAD_CHUNKS"]
 
-# Head chunks of the whole-group all-to-all (``a2a``) when the tuning names none: the
-# exchange of chunk c + 1 travels while the kernel runs on chunk c (measured: see
-# :attr:`sp_attention.tuning.SoftmaxTuning.a2a_head_chunks`). ``a2a_ring`` keeps one chunk
-# (each chunk would run the ring across the groups once more).
-DEFAULT_HEAD_CHUNKS = 2
+# Head chunks when the tuning names none: one. Pipelining the heads (chunk c + 1's exchange
+# beside chunk c's kernel) measured slower on NVLink at every P, length and chunk count tried
+# (4 x H100, 2026-11-27: see SoftmaxTuning.a2a_head_chunks).
+DEFAULT_HEAD_CHUNKS = 1
 
 
 def check_a2a_heads(heads: int, size: int, preset: str) -> None:
@@ -76,16 +75,13 @@ def head_chunk_counts(heads: int, kv_heads: int, size: int) -> tuple[int, ...]:
                  if kv_heads % c == 0 and heads % c == 0 and (heads // c) % size == 0)
 
 
-def head_chunks(heads: int, kv_heads: int, size: int, ring: int,
-                requested: "int | None") -> int:
-    """The head chunks of one all-to-all call (U = ``size`` positions, ``ring`` groups):
+def head_chunks(heads: int, kv_heads: int, size: int, requested: "int | None") -> int:
+    """The head chunks of one all-to-all call over U = ``size`` positions:
     ``requested`` if given (``ValueError`` naming the counts that split otherwise), else
-    :data:`DEFAULT_HEAD_CHUNKS` for ``a2a`` (``ring == 1``) where it splits, else 1. One
-    position (no exchange) runs one chunk."""
-    counts = head_chunk_counts(heads, kv_heads, size)
+    :data:`DEFAULT_HEAD_CHUNKS`. One position (no exchange) runs one chunk."""
     if requested is None:
-        return DEFAULT_HEAD_CHUNKS if size > 1 and ring == 1 and \
-            DEFAULT_HEAD_CHUNKS in counts else 1
+        return DEFAULT_HEAD_CHUNKS
+    counts = head_chunk_counts(heads, kv_heads, size)
     if requested not in counts:
         raise ValueError(f"SoftmaxTuning.a2a_head_chunks={requested} must divide the {kv_heads} "
                          f"local KV heads with the {heads} query heads of each chunk splitting "

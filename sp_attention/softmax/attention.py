@@ -282,7 +282,7 @@ def _config(q, k, v, ctx: SPContext, tuning, *, fwd, bwd, preset, heads_k_stride
             a2a_size=_auto_a2a_size(ctx, q.shape[2], sched.a2a_size)).name)
     size = sched.a2a_group_size(ctx.world_size, q.shape[2])
     chunks = 1 if size is None else head_chunks(q.shape[2], kv_heads, size,
-                                                ctx.world_size // size, tuning.a2a_head_chunks)
+                                                tuning.a2a_head_chunks)
     stride = sched.local_stride(kv_heads, default_heads_k_stride(kv_heads, group, tuning))
     kernel = get_backend(backend, q.device, q.dtype, q.shape[3])   # raises if it cannot run
     scale = q.shape[3] ** -0.5 if softmax_scale is None else float(softmax_scale)
