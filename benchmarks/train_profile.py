@@ -4,7 +4,11 @@ cross-entropy, norm, optimizer, copies, other element-wise), the summed kernel t
 wall time of the profiled steps. Only steady steps are recorded: ``--profile-skip`` steps
 (default 2: compilation, autotuning, allocator growth) run first, then ``--profile-steps``
 (default 3) are profiled; pass ``--train-iters`` ≥ their sum. Kinds are guessed from kernel
-names (Megatron's torch.compile'd fusions show as ``triton_*``: read the names).
+names (Megatron's torch.compile'd fusions show as ``triton_*``: read the names). ``--trace
+FILE.json`` also writes the Chrome trace and splits each step's wall time on this rank's GPU
+into compute, NCCL that nothing hid, NCCL beside compute and idle (the GPU waiting for the host
+or for a peer): at CP > 1 run it under torchrun, every rank writes its own (``{rank}`` in the
+name is replaced by the rank).
 
     python benchmarks/train_profile.py --preset 1b --train-iters 6 --micro-batch-size 4 \\
         --global-batch-size 16 --no-progress-bar --log-dir /tmp/prof
@@ -34,6 +38,60 @@ KINDS = (
 )
 
 
+def _union(spans: list) -> list:
+    """Sorted, merged ``(start, end)`` intervals."""
+    out: list = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _length(spans: list) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _intersect(x: list, y: list) -> float:
+    """Total overlap of two merged interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(x) and j < len(y):
+        lo, hi = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        total += max(0.0, hi - lo)
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def timeline(kernels: list, wall_us: float, steps: int) -> dict:
+    """Where the profiled steps' wall time went on the GPU, per step (ms), from ``kernels``
+    ``[(start_us, end_us, name)]`` of one GPU: ``compute`` (time some non-NCCL kernel ran),
+    ``nccl_exposed`` (only NCCL kernels ran: communication nothing hid), ``nccl_hidden`` (NCCL
+    beside compute), ``idle`` (no kernel: the GPU waiting on the host or on a peer that has
+    not launched yet) — compute + nccl_exposed + idle = wall."""
+    comm = _union([(a, b) for a, b, n in kernels if "nccl" in n.lower()])
+    comp = _union([(a, b) for a, b, n in kernels if "nccl" not in n.lower()])
+    busy = _length(_union([(a, b) for a, b, _ in kernels]))
+    hidden = _intersect(comm, comp)
+    steps = max(1, steps)
+    out = {"compute": _length(comp), "nccl_exposed": _length(comm) - hidden,
+           "nccl_hidden": hidden, "idle": max(0.0, wall_us - busy)}
+    return {k: round(v / 1e3 / steps, 2) for k, v in out.items()}
+
+
+def trace_kernels(path: str) -> list:
+    """``[(start_us, end_us, name)]`` of the GPU kernels in a Chrome trace the profiler wrote
+    (``cat: kernel``; one process's GPU)."""
+    with open(path) as f:
+        events = json.load(f).get("traceEvents", [])
+    return [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", ""))
+            for e in events if e.get("cat") == "kernel" and "ts" in e]
+
+
 def kind_of(name: str) -> str:
     low = name.lower()
     for kind, keys in KINDS:
@@ -46,9 +104,16 @@ def main() -> None:
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)   # the rest: train.py
     p.add_argument("--profile-skip", type=int, default=2)
     p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--trace", metavar="FILE.json",
+                   help="write the Chrome trace there and print where each step's wall time "
+                        "went on this GPU: compute, NCCL alone, NCCL beside compute, idle")
+    p.add_argument("--cuda-only", action="store_true",
+                   help="profile GPU activity only (no host-side op events: the profiler's "
+                        "own host cost, which makes small steps host-bound, mostly goes)")
     ours, argv = p.parse_known_args(sys.argv[1:])
     skip, active = ours.profile_skip, ours.profile_steps
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    acts = [torch.profiler.ProfilerActivity.CUDA] + (
+        [] if ours.cuda_only else [torch.profiler.ProfilerActivity.CPU])
     prof = torch.profiler.profile(activities=acts, schedule=torch.profiler.schedule(
         wait=max(0, skip - 1), warmup=1 if skip else 0, active=active, repeat=1))
     step_fn = train.train_step
@@ -84,6 +149,13 @@ def main() -> None:
           f"{total_us / 1e6:.2f} s (the gap: the GPU waiting on the host)")
     print("per step (ms) by kind: " + json.dumps(
         {k: round(v / 1e3 / steps, 1) for k, v in sorted(by_kind.items(), key=lambda x: -x[1])}))
+    if ours.trace:
+        rank = os.environ.get("RANK", "0")
+        path = ours.trace.replace("{rank}", rank)
+        prof.export_chrome_trace(path)
+        print(f"rank {rank} timeline per step (ms; compute + nccl_exposed + idle = wall "
+              f"{wall * 1e3 / steps:.1f}): " + json.dumps(
+                  timeline(trace_kernels(path), wall * 1e6, steps)))
 
 
 if __name__ == "__main__":

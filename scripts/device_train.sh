@@ -14,6 +14,9 @@
 #     slurm       scripts/slurm/one_host.sh 2 P/2: the sbatch path as two nodes, save + resume
 #     distopt     KINDS at CP = P three ways in one call: the replicated optimizer,
 #                 --use-distributed-optimizer, and with --overlap-param-gather too
+#     profile     train_profile.py at CP = P (PROFILE_KINDS: hybrid softmax), the distributed
+#                 optimizer + overlapped gather: each rank's step split into compute, NCCL
+#                 alone, NCCL hidden and idle; the traces (gzip) beside
 #     long        the longest context at CP = P: LONG_KINDS (hybrid softmax) at LONG_SEQS
 #                 (524288 1048576) with full recompute and --use-distributed-optimizer, 3 steps
 #                 (the estimate beside the measured peak in each row)
@@ -131,6 +134,19 @@ PY
 for l in open(sys.argv[1]):
     r = json.loads(l); c = r["command"]
     print(r["model_kind"], r["status"], "mfu", round(100 * r.get("mfu", 0), 1), "mem", round(r.get("mem_gb", 0), 1), "overlap" if "overlap-param" in c else "distopt" if "distributed-opt" in c else "replicated")' "$OUT/train_distopt.jsonl" ;;
+    profile)
+      # where a CP = P step goes on each GPU (compute / NCCL alone / NCCL hidden / idle),
+      # PROFILE_KINDS at SEQ with the distributed optimizer and the overlapped gather
+      for kind in ${PROFILE_KINDS:-hybrid softmax}; do
+        timeout "$T" torchrun --nproc-per-node "$P" --master-port 29641 benchmarks/train_profile.py \
+          --profile-skip 3 --profile-steps 2 --cuda-only --trace "$OUT/profile_${kind}_rank{rank}.json" \
+          --preset 1b --sp-model-kind "$kind" --context-parallel-size "$P" --seq-length "$SEQ" \
+          --train-iters 5 --micro-batch-size 1 --global-batch-size 1 --vocab-size 128256 \
+          --no-progress-bar --log-dir "/tmp/profile_$kind" \
+          --use-distributed-optimizer --overlap-param-gather > "$OUT/profile_$kind.log" 2>&1
+        echo "profile $kind exit $?"; grep -h "timeline per step\|per step (ms) by kind" "$OUT/profile_$kind.log" | cut -c1-300
+        gzip -f "$OUT"/profile_"$kind"_rank*.json 2>/dev/null
+      done ;;
     long)
       for seq in ${LONG_SEQS:-524288 1048576}; do
         python3 benchmarks/train_scaling.py --kinds ${LONG_KINDS:-hybrid softmax} --layouts "cp$P" \

@@ -167,6 +167,26 @@ def test_launcher_resume_check_reads_megatrons_logs(tmp_path, monkeypatch):
     assert first[first.index("--num-layers") + 1] == "4" and "--nproc-per-node" in first
 
 
+def test_train_profile_timeline_splits_the_wall(tmp_path):
+    """train_profile --trace: compute, NCCL alone, NCCL beside compute and idle per step, from
+    the kernels of a Chrome trace (overlapping kernels counted once)."""
+    from benchmarks import train_profile as tp
+    trace = {"traceEvents": [
+        {"cat": "kernel", "name": "gemm", "ts": 0, "dur": 40},
+        {"cat": "kernel", "name": "flash_fwd", "ts": 30, "dur": 30},         # overlaps gemm
+        {"cat": "kernel", "name": "ncclDevKernel_AllGather", "ts": 50, "dur": 30},  # 10 hidden
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},          # not a kernel
+        {"cat": "kernel", "name": "ncclDevKernel_ReduceScatter", "ts": 150, "dur": 20}]}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(trace))
+    kernels = tp.trace_kernels(str(path))
+    assert len(kernels) == 4
+    got = tp.timeline(kernels, wall_us=400.0, steps=1)
+    # compute [0, 60]; NCCL [50, 80] + [150, 170]: hidden 10, exposed 40; busy 100
+    assert got == {"compute": 0.06, "nccl_exposed": 0.04, "nccl_hidden": 0.01, "idle": 0.3}
+    assert tp.timeline(kernels, wall_us=800.0, steps=2)["idle"] == 0.35     # per step
+
+
 def test_parity_corpus_is_the_checkout_text(tmp_path):
     """train_parity's default data: one JSON document per .py/.md file of the checkout, in a
     fixed order, none from hidden or result folders; train.py reads it."""
