@@ -166,7 +166,8 @@ def _parser():
                    help="a2a_ring group sizes (default: every 1 < U < P dividing P and H)")
     p.add_argument("--a2a-chunks", type=int, nargs="*", default=[],
                    help="also run preset a2a with each of these SoftmaxTuning.a2a_head_chunks "
-                        "(rows 'a2a C=n'; the plain 'a2a' row runs the default)")
+                        "(rows 'a2a C=n', under each --comm-variants: e.g. fewer NCCL CTAs "
+                        "beside cuDNN; the plain 'a2a' row runs the default)")
     p.add_argument("--fwd-bwd-only", action="store_true",
                    help="time fwd+bwd only (the ratio's measure): a shorter sweep")
     p.add_argument("--no-torch-cp", action="store_true")
@@ -211,10 +212,10 @@ def _runs(a, world, H):
             runs.append(("auto", kw, "default"))
         else:
             runs.append((preset, dict(preset=preset), "default"))
-            if preset == "a2a":
-                runs += [(f"a2a C={c}", dict(preset="a2a",
-                                             tuning=SoftmaxTuning(a2a_head_chunks=c)), "default")
-                         for c in a.a2a_chunks]
+            if preset == "a2a":     # each chunk count under every communication setting
+                runs += [(f"a2a C={c}" + ("" if v == "default" else f"+{v}"),
+                          dict(preset="a2a", tuning=SoftmaxTuning(a2a_head_chunks=c)), v)
+                         for v in a.comm_variants for c in a.a2a_chunks]
     return runs
 
 
