@@ -304,7 +304,6 @@ class _Groups:
     def __init__(self, cfg: A2AConfig, heads: int, kv_heads: int):
         self.intra, self.inter = a2a_split(cfg.ctx, cfg.size)
         self.whole = cfg.size == cfg.ctx.world_size
-        self.chunks = cfg.chunks
         self.split = head_split(heads // cfg.chunks, kv_heads // cfg.chunks, cfg.size)
 
     def exchange(self, send: Tensor):
