@@ -20,10 +20,11 @@ chunks' exchanges show where they outlast their kernels: ``W / C + max(S, W·(C 
 (``C = 1``: ``W + S``; the copies stay on the compute stream). The NCCL kernels' share of the
 SMs and memory beside the kernel is not modelled, so ``C > 1`` is optimistic: on NVLink it
 measured slower than one chunk (:attr:`sp_attention.tuning.SoftmaxTuning.a2a_head_chunks`),
-which is why the default and ``auto``'s figures use one. Then the inner schedule on the head shard: the kernel on the group's
-``U·T_local`` tokens with ``H / U`` query heads, which for ``R = 1`` is the whole causal
-sequence, and for ``R > 1`` today's ring across the groups (:func:`.softmax.softmax_step` with
-``"ring"``/``"ring"`` on the shard shape, over the ring's ranks in the topology).
+which is why the default and ``auto``'s figures use one. Then the inner schedule on the head
+shard: the kernel on the group's ``U·T_local`` tokens with ``H / U`` query heads, which for
+``R = 1`` is the whole causal sequence, and for ``R > 1`` today's ring across the groups
+(:func:`.softmax.softmax_step` with ``"ring"``/``"ring"`` on the shard shape, over the ring's
+ranks in the topology).
 """
 from __future__ import annotations
 
