@@ -38,6 +38,7 @@ from sp_train.data import build_dataset, packed_micro_batch
 from sp_train.launch import (BAD_INPUT_EXIT_STATUS, STOP_SIGNALS, StopSignals,
                                              TrainHooks, init_distributed)
 from sp_train.loss import check_loss_impl, micro_batch_loss, step_token_count
+from sp_train.manual_gc import ManualGC
 from sp_train.optim import lr_at
 from sp_train.progress import (Progress, claim_log_dir, describe_attention, flops_per_token,
                                log_dir_refusal, peak_flops, plot_losses, read_log,
@@ -223,20 +224,22 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
     step, stopped = start, False
     model.train()
     try:
-        while step < args.train_iters and not stopped:
-            lr = lr_at(step, args.lr, args.min_lr, args.lr_warmup_iters, args.train_iters)
-            batches = local_micro_batches(data, step, args, layout, groups, cp_ctx, device)
-            share, gnorm = train_step(model, optimizer, reducer, batches, groups, args, lr,
-                                      args.clip_grad)
-            step += 1
-            if hooks.after_step is not None:
-                hooks.after_step(step)
-            loss, signals.stopped_by = agree(share, signals.signum, layout.tp)
-            stopped = signals.stopped_by is not None
-            progress.step(step, loss, gnorm, lr)
-            periodic = args.save_interval and step % args.save_interval == 0
-            if args.save and (periodic or stopped or step == args.train_iters):
-                save(args, step, model, optimizer, groups, layout, hooks, vocab)
+        with ManualGC(args.manual_gc, args.manual_gc_interval) as collector:
+            while step < args.train_iters and not stopped:
+                lr = lr_at(step, args.lr, args.min_lr, args.lr_warmup_iters, args.train_iters)
+                batches = local_micro_batches(data, step, args, layout, groups, cp_ctx, device)
+                share, gnorm = train_step(model, optimizer, reducer, batches, groups, args, lr,
+                                          args.clip_grad)
+                step += 1
+                if hooks.after_step is not None:
+                    hooks.after_step(step)
+                loss, signals.stopped_by = agree(share, signals.signum, layout.tp)
+                stopped = signals.stopped_by is not None
+                progress.step(step, loss, gnorm, lr)
+                collector.after_step(step)
+                periodic = args.save_interval and step % args.save_interval == 0
+                if args.save and (periodic or stopped or step == args.train_iters):
+                    save(args, step, model, optimizer, groups, layout, hooks, vocab)
     finally:
         progress.close()
         if rank == 0:

@@ -44,14 +44,15 @@ def parse_layout(name: str) -> dict:
 
 def train_command(kind: str, lay: dict, *, preset: str, seq_length: int, train_iters: int,
                   log_dir: str, log_json: Optional[str] = None, vocab_size: Optional[int] = None,
-                  port: Optional[int] = None, extra=()) -> list:
+                  port: Optional[int] = None, extra=(), launcher=()) -> list:
     """``torchrun … train.py`` at layout ``lay`` with one sequence per DP rank per step (so
     every layout of one ``seq_length`` trains the same sequences); ``port``: a rendezvous port
-    of its own (runs side by side), else ``--standalone``. The training benchmarks' one
-    train.py command line."""
+    of its own (runs side by side), else ``--standalone``; ``launcher``: more torchrun flags
+    (e.g. ``--numa-binding node``). The training benchmarks' one train.py command line."""
     world = lay["tp"] * lay["cp"] * lay["dp"]
     launch = ["torchrun", "--nproc-per-node", str(world)]
     launch += ["--master-port", str(port)] if port else ["--standalone"]
+    launch += list(launcher)
     cmd = launch + [os.path.join(ROOT, "train.py"), "--preset", preset,
                     "--sp-model-kind", kind, "--seq-length", str(seq_length),
                     "--tensor-model-parallel-size", str(lay["tp"]),
@@ -100,6 +101,9 @@ def main() -> int:
                         "(default: a temporary folder): a fresh machine's first step; the "
                         "package still installs its shipped autotune results")
     p.add_argument("--out", help="append the JSON lines to this file too")
+    p.add_argument("--torchrun-args", default="", metavar="'FLAGS'",
+                   help="more torchrun flags for every run, one string (e.g. '--numa-binding "
+                        "node': each rank's threads on the CPUs near its GPU); rows record them")
     p.add_argument("--log-root", help="keep each run's log and log folder here (default: a "
                                       "temporary folder)")
     p.add_argument("extra", nargs=argparse.REMAINDER,
@@ -129,7 +133,8 @@ def main() -> int:
             cmd = train_command(kind, lay, preset=a.preset, seq_length=a.seq_length,
                                 train_iters=a.train_iters, log_dir=os.path.join(tmp, tag),
                                 log_json=log_json, vocab_size=a.vocab_size, extra=a.extra,
-                                port=29600 + slot if len(batch) > 1 else None)
+                                port=29600 + slot if len(batch) > 1 else None,
+                                launcher=a.torchrun_args.split())
             env = dict(os.environ)
             if a.fresh_triton_cache is not None:
                 cache = os.path.join(a.fresh_triton_cache or os.path.join(tmp, "triton"), tag)
@@ -157,6 +162,8 @@ def main() -> int:
                    "device": _device(a.device), "date": time.strftime("%Y-%m-%d"),
                    "command": " ".join(cmd[cmd.index(os.path.join(ROOT, "train.py")):]
                                        ).replace(ROOT + "/", ""), **summarize(log_json, t0)}
+            if a.torchrun_args:
+                rec["torchrun_args"] = a.torchrun_args
             rec.update(_estimate(log, rec.get("mem_gb")))
             if status != "ok":
                 failed += 1

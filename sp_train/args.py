@@ -178,6 +178,14 @@ class TrainArgs:
                                     "launches the parameters' all-gathers; the next forward "
                                     "waits for each bucket where it first needs it (Megatron's "
                                     "flag; same numbers)")
+    manual_gc: bool = _f(False, "Python's garbage collector only every --manual-gc-interval "
+                         "steps, at the same step on every rank (objects made before the first "
+                         "step frozen out of it), instead of whenever allocations cross its "
+                         "thresholds: a collection pauses one rank's host for milliseconds at "
+                         "a random point, and at CP > 1 every rank then waits for it at the "
+                         "next collective (Megatron's flag)")
+    manual_gc_interval: int = _f(100, "with --manual-gc: collect every N steps (0: never "
+                                 "during training)")
     no_memory_check: bool = _f(False, "start even when the memory estimate printed before the "
                                "model is built exceeds the GPU")
     global_batch_size: int = _f(16, "sequences per step over all DP ranks")
@@ -371,6 +379,9 @@ class TrainArgs:
                              "directory of an earlier run (or leave it out to start fresh)")
         if self.ckpt_step is not None and self.load is None:
             raise UsageError("--ckpt-step picks a checkpoint under --load: pass --load DIR too")
+        if self.manual_gc_interval < 0:
+            raise UsageError("--manual-gc-interval must be >= 0 (0: no collection during "
+                             "training)")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise UsageError("--overlap-param-gather overlaps the distributed optimizer's "
                              "parameter all-gather: add --use-distributed-optimizer")
