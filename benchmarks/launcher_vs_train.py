@@ -26,7 +26,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_scaling import ROOT, emit, kill_tree, parse_layout, train_command  # noqa: E402
+from train_scaling import (ROOT, emit, error_tail, kill_tree, parse_layout,  # noqa: E402
+                           train_command)
 from sp_train.args import SHAPES  # noqa: E402
 
 SHAPE = dict(SHAPES["1b"], vocab_size=128256)       # train.py's --preset 1b, Llama 3's vocab
@@ -78,7 +79,7 @@ def resume_check(lay: dict, name: str, seq: int, tmp: str, timeout: float, devic
     ``2·every`` iterations saving Megatron's checkpoint every ``every``, then a second run
     with ``--load`` to ``3·every``; the record says where the second run started and its
     losses beside the first run's."""
-    ckpt = os.path.join(tmp, f"ckpt_{name}")
+    ckpt = os.path.join(tempfile.mkdtemp(prefix="launcher_ckpt_"), name)  # never in the logs
     logs = {}
     for label, iters, extra in (("first", 2 * every, []), ("resumed", 3 * every, ["--load", ckpt])):
         cmd = launcher_cmd("hybrid", lay, seq, iters, 29623, layers) + [
@@ -101,7 +102,7 @@ def resume_check(lay: dict, name: str, seq: int, tmp: str, timeout: float, devic
            "command": "python benchmarks/launcher_vs_train.py " + " ".join(sys.argv[1:])}
     for label, v in logs.items():
         if v["status"] != "ok" or not rec["ok"]:
-            rec[f"{label}_log_tail"] = v["log"][-800:]
+            rec[f"{label}_log_tail"] = error_tail(v["log"])
     return rec
 
 
@@ -134,8 +135,11 @@ def main() -> int:
                    help="then the launcher's save + resume on the first layout's GPUs (the "
                         "hybrid, 4 layers: 6 iterations saving every 3, resumed to 9)")
     p.add_argument("--no-compare", action="store_true", help="only the --resume-check")
+    p.add_argument("--log-root", help="keep every run's log here (default: a temporary "
+                                      "folder; the resume check's checkpoint stays in one)")
     a = p.parse_args()
-    tmp = tempfile.mkdtemp(prefix="launcher_vs_train_")
+    tmp = a.log_root or tempfile.mkdtemp(prefix="launcher_vs_train_")
+    os.makedirs(tmp, exist_ok=True)
     import torch
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     for kind in ([] if a.no_compare else a.kinds):
@@ -170,7 +174,7 @@ def main() -> int:
                    "command": "python benchmarks/launcher_vs_train.py " + " ".join(sys.argv[1:])}
             for label, status, log in (("train", t_status, t_log), ("launcher", l_status, l_log)):
                 if status != "ok":
-                    rec[f"{label}_log_tail"] = log[-800:]
+                    rec[f"{label}_log_tail"] = error_tail(log)
             emit(rec, a.out)
     if a.resume_check:
         name = a.layouts[0]

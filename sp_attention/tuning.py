@@ -52,7 +52,10 @@ class LinearTuning:
             kernel on the scan's side stream, beside the chunk recurrence on the main stream, so
             the scan travels while the recurrence runs (one more kernel); False takes ``b`` from
             the recurrence's final state, so the scan starts after it. Off: on 2 × H100 it was
-            slower in every row (P = 2, 32K queued: 0.85–0.88 of fla vs 0.90–0.93; 2026-11-26).
+            slower in every row (P = 2, 32K queued: 0.85–0.88 of fla vs 0.90–0.93; 2026-11-26),
+            and at P = 4 (4 × H100, queued: 32K 0.76–0.81 vs 0.83–0.87, 8K 0.58–0.70 vs
+            0.61–0.75; 2026-11-27): the state kernel's full-GPU pass over k and v delays the
+            chunk recurrence by more than the scan it hides.
             The A/B: ``benchmarks/linear_cp.py --ab early``.
         scan_graphs: on CUDA, replay each scan (its rounds' NCCL kernels and combines) from a
             CUDA graph captured on its second call: one launch per scan on the host instead of
