@@ -75,14 +75,17 @@ def launcher_tokens_per_s(log: str, tokens_per_step: int, skip: int = 2) -> tupl
 
 def resume_check(lay: dict, name: str, seq: int, tmp: str, timeout: float, device: str,
                  every: int = 3, layers: int = 4) -> dict:
-    """The launcher's save and resume on ``lay``'s GPUs (the LLLS hybrid, ``layers`` layers):
-    ``2·every`` iterations saving Megatron's checkpoint every ``every``, then a second run
-    with ``--load`` to ``3·every``; the record says where the second run started and its
-    losses beside the first run's."""
+    """The launcher's save and resume on ``lay``'s GPUs (the LLLS hybrid, ``layers`` layers),
+    as a preempted job and its requeue see it: one command for ``3·every`` iterations saving
+    Megatron's checkpoint every ``every``, stopped after ``2·every`` (``--exit-interval``),
+    then the same command with ``--load``; the record says where the second run started and
+    its losses beside the first run's. (Both runs keep ``--train-iters``: Megatron refuses a
+    checkpoint whose learning-rate schedule was made for another length.)"""
     ckpt = os.path.join(tempfile.mkdtemp(prefix="launcher_ckpt_"), name)  # never in the logs
     logs = {}
-    for label, iters, extra in (("first", 2 * every, []), ("resumed", 3 * every, ["--load", ckpt])):
-        cmd = launcher_cmd("hybrid", lay, seq, iters, 29623, layers) + [
+    for label, extra in (("first", ["--exit-interval", str(2 * every)]),
+                         ("resumed", ["--load", ckpt])):
+        cmd = launcher_cmd("hybrid", lay, seq, 3 * every, 29623, layers) + [
             "--save", ckpt, "--save-interval", str(every)] + extra
         status, wall, log = run(cmd, os.path.join(tmp, f"resume_{name}_{label}.log"), timeout)
         logs[label] = dict(status=status, wall_s=wall, log=log)

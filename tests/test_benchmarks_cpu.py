@@ -165,6 +165,11 @@ def test_launcher_resume_check_reads_megatrons_logs(tmp_path, monkeypatch):
     assert "--load" not in first and second[second.index("--load") + 1] == \
         first[first.index("--save") + 1]
     assert first[first.index("--num-layers") + 1] == "4" and "--nproc-per-node" in first
+    # one command, as a preempted job and its requeue: the same length (Megatron refuses a
+    # schedule made for another), the first run stopped at 6
+    assert first[first.index("--train-iters") + 1] == second[second.index("--train-iters") + 1] \
+        == "9"
+    assert first[first.index("--exit-interval") + 1] == "6" and "--exit-interval" not in second
 
 
 def test_train_profile_timeline_splits_the_wall(tmp_path):
