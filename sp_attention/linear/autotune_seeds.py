@@ -14,7 +14,9 @@ documents) kernels and our own gated kernels at K = V = 64, and the varlen kerne
 since 2026-11-26 the keys train.py's 1B models met on a fresh 2 × H100 machine (the packed
 path's K = 64 recurrences and output kernel, the linear and gated models' dv and dq/dk): its
 first step at CP 2 and 32K went from over 140 s to 29–43 s (softmax, linear, gated, hybrid
-with packed documents; ``benchmarks/train_scaling.py --fresh-triton-cache``). H100 and H200
+with packed documents; ``benchmarks/train_scaling.py --fresh-triton-cache``); since 2026-11-27
+the keys of the HF example's linear model (K = V = 32, fixed rates, eight kernels), whose first
+step at CP 4 on a fresh 4 × H200 came after 112 s of autotuning and compiling. H100 and H200
 are both sm_90: Triton keys its cache by the architecture, so one archive serves both (the
 configs were timed on whichever ran; a config tuned on one is a good one on the other).
 Triton names each cache entry by a hash of its own version, the
