@@ -79,7 +79,8 @@ for l in open(sys.argv[1]):
       lays="cp$P"; [ "$P" -ge 4 ] && lays="cp$P tp2cp$H"
       timeout $((4 * T)) python3 benchmarks/launcher_vs_train.py --kinds softmax hybrid \
         --layouts $lays --seq-length "${LAUNCHER_SEQ:-16384}" --timeout "$T" --resume-check \
-        ${LAUNCHER_EXTRA:-} --out "$OUT/launcher_vs_train.jsonl" > "$OUT/launcher_vs_train.log" 2>&1
+        --log-root "$OUT/launcher" ${LAUNCHER_EXTRA:-} --out "$OUT/launcher_vs_train.jsonl" \
+        > "$OUT/launcher_vs_train.log" 2>&1
       cut -c1-400 "$OUT/launcher_vs_train.jsonl" ;;
     hf)
       for m in ${HF_MODELS:-llama linear gated hybrid}; do
