@@ -136,7 +136,8 @@ def main() -> int:
     p.add_argument("--out")
     p.add_argument("--resume-check", action="store_true",
                    help="then the launcher's save + resume on the first layout's GPUs (the "
-                        "hybrid, 4 layers: 6 iterations saving every 3, resumed to 9)")
+                        "hybrid, 4 layers: one command for 9 iterations saving every 3, "
+                        "stopped at 6 by --exit-interval, then rerun with --load)")
     p.add_argument("--no-compare", action="store_true", help="only the --resume-check")
     p.add_argument("--log-root", help="keep every run's log here (default: a temporary "
                                       "folder; the resume check's checkpoint stays in one)")
