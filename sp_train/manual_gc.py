@@ -27,9 +27,10 @@ class ManualGC:
             raise ValueError(f"interval must be >= 0, got {interval}")
         self.enabled, self.interval = bool(enabled), int(interval)
         self.collections = 0
-        self._was_enabled = gc.isenabled()
+        self._was_enabled = True
 
     def __enter__(self) -> "ManualGC":
+        self._was_enabled = gc.isenabled()
         if self.enabled:
             gc.collect()            # what setup left behind, then the survivors out of reach
             gc.freeze()

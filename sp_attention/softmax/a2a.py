@@ -374,13 +374,13 @@ def a2a_forward(q: Tensor, k: Tensor, v: Tensor, cfg: A2AConfig
         qh = _arrived(q_recv, order.rows[1][0])
         outh, lseh = _inner_forward(qh, kh, vh, gr, cfg)
         saved += [qh, kh, vh, outh, lseh]
-        back.append((c, _chunk(out, c, C), gr.exchange(_send_back((outh,), order))))
+        back.append((_chunk(out, c, C), gr.exchange(_send_back((outh,), order))))
         if cfg.return_lse:         # [B, a, T] -> rows [B, T, a, 1] -> home [B, L, H/C, 1]
             if lse is None:
                 lse = torch.empty((B, q.shape[2], L), dtype=lseh.dtype, device=q.device)
-            back.append((c, _chunk(lse.transpose(1, 2), c, C).unsqueeze(3), gr.exchange(
+            back.append((_chunk(lse.transpose(1, 2), c, C).unsqueeze(3), gr.exchange(
                 _send_back((lseh.transpose(1, 2).unsqueeze(3),), order))))
-    for _, dst, (recv, work) in back:
+    for dst, (recv, work) in back:
         _wait(work)
         _heads_into(dst, recv)
     return out, lse, tuple(saved)
