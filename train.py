@@ -34,7 +34,8 @@ import torch.distributed as dist  # noqa: E402
 
 from sp_train import checkpoint as ckpt  # noqa: E402
 from sp_train.args import TrainArgs, UsageError, parse_args  # noqa: E402
-from sp_train.data import build_dataset, packed_micro_batch
+from sp_train.cuda_graphs import LayerGraphs, release_layer_graphs
+from sp_train.data import build_dataset, local_micro_batches
 from sp_train.launch import (BAD_INPUT_EXIT_STATUS, STOP_SIGNALS, StopSignals,
                                              TrainHooks, init_distributed)
 from sp_train.loss import check_loss_impl, micro_batch_loss, step_token_count
@@ -46,8 +47,7 @@ from sp_train.progress import (Progress, claim_log_dir, describe_attention, flop
 from sp_train.setup import (build_model, build_optimizer, check_memory, count_params,
                             init_groups, load_hf, memory_capacity, memory_margin_warning,
                             model_vocab, schedule_picks)
-from sp_attention import (build_sp_context, release_cuda_graphs, shard_position_ids,
-                          shard_sequence)
+from sp_attention import build_sp_context, release_cuda_graphs
 
 
 def rank0_print(*a) -> None:
@@ -70,28 +70,11 @@ def checked_resume_point(args: TrainArgs, layout) -> Optional[str]:
     return path
 
 
-def local_micro_batches(data, step: int, args: TrainArgs, layout, groups, cp_ctx, device):
-    """This rank's micro-batches of ``step``: rows of its DP rank, tokens of its CP shard.
-    Packed documents: a micro-batch's rows end to end as one row, cut by its packing plan,
-    with Megatron's THD parameters for the model (None otherwise)."""
-    rows = data.batch(step, args.global_batch_size, groups.dp_rank, layout.dp)
-    position_ids = shard_position_ids(args.seq_length, cp_ctx).unsqueeze(0)
-    out = []
-    for i in range(layout.num_micro_batches):
-        mb = slice(i * layout.micro_batch_size, (i + 1) * layout.micro_batch_size)
-        if rows.cu_seqlens is not None:
-            out.append(packed_micro_batch(rows, mb, cp_ctx, device,
-                                          local_only=args.local_attention_only))
-            continue
-        tok, lab, msk = (shard_sequence(x[mb], cp_ctx, dim=1).to(device) for x in rows[:3])
-        pos = position_ids.expand(tok.shape[0], -1).to(device)
-        out.append((tok, pos, lab, msk, None))
-    return out
-
-
-def train_step(model, optimizer, reducer, micro_batches, groups, args, lr, clip: float):
+def train_step(model, optimizer, reducer, micro_batches, groups, args, lr, clip: float,
+               graphs: Optional[LayerGraphs] = None):
     """Forward/backward over the micro-batches, gradient sum over DP × CP (``reducer``: in the
-    last backward), optimizer step. Returns (this rank's loss share, gradient norm)."""
+    last backward), optimizer step. Returns (this rank's loss share, gradient norm).
+    ``graphs``: the layers replayed from CUDA graphs (``--cuda-graphs``), if any."""
     share = torch.zeros((), dtype=torch.float64, device=micro_batches[0][0].device)
     count = step_token_count(micro_batches, groups.dp_cp)   # the step's loss tokens, all ranks
     for i, (tok, pos, lab, msk, packed) in enumerate(micro_batches):
@@ -102,6 +85,8 @@ def train_step(model, optimizer, reducer, micro_batches, groups, args, lr, clip:
         if i == len(micro_batches) - 1:
             reducer.arm()                   # these gradients are final: buckets travel now
         loss.backward()
+        if graphs is not None and i < len(micro_batches) - 1:
+            graphs.own_grads()              # the next replay would write over these
         share += loss.detach().double()     # stays on the device: agree() syncs once a step
     return share, optimizer.step(lr, clip, reducer.finish())   # fp32 sums, or None: .grad
 
@@ -152,6 +137,8 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
     rank, world, device = init_distributed(args.distributed_timeout_minutes)
     layout = args.layout(world)                   # world-size checks, still before collectives
     args.recompute().check_device(device.type == "cuda")
+    if args.cuda_graphs and device.type != "cuda":
+        raise UsageError("--cuda-graphs replays CUDA graphs: run on GPUs or drop it")
     check_loss_impl(args.loss_impl, layout.tp, device)
     resume_from = checked_resume_point(args, layout)
     if device.type != "cuda" or rank != 0:
@@ -182,6 +169,8 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
     # baseline's model sees a CP group of one; its data is still split over the real group)
     cp_ctx = (build_sp_context(groups.cp, layout=model.sp_context.layout)
               if args.local_attention_only else model.sp_context)
+    # layers replayed from CUDA graphs are marked before the optimizer hooks the model
+    graphs = LayerGraphs(model.decoder.layers) if args.cuda_graphs else None
     optimizer, reducer = build_optimizer(model, args, groups)   # Adam's state exists now
     start = 0
     if resume_from is not None:
@@ -202,7 +191,8 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
         f"attention {attn}, {rope} | {dist.get_backend()} on {device.type}, "
         f"{'bf16' if bf16 else 'fp32'} | {args.recompute().describe()}, {args.loss_impl} loss"
         f"{', distributed optimizer' if reducer.shard else ''}"
-        f"{' (parameter gather overlapped)' if optimizer.overlap_param_gather else ''} | "
+        f"{' (parameter gather overlapped)' if optimizer.overlap_param_gather else ''}"
+        f"{', layers replayed from CUDA graphs' if graphs is not None else ''} | "
         f"{data.description} | steps {start + 1}..{args.train_iters}"
         f" × {args.global_batch_size} seqs × {args.seq_length} tokens"
         + (f" | resumed from {resume_from}" if resume_from else
@@ -229,7 +219,7 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
                 lr = lr_at(step, args.lr, args.min_lr, args.lr_warmup_iters, args.train_iters)
                 batches = local_micro_batches(data, step, args, layout, groups, cp_ctx, device)
                 share, gnorm = train_step(model, optimizer, reducer, batches, groups, args, lr,
-                                          args.clip_grad)
+                                          args.clip_grad, graphs)
                 step += 1
                 if hooks.after_step is not None:
                     hooks.after_step(step)
@@ -245,6 +235,8 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
         if rank == 0:
             release_log_dir(args.log_json)
     optimizer.settle()                  # the last step's parameter gathers, if still in flight
+    if graphs is not None:
+        graphs.release()                # the model's layers run their own forwards again
     if hooks.on_model is not None:
         hooks.on_model(model, step)
         if own_signals:
@@ -294,6 +286,7 @@ if __name__ == "__main__":
         sys.exit(BAD_INPUT_EXIT_STATUS)
     finally:
         if dist.is_initialized():
-            release_cuda_graphs()        # a live CUDA graph holding NCCL blocks the destroy
+            release_layer_graphs()       # a live CUDA graph holding NCCL blocks the destroy
+            release_cuda_graphs()
             dist.destroy_process_group()
     sys.exit(stop.exit_status)           # 0, or 75 after SIGTERM (requeue), 130 after SIGINT

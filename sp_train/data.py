@@ -24,9 +24,10 @@ import torch
 
 from megatron_patches.options import UsageError
 from megatron_patches.packing import pack_batch, packed_seq_params, rows_cu_seqlens
-from sp_attention import plan_packing
+from sp_attention import plan_packing, shard_position_ids, shard_sequence
 
-__all__ = ["Rows", "CopyTask", "TokenFile", "build_dataset", "packed_micro_batch", "pad_vocab",
+__all__ = ["Rows", "CopyTask", "TokenFile", "build_dataset", "packed_micro_batch",
+           "local_micro_batches", "pad_vocab",
            "dp_rows", "ENCODINGS", "PACKINGS", "load_tokenizer"]
 
 # How a --data-path file is read: "utf-8" (text; bytes that are not UTF-8 are an error naming
@@ -320,3 +321,23 @@ def build_dataset(args, tp: int):
                         packed)
     return TokenFile(args.data_path, args.seq_length, args.seed, tp, args.tokenizer_model,
                      args.data_encoding, packed)
+
+
+def local_micro_batches(data, step: int, args, layout, groups, cp_ctx, device):
+    """train.py's micro-batches of ``step`` on this rank (``args``: its TrainArgs): rows of its
+    DP rank, tokens of its CP shard.
+    Packed documents: a micro-batch's rows end to end as one row, cut by its packing plan,
+    with Megatron's THD parameters for the model (None otherwise)."""
+    rows = data.batch(step, args.global_batch_size, groups.dp_rank, layout.dp)
+    position_ids = shard_position_ids(args.seq_length, cp_ctx).unsqueeze(0)
+    out = []
+    for i in range(layout.num_micro_batches):
+        mb = slice(i * layout.micro_batch_size, (i + 1) * layout.micro_batch_size)
+        if rows.cu_seqlens is not None:
+            out.append(packed_micro_batch(rows, mb, cp_ctx, device,
+                                          local_only=args.local_attention_only))
+            continue
+        tok, lab, msk = (shard_sequence(x[mb], cp_ctx, dim=1).to(device) for x in rows[:3])
+        pos = position_ids.expand(tok.shape[0], -1).to(device)
+        out.append((tok, pos, lab, msk, None))
+    return out

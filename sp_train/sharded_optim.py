@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from sp_attention.comm import all_gather_single, reduce_scatter_single
 
+from .cuda_graphs import GRAPHED
 from .optim import clip_scale, init_adam_state, squared_norm
 from .reduce import group_size, shard_size
 
@@ -210,8 +211,15 @@ class ShardedAdamW:
         self.detach()
         if not self.overlap_param_gather:
             return
+        # a layer replayed from a CUDA graph (train.py --cuda-graphs) runs no hooks inside it:
+        # it waits for all of its parameters before it
+        graphed = [m for m in model.modules() if getattr(m, GRAPHED, False)]
+        inside = {id(x) for m in graphed for x in m.modules() if x is not m}
         for module in model.modules():
-            mine = tuple(sorted({self._bucket_of[id(p)] for p in module.parameters(recurse=False)
+            if id(module) in inside:
+                continue
+            whole = getattr(module, GRAPHED, False)
+            mine = tuple(sorted({self._bucket_of[id(p)] for p in module.parameters(recurse=whole)
                                  if id(p) in self._bucket_of}))
             if mine:
                 self._hooks.append(module.register_forward_pre_hook(

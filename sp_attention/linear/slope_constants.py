@@ -82,7 +82,11 @@ def check_gate_values(g: torch.Tensor) -> bool:
     version (the same cache as the slopes' constants). Reading the values on the host is one
     device sync on CUDA: gates are activations, a new tensor every step, so a training step
     pays it once per gated layer call (``LinearTuning(check_gate_values=False)`` skips it).
-    Returns True when the check ran now (False: this tensor version was checked before)."""
+    Returns True when the check ran now (False: this tensor version was checked before, or a
+    CUDA graph is being captured, which cannot read values: a replayed layer's gates are
+    checked in the eager calls before its capture only)."""
+    if g.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
     ran = []
 
     def check() -> bool:
