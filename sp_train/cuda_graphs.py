@@ -70,7 +70,6 @@ class LayerGraphs:
         self.make_graphed = make_graphed or torch.cuda.make_graphed_callables
         self.calls: Optional[list] = None    # the graphed _LayerCall of each layer, once made
         self.signature: Optional[tuple] = None
-        self._accumulators: list = []
         self._own = []
         for i, layer in enumerate(self.layers):
             setattr(layer, GRAPHED, True)
@@ -125,12 +124,14 @@ class LayerGraphs:
             h = torch.randn(hidden.shape, dtype=hidden.dtype, device=hidden.device) * 0.02
             samples.append((h.requires_grad_(),) if rope is None else
                            (h.requires_grad_(), rope.detach().clone()))
-        # The parameters' gradient accumulators made here, on the stream the steps run on, and
-        # held: otherwise the capture (on make_graphed_callables' own stream) makes them, its
-        # graphs keep them alive, and every later step accumulates (and runs the reducer's
-        # hooks) on that other stream
-        self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0]
-                              for c in calls for p in c.parameters() if p.requires_grad]
+        # The capture runs on make_graphed_callables' own stream, which makes the parameters'
+        # gradient accumulators there, and its graphs keep them: later steps accumulate (and
+        # run the gradient reducer's hooks) on that stream, autograd ordering it after the
+        # replayed backward with an event — correct, one event wait per parameter. Making the
+        # accumulators on the default stream beforehand instead (autograd's advice) gave runs
+        # that did not reach their first step (4 x H200, 2026-11-27; the default stream cannot
+        # join a capture), so the warning about the mismatch is turned off, not the mismatch.
+        torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
         if hidden.is_cuda:
             torch.cuda.synchronize()
         graphed = self.make_graphed(calls, tuple(samples), num_warmup_iters=self.warmup,
@@ -163,7 +164,6 @@ class LayerGraphs:
         self.calls = None
         self.signature = None
         self._own = []
-        self._accumulators = []
         gc.collect()                            # the graphs go with their autograd functions
 
 
