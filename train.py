@@ -232,11 +232,11 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
                     save(args, step, model, optimizer, groups, layout, hooks, vocab)
     finally:
         progress.close()
+        if graphs is not None:
+            graphs.release()            # the layers run their own forwards again; NCCL let go
         if rank == 0:
             release_log_dir(args.log_json)
     optimizer.settle()                  # the last step's parameter gathers, if still in flight
-    if graphs is not None:
-        graphs.release()                # the model's layers run their own forwards again
     if hooks.on_model is not None:
         hooks.on_model(model, step)
         if own_signals:

@@ -19,15 +19,15 @@ they share one memory pool and are captured in the order a step runs them):
   attention mask or an inference context raises (``--cuda-graphs`` refuses ``--packing
   documents`` and activation recompute up front).
 - A graph holds its process groups' NCCL communicators, and NCCL cannot destroy a communicator
-  that a live graph holds: :func:`release_layer_graphs` drops them (train.py does before
-  ``destroy_process_group``; it also runs at interpreter exit).
+  that a live graph holds: :meth:`LayerGraphs.release` drops them (train.py does when its
+  loop ends, also on an error) and :func:`release_layer_graphs` any left (before
+  ``destroy_process_group``).
 
 Memory: each layer keeps static input, output and gradient buffers (its parameters' gradients
 once more in the model's dtype, ~2 GiB for the 1B model in bf16).
 """
 from __future__ import annotations
 
-import atexit
 import gc
 import weakref
 from typing import Optional
@@ -156,7 +156,10 @@ class LayerGraphs:
         """Give the layers their own forwards back and drop the graphs (captured again at the
         next call of a new :class:`LayerGraphs`)."""
         if self.calls is not None and torch.cuda.is_available():
-            torch.cuda.synchronize()            # nothing of theirs still queued
+            try:
+                torch.cuda.synchronize()        # nothing of theirs still queued
+            except RuntimeError:                # a CUDA error earlier: nothing left to protect
+                pass
         for layer in self.layers:
             layer.__dict__.pop("forward", None)
             if hasattr(layer, GRAPHED):
@@ -175,12 +178,3 @@ def release_layer_graphs() -> int:
         g.release()
     return len(held)
 
-
-def _release_at_exit() -> None:
-    try:
-        release_layer_graphs()
-    except RuntimeError:    # a CUDA error earlier in the process: nothing left to protect
-        pass
-
-
-atexit.register(_release_at_exit)
