@@ -131,13 +131,13 @@ def test_refusals_name_the_fix():
         LayerGraphs([])
 
 
-def _train_worker(rank, world, tmp):
+def _train_worker(rank, world, tmp, flags):
     import train
     torch.cuda.set_device(rank)
     argv = ["--sp-model-kind", "hybrid", "--context-parallel-size", str(world),
             "--seq-length", "4096", "--global-batch-size", "2", "--micro-batch-size", "1",
             "--train-iters", "4",
-            "--num-layers", "4", "--no-progress-bar", "--log-interval", "1"]
+            "--num-layers", "4", "--no-progress-bar", "--log-interval", "1", *flags]
     plain = [r["loss"] for r in train.main(argv + ["--log-dir", f"{tmp}/plain"])]
     graphed = [r["loss"] for r in train.main(argv + ["--log-dir", f"{tmp}/graphs",
                                                      "--cuda-graphs"])]
@@ -146,11 +146,16 @@ def _train_worker(rank, world, tmp):
 
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (device machine)")
-def test_train_losses_with_cuda_graphs_on_nccl(tmp_path):
+@pytest.mark.parametrize("optimizer", ["replicated", "distributed-overlapped"])
+def test_train_losses_with_cuda_graphs_on_nccl(tmp_path, optimizer):
     """train.py at CP 2 on NCCL, bf16, the hybrid (linear scans and softmax in the graphs):
     the captured layers give the eager run's losses, two micro-batches a step (their gradients
-    accumulated out of the graphs' static buffers); the tolerance is bf16 noise of 4 steps."""
-    out = run_distributed(_train_worker, 2, str(tmp_path), timeout=600, backend="nccl")
+    accumulated out of the graphs' static buffers); the tolerance is bf16 noise of 4 steps.
+    ``distributed-overlapped``: with --use-distributed-optimizer --overlap-param-gather, whose
+    parameter gathers a replayed layer waits for as a whole."""
+    flags = {"replicated": [], "distributed-overlapped": [
+        "--use-distributed-optimizer", "--overlap-param-gather"]}[optimizer]
+    out = run_distributed(_train_worker, 2, str(tmp_path), flags, timeout=600, backend="nccl")
     plain, graphed = out[0]
     assert len(plain) == len(graphed) == 4
     assert all(abs(a - b) <= 2e-2 * max(1.0, abs(a)) for a, b in zip(plain, graphed)), \
