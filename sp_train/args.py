@@ -184,14 +184,14 @@ class TrainArgs:
                          "thresholds, when a collection can pause one rank's host at a random "
                          "point while the others wait for it at the next collective (Megatron's "
                          "flag; no gain measured at CP 4 with 32K tokens on 4 × H200)")
+    manual_gc_interval: int = _f(100, "with --manual-gc: collect every N steps (0: never "
+                                 "during training)")
     cuda_graphs: bool = _f(False, "replay every transformer layer's forward and backward from "
                            "CUDA graphs captured at the first step (torch's "
                            "make_graphed_callables): the host issues one launch per layer "
                            "instead of ~150, for steps whose hosts fall behind their GPUs (CP "
                            "> 1); same numbers; fixed shapes only (no --packing documents, no "
-                           "recompute); ~2 GiB more memory for the 1B model")
-    manual_gc_interval: int = _f(100, "with --manual-gc: collect every N steps (0: never "
-                                 "during training)")
+                           "recompute); measured at CP 4, 32K: hybrid 32.8 -> 35.7 %% MFU")
     no_memory_check: bool = _f(False, "start even when the memory estimate printed before the "
                                "model is built exceeds the GPU")
     global_batch_size: int = _f(16, "sequences per step over all DP ranks")

@@ -23,8 +23,9 @@ they share one memory pool and are captured in the order a step runs them):
   loop ends, also on an error) and :func:`release_layer_graphs` any left (before
   ``destroy_process_group``).
 
-Memory: each layer keeps static input, output and gradient buffers (its parameters' gradients
-once more in the model's dtype, ~2 GiB for the 1B model in bf16).
+Memory: each layer keeps static input, output and gradient buffers in the graphs' one pool;
+measured at CP 4 (1B, 32K) the peak was ~2 GiB *lower* than without graphs (hybrid 34.2 → 32.1
+GB, softmax 32.5 → 30.4), the pool's blocks being planned once instead of cached per size.
 """
 from __future__ import annotations
 
