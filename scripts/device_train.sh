@@ -10,6 +10,7 @@
 #     launcher    launcher_vs_train.py (megatron-core 0.19 with megatron.training): tokens/s
 #                 beside train.py, then the launcher's save + resume on the P GPUs
 #     hf          examples/hf_llama_cp.py --device cuda, every --model at CP = P and CP = 1
+#                 (one Triton cache per model; what autotuned -> autotune_hf.tgz)
 #     parity      train_parity.py: CP = P against two CP = 1 runs, 300 steps, PNG
 #     slurm       scripts/slurm/one_host.sh 2 P/2: the sbatch path as two nodes, save + resume
 #     graphs      KINDS at CP = P without and with --cuda-graphs (layers replayed from CUDA
@@ -40,6 +41,19 @@ pack() { (cd "$OUT" && tar czf /tmp/train_all.tgz --exclude all.tgz . && cp /tmp
 reap() {   # a run killed at its time limit must not leave workers holding GPU memory
   nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9 2>/dev/null; sleep 1; }
 layouts() { echo cp1 "cp$P"; [ "$P" -ge 4 ] && echo "tp2cp$H dp2cp$H"; }
+collect_autotune() {  # DIR ARCHIVE: every <hash>/<kernel>.autotune.json under DIR, packed as the
+  # shipped seeds are (sp_attention/linear/tuned/; merge the new ones into that archive)
+  python3 - "$1" "$2" <<'PY'
+import glob, os, sys, tarfile
+seen = {}
+for f in glob.glob(os.path.join(sys.argv[1], "**", "*.autotune.json"), recursive=True):
+    seen.setdefault(os.path.join(*f.split(os.sep)[-2:]), f)
+with tarfile.open(sys.argv[2], "w:gz") as tar:
+    for name, f in sorted(seen.items()):
+        tar.add(f, arcname=name)
+print(len(seen), "autotune results")
+PY
+}
 
 for step in ${*:-first_step scaling}; do
   echo "== $step $(date +%T)"
@@ -57,16 +71,7 @@ for step in ${*:-first_step scaling}; do
           | uniq -c > "$OUT/first_step_$k/triton_cache.txt")
       done
       # every autotune result of these runs (<hash>/<kernel>.autotune.json, as the shipped seeds)
-      python3 - "$OUT/autotune_new.tgz" <<'PY'
-import glob, os, sys, tarfile
-seen = {}
-for f in glob.glob("/tmp/first/**/*.autotune.json", recursive=True):
-    seen.setdefault(os.path.join(*f.split(os.sep)[-2:]), f)
-with tarfile.open(sys.argv[1], "w:gz") as tar:
-    for name, f in sorted(seen.items()):
-        tar.add(f, arcname=name)
-print(len(seen), "autotune results")
-PY
+      collect_autotune /tmp/first "$OUT/autotune_new.tgz"
       # later steps start from these kernels (as a second run on this machine would)
       mkdir -p "$HOME/.triton/cache"
       for d in /tmp/first/*/*/; do cp -rn "$d". "$HOME/.triton/cache/" 2>/dev/null; done ;;
@@ -87,8 +92,9 @@ for l in open(sys.argv[1]):
     hf)
       for m in ${HF_MODELS:-llama linear gated hybrid}; do
         for cp in "$P" 1; do
-          timeout "$T" torchrun --nproc-per-node "$cp" --master-port 29631 examples/hf_llama_cp.py \
-            --cp "$cp" --device cuda --model "$m" > "$OUT/hf_${m}_cp$cp.log" 2>&1
+          TRITON_CACHE_DIR=/tmp/hfcache/$m timeout "$T" torchrun --nproc-per-node "$cp" \
+            --master-port 29631 examples/hf_llama_cp.py --cp "$cp" --device cuda --model "$m" \
+            > "$OUT/hf_${m}_cp$cp.log" 2>&1
           echo "hf $m cp$cp exit $?: $(tail -n 1 "$OUT/hf_${m}_cp$cp.log")"
         done
         # the printed losses (every 10 steps) of CP = P against CP = 1: one JSON line
@@ -109,7 +115,9 @@ print(json.dumps({"bench": "hf_cp", "model": sys.argv[3], "cp": int(sys.argv[4])
                              f"--cp {sys.argv[4]} --device cuda --model {sys.argv[3]} (and --cp 1)"}))
 PY
       done
-      cat "$OUT/hf_cp.jsonl" ;;
+      cat "$OUT/hf_cp.jsonl"
+      # what the example autotuned (its head dim 32): ship what sp_attention/linear/tuned lacks
+      collect_autotune /tmp/hfcache "$OUT/autotune_hf.tgz" ;;
     parity)
       timeout $((3 * T)) python3 benchmarks/train_parity.py --cp "$P" --kind hybrid \
         --train-iters 300 --png "$OUT/train_parity_cp$P.png" --out "$OUT/train_parity.jsonl" \
