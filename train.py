@@ -34,7 +34,7 @@ import torch.distributed as dist  # noqa: E402
 
 from sp_train import checkpoint as ckpt  # noqa: E402
 from sp_train.args import TrainArgs, UsageError, parse_args  # noqa: E402
-from sp_train.cuda_graphs import LayerGraphs, release_layer_graphs
+from sp_train.cuda_graphs import LayerGraphs
 from sp_train.data import build_dataset, local_micro_batches
 from sp_train.launch import (BAD_INPUT_EXIT_STATUS, STOP_SIGNALS, StopSignals,
                                              TrainHooks, init_distributed)
@@ -286,7 +286,6 @@ if __name__ == "__main__":
         sys.exit(BAD_INPUT_EXIT_STATUS)
     finally:
         if dist.is_initialized():
-            release_layer_graphs()       # a live CUDA graph holding NCCL blocks the destroy
-            release_cuda_graphs()
+            release_cuda_graphs()        # a live CUDA graph holding NCCL blocks the destroy
             dist.destroy_process_group()
     sys.exit(stop.exit_status)           # 0, or 75 after SIGTERM (requeue), 130 after SIGINT

@@ -20,8 +20,7 @@ they share one memory pool and are captured in the order a step runs them):
   documents`` and activation recompute up front).
 - A graph holds its process groups' NCCL communicators, and NCCL cannot destroy a communicator
   that a live graph holds: :meth:`LayerGraphs.release` drops them (train.py does when its
-  loop ends, also on an error) and :func:`release_layer_graphs` any left (before
-  ``destroy_process_group``).
+  loop ends, also on an error, so before ``destroy_process_group``).
 
 Memory: each layer keeps static input, output and gradient buffers in the graphs' one pool;
 measured at CP 4 (1B, 32K) the peak was ~2 GiB *lower* than without graphs (hybrid 34.2 → 32.1
@@ -30,16 +29,13 @@ GB, softmax 32.5 → 30.4), the pool's blocks being planned once instead of cach
 from __future__ import annotations
 
 import gc
-import weakref
 from typing import Optional
 
 import torch
 
-__all__ = ["LayerGraphs", "GRAPHED", "release_layer_graphs"]
+__all__ = ["LayerGraphs", "GRAPHED"]
 
 GRAPHED = "_sp_cuda_graphed"    # set on a layer whose forward replays a graph (see attach())
-
-_LIVE: "weakref.WeakSet[LayerGraphs]" = weakref.WeakSet()
 
 
 class _LayerCall(torch.nn.Module):
@@ -76,7 +72,6 @@ class LayerGraphs:
             setattr(layer, GRAPHED, True)
             self._own.append(layer.forward)
             layer.forward = self._make_forward(i)
-        _LIVE.add(self)
 
     def _make_forward(self, i: int):
         def forward(hidden_states=None, attention_mask=None, context=None, rotary_pos_emb=None,
@@ -169,13 +164,4 @@ class LayerGraphs:
         self.signature = None
         self._own = []
         gc.collect()                            # the graphs go with their autograd functions
-
-
-def release_layer_graphs() -> int:
-    """Release every :class:`LayerGraphs` of this process; returns how many held graphs. Call
-    it before ``torch.distributed.destroy_process_group()`` (see the module docstring)."""
-    held = [g for g in list(_LIVE) if g.calls is not None]
-    for g in list(_LIVE):
-        g.release()
-    return len(held)
 
