@@ -15,7 +15,8 @@ work; for unpacked rows all ranks do the same work). `timing`: `eager` (the host
 while the GPU runs: a layer called as a model calls it), `queued` (every timed call enqueued
 behind a GPU sleep: the GPU's own time, as in a deep model whose host runs ahead).
 `ms_host_fwd_bwd`: the host's time to enqueue one fwd+bwd (GPU drained before).
-`--ab`: the same rows with a LinearTuning field flipped (impl suffix), side by side.
+`--ab`: the same rows with a LinearTuning field flipped, or set to its other values (impl
+suffix), side by side.
 `--profile DIR`: one profiled fwd+bwd per layout and scan at the last T_local: a
 `linear_phases` row (host time, each stream's kernel time, the NCCL kernels, the main
 stream's idle time inside the step) and a text timeline on stderr.
@@ -44,6 +45,10 @@ AB = {"early": ("early_end_states", "-early", "-late"),
       "graphs": ("scan_graphs", "-graphs", "-eager"),
       "serial": ("concurrent_recurrences", "-concurrent", "-serial"),
       "zero": ("static_zero_paths", "-zero", "-nozero")}
+# --ab NAME for a field with several values: (LinearTuning field, ((value, impl suffix), ...))
+AB_VALUES = {"backward": ("backward_schedule", (("recurrence_first", "-recfirst"),
+                                                ("sum_beside", "-sumbeside"),
+                                                ("scan_first", "-scanfirst")))}
 
 
 def _phases(events: list) -> dict:
@@ -166,7 +171,14 @@ class _Rows:
         a = self.a
         default = LinearTuning()
         variants = [(default, "")]
-        for name in (a.ab if self.case == "fixed" else ()):
+        for name in (a.ab if self.case in ("fixed", "gated") else ()):
+            if name in AB_VALUES:       # every value but the default's
+                field, values = AB_VALUES[name]
+                variants += [(replace(default, **{field: value}), sfx) for value, sfx in values
+                             if value != getattr(default, field)]
+                continue
+            if self.case != "fixed":
+                continue
             field, on, off = AB[name]
             flipped = replace(default, **{field: not getattr(default, field)})
             variants.append((flipped, on if getattr(flipped, field) else off))
@@ -223,10 +235,12 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--ab", nargs="*", default=[], choices=sorted(AB),
+    p.add_argument("--ab", nargs="*", default=[], choices=sorted(AB) + sorted(AB_VALUES),
                    help="also run every CP row of the fixed case with this LinearTuning field "
                         "flipped: "
-                        + ", ".join(f"{k} ({v[0]})" for k, v in AB.items()))
+                        + ", ".join(f"{k} ({v[0]})" for k, v in AB.items())
+                        + "; or (fixed and gated cases) with its other values: "
+                        + ", ".join(f"{k} ({v[0]})" for k, v in AB_VALUES.items()))
     p.add_argument("--comm-variants", nargs="+", default=["default"], choices=COMM_VARIANTS,
                    help="CP rows per communication setting: 'default' (a plain dist.new_group), "
                         "'nccl-hp' (the group's NCCL kernels on a high-priority stream), "

@@ -73,6 +73,17 @@ class LinearTuning:
             at P > 1, one small all-gather per call with a new gate tensor (a training step:
             every gated layer call). False skips both when the gates are non-positive by
             construction (``-softplus(x)·exp(A_log)``, ``logsigmoid(x)``).
+        backward_schedule: how the backward meets the gradient ``G`` that arrives at a leaf's
+            end from later ranks (rows of leaves; packed documents always run
+            ``"scan_first"``). ``"scan_first"``: each leaf's state-gradient contribution ``d``
+            by the one-pass state kernel, the scan, then fla's gradient recurrence from ``G``
+            (the local backward waits for the scan). ``"recurrence_first"``: the gradient
+            recurrence from zero at once; its start gradient is ``d``, which the scan then
+            carries, and ``G`` enters our dv and dq/dk kernels (:mod:`.linear.dv_kernel`):
+            no state-kernel pass, and the chunk-state recurrence hides the scan.
+            ``"sum_beside"``: ``d`` by the state kernel and the scan on the side stream beside
+            the zero-start recurrence, ``G`` in-kernel. The A/B:
+            ``benchmarks/linear_cp.py --ab backward``.
     """
 
     static_zero_paths: bool = False
@@ -82,10 +93,16 @@ class LinearTuning:
     check_gate_values: bool = True
     early_end_states: bool = False
     scan_graphs: bool = True
+    backward_schedule: str = "scan_first"
+
+    BACKWARD_SCHEDULES = ("scan_first", "recurrence_first", "sum_beside")
 
     def __post_init__(self) -> None:
         _check_bools(self, "static_zero_paths", "concurrent_recurrences", "check_every_call",
                      "check_gate_values", "early_end_states", "scan_graphs")
+        if self.backward_schedule not in self.BACKWARD_SCHEDULES:
+            raise ValueError(f"LinearTuning.backward_schedule must be one of "
+                             f"{self.BACKWARD_SCHEDULES}, got {self.backward_schedule!r}")
         if not is_int(self.side_stream_priority) or self.side_stream_priority > 0:
             raise ValueError("LinearTuning.side_stream_priority must be an int <= 0 (CUDA: "
                              f"lower is higher priority), got {self.side_stream_priority!r}")

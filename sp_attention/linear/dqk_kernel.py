@@ -36,9 +36,10 @@ __all__ = ["chunk_dqkdg", "DQK_CANDIDATES"]
 
 @triton.jit(do_not_specialize=["T", "NT"])
 def _dqkdg_kernel(q, k, v, do, h, dh, gc, dq, dk, dg, cu_seqlens, chunk_indices, scale, T, NT,
-                  BH_T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
-                  IS_VARLEN: tl.constexpr, DK_ROWS: tl.constexpr = False):
+                  BH_T, G, g_gamma, suffix, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr, DK_ROWS: tl.constexpr = False,
+                  GATED: tl.constexpr = True, ARRIVING: tl.constexpr = False):
     i_k = tl.program_id(0)
     i_t = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
@@ -61,11 +62,24 @@ def _dqkdg_kernel(q, k, v, do, h, dh, gc, dq, dk, dg, cu_seqlens, chunk_indices,
     do += (tok0 * H + i_h) * V
     h += (i_tg * H + i_h) * K * V
     dh += (i_tg * H + i_h) * K * V
-    gc += tok0 * H + i_h
-    dg += i_k * BH_T + tok0 * H + i_h                   # partial rows per K tile
-
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
+    last = tl.minimum(i_t * BT + BT, T) - 1
+    if GATED:
+        gc += tok0 * H + i_h
+        dg += i_k * BH_T + tok0 * H + i_h               # partial rows per K tile
+        b_g = tl.load(gc + o_t * H, mask=m_t, other=0.0)
+        b_glast = tl.load(gc + last * H)
+        if ARRIVING:    # the chunk sums after chunk n (none after the last chunk)
+            after = tl.load(suffix + (i_b * NT + i_t + 1) * H + i_h, mask=i_t + 1 < NT,
+                            other=0.0)
+            carry = tl.exp2(after)
+    else:               # fixed per-head rates: no dg
+        gamma = tl.load(g_gamma + i_h).to(tl.float32)
+        b_g = gamma * (tl.arange(0, BT) + 1).to(tl.float32)
+        b_glast = gamma * (last + 1 - i_t * BT).to(tl.float32)
+        if ARRIVING:
+            carry = tl.exp2(gamma * (T - 1 - last).to(tl.float32))
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     b_ds = tl.zeros([BT, BT], dtype=tl.float32)         # do_i·v_j
@@ -84,7 +98,11 @@ def _dqkdg_kernel(q, k, v, do, h, dh, gc, dq, dk, dg, cu_seqlens, chunk_indices,
         m_s = m_k[:, None] & m_v[None, :]
         b_h = tl.load(h + o_k[:, None] * V + o_v[None, :], mask=m_s, other=0.0)     # [BK, BV]
         b_dh = tl.load(dh + o_k[:, None] * V + o_v[None, :], mask=m_s, other=0.0)   # [BK, BV]
-        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+        if ARRIVING:    # the gradient from later ranks, decayed to chunk n's end
+            b_dh = b_dh.to(tl.float32) + carry * tl.load(
+                G + i_bh * K * V + o_k[:, None] * V + o_v[None, :], mask=m_s, other=0.0)
+        if GATED:
+            b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
         b_dq = tl.dot(b_do, tl.trans(b_h.to(b_do.dtype)), b_dq, input_precision=PRECISION)
         if DK_ROWS:
             b_v = tl.load(v + o_t[:, None] * (H * V) + o_v[None, :],
@@ -98,9 +116,6 @@ def _dqkdg_kernel(q, k, v, do, h, dh, gc, dq, dk, dg, cu_seqlens, chunk_indices,
             b_ds = tl.dot(b_do, b_vt, b_ds, input_precision=PRECISION)
             b_dk = tl.dot(b_dh.to(b_vt.dtype), b_vt, b_dk, input_precision=PRECISION)
 
-    b_g = tl.load(gc + o_t * H, mask=m_t, other=0.0)
-    last = tl.minimum(i_t * BT + BT, T) - 1
-    b_glast = tl.load(gc + last * H)
     m_qk = m_t[:, None] & m_k[None, :]
     b_q = tl.load(q + o_t[:, None] * (H * K) + o_k[None, :], mask=m_qk, other=0.0)   # [BT, BK]
     b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_qk, other=0.0)   # [BT, BK]
@@ -113,28 +128,32 @@ def _dqkdg_kernel(q, k, v, do, h, dh, gc, dq, dk, dg, cu_seqlens, chunk_indices,
     b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq, input_precision=PRECISION)
     if DK_ROWS:
         b_dk = b_dk * b_kdec[:, None]
-        # the chunk's ⟨dh_n, S_end⟩ through every k_j (before the intra-chunk term)
-        dg_k = tl.sum(tl.sum(b_dk * b_k.to(tl.float32), axis=1), axis=0)
+        if GATED:   # the chunk's ⟨dh_n, S_end⟩ through every k_j (before the intra-chunk term)
+            dg_k = tl.sum(tl.sum(b_dk * b_k.to(tl.float32), axis=1), axis=0)
         causal_t = (o_t[None, :] >= o_t[:, None]) & m_t[:, None] & m_t[None, :]
         b_dst = tl.where(causal_t, b_dst * tl.exp2(
             tl.where(causal_t, b_g[None, :] - b_g[:, None], 0.0)), 0.0) * scale
         b_dk = tl.dot(b_dst.to(b_q.dtype), b_q, b_dk, input_precision=PRECISION)
-        b_dG = tl.sum(b_dq * b_q.to(tl.float32), axis=1) \
-            - tl.sum(b_dk * b_k.to(tl.float32), axis=1)
+        if GATED:
+            b_dG = tl.sum(b_dq * b_q.to(tl.float32), axis=1) \
+                - tl.sum(b_dk * b_k.to(tl.float32), axis=1)
     else:
         m_kt = m_k[:, None] & m_t[None, :]
         b_qt = tl.load(q + o_k[:, None] + o_t[None, :] * (H * K), mask=m_kt, other=0.0)
-        b_kt = tl.load(k + o_k[:, None] + o_t[None, :] * (H * K), mask=m_kt, other=0.0)
         b_dk = b_dk * b_kdec[None, :]
-        dg_k = tl.sum(tl.sum(b_dk * b_kt.to(tl.float32), axis=1), axis=0)
+        if GATED:
+            b_kt = tl.load(k + o_k[:, None] + o_t[None, :] * (H * K), mask=m_kt, other=0.0)
+            dg_k = tl.sum(tl.sum(b_dk * b_kt.to(tl.float32), axis=1), axis=0)
         b_dk = tl.dot(b_qt, b_ds.to(b_k.dtype), b_dk, input_precision=PRECISION)
-        b_dG = tl.sum(b_dq * b_q.to(tl.float32), axis=1) \
-            - tl.sum(b_dk * b_kt.to(tl.float32), axis=0)
-    # the chunk's ⟨dh_n, S_end⟩: through exp2(gc_last)·h_n and through every k_j
-    dg_last = tl.sum(b_hdh, axis=0) * tl.exp2(b_glast) + dg_k
-    b_dG = tl.where(o_t == last, b_dG + dg_last, b_dG)
-    b_dG = tl.where(m_t, b_dG, 0.0)
-    b_dg = tl.cumsum(b_dG, axis=0, reverse=True)
+        if GATED:
+            b_dG = tl.sum(b_dq * b_q.to(tl.float32), axis=1) \
+                - tl.sum(b_dk * b_kt.to(tl.float32), axis=0)
+    if GATED:
+        # the chunk's ⟨dh_n, S_end⟩: through exp2(gc_last)·h_n and through every k_j
+        dg_last = tl.sum(b_hdh, axis=0) * tl.exp2(b_glast) + dg_k
+        b_dG = tl.where(o_t == last, b_dG + dg_last, b_dG)
+        b_dG = tl.where(m_t, b_dG, 0.0)
+        b_dg = tl.cumsum(b_dG, axis=0, reverse=True)
     tl.store(dq + o_t[:, None] * (H * K) + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_qk)
     if DK_ROWS:
         tl.store(dk + o_t[:, None] * (H * K) + o_k[None, :], b_dk.to(dk.dtype.element_ty),
@@ -142,7 +161,8 @@ def _dqkdg_kernel(q, k, v, do, h, dh, gc, dq, dk, dg, cu_seqlens, chunk_indices,
     else:
         tl.store(dk + o_k[:, None] + o_t[None, :] * (H * K), b_dk.to(dk.dtype.element_ty),
                  mask=m_k[:, None] & m_t[None, :])
-    tl.store(dg + o_t * H, b_dg, mask=m_t)
+    if GATED:
+        tl.store(dg + o_t * H, b_dg, mask=m_t)
 
 
 # Candidate configs (BV, warps, stages, DK_ROWS). BK is a launcher argument (default the whole
@@ -161,16 +181,19 @@ DQK_CANDIDATES = [
 # candidates take 1.36 ms)
 DQK_TUNED = [21, 5, 2, 12, 11, 20]
 _dqkdg_tuned = triton.autotune(configs=[DQK_CANDIDATES[i] for i in DQK_TUNED],
-                               key=["H", "K", "V", "BT", "BK", "PRECISION", "IS_VARLEN"])(
+                               key=["H", "K", "V", "BT", "BK", "PRECISION", "IS_VARLEN", "GATED",
+                                    "ARRIVING"])(
     _dqkdg_kernel)
 
 
 def chunk_dqkdg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-                h: torch.Tensor, dh: torch.Tensor, gc: torch.Tensor, scale: float,
+                h: torch.Tensor, dh: torch.Tensor, gc: torch.Tensor | None, scale: float,
                 chunk_size: int = 64, config: int | None = None, block_k: int | None = None,
-                cu_seqlens: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dg)`` of gated linear attention from the chunk states.
+                cu_seqlens: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
+                *, g_gamma: torch.Tensor | None = None, G: torch.Tensor | None = None,
+                suffix: torch.Tensor | None = None) -> tuple:
+    """``(dq, dk, dg)`` of gated linear attention from the chunk states (``dg`` None with
+    fixed rates).
 
     q, k ``[B, T, H, K]``, v, do ``[B, T, H, V]`` contiguous, one dtype; ``h``, ``dh``
     ``[B, N, H, K, V]`` (``N = ceil(T / chunk_size)``): the state entering and the gradient at
@@ -184,6 +207,12 @@ def chunk_dqkdg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
     chunk) per chunk, :func:`sp_attention.linear.varlen.chunk_indices`): B = 1 holds N
     sequences (fla's varlen layout; ``h``, ``dh`` ``[1, NT, H, K, V]``, ``gc`` summed per
     sequence; tokens past ``cu_seqlens[-1]`` are not written).
+
+    ``g_gamma [H]`` (fp32 log2 rate per token) in place of ``gc``: fixed per-head rates, no
+    dg. ``G [B, H, K, V]`` fp32: the gradient arriving at each row's end, added in-kernel to
+    ``dh`` decayed to every chunk's end (``dh`` then the recurrence from a zero end gradient;
+    :mod:`.dv_kernel` says why); with gates also ``suffix [B, N, H]``, the inclusive suffix
+    sums of the chunk totals. Not with varlen rows.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -191,31 +220,44 @@ def chunk_dqkdg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
     N = chunk_indices.shape[0] if varlen else triton.cdiv(T, chunk_size)
     if varlen and (B != 1 or chunk_indices.dim() != 2):
         raise ValueError("chunk_dqkdg: varlen needs B = 1 and chunk_indices [NT, 2]")
-    for name, t in (("q", q), ("k", k), ("v", v), ("do", do), ("h", h), ("dh", dh), ("gc", gc)):
-        if not t.is_contiguous():
+    gated = gc is not None
+    if gated == (g_gamma is not None):
+        raise ValueError("chunk_dqkdg: pass exactly one of gc and g_gamma")
+    if G is not None:
+        if varlen:
+            raise ValueError("chunk_dqkdg: G (an arriving gradient) takes rows, not varlen")
+        if tuple(G.shape) != (B, H, K, V) or G.dtype != torch.float32:
+            raise ValueError(f"chunk_dqkdg: G must be fp32 [B, H, K, V] = {(B, H, K, V)}")
+        if gated and (suffix is None or tuple(suffix.shape) != (B, N, H)):
+            raise ValueError(f"chunk_dqkdg: gates with G need suffix [B, N, H] = {(B, N, H)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("do", do), ("h", h), ("dh", dh), ("gc", gc),
+                    ("G", G), ("suffix", suffix)):
+        if t is not None and not t.is_contiguous():
             raise ValueError(f"chunk_dqkdg: {name} must be contiguous")
     if k.shape != q.shape or v.shape[:3] != q.shape[:3] or do.shape != v.shape:
         raise ValueError(f"chunk_dqkdg: q {tuple(q.shape)}, k {tuple(k.shape)}, v "
                          f"{tuple(v.shape)}, do {tuple(do.shape)} disagree")
     if tuple(h.shape) != (B, N, H, K, V) or h.shape != dh.shape:
         raise ValueError(f"chunk_dqkdg: h, dh must be [B, N, H, K, V] = {(B, N, H, K, V)}")
-    if tuple(gc.shape) != (B, T, H) or gc.dtype != torch.float32:
+    if gated and (tuple(gc.shape) != (B, T, H) or gc.dtype != torch.float32):
         raise ValueError(f"chunk_dqkdg: gc must be fp32 [B, T, H] = {(B, T, H)}")
     BK = block_k or min(max(triton.next_power_of_2(K), 16), 128)
     nk = triton.cdiv(K, BK)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    dg = torch.empty(nk, B, T, H, device=q.device, dtype=torch.float32)
+    dg = torch.empty(nk, B, T, H, device=q.device, dtype=torch.float32) if gated else None
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
     args = (q, k, v, do, h, dh, gc, dq, dk, dg, cu_seqlens, chunk_indices, float(scale), T, N,
-            B * T * H)
+            B * T * H, G, g_gamma, suffix)
+    kw = dict(H=H, K=K, V=V, BT=chunk_size, BK=BK, PRECISION=prec, IS_VARLEN=varlen,
+              GATED=gated, ARRIVING=G is not None)
     with guard:
         if config is not None or os.environ.get("TRITON_INTERPRET") == "1":
             cfg = DQK_CANDIDATES[config or 0]
-            _dqkdg_kernel[(nk, N, B * H)](
-                *args, H=H, K=K, V=V, BT=chunk_size, BK=BK, PRECISION=prec, IS_VARLEN=varlen,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)
+            _dqkdg_kernel[(nk, N, B * H)](*args, **kw, num_warps=cfg.num_warps,
+                                          num_stages=cfg.num_stages, **cfg.kwargs)
         else:
-            _dqkdg_tuned[(nk, N, B * H)](*args, H=H, K=K, V=V, BT=chunk_size, BK=BK,
-                                         PRECISION=prec, IS_VARLEN=varlen)
+            _dqkdg_tuned[(nk, N, B * H)](*args, **kw)
+    if not gated:
+        return dq, dk, None
     return dq, dk, (dg[0] if nk == 1 else dg.sum(0))

@@ -35,7 +35,11 @@ class FlaKernels:
     (:func:`sp_attention.linear.leaf.decayed_sum`).
     ``chunk_dqkdg``: our dq/dk/dg kernel, which the gated path runs in place of fla's
     ``chunk_bwd_dqkwg`` (:func:`sp_attention.linear.dqk_kernel.chunk_dqkdg`; None: a set
-    without it runs fixed slopes only). :func:`fla_kernels` gives the real set;
+    without it runs fixed slopes only; with ``g_gamma=`` and ``G=`` it is also the fixed-rate
+    dq/dk of a late gradient). ``chunk_dv``: our dv kernel that takes the gradient arriving at
+    the rows' ends in-kernel (:func:`sp_attention.linear.dv_kernel.chunk_dv`; None: a set
+    without it cannot run ``LinearTuning.backward_schedule`` other than ``"scan_first"``).
+    :func:`fla_kernels` gives the real set;
     another set runs the fla path's orchestration with other implementations (the CPU tests
     pass pure-torch stand-ins to :mod:`.leaves` and to
     :func:`sp_attention.linear.attention.lightning_attention_with_kernels`).
@@ -49,6 +53,7 @@ class FlaKernels:
     output_from_states: Callable
     state_sum: Callable
     chunk_dqkdg: Optional[Callable] = None
+    chunk_dv: Optional[Callable] = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -66,13 +71,14 @@ def fla_kernels() -> FlaKernels:
     from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv, chunk_fwd_o
 
     from .dqk_kernel import chunk_dqkdg
+    from .dv_kernel import chunk_dv
     from .kernels import output_from_states
     install_once()      # shipped autotune results: a fresh machine's first step in seconds
     fwd_o, dqkwg, dv = (inspect.unwrap(f) for f in (chunk_fwd_o, chunk_bwd_dqkwg, chunk_bwd_dv))
     # the chunk-state kernels through our launchers: no device sync for varlen sequences
     return FlaKernels(fla_states.chunk_fwd_h, fwd_o, fla_states.chunk_bwd_dh, dqkwg, dv,
                       output_from_states=output_from_states, state_sum=decayed_sum,
-                      chunk_dqkdg=chunk_dqkdg)
+                      chunk_dqkdg=chunk_dqkdg, chunk_dv=chunk_dv)
 
 
 def resolve_kernels(backend: Union[None, str, FlaKernels], q: torch.Tensor,

@@ -21,7 +21,7 @@ import torch
 
 from ..planning.schedules import CHUNK
 
-__all__ = ["Sequences", "ROWS", "chunk_states", "local_output", "local_backward"]
+__all__ = ["Sequences", "ROWS", "LateGradient", "chunk_states", "local_output", "local_backward"]
 
 
 @dataclass(frozen=True)
@@ -70,11 +70,27 @@ def local_output(kern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fkw: d
                             **seqs.chunk_kw(), **fkw)
 
 
+@dataclass(frozen=True)
+class LateGradient:
+    """The gradients ``dht`` at the sequences' ends arrive late (a cross-rank scan is still
+    running), so :func:`local_backward` does not wait for them: the gradient recurrence runs
+    from a zero end gradient at once, and ``dht`` enters our dv and dq/dk kernels, which add
+    it decayed to every chunk's end (:mod:`.dv_kernel` says why that is exact). ``send``:
+    called with the recurrence's start gradient (each sequence's state-gradient contribution
+    ``d``, what the scan carries) as soon as it is queued; None when ``d`` comes from
+    elsewhere. ``suffix``: with per-token gates, the inclusive suffix sums of the chunk totals
+    (:func:`.gates.suffix_sums`). Rows only (no varlen sequences)."""
+
+    send: Optional[Callable[[torch.Tensor], None]] = None
+    suffix: Optional[torch.Tensor] = None
+
+
 def local_backward(kern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
                    fkw: dict, scale: float, h0: Optional[torch.Tensor],
                    dht: Union[None, torch.Tensor, Callable[[], torch.Tensor]],
                    seqs: Sequences = ROWS, *, states_stream=None,
-                   before_dh: Optional[Callable[[], None]] = None) -> tuple:
+                   before_dh: Optional[Callable[[], None]] = None,
+                   late: Optional[LateGradient] = None) -> tuple:
     """``(dq, dk, dv, dg)`` of sequences entered with ``h0`` and with the gradients ``dht``
     arriving at their ends (None: zero; a callable: read after ``before_dh``, e.g. once the
     stream that scans it is waited on). ``dg`` (the chunk-local gate gradient's reverse sum,
@@ -84,6 +100,8 @@ def local_backward(kern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: 
     beside the state gradients on the current stream (each of fla's two recurrences leaves
     SMs idle at small batch × heads); the current stream waits for them before dq/dk. dq and
     dk come back complete (the ``h0`` term of dq, the ``dht`` terms of dk and dv included).
+    ``late``: the gradient recurrence does not wait for ``dht`` (:class:`LateGradient`);
+    ``before_dh`` then runs after it, before dv.
     """
     scale = float(scale)
     if states_stream is None:
@@ -93,6 +111,9 @@ def local_backward(kern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: 
         states_stream.wait_stream(main)
         with torch.cuda.stream(states_stream):
             h, _ = chunk_states(kern, k, v, fkw, h0, seqs=seqs, fp32=True)
+    if late is not None:
+        return _late_backward(kern, q, k, v, do, fkw, scale, h0, h, dht, states_stream,
+                              before_dh, late)
     if before_dh is not None:
         before_dh()
     if callable(dht):
@@ -112,3 +133,30 @@ def local_backward(kern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: 
     dq, dk, _, _ = kern.chunk_bwd_dqkwg(q=q, k=k, v=v, do=do, h=h, dh=dh, scale=scale,
                                         chunk_size=CHUNK, **seqs.chunk_kw(), **fkw)
     return dq, dk, dv, None
+
+
+def _late_backward(kern, q, k, v, do, fkw: dict, scale: float, h0, h, dht, states_stream,
+                   before_dh, late: LateGradient) -> tuple:
+    """:func:`local_backward` with a :class:`LateGradient` (rows; ``h`` already queued)."""
+    if kern.chunk_dv is None or kern.chunk_dqkdg is None:
+        raise ValueError("this kernel set has no chunk_dv / chunk_dqkdg: it cannot take a late "
+                         "gradient in-kernel")
+    if late.send is not None and h0 is None:
+        raise ValueError("LateGradient.send needs h0 (the start gradient is shaped like it)")
+    dh, d = kern.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=h0 if late.send else None, dht=None,
+                              scale=scale, chunk_size=CHUNK, states_in_fp32=True, **fkw)
+    if late.send is not None:
+        late.send(d)
+    if before_dh is not None:
+        before_dh()
+    G = dht() if callable(dht) else dht
+    G = None if G is None else G.contiguous()
+    gated = fkw.get("g") is not None
+    decay = {"gc": fkw["g"]} if gated else {"g_gamma": fkw["g_gamma"]}
+    suffix = late.suffix if gated and G is not None else None
+    dv = kern.chunk_dv(q, k, do, dh, scale, CHUNK, G=G, suffix=suffix, **decay)
+    if states_stream is not None:
+        torch.cuda.current_stream(q.device).wait_stream(states_stream)
+    dq, dk, dg = kern.chunk_dqkdg(q, k, v, do, h, dh, decay.get("gc"), scale, CHUNK,
+                                  g_gamma=decay.get("g_gamma"), G=G, suffix=suffix)
+    return dq, dk, dv, dg

@@ -94,8 +94,11 @@ def _fake_fla(slopes: torch.Tensor) -> FlaKernels:
                      states_in_fp32=False, split_offsets=None, num_splits=None):
         log("chunk_bwd_dh")
         assert cu_seqlens is None and split_offsets is None and num_splits is None
-        assert h0 is None, "the CP backward never asks fla for dh0"
-        return ("dh", dht, scale), None
+        if h0 is None:
+            return ("dh", dht, scale), None
+        # dh0 only from a zero end gradient (LateGradient.send): the contribution d
+        assert dht is None, "dh0 is asked for only from a zero end gradient"
+        return ("dh", None, scale), scale * decayed_sum(q, do, slopes, 1, 1)
 
     def _grads(q, k, v, do, S_in, dh):
         _, dht, scale = dh
@@ -116,6 +119,19 @@ def _fake_fla(slopes: torch.Tensor) -> FlaKernels:
         dq, dk = _grads(q, k, v, do, h[:, 0], dh)[:2]      # h[:, 0] is the entering state
         return dq, dk, None, None
 
+    def chunk_dv(q, k, do, dh, scale, chunk_size=64, *, g_gamma=None, gc=None, G=None,
+                 suffix=None, config=None):
+        log("chunk_dv")
+        assert dh[1] is None and scale == dh[2] and g_gamma is not None and gc is None
+        return _grads(q, k, torch.zeros_like(do), do, None, ("dh", G, scale))[2]
+
+    def chunk_dqkdg(q, k, v, do, h, dh, gc, scale, chunk_size=64, config=None, block_k=None,
+                    cu_seqlens=None, chunk_indices=None, *, g_gamma=None, G=None, suffix=None):
+        log("chunk_dqkdg")
+        assert dh[1] is None and scale == dh[2] and gc is None and g_gamma is not None
+        dq, dk = _grads(q, k, v, do, h[:, 0], ("dh", G, scale))[:2]
+        return dq, dk, None
+
     def output_from_states(q, k, v, h, S_in, g_gamma, scale, chunk_size=64, config=None,
                            gates=None):
         log("output_from_states")
@@ -128,7 +144,7 @@ def _fake_fla(slopes: torch.Tensor) -> FlaKernels:
         return decayed_sum(x, y, slopes_, base, step, scale)
 
     return FlaKernels(chunk_fwd_h, chunk_fwd_o, chunk_bwd_dh, chunk_bwd_dqkwg, chunk_bwd_dv,
-                      output_from_states, state_sum)
+                      output_from_states, state_sum, chunk_dqkdg=chunk_dqkdg, chunk_dv=chunk_dv)
 
 
 def _install(setattr_, slopes: torch.Tensor) -> FlaKernels:
@@ -237,6 +253,49 @@ def test_leaves_backward_fla_path(concurrent, zero_grad, needed, monkeypatch):
     _joined()
 
 
+@pytest.mark.parametrize("schedule", ["recurrence_first", "sum_beside"])
+@pytest.mark.parametrize("zero_grad", [False, True])
+@pytest.mark.parametrize("needed", [None, (False, True)])
+@pytest.mark.parametrize("concurrent", [True, False])
+def test_leaves_backward_late_gradient(schedule, zero_grad, needed, concurrent, monkeypatch):
+    """``LinearTuning.backward_schedule`` with G taken in-kernel: the gradient recurrence from
+    zero never waits for the scan; d is its start gradient (``recurrence_first``, sent once
+    it is queued) or the state kernel's on the side stream first (``sum_beside``); main waits
+    for the scan only before dv; dq, dk, dv equal the torch backward."""
+    fake = _install(monkeypatch.setattr, SLOPES)
+    B, n, C = 2, 2, 100
+    q, k, v, do, S, G = _data(B * n, C, seed=2)
+    G = torch.zeros_like(G) if zero_grad else G
+    seen = {}
+    scan = _scan_returning(G, seen)
+    tuning = LinearTuning(backward_schedule=schedule, concurrent_recurrences=concurrent)
+    dq, dk, dv, dg = leaves_backward(q, k, v, SLOPES, 0.7, S, do, scan, fake, needed,
+                                     zero_grad, tuning=tuning)
+    assert dg is None
+    want_d = 0.7 * decayed_state_sum_ref(q, do, SLOPES, 1, 1)
+    keep = torch.tensor(needed or (True,) * n).repeat(B)
+    assert_close(seen["x"][keep], want_d[keep], TOL, "d")
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv),
+                              torch_leaf_backward(q, k, v, SLOPES, 0.7, S, do, G)):
+        assert_close(got, ref, TOL, name)
+    assert _stream_of("scan") == ["side"]
+    for what in ("chunk_bwd_dh", "chunk_dv", "chunk_dqkdg"):
+        assert _stream_of(what) == ["main"], what
+    assert _stream_of("chunk_bwd_dv") == [] and _stream_of("chunk_bwd_dqkwg") == []
+    assert _stream_of("chunk_fwd_h") == ["rec" if concurrent else "main"]
+    dh_at = LOG.index(("chunk_bwd_dh", "main"))
+    scan_at = LOG.index(("scan", "side"))
+    if schedule == "recurrence_first":
+        assert _stream_of("state_grad_local") == [] and scan_at > dh_at
+    else:
+        assert set(_stream_of("state_grad_local")) == {"side"} and scan_at < dh_at
+    waits_side = [i for i, e in enumerate(LOG) if e == ("wait", "main", "side")]
+    assert min(waits_side) > dh_at          # the recurrence never waits for G
+    if not zero_grad:
+        assert min(waits_side) < LOG.index(("chunk_dv", "main"))
+    _joined()
+
+
 def _cp_world(rank, world):
     """A whole CP step through the fla path (stand-in kernels, recorder streams) at every rank,
     every schedule and both layouts, vs the single-device recurrence in fp64."""
@@ -261,8 +320,13 @@ def _cp_world(rank, world):
         ctx = build_sp_context(group, layout=layout)
         want = [shard_sequence(t, ctx, 1) for t in expected]
         for impl in ("blelloch", "allgather", "ring"):
-            for concurrent, early in ((True, False), (False, False), (True, True)):
-                tuning = LinearTuning(concurrent_recurrences=concurrent, early_end_states=early)
+            for concurrent, early, bwd in ((True, False, "scan_first"),
+                                           (False, False, "scan_first"),
+                                           (True, True, "scan_first"),
+                                           (True, False, "recurrence_first"),
+                                           (False, False, "sum_beside")):
+                tuning = LinearTuning(concurrent_recurrences=concurrent, early_end_states=early,
+                                      backward_schedule=bwd)
                 loc = [shard_sequence(t, ctx, 1).clone().requires_grad_(True) for t in (q, k, v)]
                 out = lightning_attention_with_kernels(*loc, SLOPES, fake, ctx=ctx, impl=impl,
                                                        scale=0.5, tuning=tuning)

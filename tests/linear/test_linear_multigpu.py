@@ -74,6 +74,14 @@ def _check(rank, world):
                     errors[f"{name} {layout} {impl} {what}"] = (e, base)
                     assert torch.isfinite(g_).all(), (name, layout, impl, what)
                     assert e <= 1.5 * max(base, FLOOR), (name, layout, impl, what, e, base)
+                if cu is None:          # G taken in-kernel: as close to the exact result
+                    for bwd in ("recurrence_first", "sum_beside"):
+                        late = _run(*loc, dec, ctx=ctx, impl=impl,
+                                    tuning=LinearTuning(backward_schedule=bwd))
+                        for what, g_, w_, base in zip(("o", "dq", "dk", "dv"), late, want, e1):
+                            e = rel_rms(g_, w_)
+                            errors[f"{name} {layout} {impl} {bwd} {what}"] = (e, base)
+                            assert e <= 1.5 * max(base, FLOOR), (name, bwd, layout, impl, what)
                 if cu is None and name == "fixed":
                     for tuning in (LinearTuning(scan_graphs=False),
                                    LinearTuning(early_end_states=True)):

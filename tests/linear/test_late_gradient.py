@@ -1,0 +1,112 @@
+"""The kernels that take the gradient arriving at a row's end in-kernel (``G``,
+``LinearTuning.backward_schedule`` other than ``"scan_first"``): our dv kernel
+(:mod:`sp_attention.linear.dv_kernel`) and the dq/dk(/dg) kernel's fixed-rate and ``G`` modes
+(:mod:`sp_attention.linear.dqk_kernel`), against autograd through the fp64 chunk pieces
+(:func:`sp_attention.linear.gated_naive.dqkdg_ref`) given the true gradient at every chunk's
+end. Fed the zero-end recurrence plus ``G``, they must equal the same kernels fed the
+recurrence from ``G`` and the reference: fixed rates and gates, partial last chunks, 1 and 3
+heads, K ≠ V, one and two K tiles, both dk accumulations. On CPU in Triton's interpreter
+(every CI run); with ``-m gpu`` every config the autotuners may pick, on the GPU.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from local_cases import apply, gpu
+from sp_attention.testing import run_process
+
+_CHECK = r"""
+import math, sys, torch
+from sp_attention.linear.gated_naive import dqkdg_ref, gated_chunk_states, chunk_end_grads
+from sp_attention.linear.gates import gate_sums, suffix_sums
+from sp_attention.linear.dqk_kernel import DQK_CANDIDATES, DQK_TUNED, chunk_dqkdg
+from sp_attention.linear.dv_kernel import DV_TUNED, chunk_dv
+dev, dtype, tol = sys.argv[1], getattr(torch, sys.argv[2]), float(sys.argv[3])
+every = dev == "cuda"          # every config the autotuners may pick on the GPU; a few here
+torch.manual_seed(0)
+worst = {}
+def err(name, a, b):
+    e = float((a.double().cpu() - b.double()).norm() / b.double().norm())
+    worst[name] = max(worst.get(name, 0.0), e)
+cases = ((1, 64, 1, 16, 16, 0, None), (2, 100, 3, 32, 16, 1, 16), (1, 130, 3, 16, 32, 2, None))
+if every:
+    cases += ((1, 1000, 4, 128, 128, 0, None),)
+for B, T, H, K, V, cfg, bk in cases:
+    q, k, v, do = (torch.randn(B, T, H, d) for d in (K, K, V, V))
+    S, D = torch.randn(B, H, K, V), torch.randn(B, H, K, V)
+    for gated in (True, False):
+        if gated:
+            g = -torch.rand(B, T, H) * torch.tensor([0.001, 0.5, 40.0, 0.05])[:H]
+        else:
+            s = torch.tensor([0.001, 0.05, 0.3, 2.0])[:H]
+            g = (-s).expand(B, T, H).contiguous()
+        qd, kd, vd, dod, gd = (x.double() for x in (q, k, v, do, g))
+        h = gated_chunk_states(kd, vd, gd, 64, S.double())
+        dh_true, _ = chunk_end_grads(qd, dod, gd, D.double(), 0.3, 64)
+        dh_zero, _ = chunk_end_grads(qd, dod, gd, None, 0.3, 64)
+        ref = dqkdg_ref(qd, kd, vd, dod, h, dh_true, gd, 0.3, 64)
+        x = [t.to(dev, dtype) for t in (q, k, v, do)]
+        gs = gate_sums(g.to(dev), 64)
+        kw = dict(gc=gs.gc) if gated else dict(g_gamma=(-s / math.log(2)).float().to(dev))
+        suf = suffix_sums(gs.tot).contiguous() if gated else None
+        tag = "gated" if gated else "fixed"
+        hf = h.float().contiguous().to(dev)
+        dqk_cfgs = DQK_TUNED if every else (cfg, cfg + len(DQK_CANDIDATES) // 2)
+        for c in dqk_cfgs:
+            for late in (False, True):
+                dh_in = (dh_zero if late else dh_true).float().contiguous().to(dev)
+                extra = dict(G=D.contiguous().to(dev), suffix=suf) if late else {}
+                try:
+                    dq, dk, dg = chunk_dqkdg(*x, hf, dh_in, kw.get("gc"), 0.3, 64, c, bk,
+                                             g_gamma=kw.get("g_gamma"), **extra)
+                except Exception as e:     # a config that cannot compile here
+                    if "OutOfResources" in type(e).__name__ or "out of resource" in str(e):
+                        continue
+                    raise
+                err(f"dq {tag}", dq, ref[0]); err(f"dk {tag} G={late}", dk, ref[1])
+                if gated:
+                    err(f"dg G={late}", dg, ref[3])
+                else:
+                    assert dg is None
+        for c in (DV_TUNED if every else (0, 1, 5)):
+            for late in (False, True):
+                dh_in = (dh_zero if late else dh_true).float().contiguous().to(dev)
+                extra = dict(G=D.contiguous().to(dev), suffix=suf) if late else {}
+                try:
+                    dv = chunk_dv(*x[:2], x[3], dh_in, 0.3, 64, config=c, **kw, **extra)
+                except Exception as e:
+                    if "OutOfResources" in type(e).__name__ or "out of resource" in str(e):
+                        continue
+                    raise
+                err(f"dv {tag} G={late}", dv, ref[2])
+print(worst)
+sys.exit(0 if max(worst.values()) < tol else 1)
+"""
+
+
+def _run(device: str, dtype: str, tol: float, interpret: bool) -> None:
+    pytest.importorskip("triton", reason="triton is in the `test` extra; install it to run this")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    r = run_process([sys.executable, "-c", _CHECK, device, dtype, str(tol)], env=env,
+                    timeout=900)
+    assert r.returncode == 0, f"relative errors {r.stdout.strip()}\n{r.stderr[-3000:]}"
+
+
+def test_late_gradient_kernels_in_triton_interpreter():
+    """fp32 in Triton's CPU interpreter: within 1e-5 of the fp64 reference."""
+    _run("cpu", "float32", 1e-5, True)
+
+
+@apply(gpu)
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 1e-2)])
+def test_late_gradient_kernels_every_config_gpu(dtype, tol):
+    """Every config the autotuners may pick, forced one at a time on the GPU (fp32: IEEE
+    dots; bf16: its rounding), also at K = V = 128 over 1000 tokens."""
+    _run("cuda", dtype, tol, False)
