@@ -47,7 +47,6 @@ AB = {"early": ("early_end_states", "-early", "-late"),
       "zero": ("static_zero_paths", "-zero", "-nozero")}
 # --ab NAME for a field with several values: (LinearTuning field, ((value, impl suffix), ...))
 AB_VALUES = {"backward": ("backward_schedule", (("recurrence_first", "-recfirst"),
-                                                ("sum_beside", "-sumbeside"),
                                                 ("scan_first", "-scanfirst")))}
 
 

@@ -79,11 +79,13 @@ class LinearTuning:
             by the one-pass state kernel, the scan, then fla's gradient recurrence from ``G``
             (the local backward waits for the scan). ``"recurrence_first"``: the gradient
             recurrence from zero at once; its start gradient is ``d``, which the scan then
-            carries, and ``G`` enters our dv and dq/dk kernels (:mod:`.linear.dv_kernel`):
-            no state-kernel pass, and the chunk-state recurrence hides the scan.
-            ``"sum_beside"``: ``d`` by the state kernel and the scan on the side stream beside
-            the zero-start recurrence, ``G`` in-kernel. The A/B:
-            ``benchmarks/linear_cp.py --ab backward``.
+            carries while the chunk states are recomputed, and ``G`` enters our dv and dq/dk
+            kernels (:mod:`.linear.dv_kernel`): no state-kernel pass, no wait before the
+            recurrence. ``"auto"``: ``recurrence_first`` with fixed rates, ``scan_first`` with
+            per-token gates — measured on 4 × H100 (2026-11-27, queued, P = 4, 32K per GPU):
+            fixed rates 0.83–0.88 → 0.86–0.94 of fla (P = 2: 0.86–0.91 → 0.90–0.98), gates
+            0.74–0.81 → 0.73–0.84 (eager: lower). The A/B: ``benchmarks/linear_cp.py --ab
+            backward``.
     """
 
     static_zero_paths: bool = False
@@ -93,9 +95,9 @@ class LinearTuning:
     check_gate_values: bool = True
     early_end_states: bool = False
     scan_graphs: bool = True
-    backward_schedule: str = "scan_first"
+    backward_schedule: str = "auto"
 
-    BACKWARD_SCHEDULES = ("scan_first", "recurrence_first", "sum_beside")
+    BACKWARD_SCHEDULES = ("auto", "scan_first", "recurrence_first")
 
     def __post_init__(self) -> None:
         _check_bools(self, "static_zero_paths", "concurrent_recurrences", "check_every_call",

@@ -195,9 +195,9 @@ def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
         d = _state_grads(q, do, decay, scale, needed, kern.state_sum, True)
         return scan(d, decay.fla_transition(N, C, d.dtype, q.device))
     main = torch.cuda.current_stream(q.device)
-    if tuning.backward_schedule != "scan_first":
+    if backward_schedule(tuning, decay) == "recurrence_first":
         return _late_leaves_backward(kern, q, k, v, do, decay, fkw, scale, S_in, scan,
-                                     grads_scanned, zero_grad, tuning)
+                                     zero_grad, tuning)
     with torch.cuda.device(q.device):
         # d and the scan first, on the side stream: the peers' gradients wait on them.
         G, side = _scan_on_side_stream(grads_scanned, None, q.device,
@@ -213,36 +213,38 @@ def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg
 
 
+def backward_schedule(tuning: LinearTuning, decay: Decay) -> str:
+    """``tuning.backward_schedule`` with ``"auto"`` resolved for this decay (the measured pick:
+    :class:`~sp_attention.tuning.LinearTuning`)."""
+    if tuning.backward_schedule != "auto":
+        return tuning.backward_schedule
+    return "scan_first" if decay.gated else "recurrence_first"
+
+
 def _late_leaves_backward(kern, q, k, v, do, decay: Decay, fkw: dict, scale: float, S_in,
-                          scan: Callable, grads_scanned: Callable, zero_grad: bool,
-                          tuning: LinearTuning) -> tuple:
+                          scan: Callable, zero_grad: bool, tuning: LinearTuning) -> tuple:
     """:func:`leaves_backward` on the fla path with ``G`` taken in-kernel
-    (``tuning.backward_schedule``, :class:`~sp_attention.linear.local.LateGradient`): the
-    gradient recurrence starts from zero at once on the main stream, the chunk states from
-    ``S_in`` beside it on the recurrence stream, and the scan on the side stream from ``d``:
-    the recurrence's start gradient (``"recurrence_first"``) or the state kernel's, queued
-    first (``"sum_beside"``). Main waits for the scan only before dv."""
+    (``"recurrence_first"``, :class:`~sp_attention.linear.local.LateGradient`): the gradient
+    recurrence starts from zero at once on the main stream, the chunk states from ``S_in``
+    beside it on the recurrence stream; the recurrence's start gradient is ``d``, which the
+    scan takes on the side stream as soon as it is queued. Main waits for the scan only
+    before dv."""
     N, C = q.shape[:2]
     main = torch.cuda.current_stream(q.device)
-    prio = tuning.side_stream_priority
     got: dict = {}
 
     def send(d):                        # d: the recurrence's start gradient, fp32
         got["G"], got["side"] = _scan_on_side_stream(
-            lambda x: scan(x, decay.fla_transition(N, C, x.dtype, q.device)), d, q.device, prio)
+            lambda x: scan(x, decay.fla_transition(N, C, x.dtype, q.device)), d, q.device,
+            tuning.side_stream_priority)
     with torch.cuda.device(q.device):
-        if tuning.backward_schedule == "sum_beside":
-            got["G"], got["side"] = _scan_on_side_stream(grads_scanned, None, q.device, prio)
-        suffix = None
-        if decay.gated and not zero_grad:
-            suffix = suffix_sums(decay.sums.tot).contiguous()
+        suffix = suffix_sums(decay.sums.tot).contiguous() if decay.gated and not zero_grad \
+            else None
         rec = _stream(q.device, "recurrence") if tuning.concurrent_recurrences else None
-        late = LateGradient(send=send if tuning.backward_schedule == "recurrence_first"
-                            else None, suffix=suffix)
         dq, dk, dv, dg = local_backward(
             kern, q, k, v, do, fkw, scale, S_in, None if zero_grad else (lambda: got["G"]),
             states_stream=rec, before_dh=None if zero_grad else (
-                lambda: main.wait_stream(got["side"])), late=late)
+                lambda: main.wait_stream(got["side"])), late=LateGradient(send, suffix))
         main.wait_stream(got["side"])   # joined (a no-op unless zero_grad)
     dg = None if dg is None else dg.to(decay.g.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg

@@ -77,11 +77,11 @@ class LateGradient:
     from a zero end gradient at once, and ``dht`` enters our dv and dq/dk kernels, which add
     it decayed to every chunk's end (:mod:`.dv_kernel` says why that is exact). ``send``:
     called with the recurrence's start gradient (each sequence's state-gradient contribution
-    ``d``, what the scan carries) as soon as it is queued; None when ``d`` comes from
-    elsewhere. ``suffix``: with per-token gates, the inclusive suffix sums of the chunk totals
-    (:func:`.gates.suffix_sums`). Rows only (no varlen sequences)."""
+    ``d``, what the scan carries) as soon as it is queued. ``suffix``: with per-token gates,
+    the inclusive suffix sums of the chunk totals (:func:`.gates.suffix_sums`). Rows only
+    (no varlen sequences)."""
 
-    send: Optional[Callable[[torch.Tensor], None]] = None
+    send: Callable[[torch.Tensor], None]
     suffix: Optional[torch.Tensor] = None
 
 
@@ -141,12 +141,11 @@ def _late_backward(kern, q, k, v, do, fkw: dict, scale: float, h0, h, dht, state
     if kern.chunk_dv is None or kern.chunk_dqkdg is None:
         raise ValueError("this kernel set has no chunk_dv / chunk_dqkdg: it cannot take a late "
                          "gradient in-kernel")
-    if late.send is not None and h0 is None:
-        raise ValueError("LateGradient.send needs h0 (the start gradient is shaped like it)")
-    dh, d = kern.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=h0 if late.send else None, dht=None,
-                              scale=scale, chunk_size=CHUNK, states_in_fp32=True, **fkw)
-    if late.send is not None:
-        late.send(d)
+    if h0 is None:
+        raise ValueError("a LateGradient needs h0 (the start gradient is shaped like it)")
+    dh, d = kern.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=h0, dht=None, scale=scale,
+                              chunk_size=CHUNK, states_in_fp32=True, **fkw)
+    late.send(d)
     if before_dh is not None:
         before_dh()
     G = dht() if callable(dht) else dht

@@ -226,7 +226,8 @@ def test_leaves_backward_fla_path(concurrent, zero_grad, needed, monkeypatch):
     seen = {}
     scan = _scan_returning(G, seen)
     dq, dk, dv, _ = leaves_backward(q, k, v, SLOPES, 0.7, S, do, scan, fake, needed, zero_grad,
-                                 tuning=LinearTuning(concurrent_recurrences=concurrent))
+                                    tuning=LinearTuning(concurrent_recurrences=concurrent,
+                                                        backward_schedule="scan_first"))
     want_d = 0.7 * decayed_state_sum_ref(q, do, SLOPES, 1, 1)
     keep = torch.tensor(needed or (True,) * n).repeat(B)   # rows are batch-major
     assert_close(seen["x"][keep], want_d[keep], TOL, "d")
@@ -253,15 +254,15 @@ def test_leaves_backward_fla_path(concurrent, zero_grad, needed, monkeypatch):
     _joined()
 
 
-@pytest.mark.parametrize("schedule", ["recurrence_first", "sum_beside"])
+@pytest.mark.parametrize("schedule", ["recurrence_first", "auto"])
 @pytest.mark.parametrize("zero_grad", [False, True])
 @pytest.mark.parametrize("needed", [None, (False, True)])
 @pytest.mark.parametrize("concurrent", [True, False])
 def test_leaves_backward_late_gradient(schedule, zero_grad, needed, concurrent, monkeypatch):
-    """``LinearTuning.backward_schedule`` with G taken in-kernel: the gradient recurrence from
-    zero never waits for the scan; d is its start gradient (``recurrence_first``, sent once
-    it is queued) or the state kernel's on the side stream first (``sum_beside``); main waits
-    for the scan only before dv; dq, dk, dv equal the torch backward."""
+    """``LinearTuning.backward_schedule="recurrence_first"`` (``auto``'s pick for fixed rates):
+    the gradient recurrence from zero never waits for the scan; d is its start gradient, sent
+    to the scan once it is queued (no state kernel); main waits for the scan only before dv;
+    dq, dk, dv equal the torch backward."""
     fake = _install(monkeypatch.setattr, SLOPES)
     B, n, C = 2, 2, 100
     q, k, v, do, S, G = _data(B * n, C, seed=2)
@@ -285,10 +286,7 @@ def test_leaves_backward_late_gradient(schedule, zero_grad, needed, concurrent, 
     assert _stream_of("chunk_fwd_h") == ["rec" if concurrent else "main"]
     dh_at = LOG.index(("chunk_bwd_dh", "main"))
     scan_at = LOG.index(("scan", "side"))
-    if schedule == "recurrence_first":
-        assert _stream_of("state_grad_local") == [] and scan_at > dh_at
-    else:
-        assert set(_stream_of("state_grad_local")) == {"side"} and scan_at < dh_at
+    assert _stream_of("state_grad_local") == [] and scan_at > dh_at
     waits_side = [i for i, e in enumerate(LOG) if e == ("wait", "main", "side")]
     assert min(waits_side) > dh_at          # the recurrence never waits for G
     if not zero_grad:
@@ -324,7 +322,7 @@ def _cp_world(rank, world):
                                            (False, False, "scan_first"),
                                            (True, True, "scan_first"),
                                            (True, False, "recurrence_first"),
-                                           (False, False, "sum_beside")):
+                                           (False, False, "auto")):
                 tuning = LinearTuning(concurrent_recurrences=concurrent, early_end_states=early,
                                       backward_schedule=bwd)
                 loc = [shard_sequence(t, ctx, 1).clone().requires_grad_(True) for t in (q, k, v)]
