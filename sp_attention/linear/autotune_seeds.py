@@ -16,7 +16,10 @@ path's K = 64 recurrences and output kernel, the linear and gated models' dv and
 first step at CP 2 and 32K went from over 140 s to 29–43 s (softmax, linear, gated, hybrid
 with packed documents; ``benchmarks/train_scaling.py --fresh-triton-cache``); since 2026-11-27
 the keys of the HF example's linear model (K = V = 32, fixed rates, eight kernels), whose first
-step at CP 4 on a fresh 4 × H200 came after 112 s of autotuning and compiling. H100 and H200
+step at CP 4 on a fresh 4 × H200 came after 112 s of autotuning and compiling; since the eighth
+session of 2026-11-27 our dv kernel and the dq/dk kernel's fixed-rate mode (the backward's
+arriving gradient in-kernel) at the benchmark's K = V = 128 and the 1B models' 64, and the HF
+example's gated model's fla keys (K = V = 32). H100 and H200
 are both sm_90: Triton keys its cache by the architecture, so one archive serves both (the
 configs were timed on whichever ran; a config tuned on one is a good one on the other).
 Triton names each cache entry by a hash of its own version, the
