@@ -179,7 +179,9 @@ def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
     gradient recurrence from ``G`` (``chunk_bwd_dh``) beside it, then dv and, once the chunk
     states are in, dq and dk (fla's own backward, split up; gates: our dq/dk/dg kernel in
     place of fla's ``chunk_bwd_dqkwg``). ``tuning.concurrent_recurrences=False`` runs the
-    chunk states on the main stream first (the A/B).
+    chunk states on the main stream first (the A/B). That is ``tuning.backward_schedule``
+    ``"scan_first"``; ``"recurrence_first"`` (``auto``'s pick with fixed rates) runs the
+    gradient recurrence at once and takes ``G`` in-kernel (:func:`_late_leaves_backward`).
     """
     decay = as_decay(decay)
     kern = resolve_kernels(backend, q, k, v)
