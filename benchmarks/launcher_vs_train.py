@@ -139,6 +139,11 @@ def main() -> int:
                         "hybrid, 4 layers: one command for 9 iterations saving every 3, "
                         "stopped at 6 by --exit-interval, then rerun with --load)")
     p.add_argument("--no-compare", action="store_true", help="only the --resume-check")
+    p.add_argument("--warm", type=float, default=0, metavar="SECONDS",
+                   help="first run train.py for 2 iterations per model and layout, untimed, "
+                        "under this limit: on a fresh machine the first run compiles the "
+                        "Triton kernels both runs use (a TP 2 · CP 2 train.py run did not "
+                        "reach its first step in 110 s), so the timed runs start warm")
     p.add_argument("--log-root", help="keep every run's log here (default: a temporary "
                                       "folder; the resume check's checkpoint stays in one)")
     a = p.parse_args()
@@ -152,6 +157,14 @@ def main() -> int:
             world = lay["tp"] * lay["cp"] * lay["dp"]
             tokens = a.seq_length * lay["dp"]
             tag = f"{kind}_{name}"
+            warm = None
+            if a.warm:
+                w_cmd = train_command(kind, lay, preset="1b", seq_length=a.seq_length,
+                                      train_iters=2, log_dir=os.path.join(tmp, tag + "_warm"),
+                                      vocab_size=SHAPE["vocab_size"], port=29620,
+                                      extra=HYBRID if kind == "hybrid" else ())
+                w_status, w_wall, _ = run(w_cmd, os.path.join(tmp, tag + "_warm.log"), a.warm)
+                warm = {"status": w_status, "wall_s": w_wall}
             t_cmd = train_command(kind, lay, preset="1b", seq_length=a.seq_length,
                                   train_iters=a.train_iters, log_dir=os.path.join(tmp, tag),
                                   vocab_size=SHAPE["vocab_size"], port=29621,
@@ -173,7 +186,7 @@ def main() -> int:
                    "launcher_tokens_per_s_per_gpu": l_tps and l_tps / world,
                    "ratio": (l_tps / t_tps) if (l_tps and t_tps) else None,
                    "launcher_iterations": l_iters, "train_wall_s": t_wall,
-                   "launcher_wall_s": l_wall, "device": device,
+                   "launcher_wall_s": l_wall, "warm_run": warm, "device": device,
                    "date": time.strftime("%Y-%m-%d"),
                    "command": "python benchmarks/launcher_vs_train.py " + " ".join(sys.argv[1:])}
             for label, status, log in (("train", t_status, t_log), ("launcher", l_status, l_log)):

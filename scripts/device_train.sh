@@ -8,7 +8,9 @@
 #                 packed documents first; what Triton autotuned anyway -> autotune_new.tgz
 #     scaling     train_scaling.py: FIRST_KINDS at cp1 and cpP (tp2/dp2 layouts from P = 4)
 #     launcher    launcher_vs_train.py (megatron-core 0.19 with megatron.training): tokens/s
-#                 beside train.py, then the launcher's save + resume on the P GPUs
+#                 beside train.py, then the launcher's save + resume on the P GPUs (on a
+#                 fresh machine add LAUNCHER_EXTRA="--warm 240": an untimed train.py run
+#                 compiles the kernels first)
 #     hf          examples/hf_llama_cp.py --device cuda, every --model at CP = P and CP = 1
 #                 (one Triton cache per model; what autotuned -> autotune_hf.tgz)
 #     parity      train_parity.py: CP = P against two CP = 1 runs, 300 steps, PNG

@@ -204,3 +204,30 @@ def test_parity_corpus_is_the_checkout_text(tmp_path):
                                   for d in docs)
     assert open(path).read() == open(train_parity.repo_corpus(str(tmp_path / "d.jsonl"))).read()
     assert TokenFile(path, 8192, seed=1).num_samples > 200     # 300 steps: about one epoch
+
+
+def test_launcher_vs_train_warm_run_comes_first(monkeypatch, tmp_path):
+    """launcher_vs_train --warm: an untimed 2-iteration train.py run per model and layout
+    before the timed pair (a fresh machine compiles there), its status in the record."""
+    import json
+    import sys
+
+    from benchmarks import launcher_vs_train as lvt
+    calls = []
+
+    def fake_run(cmd, log_path, timeout):
+        calls.append((cmd, timeout))
+        return "ok", 1.0, "".join(f" elapsed time per iteration (ms): {100 + i}.0 |\n"
+                                  for i in range(4))
+    monkeypatch.setattr(lvt, "run", fake_run)
+    out = tmp_path / "rows.jsonl"
+    monkeypatch.setattr(sys, "argv", ["launcher_vs_train.py", "--kinds", "hybrid", "--layouts",
+                                      "tp2cp2", "--warm", "77", "--out", str(out),
+                                      "--log-root", str(tmp_path)])
+    assert lvt.main() == 0
+    (warm, t_warm), (timed, _), (launcher, _) = calls
+    assert t_warm == 77 and warm[warm.index("--train-iters") + 1] == "2"
+    assert timed[timed.index("--train-iters") + 1] == "12" and "train.py" in " ".join(timed)
+    assert "megatron_patches.pretrain_gpt" in launcher
+    rec = json.loads(out.read_text().splitlines()[-1])
+    assert rec["warm_run"] == {"status": "ok", "wall_s": 1.0} and rec["tp"] == 2
