@@ -125,6 +125,8 @@ def test_tuning_is_validated():
         LinearTuning(side_stream_priority=1)
     with pytest.raises(TypeError, match="static_zero_paths"):
         LinearTuning(static_zero_paths=1)
+    with pytest.raises(ValueError, match=r"backward_schedule must be one of \('auto', "):
+        LinearTuning(backward_schedule="sum_beside")
     with pytest.raises(ValueError, match="min_query_heads_per_call"):
         SoftmaxTuning(min_query_heads_per_call=0)
     for bad in (0, 2.0, True):
