@@ -213,29 +213,37 @@ def test_leaves_output_fla_path(T, zero_in, early, monkeypatch):
     _joined()
 
 
+def _backward_case(monkeypatch, seed: int, zero_grad: bool, needed, tuning: LinearTuning):
+    """``leaves_backward`` on two leaves per batch row (zigzag-like rows) through the stand-in
+    kernels, checked: the contributions ``d`` handed to the scan (the leaves someone reads)
+    and dq, dk, dv against the torch backward. Returns ``(dg, d, keep)``."""
+    fake = _install(monkeypatch.setattr, SLOPES)
+    B, n, C = 2, 2, 100
+    q, k, v, do, S, G = _data(B * n, C, seed=seed)
+    G = torch.zeros_like(G) if zero_grad else G
+    seen = {}
+    scan = _scan_returning(G, seen)
+    dq, dk, dv, dg = leaves_backward(q, k, v, SLOPES, 0.7, S, do, scan, fake, needed,
+                                     zero_grad, tuning=tuning)
+    want_d = 0.7 * decayed_state_sum_ref(q, do, SLOPES, 1, 1)
+    keep = torch.tensor(needed or (True,) * n).repeat(B)   # rows are batch-major
+    assert_close(seen["x"][keep], want_d[keep], TOL, "d")
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv),
+                              torch_leaf_backward(q, k, v, SLOPES, 0.7, S, do, G)):
+        assert_close(got, ref, TOL, name)
+    return dg, seen["x"], keep
+
+
 @pytest.mark.parametrize("concurrent", [True, False])
 @pytest.mark.parametrize("zero_grad", [False, True])
 @pytest.mark.parametrize("needed", [None, (False, True), (True, False)])
 def test_leaves_backward_fla_path(concurrent, zero_grad, needed, monkeypatch):
     """Two leaves per batch row (zigzag-like rows), every combination of the stream layout,
     the last-leaf shortcut and the skipped first-leaf contribution."""
-    fake = _install(monkeypatch.setattr, SLOPES)
-    B, n, C = 2, 2, 100
-    q, k, v, do, S, G = _data(B * n, C, seed=1)
-    G = torch.zeros_like(G) if zero_grad else G
-    seen = {}
-    scan = _scan_returning(G, seen)
-    dq, dk, dv, _ = leaves_backward(q, k, v, SLOPES, 0.7, S, do, scan, fake, needed, zero_grad,
-                                    tuning=LinearTuning(concurrent_recurrences=concurrent,
-                                                        backward_schedule="scan_first"))
-    want_d = 0.7 * decayed_state_sum_ref(q, do, SLOPES, 1, 1)
-    keep = torch.tensor(needed or (True,) * n).repeat(B)   # rows are batch-major
-    assert_close(seen["x"][keep], want_d[keep], TOL, "d")
+    _, d, keep = _backward_case(monkeypatch, 1, zero_grad, needed, LinearTuning(
+        concurrent_recurrences=concurrent, backward_schedule="scan_first"))
     if not keep.all():                  # leaves nobody reads: zeros, not computed
-        assert float(seen["x"][~keep].abs().max()) == 0.0
-    refs = torch_leaf_backward(q, k, v, SLOPES, 0.7, S, do, G)
-    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), refs):
-        assert_close(got, ref, TOL, name)
+        assert float(d[~keep].abs().max()) == 0.0
     # streams: d and the scan on the high-priority side stream, the chunk states from S_in on
     # the recurrence stream (or main), the gradient recurrence and dq/dk/dv on main
     assert _stream_of("scan") == ["side"]
@@ -263,22 +271,9 @@ def test_leaves_backward_late_gradient(schedule, zero_grad, needed, concurrent, 
     the gradient recurrence from zero never waits for the scan; d is its start gradient, sent
     to the scan once it is queued (no state kernel); main waits for the scan only before dv;
     dq, dk, dv equal the torch backward."""
-    fake = _install(monkeypatch.setattr, SLOPES)
-    B, n, C = 2, 2, 100
-    q, k, v, do, S, G = _data(B * n, C, seed=2)
-    G = torch.zeros_like(G) if zero_grad else G
-    seen = {}
-    scan = _scan_returning(G, seen)
-    tuning = LinearTuning(backward_schedule=schedule, concurrent_recurrences=concurrent)
-    dq, dk, dv, dg = leaves_backward(q, k, v, SLOPES, 0.7, S, do, scan, fake, needed,
-                                     zero_grad, tuning=tuning)
+    dg, _, _ = _backward_case(monkeypatch, 2, zero_grad, needed, LinearTuning(
+        backward_schedule=schedule, concurrent_recurrences=concurrent))
     assert dg is None
-    want_d = 0.7 * decayed_state_sum_ref(q, do, SLOPES, 1, 1)
-    keep = torch.tensor(needed or (True,) * n).repeat(B)
-    assert_close(seen["x"][keep], want_d[keep], TOL, "d")
-    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv),
-                              torch_leaf_backward(q, k, v, SLOPES, 0.7, S, do, G)):
-        assert_close(got, ref, TOL, name)
     assert _stream_of("scan") == ["side"]
     for what in ("chunk_bwd_dh", "chunk_dv", "chunk_dqkdg"):
         assert _stream_of(what) == ["main"], what
