@@ -192,31 +192,6 @@ def _wait(pending) -> None:
             w.wait()
 
 
-def _as_words(t: Tensor) -> Optional[Tensor]:
-    """``t`` viewed as 8-byte words along its last dimension, or None where its layout does not
-    allow it (an 8-byte dtype already, a strided last dimension, a stride, offset or row not a
-    whole number of words)."""
-    size = t.element_size()
-    if size >= 8 or t.stride(-1) != 1 or (t.shape[-1] * size) % 8 \
-            or (t.storage_offset() * size) % 8 or any((st * size) % 8 for st in t.stride()[:-1]):
-        return None
-    return t.view(torch.int64)
-
-
-def _copy_rows(dst: Tensor, src: Tensor) -> None:
-    """``dst.copy_(src)`` for the strided re-shardings here (each moves head rows of ``D``
-    elements): in 8-byte words where both sides allow, since torch's strided copy kernel works
-    per element (bf16, 4 × H200: 95 µs for a 64 MiB ``[B, L, U, n, D]`` → ``[U, B, L, n, D]``
-    copy, where a row gather of the same bytes took 36 µs). Bitwise the same copy; a dtype
-    conversion takes the plain path."""
-    if dst.dtype == src.dtype:
-        wd, ws = _as_words(dst), _as_words(src)
-        if wd is not None and ws is not None:
-            wd.copy_(ws)
-            return
-    dst.copy_(src)
-
-
 def _send_heads(xs: tuple, U: int, sel: Optional[Tensor]) -> Tensor:
     """Send buffer ``[U, S, B, L, n, D]``: for destination ``u`` the heads ``sel[u]`` (None: the
     ``u``-th of ``U`` equal blocks) of each ``x [B, L, h, D]`` of ``xs``."""
@@ -225,7 +200,7 @@ def _send_heads(xs: tuple, U: int, sel: Optional[Tensor]) -> Tensor:
     buf = torch.empty((U, len(xs), B, L, n, D), dtype=xs[0].dtype, device=xs[0].device)
     for s, x in enumerate(xs):
         src = x.unflatten(2, (U, n)) if sel is None else x[:, :, sel]      # [B, L, U, n, D]
-        _copy_rows(buf[:, s], src.permute(2, 0, 1, 3, 4))
+        buf[:, s].copy_(src.permute(2, 0, 1, 3, 4))
     return buf
 
 
@@ -249,7 +224,7 @@ def _send_back(xs: tuple, order: _Order) -> Tensor:
     for s, x in enumerate(xs):
         flat = x.reshape(B * U * L, h, D)
         if order.back is None:
-            _copy_rows(buf[:, s], flat.view(U, B, L, h, D))
+            buf[:, s].copy_(flat.view(U, B, L, h, D))
         elif len(xs) == 1:
             torch.index_select(flat, 0, order.back, out=buf.view(U * B * L, h, D))
         else:
@@ -267,7 +242,7 @@ def _heads_into(dst: Tensor, recv: Tensor, slot: int = 0) -> None:
     """Copy an arrival buffer ``[U, S, B, L, h, D]`` of head shards into ``dst [B, L, U·h,
     D]`` (a view: one chunk's heads of the call's output), converting its dtype."""
     U, h = recv.shape[0], recv.shape[4]
-    _copy_rows(dst.unflatten(2, (U, h)), recv[:, slot].permute(1, 2, 0, 3, 4))
+    dst.unflatten(2, (U, h)).copy_(recv[:, slot].permute(1, 2, 0, 3, 4))
 
 
 def _index(kind: str, split: HeadSplit, u: int, device) -> Tensor:
