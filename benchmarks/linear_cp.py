@@ -47,7 +47,8 @@ AB = {"early": ("early_end_states", "-early", "-late"),
       "zero": ("static_zero_paths", "-zero", "-nozero")}
 # --ab NAME for a field with several values: (LinearTuning field, ((value, impl suffix), ...))
 AB_VALUES = {"backward": ("backward_schedule", (("recurrence_first", "-recfirst"),
-                                                ("scan_first", "-scanfirst")))}
+                                                ("scan_first", "-scanfirst"))),
+             "row_splits": ("row_splits", ((1, "-rows1"), (2, "-rows2"), (4, "-rows4")))}
 
 
 def _phases(events: list) -> dict:

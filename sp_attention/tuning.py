@@ -86,6 +86,16 @@ class LinearTuning:
             fixed rates 0.83–0.88 → 0.86–0.94 of fla (P = 2: 0.86–0.91 → 0.90–0.98), gates
             0.74–0.81 → 0.73–0.84 (eager: lower). The A/B: ``benchmarks/linear_cp.py --ab
             backward``.
+        row_splits: on the fla path, each leaf runs as this many rows of equal length (whole
+            chunks), the rows' states combined on the rank before and after the cross-rank
+            scan (:func:`.linear.leaves.split_rows_scan`): fla's chunk recurrences run one
+            program per (K tile, V tile, row, head), so at B 1 and 16 heads one row fills
+            under half of an H100's SMs, and two rows of half the length take about half the
+            time (4 × H200, 32K per GPU: the two-leaf zigzag shard's recurrences 375 + 231 µs
+            against one contiguous leaf's 640 + 445). ``None``: the rule of
+            :func:`.linear.leaves.row_splits` (split while the rows' programs leave SMs idle
+            and each row keeps at least 4096 tokens); 1: never. Exact for every value. The
+            A/B: ``benchmarks/linear_cp.py --ab row_splits``.
     """
 
     static_zero_paths: bool = False
@@ -96,6 +106,7 @@ class LinearTuning:
     early_end_states: bool = False
     scan_graphs: bool = True
     backward_schedule: str = "auto"
+    row_splits: Optional[int] = None
 
     BACKWARD_SCHEDULES = ("auto", "scan_first", "recurrence_first")
 
@@ -105,6 +116,9 @@ class LinearTuning:
         if self.backward_schedule not in self.BACKWARD_SCHEDULES:
             raise ValueError(f"LinearTuning.backward_schedule must be one of "
                              f"{self.BACKWARD_SCHEDULES}, got {self.backward_schedule!r}")
+        if self.row_splits is not None and (not is_int(self.row_splits) or self.row_splits < 1):
+            raise ValueError("LinearTuning.row_splits must be a positive int (rows per leaf on "
+                             f"the fla path) or None (the built-in rule), got {self.row_splits!r}")
         if not is_int(self.side_stream_priority) or self.side_stream_priority > 0:
             raise ValueError("LinearTuning.side_stream_priority must be an int <= 0 (CUDA: "
                              f"lower is higher priority), got {self.side_stream_priority!r}")

@@ -35,7 +35,7 @@ from .fla_ops import BACKENDS
 from .inputs import call_signature, check_inputs
 from .kernel_set import FlaKernels, resolve_kernels
 from .leaf import leaf_backward, leaf_output
-from .leaves import leaves_backward, leaves_output
+from .leaves import leaves_backward, leaves_output, row_splits, sm_count, split_rows_scan
 from .packed import packed_grads, packed_output
 from .scan_allgather import allgather_rows, allgather_scan
 from .scan_blelloch import blelloch_rows, blelloch_scan
@@ -109,6 +109,16 @@ def reduce_kv_grad(dx: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch
     return dx.to(acc_dtype(dx)).view(b, t, kv_heads, h // kv_heads, d).sum(3).to(dtype)
 
 
+def _rows_per_leaf(q: torch.Tensor, v: torch.Tensor, n: int, gated: bool, local,
+                   tuning: LinearTuning) -> int:
+    """Rows each of this rank's ``n`` leaves runs as (``LinearTuning.row_splits``)."""
+    fla = q.is_cuda and resolve_kernels(local, q, None, v) is not None
+    return row_splits(tuning, q.shape[0] * n, q.shape[1] // n, q.shape[2], q.shape[3],
+                      v.shape[3], sm_count(q.device.index if q.device.index is not None
+                                           else torch.cuda.current_device()) if fla else None,
+                      gated)
+
+
 class _LightningAttention(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, g, slopes, ctx: SPContext, impl: str, scale: float,
@@ -119,8 +129,12 @@ class _LightningAttention(torch.autograd.Function):
         k, v = expand_kv(k, q.shape[2]), expand_kv(v, q.shape[2])
         decay = Decay(slopes=slopes) if g is None else Decay(g=g)
         n = len(ctx.leaves)
+        # each leaf runs as m rows (one program per row and head: more SMs busy), combined on
+        # this rank around the cross-rank scan; the sequence as one leaf (P = 1) stays one row
+        m = 1 if ctx.num_leaves == 1 else _rows_per_leaf(q, v, n, g is not None, local, tuning)
+        fctx.rows = m
         # the backward reuses the gate sums this decay makes (derived, never differentiated)
-        fctx.decay = decay if n == 1 else decay.rows(n)
+        fctx.decay = decay if n * m == 1 else decay.rows(n * m)
         if ctx.num_leaves == 1:
             # the whole sequence is one leaf: nothing enters it; one kernel call
             S = torch.zeros(())
@@ -130,13 +144,14 @@ class _LightningAttention(torch.autograd.Function):
             # scanned across ranks into the state S_in entering it (on GPU a side stream; the
             # end states come from the zero-start chunk recurrence), and the output kernel adds
             # S_in to every chunk state. The sequence's first leaf gets S_in = 0 (exact).
-            qb, kb, vb = leaf_rows(q, n), leaf_rows(k, n), leaf_rows(v, n)
+            qb, kb, vb = leaf_rows(q, n * m), leaf_rows(k, n * m), leaf_rows(v, n * m)
             # a rank holding only the sequence's first leaf receives nothing (S_in = 0)
-            zero_in = tuning.static_zero_paths and all(leaf == 0 for leaf in ctx.leaves)
+            zero_in = tuning.static_zero_paths and m == 1 and all(leaf == 0
+                                                                   for leaf in ctx.leaves)
             o, S = leaves_output(
-                qb, kb, vb, fctx.decay, scale,
-                lambda b, A: scan_rows(b, A, ctx, impl, False, tuning.scan_graphs), local,
-                zero_in, tuning=tuning)
+                qb, kb, vb, fctx.decay, scale, split_rows_scan(
+                    lambda b, A: scan_rows(b, A, ctx, impl, False, tuning.scan_graphs), m,
+                    False), local, zero_in, tuning=tuning)
             out = o.reshape(*q.shape[:3], v.shape[-1])
         fctx.save_for_backward(q, k_in, v_in, g, slopes, S)
         fctx.sp, fctx.impl, fctx.scale, fctx.local, fctx.tuning = ctx, impl, scale, local, tuning
@@ -160,18 +175,18 @@ class _LightningAttention(torch.autograd.Function):
             # Mirror image: each leaf's state-gradient contribution (one pass over q, dO) is
             # suffix-scanned into the gradient G arriving at its end (side stream) while the
             # chunk states from S_in are recomputed; the last leaf gets G = 0 (exact).
-            n = len(ctx.leaves)
-            qb, kb, vb, dob = (leaf_rows(t, n) for t in (q, k, v, do))
-            # the sequence's first leaf sends its contribution to nobody: not computed
-            needed = tuple(leaf != 0 for leaf in ctx.leaves)
+            n, m = len(ctx.leaves), fctx.rows
+            qb, kb, vb, dob = (leaf_rows(t, n * m) for t in (q, k, v, do))
+            # the sequence's first leaf sends its contribution to nobody: not computed (with
+            # rows, its later rows' contributions reach its earlier rows: all computed)
+            needed = tuple(leaf != 0 for leaf in ctx.leaves) if m == 1 else None
             # ... and one holding only its last leaf receives no gradient (G = 0)
-            zero_grad = tuning.static_zero_paths and all(leaf == ctx.num_leaves - 1
-                                                         for leaf in ctx.leaves)
+            zero_grad = tuning.static_zero_paths and m == 1 and all(
+                leaf == ctx.num_leaves - 1 for leaf in ctx.leaves)
             grads = leaves_backward(
-                qb, kb, vb, decay, scale, S, dob,
-                lambda d, A: scan_rows(d, A, ctx, fctx.impl, True, tuning.scan_graphs), local,
-                needed,
-                zero_grad, tuning=tuning)
+                qb, kb, vb, decay, scale, S, dob, split_rows_scan(
+                    lambda d, A: scan_rows(d, A, ctx, fctx.impl, True, tuning.scan_graphs), m,
+                    True), local, needed, zero_grad, tuning=tuning)
             dq, dk, dv = (x.reshape(t.shape) for x, t in zip(grads[:3], (q, k, v)))
             dg = None if grads[3] is None else grads[3].reshape(g.shape)
         return _finish(dq, dk, dv, dg, k_in, v_in, g, fctx)

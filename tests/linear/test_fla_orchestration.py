@@ -335,6 +335,48 @@ def test_cp_step_through_fla_path(world):
     assert all(run_distributed(_cp_world, world, timeout=300))
 
 
+def _cp_world_rows(rank, world):
+    """``LinearTuning.row_splits``: each leaf as 2 and 3 rows through the fla path (stand-in
+    kernels) at every rank, every scan, both layouts and both backward schedules, vs the
+    single-device recurrence in fp64."""
+    import torch.distributed as dist
+
+    from sp_attention import build_sp_context, shard_sequence
+    from sp_attention.linear.attention import lightning_attention_with_kernels
+    from sp_attention.linear.naive import recurrent_linear_attention
+
+    def setattr_(obj, name, value):
+        setattr(obj, name, value)
+    fake = _install(setattr_, SLOPES)
+    group = dist.new_group(list(range(world)))
+    g = torch.Generator().manual_seed(6)
+    T = 2 * world * 384                      # zigzag leaves of 6 chunks: 2 or 3 rows each
+    q, k, v, w = (torch.randn(1, T, 3, 4, generator=g, dtype=torch.float64) for _ in range(4))
+    ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    o, _ = recurrent_linear_attention(*ins, SLOPES, scale=0.5)
+    (o * w).sum().backward()
+    expected = [o.detach()] + [t.grad for t in ins]
+    for layout in ("contiguous", "zigzag"):
+        ctx = build_sp_context(group, layout=layout)
+        want = [shard_sequence(t, ctx, 1) for t in expected]
+        for impl in ("blelloch", "allgather", "ring"):
+            for rows, bwd in ((2, "recurrence_first"), (3, "scan_first"), (3, "auto")):
+                tuning = LinearTuning(row_splits=rows, backward_schedule=bwd)
+                loc = [shard_sequence(t, ctx, 1).clone().requires_grad_(True) for t in (q, k, v)]
+                out = lightning_attention_with_kernels(*loc, SLOPES, fake, ctx=ctx, impl=impl,
+                                                       scale=0.5, tuning=tuning)
+                (out * shard_sequence(w, ctx, 1)).sum().backward()
+                for got, exp, what in zip((out, *(t.grad for t in loc)), want, ("o", "dq", "dk",
+                                                                                 "dv")):
+                    assert_close(got, exp, TOL, f"{layout} {impl} rows={rows} {bwd} rank{rank} "
+                                                f"{what}")
+    return True
+
+
+def test_cp_step_through_fla_path_with_row_splits():
+    assert all(run_distributed(_cp_world_rows, 3, timeout=300))
+
+
 @pytest.mark.parametrize("T", [128, 100])
 def test_one_leaf_through_the_kernel_sequence(T, monkeypatch):
     """The whole sequence on one rank (P = 1): the fla path's one kernel sequence

@@ -1,7 +1,8 @@
 """Multi-GPU (NCCL) tests of every linear-attention scan at P = 2 and 4, both layouts, fixed
 slopes, per-token gates and packed documents: each rank's bf16 output and gradients against an
 fp32 single-device reference, no worse than 1.5 × the same code's error at P = 1; the tuning
-variants (early end states, scans replayed from CUDA graphs) give the default's numbers; and
+variants (early end states, scans replayed from CUDA graphs) give the default's numbers; leaves
+run as 2 and 4 rows (``LinearTuning.row_splits``) are as close to fp32; and
 a fwd + bwd step captured in a CUDA graph gives the eager step's. Run on the device machine:
 ``python -m pytest -m multigpu tests/linear/test_linear_multigpu.py``."""
 import pytest
@@ -95,6 +96,36 @@ def _check(rank, world):
     return errors
 
 
+def _rows_check(rank, world):
+    """``LinearTuning.row_splits`` 2 and 4 (leaves of whole chunks): fixed and gated, every
+    scan, both layouts, within 1.5 × the P = 1 bf16 error of the fp64 result."""
+    import torch.distributed as dist
+    dev = torch.device("cuda", torch.cuda.current_device())
+    group = dist.new_group(list(range(world)))
+    q, k, v, do, gates = _inputs(dev, 2 * world * 1024, seed=3)
+    slopes = torch.tensor([0.0, 0.01, 0.3, 50.0], device=dev)
+    errors = {}
+    for name, decay in (("fixed", slopes), ("gated", gates)):
+        exact = _run(q, k, v, do, decay.double(), backend="torch", dtype=torch.float64)
+        e1 = [rel_rms(a, b) for a, b in zip(_run(q, k, v, do, decay), exact)]
+        for layout in ("contiguous", "zigzag"):
+            ctx = build_sp_context(group, layout=layout)
+            loc = [shard_sequence(t, ctx, 1) for t in (q, k, v, do)]
+            dec = decay if decay.dim() == 1 else shard_sequence(decay, ctx, 1)
+            want = [shard_sequence(t, ctx, 1) for t in exact]
+            for impl in IMPLS:
+                for rows in (2, 4):
+                    got = _run(*loc, dec, ctx=ctx, impl=impl,
+                               tuning=LinearTuning(row_splits=rows))
+                    for what, g_, w_, base in zip(("o", "dq", "dk", "dv"), got, want, e1):
+                        e = rel_rms(g_, w_)
+                        errors[f"{name} {layout} {impl} rows={rows} {what}"] = (e, base)
+                        assert torch.isfinite(g_).all(), (name, layout, impl, rows, what)
+                        assert e <= 1.5 * max(base, FLOOR), (name, layout, impl, rows, what, e,
+                                                             base)
+    return errors
+
+
 def _graph_step(rank, world):
     """A whole fwd + bwd step captured in a CUDA graph (NCCL scans inside) = the eager step."""
     import torch.distributed as dist
@@ -105,13 +136,15 @@ def _graph_step(rank, world):
     for layout in ("contiguous", "zigzag"):
         ctx = build_sp_context(group, layout=layout)
         loc = [shard_sequence(t, ctx, 1).to(torch.bfloat16) for t in (q, k, v, do)]
-        for impl in IMPLS:
+        for impl, tuning in [(i, None) for i in IMPLS] + [("blelloch", LinearTuning(
+                row_splits=2))]:
             xs = [t.clone().requires_grad_(True) for t in loc[:3]]
 
             def step():
                 for x in xs:
                     x.grad = None
-                lightning_attention(*xs, slopes, ctx=ctx, impl=impl).backward(loc[3])
+                lightning_attention(*xs, slopes, ctx=ctx, impl=impl, tuning=tuning).backward(
+                    loc[3])
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -125,7 +158,7 @@ def _graph_step(rank, world):
             graph.replay()
             torch.cuda.synchronize()
             for a, b in zip((x.grad for x in xs), eager):
-                assert rel_rms(a.float(), b.float()) < 1e-6, (layout, impl)
+                assert rel_rms(a.float(), b.float()) < 1e-6, (layout, impl, tuning)
     return True
 
 
@@ -139,6 +172,14 @@ def test_every_scan_matches_fp32_within_the_single_gpu_error(world):
     res = run_distributed(_check, world, timeout=900, backend="nccl")
     for key, (e, base) in sorted(res[0].items()):
         print(f"P={world} {key:<34} vs fp32 {e:.2e} (P = 1: {base:.2e})")
+
+
+@pytest.mark.parametrize("world", _worlds())
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (device machine)")
+def test_row_splits_match_fp32_within_the_single_gpu_error(world):
+    res = run_distributed(_rows_check, world, timeout=900, backend="nccl")
+    for key, (e, base) in sorted(res[0].items()):
+        print(f"P={world} {key:<40} vs fp32 {e:.2e} (P = 1: {base:.2e})")
 
 
 @pytest.mark.parametrize("world", _worlds())
