@@ -289,9 +289,9 @@ def test_leaves_backward_late_gradient(schedule, zero_grad, needed, concurrent, 
     _joined()
 
 
-def _cp_world(rank, world):
-    """A whole CP step through the fla path (stand-in kernels, recorder streams) at every rank,
-    every schedule and both layouts, vs the single-device recurrence in fp64."""
+def _cp_steps(rank, world, leaf_tokens, seed, tunings):
+    """Whole CP steps through the fla path (stand-in kernels, recorder streams) at every rank,
+    every scan and both layouts, one per tuning, vs the single-device recurrence in fp64."""
     import torch.distributed as dist
 
     from sp_attention import build_sp_context, shard_sequence
@@ -302,8 +302,8 @@ def _cp_world(rank, world):
         setattr(obj, name, value)
     fake = _install(setattr_, SLOPES)
     group = dist.new_group(list(range(world)))
-    g = torch.Generator().manual_seed(5)
-    T = 2 * world * 40                       # leaves of 40 tokens: partial chunks
+    g = torch.Generator().manual_seed(seed)
+    T = 2 * world * leaf_tokens              # zigzag leaves of leaf_tokens
     q, k, v, w = (torch.randn(1, T, 3, 4, generator=g, dtype=torch.float64) for _ in range(4))
     ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
     o, _ = recurrent_linear_attention(*ins, SLOPES, scale=0.5)
@@ -313,21 +313,24 @@ def _cp_world(rank, world):
         ctx = build_sp_context(group, layout=layout)
         want = [shard_sequence(t, ctx, 1) for t in expected]
         for impl in ("blelloch", "allgather", "ring"):
-            for concurrent, early, bwd in ((True, False, "scan_first"),
-                                           (False, False, "scan_first"),
-                                           (True, True, "scan_first"),
-                                           (True, False, "recurrence_first"),
-                                           (False, False, "auto")):
-                tuning = LinearTuning(concurrent_recurrences=concurrent, early_end_states=early,
-                                      backward_schedule=bwd)
+            for tuning in tunings:
                 loc = [shard_sequence(t, ctx, 1).clone().requires_grad_(True) for t in (q, k, v)]
                 out = lightning_attention_with_kernels(*loc, SLOPES, fake, ctx=ctx, impl=impl,
                                                        scale=0.5, tuning=tuning)
                 (out * shard_sequence(w, ctx, 1)).sum().backward()
                 for got, exp, what in zip((out, *(t.grad for t in loc)), want, ("o", "dq", "dk",
                                                                                  "dv")):
-                    assert_close(got, exp, TOL, f"{layout} {impl} {concurrent} rank{rank} {what}")
+                    assert_close(got, exp, TOL, f"{layout} {impl} {tuning} rank{rank} {what}")
     return True
+
+
+def _cp_world(rank, world):
+    """Every schedule variant; leaves of 40 tokens: partial chunks."""
+    return _cp_steps(rank, world, 40, 5, [
+        LinearTuning(concurrent_recurrences=c, early_end_states=e, backward_schedule=b)
+        for c, e, b in ((True, False, "scan_first"), (False, False, "scan_first"),
+                        (True, True, "scan_first"), (True, False, "recurrence_first"),
+                        (False, False, "auto"))])
 
 
 @pytest.mark.parametrize("world", [3])
@@ -336,41 +339,11 @@ def test_cp_step_through_fla_path(world):
 
 
 def _cp_world_rows(rank, world):
-    """``LinearTuning.row_splits``: each leaf as 2 and 3 rows through the fla path (stand-in
-    kernels) at every rank, every scan, both layouts and both backward schedules, vs the
-    single-device recurrence in fp64."""
-    import torch.distributed as dist
-
-    from sp_attention import build_sp_context, shard_sequence
-    from sp_attention.linear.attention import lightning_attention_with_kernels
-    from sp_attention.linear.naive import recurrent_linear_attention
-
-    def setattr_(obj, name, value):
-        setattr(obj, name, value)
-    fake = _install(setattr_, SLOPES)
-    group = dist.new_group(list(range(world)))
-    g = torch.Generator().manual_seed(6)
-    T = 2 * world * 384                      # zigzag leaves of 6 chunks: 2 or 3 rows each
-    q, k, v, w = (torch.randn(1, T, 3, 4, generator=g, dtype=torch.float64) for _ in range(4))
-    ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    o, _ = recurrent_linear_attention(*ins, SLOPES, scale=0.5)
-    (o * w).sum().backward()
-    expected = [o.detach()] + [t.grad for t in ins]
-    for layout in ("contiguous", "zigzag"):
-        ctx = build_sp_context(group, layout=layout)
-        want = [shard_sequence(t, ctx, 1) for t in expected]
-        for impl in ("blelloch", "allgather", "ring"):
-            for rows, bwd in ((2, "recurrence_first"), (3, "scan_first"), (3, "auto")):
-                tuning = LinearTuning(row_splits=rows, backward_schedule=bwd)
-                loc = [shard_sequence(t, ctx, 1).clone().requires_grad_(True) for t in (q, k, v)]
-                out = lightning_attention_with_kernels(*loc, SLOPES, fake, ctx=ctx, impl=impl,
-                                                       scale=0.5, tuning=tuning)
-                (out * shard_sequence(w, ctx, 1)).sum().backward()
-                for got, exp, what in zip((out, *(t.grad for t in loc)), want, ("o", "dq", "dk",
-                                                                                 "dv")):
-                    assert_close(got, exp, TOL, f"{layout} {impl} rows={rows} {bwd} rank{rank} "
-                                                f"{what}")
-    return True
+    """``LinearTuning.row_splits``: each leaf as 2 and 3 rows (zigzag leaves of 6 chunks), both
+    backward schedules."""
+    return _cp_steps(rank, world, 384, 6, [
+        LinearTuning(row_splits=r, backward_schedule=b)
+        for r, b in ((2, "recurrence_first"), (3, "scan_first"), (3, "auto"))])
 
 
 def test_cp_step_through_fla_path_with_row_splits():
