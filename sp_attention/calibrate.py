@@ -45,6 +45,7 @@ from .linear import lightning_attention, release_cuda_graphs
 from .sharding import shard_sequence
 from .softmax import context_parallel_attention
 from .testing import run_distributed
+from .tuning import LinearTuning
 
 __all__ = ["time_ms", "peak_bytes", "link_worlds", "probe_links", "probe_kernels",
            "probe_overlap", "probe_linear_steps", "main"]
@@ -257,15 +258,19 @@ def probe_linear_steps(group, shape: Optional[dict] = None, scan: str = "allgath
                     generator=g) * 0.1
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     rows = []
-    for layout in ("contiguous", "zigzag"):
+    # contiguous as one row per rank, zigzag as its two leaves: the two kernel factors
+    # (sp_attention.cost.linear.rank_factor)
+    for layout, splits in (("contiguous", 1), ("zigzag", None)):
         ctx = build_sp_context(group, layout=layout)
+        tuning = LinearTuning(row_splits=splits)
 
-        def step(ctx=ctx):
-            return torch.autograd.grad(lightning_attention(q, k, v, slopes, ctx=ctx, impl=scan),
-                                       (q, k, v), do)
+        def step(ctx=ctx, tuning=tuning):
+            return torch.autograd.grad(lightning_attention(q, k, v, slopes, ctx=ctx, impl=scan,
+                                                          tuning=tuning), (q, k, v), do)
         ms = time_ms(step, iters=5, repeats=5, barrier=lambda: _barrier(group))
         rows.append(_row("linear_step", world=ctx.world_size, layout=layout, scan=scan,
-                         itemsize=_dtype().itemsize, ms_fwd_bwd=_slowest(ms, group), **s))
+                         itemsize=_dtype().itemsize, ms_fwd_bwd=_slowest(ms, group),
+                         row_splits=splits, **s))
     return rows
 
 

@@ -93,7 +93,7 @@ class LinearTuning:
             under half of an H100's SMs, and two rows of half the length take about half the
             time (4 × H200, 32K per GPU: the two-leaf zigzag shard's recurrences 375 + 231 µs
             against one contiguous leaf's 640 + 445). ``None``: the rule of
-            :func:`.linear.leaves.row_splits` (split while the rows' programs leave SMs idle
+            :func:`.planning.linear_rows.row_splits` (split while the rows' programs leave SMs idle
             and each row keeps at least 4096 tokens); 1: never. Exact for every value. The
             A/B: ``benchmarks/linear_cp.py --ab row_splits``.
     """

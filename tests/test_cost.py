@@ -426,9 +426,23 @@ def _step_rows(m: Machine, P: int = 4) -> list[dict]:
     shape = LinearShape(1, 16384, 16, 128, 128)
     return [_ring_row(m, P)] + [
         dict(what="linear_step", world=P, layout=lay, scan="allgather", B=1, T_local=16384,
-             H=16, K=128, V=128, itemsize=2,
-             ms_fwd_bwd=linear_step(shape, P, lay, "allgather", m).total_ms)
-        for lay in ("contiguous", "zigzag")]
+             H=16, K=128, V=128, itemsize=2, row_splits=rows,
+             ms_fwd_bwd=linear_step(shape, P, lay, "allgather", m, row_splits=rows).total_ms)
+        for lay, rows in (("contiguous", 1), ("zigzag", None))]
+
+
+def test_rank_factor_follows_the_rows_a_rank_runs():
+    """One row per rank reads the contiguous factor; zigzag's two leaves or a contiguous leaf
+    split by the op's rule (B 1, H 16, K = V 128, ≥ 8K tokens: 2 rows) the other."""
+    from sp_attention.cost.linear import rank_factor
+    shape = LinearShape(1, 32768, 16, 128, 128)
+    assert rank_factor(shape, 4, "contiguous") == "linear_rank_zigzag"
+    assert rank_factor(shape, 4, "contiguous", requested=1) == "linear_rank_contiguous"
+    assert rank_factor(shape, 4, "zigzag") == "linear_rank_zigzag"
+    assert rank_factor(LinearShape(1, 4096, 16, 128, 128), 4, "contiguous") == \
+        "linear_rank_contiguous"
+    assert rank_factor(LinearShape(8, 32768, 16, 128, 128), 4, "contiguous") == \
+        "linear_rank_contiguous"                    # B 8: the SMs are full with one row
 
 
 def test_fits_recover_the_machine():

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 from ..planning.schedules import PRESETS
 from .common import LinearShape, SoftmaxShape, Topology
-from .linear import linear_step
+from .linear import linear_step, rank_factor
 from .machine import Kernels, Link, Machine
 from .plausible import check_figures
 from .softmax import softmax_step
@@ -169,19 +169,21 @@ def fit_overlap(row: dict, machine: Machine, high: float = 40.0) -> float:
 
 
 def fit_rank_factors(rows: Sequence[dict], machine: Machine, high: float = 40.0) -> dict:
-    """``Kernels.linear_rank_<layout>`` at which the model's linear step (fwd + bwd, one node,
-    the row's scan) equals each ``linear_step`` row (the median per layout); ``high``
+    """``Kernels.linear_rank_*`` at which the model's linear step (fwd + bwd, one node, the
+    row's scan) equals each ``linear_step`` row (the median per factor: one row or several
+    per rank, :func:`sp_attention.cost.linear.rank_factor`); ``high``
     (refused by the checks) where no factor up to it explains the step."""
     got: dict = {}
     for r in rows:
         shape = LinearShape(r["B"], r["T_local"], r["H"], r["K"], r["V"], r.get("itemsize", 2))
-        field = f"linear_rank_{r['layout']}"
+        field = rank_factor(shape, r["world"], r["layout"], machine.kernels.sms,
+                            r.get("row_splits"))
 
         def at(x: float, r=r, shape=shape, field=field) -> float:
             m = dataclasses.replace(machine, kernels=dataclasses.replace(machine.kernels,
                                                                          **{field: x}))
             return linear_step(shape, r["world"], r["layout"], r["scan"], m,
-                               Topology.single_node(r["world"])).total_ms
+                               Topology.single_node(r["world"]), r.get("row_splits")).total_ms
         got.setdefault(field, []).append(_solve(at, r["ms_fwd_bwd"], 0.0, high))
     return {f: statistics.median(v) for f, v in got.items()}
 

@@ -6,6 +6,7 @@ from functools import lru_cache
 from typing import Optional
 
 from ..planning.layout import holder_of_leaf, num_chunks, scan_position, tree_scan_rounds
+from ..planning import linear_rows
 from ..planning.schedules import LINEAR_SCANS
 from .common import LinearShape, StepTime, Topology, combine_ms, linear_flops
 from .machine import Machine
@@ -76,15 +77,29 @@ def linear_scan_ms(schedule: str, shape: LinearShape, world: int, layout: str,
                     topo.nodes)
 
 
+def rank_factor(shape: LinearShape, world: int, layout: str, sms: int = 132,
+                requested: Optional[int] = None) -> str:
+    """The :class:`~sp_attention.cost.machine.Kernels` field of a CP rank's kernel factor:
+    ``linear_rank_contiguous`` where the rank runs its tokens as one row,
+    ``linear_rank_zigzag`` where as several (zigzag's two leaves, or a leaf split into rows
+    by the op's rule, :func:`sp_attention.planning.linear_rows.row_splits`, fixed rates;
+    ``requested``: ``LinearTuning.row_splits``, None for the rule)."""
+    n = 2 if layout == "zigzag" else 1
+    m = linear_rows.row_splits(requested, shape.B * n, shape.T_local // n, shape.H, shape.K, shape.V, sms)
+    return "linear_rank_contiguous" if n * m == 1 else "linear_rank_zigzag"
+
+
 def linear_step(shape: LinearShape, world: int, layout: str, schedule: str, machine: Machine,
-                topology: Optional[Topology] = None) -> StepTime:
+                topology: Optional[Topology] = None,
+                row_splits: Optional[int] = None) -> StepTime:
     """Predicted fwd / bwd of :func:`~sp_attention.lightning_attention` on the slowest rank:
     the forward's scan is exposed (the output kernel needs ``S_in``); the backward's suffix
     scan runs on a side stream beside the chunk-state recomputation (half the forward
-    kernel), its bytes costing the kernels ``overlap_cost``."""
+    kernel), its bytes costing the kernels ``overlap_cost``. ``row_splits``: the op's
+    ``LinearTuning.row_splits`` (None: its rule)."""
     k = machine.kernels
     rank = (1.0 if world == 1 else      # one rank: the kernel itself, as calibrated
-            k.linear_rank_zigzag if layout == "zigzag" else k.linear_rank_contiguous)
+            getattr(k, rank_factor(shape, world, layout, k.sms, row_splits)))
     kern = rank * (k.linear_call_ms + linear_flops(shape) / (k.linear_tflops * 1e9))
     k_fwd = kern * k.linear_fwd_share
     k_bwd = kern - k_fwd

@@ -80,9 +80,13 @@ class Kernels:
         linear_fwd_share: forward's share of the linear fwd + bwd time.
         linear_rank_contiguous, linear_rank_zigzag: a CP rank's kernel work at P > 1 (its
             leaves, the state passes, what the scan's side stream takes from them) ÷ the
-            plain kernel on the same tokens, by layout. Built in: each rank's program alone
-            on one H200 (``benchmarks/linear_rank_programs.py``, the slowest rank); the probe
-            fits them to a linear CP step across the GPUs it runs on.
+            plain kernel on the same tokens: ``contiguous`` where the rank runs its tokens as
+            one row, ``zigzag`` where as several (zigzag's two leaves, or a leaf split into
+            rows by ``LinearTuning.row_splits``' rule: :func:`sp_attention.cost.linear.
+            rank_factor`). Built in: each rank's program alone on one H200
+            (``benchmarks/linear_rank_programs.py``, the slowest rank); the probe fits them to
+            a linear CP step across the GPUs it runs on.
+        sms: the GPU's SM count (the row-split rule reads it; H100 / H200 SXM: 132).
         softmax_fwd_tflops, softmax_bwd_tflops: attention kernel rates over the (query, key)
             pairs a call keeps (a causal kernel skips the masked triangle); backward FLOPs are
             2.5 × forward.
@@ -112,6 +116,7 @@ class Kernels:
     softmax_ag_rate: float = 1.0
     linear_rank_contiguous: float = 1.0
     linear_rank_zigzag: float = 1.0
+    sms: int = 132
 
     def __post_init__(self) -> None:
         for name in ("linear_tflops", "softmax_fwd_tflops", "softmax_bwd_tflops", "mem_gbps"):

@@ -26,6 +26,7 @@ from ..context import SPContext
 from ..cost.auto import auto_linear_scan
 from ..planning.linear_packed import linear_packing
 from ..planning.packing import PackingPlan, resolve_plan
+from ..planning.linear_rows import row_splits
 from ..planning.schedules import LINEAR_IMPLS as IMPLS
 from ..precision import acc_dtype
 from ..tuning import LinearTuning
@@ -35,7 +36,7 @@ from .fla_ops import BACKENDS
 from .inputs import call_signature, check_inputs
 from .kernel_set import FlaKernels, resolve_kernels
 from .leaf import leaf_backward, leaf_output
-from .leaves import leaves_backward, leaves_output, row_splits, sm_count, split_rows_scan
+from .leaves import leaves_backward, leaves_output, sm_count, split_rows_scan
 from .packed import packed_grads, packed_output
 from .scan_allgather import allgather_rows, allgather_scan
 from .scan_blelloch import blelloch_rows, blelloch_scan
@@ -113,7 +114,7 @@ def _rows_per_leaf(q: torch.Tensor, v: torch.Tensor, n: int, gated: bool, local,
                    tuning: LinearTuning) -> int:
     """Rows each of this rank's ``n`` leaves runs as (``LinearTuning.row_splits``)."""
     fla = q.is_cuda and resolve_kernels(local, q, None, v) is not None
-    return row_splits(tuning, q.shape[0] * n, q.shape[1] // n, q.shape[2], q.shape[3],
+    return row_splits(tuning.row_splits, q.shape[0] * n, q.shape[1] // n, q.shape[2], q.shape[3],
                       v.shape[3], sm_count(q.device.index if q.device.index is not None
                                            else torch.cuda.current_device()) if fla else None,
                       gated)

@@ -33,7 +33,7 @@ from .leaf import leaf_backward, leaf_output, leaf_state
 from .local import LateGradient, chunk_states, local_backward
 from .state_sum import decayed_sum
 
-__all__ = ["leaves_output", "leaves_backward", "state_dtype", "row_splits", "split_rows_scan"]
+__all__ = ["leaves_output", "leaves_backward", "state_dtype", "sm_count", "split_rows_scan"]
 
 _DEFAULT = LinearTuning()
 # Streams made once per (stream factory, device, role, priority), not per call; the factory is
@@ -127,46 +127,10 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
         return kern.output_from_states(q, k, v, h, S_in, fkw["g_gamma"], scale, CHUNK), S_in
 
 
-# The row-split rule (LinearTuning.row_splits=None): split a leaf while its rows' recurrence
-# programs (fla: one per 64-wide K tile, 64-wide V tile, row and head) still fit the SMs once
-# (with per-token gates twice: their rows gained up to 4 rows per rank), and each row keeps at
-# least MIN_SPLIT_ROW tokens. Measured on 4 × H200, P = 4, 32K per GPU, queued (2026-11-27):
-# fixed rates, one contiguous leaf 0.91 -> 0.94 of fla as 2 rows, 0.93 as 4; gates 0.74-0.79
-# -> 0.85 as 2 rows, 0.87-0.89 as 4; zigzag (2 leaves) fixed 0.89-0.95 unchanged as 2 x 1,
-# gated 0.82-0.85 -> 0.84-0.89 as 2 x 2.
-MIN_SPLIT_ROW = 4096
-MAX_ROW_SPLITS = 4
-
-
 @functools.lru_cache(maxsize=64)      # one entry per CUDA device index
 def sm_count(index: int) -> int:
     """The SM count of CUDA device ``index``."""
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def row_splits(tuning: LinearTuning, rows: int, length: int, heads: int, k_dim: int,
-               v_dim: int, sms: Optional[int], gated: bool = False) -> int:
-    """How many rows each of ``rows`` leaves of ``length`` tokens runs as
-    (``LinearTuning.row_splits``; ``sms``: the GPU's SM count, None off the fla path, where
-    the rule keeps one row; ``gated``: per-token gates). An explicit value must cut every
-    leaf into whole chunks."""
-    if tuning.row_splits is not None:
-        m = tuning.row_splits
-        if length % (m * CHUNK):
-            raise ValueError(
-                f"LinearTuning.row_splits={m} needs each leaf's length ({length} tokens here) "
-                f"to be a multiple of {m} x {CHUNK}; pass row_splits=None (the built-in rule) "
-                "or a divisor that fits")
-        return m
-    if sms is None:
-        return 1
-    tiles = heads * -(-k_dim // 64) * -(-v_dim // 64)
-    budget = sms * (2 if gated else 1)
-    m = 1
-    while (m * 2 <= MAX_ROW_SPLITS and rows * m * 2 * tiles <= budget
-           and length % (m * 2 * CHUNK) == 0 and length // (m * 2) >= MIN_SPLIT_ROW):
-        m *= 2
-    return m
 
 
 def split_rows_scan(scan: Callable, m: int, reverse: bool) -> Callable:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from sp_attention import LinearTuning
-from sp_attention.linear.leaves import row_splits, split_rows_scan
+from sp_attention.linear.leaves import split_rows_scan
+from sp_attention.planning.linear_rows import row_splits
 from sp_attention.testing import assert_close, run_distributed
 
 
@@ -49,20 +50,19 @@ def test_split_scan_equals_rows_in_sequence(m):
 
 
 def test_rule():
-    auto = LinearTuning()
     # B 1, one leaf, 16 heads of 128: 64 programs per row on 132 SMs -> 2 rows
-    assert row_splits(auto, 1, 32768, 16, 128, 128, 132) == 2
-    assert row_splits(auto, 2, 32768, 16, 128, 128, 132) == 1      # zigzag: 128 programs
-    assert row_splits(auto, 1, 32768, 8, 128, 128, 132) == 4       # capped at 4
-    assert row_splits(auto, 1, 6144, 16, 128, 128, 132) == 1       # rows under 4096 tokens
-    assert row_splits(auto, 1, 32768 + 64, 16, 128, 128, 132) == 1  # not whole chunks
-    assert row_splits(auto, 1, 32768, 16, 128, 128, None) == 1     # off the fla path
-    assert row_splits(auto, 1, 32768, 16, 128, 128, 132, gated=True) == 4   # gates: 2 x SMs
-    assert row_splits(auto, 2, 32768, 16, 128, 128, 132, gated=True) == 2
-    assert row_splits(auto, 1, 8192, 16, 128, 128, 132, gated=True) == 2    # rows >= 4096
-    assert row_splits(LinearTuning(row_splits=3), 1, 384, 4, 8, 8, None) == 3
+    assert row_splits(None, 1, 32768, 16, 128, 128, 132) == 2
+    assert row_splits(None, 2, 32768, 16, 128, 128, 132) == 1      # zigzag: 128 programs
+    assert row_splits(None, 1, 32768, 8, 128, 128, 132) == 4       # capped at 4
+    assert row_splits(None, 1, 6144, 16, 128, 128, 132) == 1       # rows under 4096 tokens
+    assert row_splits(None, 1, 32768 + 64, 16, 128, 128, 132) == 1  # not whole chunks
+    assert row_splits(None, 1, 32768, 16, 128, 128, None) == 1     # off the fla path
+    assert row_splits(None, 1, 32768, 16, 128, 128, 132, gated=True) == 4   # gates: 2 x SMs
+    assert row_splits(None, 2, 32768, 16, 128, 128, 132, gated=True) == 2
+    assert row_splits(None, 1, 8192, 16, 128, 128, 132, gated=True) == 2    # rows >= 4096
+    assert row_splits(3, 1, 384, 4, 8, 8, None) == 3
     with pytest.raises(ValueError, match="row_splits=3 needs each leaf's length"):
-        row_splits(LinearTuning(row_splits=3), 1, 256, 4, 8, 8, None)
+        row_splits(3, 1, 256, 4, 8, 8, None)
     with pytest.raises(ValueError, match="row_splits must be a positive int"):
         LinearTuning(row_splits=0)
 
