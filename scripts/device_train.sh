@@ -5,7 +5,8 @@
 #   bash scripts/device_train.sh [first_step] [scaling] [launcher] [hf] [parity] [slurm]
 #     first_step  the first step of each model kind at CP = P in an empty Triton cache (a fresh
 #                 machine; the package installs its shipped autotune results), the hybrid with
-#                 packed documents first; what Triton autotuned anyway -> autotune_new.tgz
+#                 packed documents first; what Triton autotuned anyway -> autotune_new.tgz,
+#                 the shipped archive plus the compiled kernels -> seeds_with_kernels.tgz
 #     scaling     train_scaling.py: FIRST_KINDS at cp1 and cpP (tp2/dp2 layouts from P = 4)
 #     launcher    launcher_vs_train.py (megatron-core 0.19 with megatron.training): tokens/s
 #                 beside train.py, then the launcher's save + resume on the P GPUs (on a
@@ -74,6 +75,13 @@ for step in ${*:-first_step scaling}; do
       done
       # every autotune result of these runs (<hash>/<kernel>.autotune.json, as the shipped seeds)
       collect_autotune /tmp/first "$OUT/autotune_new.tgz"
+      # and their compiled kernels, merged into a copy of the shipped archive (carry it back
+      # to sp_attention/linear/tuned/ after checking its size)
+      seeds=$(ls sp_attention/linear/tuned/sm90_*.tgz | head -1)
+      cp "$seeds" "$OUT/seeds_with_kernels.tgz"
+      for d in /tmp/first/*/; do
+        python3 scripts/harvest_triton_cache.py "$d" --into "$OUT/seeds_with_kernels.tgz"
+      done
       # later steps start from these kernels (as a second run on this machine would)
       mkdir -p "$HOME/.triton/cache"
       for d in /tmp/first/*/*/; do cp -rn "$d". "$HOME/.triton/cache/" 2>/dev/null; done ;;

@@ -27,10 +27,19 @@ GPU target, the kernel source and the tuning key, so an entry can only ever be r
 exact Triton + fla + GPU it was made on; we still unpack only when those match. Existing files
 are never overwritten (a cache the user already tuned wins). Set
 ``SP_ATTENTION_AUTOTUNE_SEEDS=0`` to skip it.
+
+An archive may also hold **compiled kernels** (the first step's other cost on a fresh machine
+is compiling: ptxas on every rank at once; 55–125 s to the first training step measured on
+fresh 4-GPU machines): per cache entry its metadata ``<name>.json``, its ``<name>.cubin`` and
+Triton's group file ``__grp__<name>.json``, whose paths name the machine it was made on — they
+are rewritten to this cache and to the files shipped (Triton loads a kernel from its metadata
+and binary alone). Content-addressed like the autotune results: a different Triton, kernel
+source, option or GPU target never reads them.
 """
 from __future__ import annotations
 
 import functools
+import json
 import os
 import tarfile
 from pathlib import Path
@@ -75,11 +84,35 @@ def install_once() -> int:
     return install_autotune_seeds()
 
 
+def _shipped(name: Path) -> bool:
+    """Whether an archive member is a cache file we install: ``<hash>/<file>`` with an
+    autotune result, a compiled kernel's metadata or binary, or its group file."""
+    if name.is_absolute() or ".." in name.parts or len(name.parts) != 2:
+        return False
+    return name.suffix in (".json", ".cubin")
+
+
+def _write(dest: Path, data: bytes) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, dest)        # atomic: another rank may write the same file
+
+
+def _group(data: bytes, entry: Path, present: set) -> bytes:
+    """A Triton group file (``{"child_paths": {file: path}}``) pointing into ``entry`` (this
+    cache's directory of the kernel) and listing only the files ``present`` there."""
+    children = json.loads(data)["child_paths"]
+    keep = {c: str(entry / c) for c in children if c in present}
+    return json.dumps({"child_paths": keep}).encode()
+
+
 def install_autotune_seeds(archive: Optional[Path] = None,
                            cache_dir: Optional[Path] = None) -> int:
     """Unpack ``archive`` (default: the shipped one matching this GPU, Triton and fla) into
     ``cache_dir`` (default: Triton's cache); returns the number of files written (0 when
-    nothing matches this machine or every file was present)."""
+    nothing matches this machine or every file was present). Group files of compiled kernels
+    are written last, pointing into ``cache_dir``."""
     path = _seed_file() if archive is None else Path(archive)
     if path is None:
         return 0
@@ -87,20 +120,23 @@ def install_autotune_seeds(archive: Optional[Path] = None,
     written = 0
     try:
         with tarfile.open(path) as tar:
-            for member in tar.getmembers():
+            members = [m for m in tar.getmembers() if m.isfile() and _shipped(Path(m.name))]
+            groups = [m for m in members if Path(m.name).name.startswith("__grp__")]
+            for member in members:
                 name = Path(member.name)
-                # plain files two levels down (<hash>/<kernel>.autotune.json), nothing else
-                if not member.isfile() or name.is_absolute() or ".." in name.parts \
-                        or not name.name.endswith(".autotune.json"):
+                if member in groups or (root / name).exists():
                     continue
-                dest = root / name
+                _write(root / name, tar.extractfile(member).read())
+                written += 1
+            for member in groups:       # once the files they name are in place
+                dest = root / member.name
                 if dest.exists():
                     continue
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                tmp = dest.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_bytes(tar.extractfile(member).read())
-                os.replace(tmp, dest)        # atomic: another rank may write the same file
+                present = {p.name for p in dest.parent.iterdir()}
+                _write(dest, _group(tar.extractfile(member).read(), dest.parent, present))
                 written += 1
-    except OSError:      # a read-only or full cache only costs the autotuning it would save
+    except (OSError, ValueError, KeyError):
+        # a read-only or full cache, or a group file we cannot read, only costs the tuning
+        # and compiling it would save
         return written
     return written

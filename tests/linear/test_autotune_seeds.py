@@ -1,5 +1,8 @@
-"""The shipped fla autotune results unpack into Triton's cache safely (CPU: the GPU match is
-stubbed; on a GPU machine benchmarks/first_call.py measures what they save)."""
+"""The shipped fla autotune results (and compiled kernels, where an archive holds them) unpack
+into Triton's cache safely (CPU: the GPU match is stubbed; on a GPU machine
+benchmarks/first_call.py measures what they save)."""
+import io
+import json
 import tarfile
 from pathlib import Path
 
@@ -8,12 +11,48 @@ from sp_attention.linear import autotune_seeds
 SHIPPED = sorted((Path(autotune_seeds.__file__).parent / "tuned").glob("sm90_*.tgz"))
 
 
-def test_shipped_archive_holds_only_autotune_results():
+def test_shipped_archive_holds_only_cache_files():
     assert SHIPPED, "no shipped Hopper archive"
     with tarfile.open(SHIPPED[0]) as tar:
         files = [m for m in tar.getmembers() if m.isfile()]
-    assert len(files) >= 20
-    assert all(m.name.endswith(".autotune.json") and len(Path(m.name).parts) == 2 for m in files)
+    assert len([m for m in files if m.name.endswith(".autotune.json")]) >= 20
+    assert all(autotune_seeds._shipped(Path(m.name)) for m in files)
+
+
+def _archive(path: Path, files: dict) -> Path:
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_compiled_kernels_point_into_this_cache(tmp_path, monkeypatch):
+    """A compiled kernel made elsewhere (its group file names that machine's paths and files
+    not shipped, the PTX) is found by Triton's own cache lookup here, with its metadata and
+    binary; members outside ``<hash>/<file>`` or of other kinds are not written."""
+    triton_cache = __import__("pytest").importorskip("triton.runtime.cache")
+    foreign = "/elsewhere/cache/ABC"
+    group = {"child_paths": {f: f"{foreign}/{f}" for f in ("k.json", "k.cubin", "k.ptx")}}
+    arch = _archive(tmp_path / "a.tgz", {
+        "ABC/k.json": b'{"name": "k"}', "ABC/k.cubin": b"\x7fELF",
+        "ABC/__grp__k.json": json.dumps(group).encode(), "ABC/launcher.so": b"x",
+        "../evil.json": b"{}", "deep/er/x.json": b"{}"})
+    root = tmp_path / "cache"
+    assert autotune_seeds.install_autotune_seeds(arch, root) == 3
+    assert sorted(p.name for p in (root / "ABC").iterdir()) == ["__grp__k.json", "k.cubin",
+                                                                 "k.json"]
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(root))
+    got = triton_cache.FileCacheManager("ABC").get_group("k.json")
+    assert got == {"k.json": str(root / "ABC" / "k.json"), "k.cubin": str(root / "ABC" / "k.cubin")}
+    assert autotune_seeds.install_autotune_seeds(arch, root) == 0
+
+
+def test_a_broken_group_file_costs_only_itself(tmp_path):
+    arch = _archive(tmp_path / "b.tgz", {"ABC/k.json": b"{}", "ABC/__grp__k.json": b"not json"})
+    assert autotune_seeds.install_autotune_seeds(arch, tmp_path / "cache") == 1
+    assert not (tmp_path / "cache" / "ABC" / "__grp__k.json").exists()
 
 
 def test_install_writes_missing_files_only(tmp_path):
@@ -35,3 +74,34 @@ def test_no_match_means_nothing(tmp_path, monkeypatch):
     assert autotune_seeds._seed_file() is None
     assert autotune_seeds.install_autotune_seeds() == 0
     assert not any(tmp_path.iterdir())
+
+
+def test_harvest_then_install_round_trip(tmp_path):
+    """scripts/harvest_triton_cache.py takes a cache's autotune results and compiled kernels
+    (not their IRs, not a kernel missing its binary) into an archive that installs them."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "harvest", Path(__file__).parents[2] / "scripts" / "harvest_triton_cache.py")
+    harvest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harvest)
+    cache = tmp_path / "made"
+    (cache / "H1").mkdir(parents=True)
+    (cache / "H2").mkdir()
+    (cache / "H1" / "k.autotune.json").write_text("{}")
+    for f, data in (("k.json", "{}"), ("k.cubin", "bin"), ("k.ptx", "ptx")):
+        (cache / "H2" / f).write_text(data)
+    (cache / "H2" / "__grp__k.json").write_text(json.dumps(
+        {"child_paths": {f: str(cache / "H2" / f) for f in ("k.json", "k.cubin", "k.ptx")}}))
+    (cache / "H3").mkdir()                      # a group whose binary is gone: skipped
+    (cache / "H3" / "__grp__j.json").write_text(json.dumps({"child_paths": {"j.cubin": "x"}}))
+    arch = tmp_path / "seeds.tgz"
+    assert harvest.main([str(cache), "--into", str(arch)]) == 0
+    with tarfile.open(arch) as tar:
+        assert sorted(tar.getnames()) == ["H1/k.autotune.json", "H2/__grp__k.json",
+                                          "H2/k.cubin", "H2/k.json"]
+    assert harvest.merge(arch, {"H1/k.autotune.json": b"new"}) == (4, 4)   # existing wins
+    root = tmp_path / "cache"
+    assert autotune_seeds.install_autotune_seeds(arch, root) == 4
+    assert (root / "H1" / "k.autotune.json").read_text() == "{}"
+    grp = json.loads((root / "H2" / "__grp__k.json").read_text())["child_paths"]
+    assert grp == {"k.json": str(root / "H2" / "k.json"), "k.cubin": str(root / "H2" / "k.cubin")}
