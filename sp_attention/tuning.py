@@ -44,7 +44,10 @@ class LinearTuning:
             ``S_in`` and the state gradients from ``G``) run on two streams: fla runs each with
             one program per (K tile, V tile, batch row, head), under half of an H100/H200's
             SMs at B 1, H 16, K = V = 128, so each takes the SMs the other leaves idle. False
-            runs them one after the other (``--ab-concurrent``).
+            runs them one after the other (``--ab serial``); with ``recurrence_first`` the chunk
+            states then run after the gradient recurrence, while the scan carries its start
+            gradient (the scan's latency hidden instead of the recurrences' overlap: the
+            candidate once row splits fill the SMs; not measured yet).
         check_every_call: run the cross-rank call check (one small all-gather) on every call
             instead of once per new call signature: catches a rank that repeats an
             already-checked call while another changes it, at one collective per call.

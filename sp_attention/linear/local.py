@@ -101,10 +101,15 @@ def local_backward(kern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: 
     SMs idle at small batch × heads); the current stream waits for them before dq/dk. dq and
     dk come back complete (the ``h0`` term of dq, the ``dht`` terms of dk and dv included).
     ``late``: the gradient recurrence does not wait for ``dht`` (:class:`LateGradient`);
-    ``before_dh`` then runs after it, before dv.
+    ``before_dh`` then runs after it, before dv; without ``states_stream`` the chunk states
+    then run after the gradient recurrence (beside the scan) instead of before it.
     """
     scale = float(scale)
-    if states_stream is None:
+    if states_stream is None and late is not None:
+        # one stream and a late gradient: the chunk states after the gradient recurrence, so
+        # that they run while the scan carries its start gradient
+        h = lambda: chunk_states(kern, k, v, fkw, h0, seqs=seqs, fp32=True)[0]  # noqa: E731
+    elif states_stream is None:
         h, _ = chunk_states(kern, k, v, fkw, h0, seqs=seqs, fp32=True)
     else:
         main = torch.cuda.current_stream(q.device)
@@ -146,6 +151,8 @@ def _late_backward(kern, q, k, v, do, fkw: dict, scale: float, h0, h, dht, state
     dh, d = kern.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=h0, dht=None, scale=scale,
                               chunk_size=CHUNK, states_in_fp32=True, **fkw)
     late.send(d)
+    if callable(h):                     # one stream: the chunk states while the scan runs
+        h = h()
     if before_dh is not None:
         before_dh()
     G = dht() if callable(dht) else dht

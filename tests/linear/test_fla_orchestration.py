@@ -286,6 +286,11 @@ def test_leaves_backward_late_gradient(schedule, zero_grad, needed, concurrent, 
     assert min(waits_side) > dh_at          # the recurrence never waits for G
     if not zero_grad:
         assert min(waits_side) < LOG.index(("chunk_dv", "main"))
+    if not concurrent:                      # one stream: the chunk states while the scan runs
+        states_at = LOG.index(("chunk_fwd_h", "main"))
+        assert dh_at < scan_at < states_at < LOG.index(("chunk_dv", "main"))
+        if not zero_grad:
+            assert states_at < min(waits_side)
     _joined()
 
 
