@@ -57,9 +57,12 @@ def test_public_api_pinned():
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("schedule", LINEAR_SCANS)
 def test_linear_monotonic_in_world_and_bytes(schedule, layout):
-    # one node: every P; across nodes of 8 (a clipped tree's rounds cross node edges
-    # differently for different P, so only whole nodes compare): powers of two
-    for m, topo, Ps in ((H200, lambda P: None, range(2, 41)),
+    # one node: every P (the zigzag tree over ranks: every even P — an odd P's clipped tree
+    # puts a rank in more pairs of a round than the next even P's, ~1 % more); across nodes
+    # of 8 (a clipped tree's rounds cross node edges differently for different P, so only
+    # whole nodes compare): powers of two
+    every = range(2, 41, 2) if (schedule, layout) == ("blelloch", "zigzag") else range(2, 41)
+    for m, topo, Ps in ((H200, lambda P: None, every),
                         (H200, lambda P: Topology.packed(P, 8), [2 ** i for i in range(1, 11)])):
         prev = 0.0
         for P in Ps:

@@ -16,7 +16,8 @@ rank's K and V; links per message from the topology):
 
 * linear ``ring``: the prefix walks the leaves: one hop ``α_p2p + S/β`` per leaf boundary that
   crosses ranks (P − 1 contiguous, 2(P − 1) zigzag), each after a combine.
-* linear ``blelloch``: 2⌈log2 L⌉ − 1 rounds (L leaves; ``planning.layout.tree_scan_rounds``:
+* linear ``blelloch``: 2⌈log2 L⌉ − 1 rounds (L leaves; zigzag: 2⌈log2 P⌉ − 1 rounds of up to
+  three elements, ``planning.layout.nested_ranks``; ``planning.layout.tree_scan_rounds``:
   the exclusive scan's dead top round left out); a round costs one ``α_p2p`` plus its busiest
   rank's bytes (``S`` per pair it takes part in) and a combine.
 * linear ``allgather``: one collective receiving (P − 1)·(leaves per rank)·S, then a local fold.

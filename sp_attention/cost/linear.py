@@ -5,7 +5,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Optional
 
-from ..planning.layout import holder_of_leaf, num_chunks, scan_position, tree_scan_rounds
+from ..planning.layout import (holder_of_leaf, nested_ranks, num_chunks, scan_position,
+                               tree_scan_rounds)
 from ..planning import linear_rows
 from ..planning.schedules import LINEAR_SCANS
 from .common import LinearShape, StepTime, Topology, combine_ms, linear_flops
@@ -25,17 +26,23 @@ def _ring_ms(holder: list, S: int, machine: Machine, topo: Topology) -> float:
 
 
 def _tree_ms(holder: list, S: int, machine: Machine, topo: Topology) -> float:
-    """The rounds of :func:`~sp_attention.planning.layout.tree_scan_rounds` (2⌈log2 L⌉ − 1);
-    a round costs one α plus its busiest rank's bytes (``S`` per pair it takes part in: links
-    are full duplex, so a down pair's two ways cost one) and a combine."""
+    """The rounds of :func:`~sp_attention.planning.layout.tree_scan_rounds` (2⌈log2 L⌉ − 1;
+    the zigzag pattern: over its P ranks, three scans in each round,
+    :func:`~sp_attention.planning.layout.nested_ranks`); a round costs one α plus its busiest
+    rank's bytes (``S`` per pair it takes part in: links are full duplex, so a down pair's two
+    ways cost one) and a combine."""
+    P = nested_ranks(tuple(holder))
+    scans = ([list(range(P)), list(range(P - 1, -1, -1)), list(range(P - 1, -1, -1))] if P
+             else [holder])
     t = 0.0
-    for pairs in tree_scan_rounds(len(holder)):
+    for pairs in tree_scan_rounds(P or len(holder)):
         sent: dict[int, list] = {}
-        for pr, _ in pairs:
-            a, b = holder[pr.left], holder[pr.right]
-            if a != b:
-                sent.setdefault(a, []).append(topo.link(machine, a, b))
-                sent.setdefault(b, []).append(topo.link(machine, a, b))
+        for h in scans:
+            for pr, _ in pairs:
+                a, b = h[pr.left], h[pr.right]
+                if a != b:
+                    sent.setdefault(a, []).append(topo.link(machine, a, b))
+                    sent.setdefault(b, []).append(topo.link(machine, a, b))
         comm = max((max(l.alpha_p2p_us for l in ls) * 1e-3
                     + len(ls) * S / min(l.p2p_gbps for l in ls) * 1e-6)
                    for ls in sent.values()) if sent else 0.0

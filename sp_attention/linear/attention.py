@@ -277,7 +277,7 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         ctx: the CP :class:`~sp_attention.SPContext` (its layout must match how the sequence
             was sharded). ``None`` or world size 1: plain single-device attention.
         impl: cross-rank state scan: ``"blelloch"`` (tree, 2⌈log2 L⌉ − 1 rounds of one fp32
-            state), ``"allgather"`` (one all-gather, local fold), ``"ring"`` (P−1 sequential
+            state; zigzag: 2⌈log2 P⌉ − 1 rounds of up to three), ``"allgather"`` (one all-gather, local fold), ``"ring"`` (P−1 sequential
             hops, baseline), ``"auto"`` (ring for 2 leaves, allgather up to 16, else blelloch);
             None: :data:`DEFAULT_IMPL` (``"auto"``).
         scale: multiplies ``q`` (default 1.0, unlike softmax attention's ``D ** -0.5``; pass

@@ -150,7 +150,9 @@ def check_elements(A: list, b: list, ctx: SPContext, leaves: ScanMap) -> None:
 # round, the local combines, one batched exchange, the combines with what arrived.
 # Operations (in place on their first row):
 #   ("fold", dst, first):       dst ← first ⊕ dst   (dst.b += dst.A·first.b, then dst.A *= first.A)
+#   ("rfold", dst, later):      dst ← dst ⊕ later   (dst.b = later.A·dst.b + later.b, dst.A *= later.A)
 #   ("chain", dst, elem, inc):  dst.b ← elem.A·inc.b + elem.b   (the ring's running prefix)
+#   ("copy", dst, src):         dst ← src
 
 IDENTITY = -1       # the identity row while a program is built (the last row once finished)
 
@@ -253,9 +255,17 @@ class ProgramRun:
                 dst, first = rows[op[1]], rows[op[2]]
                 out += [functools.partial(torch.Tensor.addcmul_, dst.b, dst.col, first.b),
                         functools.partial(torch.Tensor.mul_, dst.A, first.A)]
+            elif op[0] == "rfold":
+                dst, later = rows[op[1]], rows[op[2]]
+                out += [functools.partial(torch.Tensor.mul_, dst.b, later.col),
+                        functools.partial(torch.Tensor.add_, dst.b, later.b),
+                        functools.partial(torch.Tensor.mul_, dst.A, later.A)]
             elif op[0] == "chain":
                 dst, elem, inc = rows[op[1]], rows[op[2]], rows[op[3]]
                 out.append(functools.partial(torch.addcmul, elem.b, elem.col, inc.b, out=dst.b))
+            elif op[0] == "copy":
+                out.append(functools.partial(torch.Tensor.copy_, rows[op[1]].row,
+                                             rows[op[2]].row))
             else:
                 raise AssertionError(f"unknown scan operation {op[0]!r}")
         return out

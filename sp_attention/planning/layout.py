@@ -208,6 +208,26 @@ def tree_scan_rounds(num_leaves: int) -> tuple:
     return tuple(r for r in rounds if r)
 
 
+def nested_ranks(holders: tuple) -> int:
+    """``P`` when ``holders`` (scan order) is the nested pattern ``0, 1, …, P−1, P−1, …, 1, 0``
+    of ``P ≥ 2`` ranks — the zigzag layout's leaves, in either direction — else 0.
+
+    Such a scan runs as a tree over the ``P`` ranks instead of the ``2P`` leaves
+    (``2⌈log2 P⌉ − 1`` rounds, not ``2⌈log2 2P⌉ − 1``). With ``E1_r`` the element rank ``r``
+    holds in the first half (position ``r``) and ``E2_r`` its second (position ``2P−1−r``), three
+    exclusive scans over the ranks run in the same rounds: ``X1_r = E1_0 ⊕ … ⊕ E1_{r−1}`` (ranks
+    ascending), ``X2_r = E1_{r+1} ⊕ … ⊕ E1_{P−1}`` (ranks descending, the operands swapped so
+    that the composition keeps sequence order) and ``X3_r = E2_{P−1} ⊕ … ⊕ E2_{r+1}`` (ranks
+    descending). ``E1_r``'s prefix is ``X1_r``; ``E2_r``'s is ``X1_r ⊕ E1_r ⊕ X2_r ⊕ X3_r``:
+    every element between the two positions is some ``E1_s`` or ``E2_s`` with ``s > r``."""
+    L = len(holders)
+    P = L // 2
+    if P < 2 or L != 2 * P:
+        return 0
+    ok = all(holders[p] == p and holders[L - 1 - p] == p for p in range(P))
+    return P if ok else 0
+
+
 def scan_position(leaf: int, num_leaves: int, reverse: bool) -> int:
     """Position of ``leaf`` in scan order; reverse scans (suffixes, for backward) run right to
     left."""

@@ -84,25 +84,32 @@ def _run(world: int, layout: str, holders, reverse: bool, monkeypatch):
 def test_one_message_per_peer_and_direction_per_round(world, layout, monkeypatch):
     most = 0
     L = num_chunks(world, layout)
-    rounds = tree_scan_rounds(L)
+    nested = layout == "zigzag" and world > 1
+    # zigzag: a tree over the P ranks (three scans in its rounds: first-half elements by rank
+    # ascending and descending, second-half elements descending), not over the 2P leaves
+    rounds = tree_scan_rounds(world if nested else L)
     for reverse in (False, True):
         calls = _run(world, layout, None, reverse, monkeypatch)
         for sends, recvs, n in (c for rank in calls for c in rank):
             assert len(sends) == len(set(sends)) and len(recvs) == len(set(recvs))
             most = max(most, n)
         # one message per peer and direction, no more, no fewer
-        holder = [holder_of_leaf(scan_position(p, L, reverse), world, layout) for p in range(L)]
+        if nested:
+            holders = [list(range(world)), list(range(world - 1, -1, -1))]
+        else:
+            holders = [[holder_of_leaf(scan_position(p, L, reverse), world, layout)
+                        for p in range(L)]]
         for r in range(world):
-            assert len(calls[r]) == len(rounds) if r in holder else not calls[r]
+            assert len(calls[r]) == len(rounds) if r in holders[0] else not calls[r]
         for i, pairs in enumerate(rounds):
-            msgs = _round_messages(holder, pairs)
+            msgs = set().union(*(_round_messages(h, pairs) for h in holders))
             for r in range(world):
                 sends, recvs, _ = calls[r][i]
                 assert sorted(sends) == sorted(b for a, b in msgs if a == r)
                 assert sorted(recvs) == sorted(a for a, b in msgs if b == r)
-    # zigzag: the last down-sweep round pairs leaves (2i, 2i + 1) and (2P − 2 − 2i,
-    # 2P − 1 − 2i), held by the same two ranks: their two elements each way go as one message
-    assert most == (2 if layout == "zigzag" and world > 1 else 1 if world > 1 else 0)
+    # zigzag: the scans' elements for one peer in a round travel as one message (X2 and X3
+    # pair the same ranks: two, with X1's three)
+    assert (2 <= most <= 3) if nested else most == (1 if world > 1 else 0)
 
 
 def test_explicit_holders_pack_several_pairs_per_peer(monkeypatch):
