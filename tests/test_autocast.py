@@ -20,19 +20,30 @@ def _inputs(kv_heads):
 
 OPS = {
     "softmax": (lambda q, k, v: context_parallel_attention(q, k, v, backend="math"), 1),
+    "softmax packed": (lambda q, k, v: context_parallel_attention(
+        q, k, v, backend="math", cu_seqlens=torch.tensor([0, 5, 16], dtype=torch.int32)), 1),
     "linear": (lambda q, k, v: lightning_attention(q, k, v, SLOPES, backend="torch",
                                                    scale=0.3), 2),
+    "linear packed": (lambda q, k, v: lightning_attention(
+        q[:1], k[:1], v[:1], SLOPES, backend="torch", scale=0.3,
+        cu_seqlens=torch.tensor([0, 5, 16], dtype=torch.int32)), 2),
 }
 
 
+@pytest.mark.parametrize("backward_inside", [False, True])
 @pytest.mark.parametrize("name", sorted(OPS))
-def test_autocast_runs_in_the_autocast_dtype(name):
+def test_autocast_runs_in_the_autocast_dtype(name, backward_inside):
+    """Also with the backward called inside the autocast region (as a training loop that wraps
+    its whole step does): the backward's merges and states keep the op's own dtypes."""
     op, kv_heads = OPS[name]
     q, k, v = (t.requires_grad_(True) for t in _inputs(kv_heads))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = op(q, k, v)
+        if backward_inside:
+            out.float().square().sum().backward()
     assert out.dtype == torch.bfloat16
-    out.float().square().sum().backward()
+    if not backward_inside:
+        out.float().square().sum().backward()
     assert (q.grad.dtype, k.grad.dtype, v.grad.dtype) == (torch.float32, torch.float32,
                                                          torch.bfloat16)
     # the same as casting by hand outside autocast, exactly

@@ -17,6 +17,7 @@ import torch
 from ..context import SPContext
 from ..planning.packing import PackingPlan, resolve_plan
 from ..planning.softmax_packed import CallPolicy
+from ..validation import autocast_off
 from .packed_allgather import packed_allgather_backward, packed_allgather_forward
 from .packed_ring import packed_ring_backward, packed_ring_forward
 
@@ -82,14 +83,14 @@ class PackedAttention(torch.autograd.Function):
     def backward(fctx, dout, *unused):
         q, k, v, out, lse = fctx.saved_tensors
         cfg: PackedConfig = fctx.cfg
-        if cfg.bwd == "ring":
-            dq, dk, dv = packed_ring_backward(dout, q, k, v, out, lse, cfg.ctx, cfg.plan,
-                                              cfg.backend, scale=cfg.scale,
-                                              policy=cfg.policy, pack_kv=cfg.pack_kv)
-        else:
-            dq, dk, dv = packed_allgather_backward(dout, q, k, v, out, lse, cfg.ctx, cfg.plan,
-                                                   cfg.backend, scale=cfg.scale,
-                                                   heads_k_stride=cfg.stride,
-                                                   policy=cfg.policy, first=cfg.first,
-                                                   last=cfg.last)
+        with autocast_off(q.device):    # a backward called inside an autocast region
+            if cfg.bwd == "ring":
+                dq, dk, dv = packed_ring_backward(dout, q, k, v, out, lse, cfg.ctx, cfg.plan,
+                                                  cfg.backend, scale=cfg.scale,
+                                                  policy=cfg.policy, pack_kv=cfg.pack_kv)
+            else:
+                dq, dk, dv = packed_allgather_backward(
+                    dout, q, k, v, out, lse, cfg.ctx, cfg.plan, cfg.backend, scale=cfg.scale,
+                    heads_k_stride=cfg.stride, policy=cfg.policy, first=cfg.first,
+                    last=cfg.last)
         return dq, dk, dv, None
