@@ -2,11 +2,13 @@
 # One device call for training on this machine's P GPUs: each step under its own timeout, JSON
 # rows and logs under $OUT (the device tool's output folder; ./device-out elsewhere), packed
 # into $OUT/all.tgz after every step. Usage on a GPU machine:
-#   bash scripts/device_train.sh [first_step] [scaling] [launcher] [hf] [parity] [slurm]
+#   bash scripts/device_train.sh [first_step [first_seeded]] [scaling] [launcher] [hf] [parity] [slurm]
 #     first_step  the first step of each model kind at CP = P in an empty Triton cache (a fresh
 #                 machine; the package installs its shipped autotune results), the hybrid with
 #                 packed documents first; what Triton autotuned anyway -> autotune_new.tgz,
 #                 the shipped archive plus the compiled kernels -> seeds_with_kernels.tgz
+#     first_seeded  after first_step: the same first steps in new empty caches, the package
+#                 shipping seeds_with_kernels.tgz (rows -> seeded_step.jsonl)
 #     scaling     train_scaling.py: FIRST_KINDS at cp1 and cpP (tp2/dp2 layouts from P = 4)
 #     launcher    launcher_vs_train.py (megatron-core 0.19 with megatron.training): tokens/s
 #                 beside train.py, then the launcher's save + resume on the P GPUs (on a
@@ -58,33 +60,44 @@ print(len(seen), "autotune results")
 PY
 }
 
+first_steps() {  # NAME: the first step of each FIRST_KIND at CP = P, each in an empty Triton
+  # cache /tmp/NAME/<kind> (the package installs its shipped archive there); rows -> NAME_step.jsonl
+  for k in ${FIRST_KINDS:-hybrid-packed gated softmax linear}; do
+    kind=${k%-packed}; extra=(); [ "$k" != "$kind" ] && extra=(-- --packing documents)
+    python3 benchmarks/train_scaling.py --kinds "$kind" --layouts "cp$P" --seq-length "$SEQ" \
+      --train-iters 2 --timeout "$T" --fresh-triton-cache "/tmp/$1/$k" \
+      --log-root "$OUT/$1_step_$k" --out "$OUT/$1_step.jsonl" "${extra[@]}" > /dev/null 2>&1
+    python3 -c 'import json,sys; r=json.loads(open(sys.argv[1]).readlines()[-1]); print(sys.argv[2], r["status"], "first step", r.get("first_step_s"), "s", r.get("log_tail", "")[-300:])' \
+      "$OUT/$1_step.jsonl" "$k"
+    (cd "/tmp/$1/$k" && find . -name '*.json' ! -name '__grp__*' | sed 's#.*/##' | sort \
+      | uniq -c > "$OUT/$1_step_$k/triton_cache.txt")
+  done
+}
+
 for step in ${*:-first_step scaling}; do
   echo "== $step $(date +%T)"
   case $step in
     first_step)
-      for k in ${FIRST_KINDS:-hybrid-packed gated softmax linear}; do
-        kind=${k%-packed}; extra=(); [ "$k" != "$kind" ] && extra=(-- --packing documents)
-        python3 benchmarks/train_scaling.py --kinds "$kind" --layouts "cp$P" --seq-length "$SEQ" \
-          --train-iters 2 --timeout "$T" --fresh-triton-cache "/tmp/first/$k" \
-          --log-root "$OUT/first_step_$k" --out "$OUT/first_step.jsonl" "${extra[@]}" \
-          > /dev/null 2>&1
-        python3 -c 'import json,sys; r=json.loads(open(sys.argv[1]).readlines()[-1]); print(sys.argv[2], r["status"], "first step", r.get("first_step_s"), "s", r.get("log_tail", "")[-300:])' \
-          "$OUT/first_step.jsonl" "$k"
-        (cd /tmp/first/$k && find . -name '*.json' ! -name '__grp__*' | sed 's#.*/##' | sort \
-          | uniq -c > "$OUT/first_step_$k/triton_cache.txt")
-      done
+      first_steps first
       # every autotune result of these runs (<hash>/<kernel>.autotune.json, as the shipped seeds)
       collect_autotune /tmp/first "$OUT/autotune_new.tgz"
       # and their compiled kernels, merged into a copy of the shipped archive (carry it back
       # to sp_attention/linear/tuned/ after checking its size)
       seeds=$(ls sp_attention/linear/tuned/sm90_*.tgz | head -1)
       cp "$seeds" "$OUT/seeds_with_kernels.tgz"
-      for d in /tmp/first/*/; do
+      for d in /tmp/first/*/*/; do     # /tmp/first/<kind>/<kind>_cp<P>: one run's cache
         python3 scripts/harvest_triton_cache.py "$d" --into "$OUT/seeds_with_kernels.tgz"
       done
       # later steps start from these kernels (as a second run on this machine would)
       mkdir -p "$HOME/.triton/cache"
       for d in /tmp/first/*/*/; do cp -rn "$d". "$HOME/.triton/cache/" 2>/dev/null; done ;;
+    first_seeded)
+      # the first steps again in empty Triton and inductor caches with the package shipping
+      # this machine's harvest (first_step's seeds_with_kernels.tgz): a fresh machine's first
+      # step once those kernels are in the tree
+      seeds=$(ls sp_attention/linear/tuned/sm90_*.tgz | head -1)
+      cp "$OUT/seeds_with_kernels.tgz" "$seeds"
+      TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_seeded first_steps seeded ;;
     scaling)
       python3 benchmarks/train_scaling.py --kinds $KINDS --layouts $(layouts) --seq-length "$SEQ" \
         --train-iters "$ITERS" --timeout "$T" --out "$OUT/train_scaling.jsonl" \
