@@ -43,12 +43,12 @@ from sp_attention.planning.schedules import LINEAR_SCANS  # noqa: E402
 # --ab NAME: (LinearTuning field, impl suffix when on, when off)
 AB = {"early": ("early_end_states", "-early", "-late"),
       "graphs": ("scan_graphs", "-graphs", "-eager"),
+      "serial": ("concurrent_recurrences", "-concurrent", "-serial"),
       "zero": ("static_zero_paths", "-zero", "-nozero")}
 # --ab NAME for a field with several values: (LinearTuning field, ((value, impl suffix), ...))
 AB_VALUES = {"backward": ("backward_schedule", (("recurrence_first", "-recfirst"),
                                                 ("scan_first", "-scanfirst"))),
-             "row_splits": ("row_splits", ((1, "-rows1"), (2, "-rows2"), (4, "-rows4"))),
-             "serial": ("concurrent_recurrences", ((True, "-concurrent"), (False, "-serial")))}
+             "row_splits": ("row_splits", ((1, "-rows1"), (2, "-rows2"), (4, "-rows4")))}
 
 
 def _phases(events: list) -> dict:

@@ -251,11 +251,9 @@ def run_t(T: int, a, dev: str) -> None:
             kernel_table(bwd, f"contiguous P 2 rank {r} bwd, T {T}")
     if a.no_ab:
         return
-    # fixed rates: the default runs the recurrences one after the other (None)
-    concurrent = bool(default.concurrent_recurrences)
-    flip = LinearTuning(concurrent_recurrences=not concurrent)
+    flip = LinearTuning(concurrent_recurrences=not default.concurrent_recurrences)
     runs = list(ab_rows(q, k, v, do, slopes, backend, default).items())
-    tag = ", serial" if concurrent else ", concurrent"
+    tag = ", serial" if default.concurrent_recurrences else ", concurrent"
     runs += [(name + tag, fn) for name, fn in ab_rows(q, k, v, do, slopes, backend,
                                                        flip).items() if "bwd" in name]
     for name, fn in runs:

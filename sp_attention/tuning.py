@@ -46,12 +46,11 @@ class LinearTuning:
             SMs at B 1, H 16, K = V = 128, so each takes the SMs the other leaves idle. False
             runs them one after the other; with ``recurrence_first`` the chunk states then run
             after the gradient recurrence, while the scan carries its start gradient (the
-            scan's latency hidden instead of the recurrences' overlap). ``None`` (default):
-            one after the other with ``recurrence_first`` (fixed rates), on two streams with
-            ``scan_first`` (gates): with row splits filling the SMs, the serial order was
-            faster in every queued row at P = 2 (2 × H200, 2026-11-27, fixed 32K 0.98–1.00 →
-            1.03–1.06 of fla, 8K 0.82–0.87 → 0.85–0.92; ``benchmarks/linear_cp.py --ab
-            serial``); gates not measured yet.
+            scan's latency hidden instead of the recurrences' overlap). Off (default): with row
+            splits filling the SMs the serial order was faster in every queued row at P = 2
+            (2 × H200, 2026-11-27, ``benchmarks/linear_cp.py --ab serial``, every scan and
+            layout): fixed 32K 0.98–1.00 → 1.03–1.06 of fla, 8K 0.82–0.87 → 0.85–0.92, gated
+            32K 0.94–0.96 → 0.95–0.97. P = 4 not measured yet.
         check_every_call: run the cross-rank call check (one small all-gather) on every call
             instead of once per new call signature: catches a rank that repeats an
             already-checked call while another changes it, at one collective per call.
@@ -107,7 +106,7 @@ class LinearTuning:
 
     static_zero_paths: bool = False
     side_stream_priority: int = -1
-    concurrent_recurrences: Optional[bool] = None
+    concurrent_recurrences: bool = False
     check_every_call: bool = False
     check_gate_values: bool = True
     early_end_states: bool = False
@@ -118,11 +117,8 @@ class LinearTuning:
     BACKWARD_SCHEDULES = ("auto", "scan_first", "recurrence_first")
 
     def __post_init__(self) -> None:
-        _check_bools(self, "static_zero_paths", "check_every_call", "check_gate_values",
-                     "early_end_states", "scan_graphs")
-        if not any(self.concurrent_recurrences is x for x in (None, True, False)):
-            raise ValueError("LinearTuning.concurrent_recurrences must be True, False or None "
-                             f"(by the backward schedule), got {self.concurrent_recurrences!r}")
+        _check_bools(self, "static_zero_paths", "concurrent_recurrences", "check_every_call",
+                     "check_gate_values", "early_end_states", "scan_graphs")
         if self.backward_schedule not in self.BACKWARD_SCHEDULES:
             raise ValueError(f"LinearTuning.backward_schedule must be one of "
                              f"{self.BACKWARD_SCHEDULES}, got {self.backward_schedule!r}")

@@ -222,8 +222,8 @@ def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
     states from ``S_in`` (``chunk_fwd_h``, which needs no ``G``); the main stream runs fla's
     gradient recurrence from ``G`` (``chunk_bwd_dh``) beside it, then dv and, once the chunk
     states are in, dq and dk (fla's own backward, split up; gates: our dq/dk/dg kernel in
-    place of fla's ``chunk_bwd_dqkwg``). :func:`concurrent_recurrences` False runs the
-    chunk states on the main stream first. That is ``tuning.backward_schedule``
+    place of fla's ``chunk_bwd_dqkwg``). ``tuning.concurrent_recurrences`` (off by default) runs
+    the chunk states on their own stream beside it. That is ``tuning.backward_schedule``
     ``"scan_first"``; ``"recurrence_first"`` (``auto``'s pick with fixed rates) runs the
     gradient recurrence at once and takes ``G`` in-kernel (:func:`_late_leaves_backward`).
     """
@@ -250,8 +250,7 @@ def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
                                        tuning.side_stream_priority)
         # the chunk states from S_in need no G: beside the gradient recurrence, which waits
         # for G (unless none can arrive: then it starts at once)
-        rec = _stream(q.device, "recurrence") if concurrent_recurrences(tuning, decay) \
-            else None
+        rec = _stream(q.device, "recurrence") if tuning.concurrent_recurrences else None
         dq, dk, dv, dg = local_backward(
             kern, q, k, v, do, fkw, scale, S_in, None if zero_grad else (lambda: G.contiguous()),
             states_stream=rec, before_dh=None if zero_grad else (lambda: main.wait_stream(side)))
@@ -266,15 +265,6 @@ def backward_schedule(tuning: LinearTuning, decay: Decay) -> str:
     if tuning.backward_schedule != "auto":
         return tuning.backward_schedule
     return "scan_first" if decay.gated else "recurrence_first"
-
-
-def concurrent_recurrences(tuning: LinearTuning, decay: Decay) -> bool:
-    """``tuning.concurrent_recurrences`` with ``None`` resolved: one stream after the other
-    with ``recurrence_first``, two streams with ``scan_first`` (the measured picks:
-    :class:`~sp_attention.tuning.LinearTuning`)."""
-    if tuning.concurrent_recurrences is not None:
-        return tuning.concurrent_recurrences
-    return backward_schedule(tuning, decay) == "scan_first"
 
 
 def _late_leaves_backward(kern, q, k, v, do, decay: Decay, fkw: dict, scale: float, S_in,
@@ -296,8 +286,7 @@ def _late_leaves_backward(kern, q, k, v, do, decay: Decay, fkw: dict, scale: flo
     with torch.cuda.device(q.device):
         suffix = suffix_sums(decay.sums.tot).contiguous() if decay.gated and not zero_grad \
             else None
-        rec = _stream(q.device, "recurrence") if concurrent_recurrences(tuning, decay) \
-            else None
+        rec = _stream(q.device, "recurrence") if tuning.concurrent_recurrences else None
         dq, dk, dv, dg = local_backward(
             kern, q, k, v, do, fkw, scale, S_in, None if zero_grad else (lambda: got["G"]),
             states_stream=rec, before_dh=None if zero_grad else (

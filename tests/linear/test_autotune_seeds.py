@@ -59,8 +59,15 @@ def test_install_writes_missing_files_only(tmp_path):
     def install():
         return autotune_seeds.install_autotune_seeds(SHIPPED[0], tmp_path)
     n = install()
+    assert n == sum(1 for f in tmp_path.rglob("*") if f.is_file())
     written = sorted(tmp_path.rglob("*.autotune.json"))
-    assert n == len(written) >= 20
+    assert len(written) >= 20
+    # the shipped compiled kernels: every group file names files of this cache that exist
+    groups = list(tmp_path.rglob("__grp__*.json"))
+    assert len(groups) >= 20 and len(list(tmp_path.rglob("*.cubin"))) == len(groups)
+    for grp in groups:
+        paths = json.loads(grp.read_text())["child_paths"].values()
+        assert paths and all(Path(p).is_file() and Path(p).parent == grp.parent for p in paths)
     mine = written[0]
     mine.write_text("tuned by the user")
     assert install() == 0                       # nothing missing: nothing written

@@ -335,7 +335,7 @@ def _cp_world(rank, world):
         LinearTuning(concurrent_recurrences=c, early_end_states=e, backward_schedule=b)
         for c, e, b in ((True, False, "scan_first"), (False, False, "scan_first"),
                         (True, True, "scan_first"), (True, False, "recurrence_first"),
-                        (False, False, "auto"), (None, False, "auto"))])
+                        (False, False, "auto"))])
 
 
 @pytest.mark.parametrize("world", [3])
@@ -376,20 +376,3 @@ def test_one_leaf_through_the_kernel_sequence(T, monkeypatch):
         "chunk_fwd_h", "chunk_fwd_o", "chunk_fwd_h", "chunk_bwd_dh", "chunk_bwd_dv",
         "chunk_bwd_dqkwg"]
 
-
-def test_concurrent_recurrences_default_follows_the_backward_schedule():
-    """``None``: one stream with ``recurrence_first`` (fixed rates under ``auto``), two with
-    ``scan_first`` (gates under ``auto``); an explicit value wins; anything else is refused."""
-    from sp_attention.linear.decay import Decay
-    from sp_attention.linear.leaves import concurrent_recurrences
-    fixed, gated = Decay(slopes=torch.tensor([0.1])), Decay(g=-torch.rand(1, 8, 1))
-    assert not concurrent_recurrences(LinearTuning(), fixed)
-    assert concurrent_recurrences(LinearTuning(), gated)
-    assert concurrent_recurrences(LinearTuning(backward_schedule="scan_first"), fixed)
-    assert not concurrent_recurrences(LinearTuning(backward_schedule="recurrence_first"), gated)
-    for value in (True, False):
-        for decay in (fixed, gated):
-            assert concurrent_recurrences(LinearTuning(concurrent_recurrences=value),
-                                          decay) is value
-    with pytest.raises(ValueError, match="concurrent_recurrences must be True, False or None"):
-        LinearTuning(concurrent_recurrences=1)

@@ -17,13 +17,14 @@ import pytest
 import torch
 
 from local_cases import apply, gpu
+from sp_attention.linear.dqk_kernel import DQK_CANDIDATES, chunk_dqkdg, dqk_configs
 from sp_attention.testing import run_process
 
 _CHECK = r"""
 import math, sys, torch
 from sp_attention.linear.gated_naive import dqkdg_ref, gated_chunk_states, chunk_end_grads
 from sp_attention.linear.gates import gate_sums, suffix_sums
-from sp_attention.linear.dqk_kernel import DQK_CANDIDATES, DQK_TUNED, chunk_dqkdg
+from sp_attention.linear.dqk_kernel import DQK_CANDIDATES, chunk_dqkdg, dqk_configs
 from sp_attention.linear.dv_kernel import DV_TUNED, chunk_dv
 dev, dtype, tol = sys.argv[1], getattr(torch, sys.argv[2]), float(sys.argv[3])
 every = dev == "cuda"          # every config the autotuners may pick on the GPU; a few here
@@ -55,7 +56,8 @@ for B, T, H, K, V, cfg, bk in cases:
         suf = suffix_sums(gs.tot).contiguous() if gated else None
         tag = "gated" if gated else "fixed"
         hf = h.float().contiguous().to(dev)
-        dqk_cfgs = DQK_TUNED if every else (cfg, cfg + len(DQK_CANDIDATES) // 2)
+        tile = bk or min(max(1 << (K - 1).bit_length(), 16), 128)
+        dqk_cfgs = dqk_configs(tile) if every else (cfg, cfg + len(DQK_CANDIDATES) // 2)
         for c in dqk_cfgs:
             for late in (False, True):
                 dh_in = (dh_zero if late else dh_true).float().contiguous().to(dev)
@@ -110,3 +112,18 @@ def test_late_gradient_kernels_every_config_gpu(dtype, tol):
     """Every config the autotuners may pick, forced one at a time on the GPU (fp32: IEEE
     dots; bf16: its rounding), also at K = V = 128 over 1000 tokens."""
     _run("cuda", dtype, tol, False)
+
+
+def test_small_k_tiles_offer_only_four_warp_configs():
+    """At a K tile of 16 the autotuner offers only 4-warp configs (8-warp ones faulted on
+    Hopper there), and forcing an 8-warp config raises before any launch; larger tiles keep the
+    whole tuned set."""
+    from sp_attention.linear.dqk_kernel import DQK_TUNED
+    assert dqk_configs(32) == dqk_configs(128) == DQK_TUNED
+    small = dqk_configs(16)
+    assert small and all(DQK_CANDIDATES[i].num_warps == 4 for i in small)
+    eight = next(i for i in DQK_TUNED if DQK_CANDIDATES[i].num_warps == 8)
+    q = torch.zeros(1, 64, 1, 16)
+    h = torch.zeros(1, 1, 1, 16, 16)
+    with pytest.raises(ValueError, match="8-warp configs fault there"):
+        chunk_dqkdg(q, q, q, q, h, h, torch.zeros(1, 64, 1), 1.0, 64, eight)
