@@ -45,6 +45,7 @@ AB = {"early": ("early_end_states", "-early", "-late"),
       "graphs": ("scan_graphs", "-graphs", "-eager"),
       "serial": ("concurrent_recurrences", "-concurrent", "-serial"),
       "zero": ("static_zero_paths", "-zero", "-nozero")}
+GATED_AB = ("serial",)      # the flags that also apply with per-token gates
 # --ab NAME for a field with several values: (LinearTuning field, ((value, impl suffix), ...))
 AB_VALUES = {"backward": ("backward_schedule", (("recurrence_first", "-recfirst"),
                                                 ("scan_first", "-scanfirst"))),
@@ -177,7 +178,7 @@ class _Rows:
                 variants += [(replace(default, **{field: value}), sfx) for value, sfx in values
                              if value != getattr(default, field)]
                 continue
-            if self.case != "fixed":
+            if self.case != "fixed" and name not in GATED_AB:
                 continue
             field, on, off = AB[name]
             flipped = replace(default, **{field: not getattr(default, field)})
