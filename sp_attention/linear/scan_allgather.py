@@ -17,7 +17,7 @@ place of A, clamped at the gate floor of its dtype (:data:`.gates.GATE_FLOOR`, t
 "exp is exactly 0 below"), so an underflowed A (log −inf) still contributes an exact 0 and every
 sum in the band stays finite; the band matrices address the gathered rows as they arrive
 (rank-major), so a call is: stage, log, all-gather, one batched matmul for the weights, one
-batched GEMM for the states.
+batched GEMM for the states (everything after the stage replayed from one CUDA graph on GPUs).
 """
 from __future__ import annotations
 
@@ -71,18 +71,20 @@ class AllgatherRun:
         self.g_b = self.gathered[:, n_a:].view(rows, n_a, kv).transpose(0, 1)  # [n_a, rows, kv]
 
     def stage(self, A: torch.Tensor, b: torch.Tensor) -> None:
-        """This rank's elements into the send rows (``log A`` in place of ``A``)."""
+        """This rank's elements into the send rows (``compute`` turns ``A`` into ``log A``
+        there: inside a replayed CUDA graph, not as two more launches from the host)."""
         if self.n:
             torch.cat([A.reshape(self.n, -1), b.reshape(self.n, -1)], dim=1,
                       out=self.send[:self.n])
-            torch.log(self.log_a, out=self.log_a).clamp_min_(GATE_FLOOR[self.log_a.dtype])
 
     def __call__(self, A: torch.Tensor, b: torch.Tensor, ctx: SPContext) -> torch.Tensor:
         self.stage(A, b)
         return self.compute(ctx)
 
     def compute(self, ctx: SPContext) -> torch.Tensor:
-        """The all-gather and the fold of the staged rows -> ``[n, n_a, kv]``."""
+        """``log A`` in the staged rows, the all-gather and the fold -> ``[n, n_a, kv]``."""
+        if self.n:
+            torch.log(self.log_a, out=self.log_a).clamp_min_(GATE_FLOOR[self.log_a.dtype])
         all_gather_flat(self.gathered, self.send, ctx)
         if not self.n:
             return self.send.new_zeros(0, self.n_a, self.kv)
