@@ -168,6 +168,10 @@ def _parser():
                    help="also run preset a2a with each of these SoftmaxTuning.a2a_head_chunks "
                         "(rows 'a2a C=n', under each --comm-variants: e.g. fewer NCCL CTAs "
                         "beside cuDNN; the plain 'a2a' row runs the default)")
+    p.add_argument("--a2a-direct", action="store_true",
+                   help="also run every all-to-all row with SoftmaxTuning(a2a_direct=True) "
+                        "(rows '<preset> direct': each piece sent straight into its place, "
+                        "no index gathers)")
     p.add_argument("--fwd-bwd-only", action="store_true",
                    help="time fwd+bwd only (the ratio's measure): a shorter sweep")
     p.add_argument("--no-torch-cp", action="store_true")
@@ -216,6 +220,10 @@ def _runs(a, world, H):
                 runs += [(f"a2a C={c}" + ("" if v == "default" else f"+{v}"),
                           dict(preset="a2a", tuning=SoftmaxTuning(a2a_head_chunks=c)), v)
                          for v in a.comm_variants for c in a.a2a_chunks]
+    if a.a2a_direct:
+        runs += [(f"{name} direct", dict(kw, tuning=SoftmaxTuning(a2a_direct=True)), v)
+                 for name, kw, v in list(runs)
+                 if kw.get("preset") in ("a2a", "a2a_ring") and "tuning" not in kw]
     return runs
 
 

@@ -165,6 +165,15 @@ class SoftmaxTuning:
             the smaller kernels cost more than the hidden exchanges save. For slower links
             (an all-to-all across nodes) measure it: ``benchmarks/softmax_cp.py --a2a-chunks
             1 2 4``.
+        a2a_direct: the all-to-all presets exchange each run of a position's tokens as its
+            own point-to-point message straight into its place (the head shard in sequence
+            order on the way out, the position's own rows on the way back), instead of one
+            ``all_to_all_single`` per tensor and an index gather on each side: four of the
+            forward's seven copies and four of the backward's go (at P = 4, 8K per GPU the
+            re-sharding copies took ~0.8 ms of a 15.8 ms step, 4 × H200). Applies with one
+            sequence per micro-batch and without packed documents (elsewhere the gathers
+            stay). Off until measured: ``benchmarks/softmax_cp.py --a2a-direct``. Exact
+            either way (the kernels see the same tensors).
     """
 
     min_query_heads_per_call: int = MIN_QUERY_HEADS_PER_CALL
@@ -173,9 +182,10 @@ class SoftmaxTuning:
     packed_dense_min: int = 1 << 20
     packed_varlen_gaps: bool = True
     a2a_head_chunks: Optional[int] = None
+    a2a_direct: bool = False
 
     def __post_init__(self) -> None:
-        _check_bools(self, "check_every_call", "pack_kv", "packed_varlen_gaps")
+        _check_bools(self, "check_every_call", "pack_kv", "packed_varlen_gaps", "a2a_direct")
         if self.a2a_head_chunks is not None and (not is_int(self.a2a_head_chunks)
                                                  or self.a2a_head_chunks < 1):
             raise ValueError("SoftmaxTuning.a2a_head_chunks must be a positive int (head chunks "

@@ -69,7 +69,8 @@ class A2AConfig:
     """Everything the all-to-all Function needs (built by the public function after its
     checks). ``size``: U (``ctx.world_size`` for ``a2a``); ``plan``: packed documents (a
     non-trivial plan) or None; ``chunks``: head chunks pipelined
-    (:func:`sp_attention.planning.softmax_a2a.head_chunks`, checked by the public function)."""
+    (:func:`sp_attention.planning.softmax_a2a.head_chunks`, checked by the public function);
+    ``direct``: ``SoftmaxTuning.a2a_direct`` (:func:`_direct_runs` says where it applies)."""
 
     ctx: SPContext
     size: int
@@ -81,6 +82,7 @@ class A2AConfig:
     plan: Optional[PackingPlan] = None
     policy: Optional[CallPolicy] = None
     chunks: int = 1
+    direct: bool = False
 
 
 def a2a_split(ctx: SPContext, size: int) -> tuple[SPContext, SPContext]:
@@ -154,11 +156,16 @@ def _return_rows(pos: Optional[Tensor], U: int, L: int, B: int, device) -> Optio
 
 class _Order:
     """The index tensors of one call's token order (cached per order, sizes and device):
-    ``rows[S][slot]`` for arrival buffers of ``S`` slots, ``back`` for send-back buffers."""
+    ``rows[S][slot]`` for arrival buffers of ``S`` slots, ``back`` for send-back buffers;
+    ``runs``: the direct exchanges' pieces (:func:`_direct_runs`), or None."""
 
     def __init__(self, cfg: A2AConfig, B: int, L: int, device):
         self.U, self.B, self.L = cfg.size, B, L
         key, runs = _positions(cfg, L)
+        self.runs = _direct_runs(cfg, B, L, runs)
+        if self.runs is not None:      # no index tensors: the exchanges place every piece
+            self.rows = self.back = None
+            return
 
         def make():
             pos = None if runs is None else torch.cat(
@@ -169,7 +176,63 @@ class _Order:
         self.rows, self.back = _INDEX.get(key + (self.U, B, L, str(device)), make)
 
 
+def _direct_runs(cfg: A2AConfig, B: int, L: int, runs: Optional[list]) -> Optional[tuple]:
+    """The pieces of the direct exchanges (``SoftmaxTuning.a2a_direct``), or None where they do
+    not apply: ``((position u, its local token start, inner start, length), ...)`` in inner
+    order, one per run of consecutive tokens of one position (zigzag: two per position,
+    contiguous: one). Only with one sequence per micro-batch (B = 1: a piece of ``[L, n, D]``
+    is contiguous) and without packed documents (their runs can be many and short)."""
+    if not cfg.direct or B != 1 or cfg.plan is not None:
+        return None
+    U = cfg.size
+    pieces, o = [], 0
+    for a, n in (runs if runs is not None else [(u * L, L) for u in range(U)]):
+        u, t = divmod(a, L)
+        pieces.append((u, t, o, n))
+        o += n
+    return tuple(pieces)
+
+
 # ------------------------------------------------------------------------------ exchanges
+def _direct_in(send: Tensor, runs: tuple, intra: SPContext):
+    """:func:`_exchange` with each piece received straight into its place: ``send [U, S, 1,
+    L, n, D]`` (destination-major) -> ``(S tensors [1, U·L, n, D] in inner order, pending)``.
+    Every message is a contiguous piece; a pair of ranks posts its pieces in one agreed order
+    (slot, then inner order), this rank's own piece is a local copy."""
+    U, S, _, L, n, D = send.shape
+    me = intra.rank
+    outs = [torch.empty((1, U * L, n, D), dtype=send.dtype, device=send.device)
+            for _ in range(S)]
+    sends, recvs = [], []
+    for s in range(S):
+        for u, t, o, m in runs:
+            if u == me:
+                outs[s][0, o:o + m].copy_(send[me, s, 0, t:t + m])
+                sends += [(send[w, s, 0, t:t + m], w) for w in range(U) if w != me]
+            else:
+                recvs.append((outs[s][0, o:o + m], u))
+    return outs, (send, p2p_exchange(sends, recvs, intra))
+
+
+def _direct_back(xs: tuple, runs: tuple, intra: SPContext):
+    """:func:`_exchange` of :func:`_send_back` without the send-back buffer: each position's
+    pieces of ``xs [1, U·L, h, D]`` (inner order) go to it straight from their place; ->
+    ``(arrival buffer [U, S, 1, L, h, D] source-major, pending)``."""
+    S, (T, h, D) = len(xs), xs[0].shape[1:]
+    U, me = intra.world_size, intra.rank
+    L = T // U
+    recv = torch.empty((U, S, 1, L, h, D), dtype=xs[0].dtype, device=xs[0].device)
+    sends, recvs = [], []
+    for s, x in enumerate(xs):
+        for u, t, o, m in runs:
+            if u == me:
+                recv[me, s, 0, t:t + m].copy_(x[0, o:o + m])
+                recvs += [(recv[w, s, 0, t:t + m], w) for w in range(U) if w != me]
+            else:
+                sends.append((x[0, o:o + m], u))
+    return recv, (xs, p2p_exchange(sends, recvs, intra))
+
+
 def _exchange(send: Tensor, intra: SPContext, whole: bool):
     """Start the all-to-all of ``send`` ``[U, ...]`` (destination-major) inside ``intra``;
     ``(receive buffer [U, ...] source-major, pending)``. ``whole``: ``intra`` is the CP group
@@ -202,6 +265,22 @@ def _send_heads(xs: tuple, U: int, sel: Optional[Tensor]) -> Tensor:
         src = x.unflatten(2, (U, n)) if sel is None else x[:, :, sel]      # [B, L, U, n, D]
         buf[:, s].copy_(src.permute(2, 0, 1, 3, 4))
     return buf
+
+
+class _Arrival:
+    """One slot of an exchanged arrival buffer, gathered into inner order (:func:`_arrived`)
+    once the exchange is waited for."""
+
+    def __init__(self, recv: Tensor, rows: Optional[Tensor]):
+        self.recv, self.rows = recv, rows
+
+    def value(self) -> Tensor:
+        return _arrived(self.recv, self.rows)
+
+
+def _take(x) -> Tensor:
+    """An arrival in inner order: a direct exchange's tensor as it is, else gathered."""
+    return x.value() if isinstance(x, _Arrival) else x
 
 
 def _arrived(recv: Tensor, rows: Optional[Tensor]) -> Tensor:
@@ -309,6 +388,22 @@ class _Groups:
     def exchange(self, send: Tensor):
         return _exchange(send, self.intra, self.whole)
 
+    def arrive(self, send: Tensor, order: "_Order"):
+        """Send ``send [U, S, B, L, n, D]`` to head shards: ``(S arrivals [B, U·L, n, D] in
+        inner order, pending)``, their contents valid after ``_wait(pending)``."""
+        if order.runs is not None:
+            return _direct_in(send.contiguous(), order.runs, self.intra)
+        recv, pending = self.exchange(send)
+        return [_Arrival(recv, order.rows[send.shape[1]][s]) for s in range(send.shape[1])], \
+            pending
+
+    def back(self, xs: tuple, order: "_Order"):
+        """Send ``xs [B, U·L, h, D]`` (inner order) home: ``(arrival buffer [U, S, B, L, h,
+        D] source-major, pending)``."""
+        if order.runs is not None:
+            return _direct_back(tuple(x.contiguous() for x in xs), order.runs, self.intra)
+        return self.exchange(_send_back(xs, order))
+
 
 def _chunk(x: Tensor, c: int, chunks: int, dim: int = 2) -> Tensor:
     """Head chunk ``c`` of ``chunks`` of ``x`` along ``dim`` (a view)."""
@@ -359,27 +454,27 @@ def a2a_forward(q: Tensor, k: Tensor, v: Tensor, cfg: A2AConfig
     sel = None if split.disjoint else _index("sel", split, 0, q.device)
 
     def send(c):                           # K/V first: unpacked while Q travels
-        kv = gr.exchange(_send_heads((_chunk(k, c, C), _chunk(v, c, C)), U, sel))
-        return kv, gr.exchange(_send_heads((_chunk(q, c, C),), U, None))
+        kv = gr.arrive(_send_heads((_chunk(k, c, C), _chunk(v, c, C)), U, sel), order)
+        return kv, gr.arrive(_send_heads((_chunk(q, c, C),), U, None), order)
 
     out, lse = torch.empty(q.shape, dtype=q.dtype, device=q.device), None
     saved, back, pending = [], [], send(0)
     for c in range(C):
-        (kv_recv, kv_work), (q_recv, q_work) = pending
+        (kv_in, kv_work), (q_in, q_work) = pending
         if c + 1 < C:
             pending = send(c + 1)
         _wait(kv_work)
-        kh, vh = (_arrived(kv_recv, order.rows[2][s]) for s in (0, 1))
+        kh, vh = (_take(x) for x in kv_in)
         _wait(q_work)
-        qh = _arrived(q_recv, order.rows[1][0])
+        qh = _take(q_in[0])
         outh, lseh = _inner_forward(qh, kh, vh, gr, cfg)
         saved += [qh, kh, vh, outh, lseh]
-        back.append((_chunk(out, c, C), gr.exchange(_send_back((outh,), order))))
+        back.append((_chunk(out, c, C), gr.back((outh,), order)))
         if cfg.return_lse:         # [B, a, T] -> rows [B, T, a, 1] -> home [B, L, H/C, 1]
             if lse is None:
                 lse = torch.empty((B, q.shape[2], L), dtype=lseh.dtype, device=q.device)
-            back.append((_chunk(lse.transpose(1, 2), c, C).unsqueeze(3), gr.exchange(
-                _send_back((lseh.transpose(1, 2).unsqueeze(3),), order))))
+            back.append((_chunk(lse.transpose(1, 2), c, C).unsqueeze(3), gr.back(
+                (lseh.transpose(1, 2).unsqueeze(3),), order)))
     for dst, (recv, work) in back:
         _wait(work)
         _heads_into(dst, recv)
@@ -401,21 +496,21 @@ def a2a_backward(dout: Tensor, saved: tuple, cfg: A2AConfig,
     order = _Order(cfg, B, L, dout.device)
 
     def send(c):
-        return gr.exchange(_send_heads((_chunk(dout, c, C),), U, None))
+        return gr.arrive(_send_heads((_chunk(dout, c, C),), U, None), order)
 
     dq = torch.empty((B, L) + dout.shape[2:], dtype=q_t.dtype, device=dout.device)
     dk, dv = (torch.empty((B, L, kv_heads, dout.shape[3]), dtype=t.dtype, device=dout.device)
               for t in (k_t, saved[2]))
     back, pending = [], send(0)
     for c in range(C):
-        do_recv, work = pending
+        do_in, work = pending
         if c + 1 < C:
             pending = send(c + 1)
         _wait(work)
-        doh = _arrived(do_recv, order.rows[1][0])
+        doh = _take(do_in[0])
         dqh, dkh, dvh = _inner_backward(doh, saved[5 * c:5 * c + 5], gr, cfg)
-        kv_back = gr.exchange(_send_back((dkh, dvh), order))       # dK/dV first
-        back.append((c, kv_back, gr.exchange(_send_back((dqh,), order))))
+        kv_back = gr.back((dkh, dvh), order)                        # dK/dV first
+        back.append((c, kv_back, gr.back((dqh,), order)))
     for c, (kv_recv, kv_work), (dq_recv, dq_work) in back:
         _wait(kv_work)                     # sum dK/dV while dq travels
         _kv_into(_chunk(dk, c, C), _chunk(dv, c, C), kv_recv, split)

@@ -249,7 +249,7 @@ def context_parallel_attention(
                 cfg.ctx, cfg.a2a_size, cfg.causal, cfg.scale, cfg.backend, cfg.return_lse,
                 cfg.pack_kv, plan if packed else None,
                 CallPolicy(tuning.packed_dense_min, tuning.packed_varlen_gaps),
-                cfg.a2a_chunks))
+                cfg.a2a_chunks, tuning.a2a_direct))
         if packed:
             return PackedAttention.apply(q, k, v, PackedConfig(
                 cfg.ctx, plan, cfg.fwd, cfg.bwd, cfg.scale, cfg.backend, cfg.stride, cfg.first,

@@ -113,15 +113,19 @@ def _check_a2a(group, P, tag, full=True):
         for causal in (True, False):
             inputs, expected = _reference(shape, P, causal, 41 + 7 * i + causal)
             for layout in ("zigzag", "contiguous"):
-                runs = [dict(preset="a2a")]
+                direct = SoftmaxTuning(a2a_direct=True)
+                runs = [dict(preset="a2a"), dict(preset="a2a", tuning=direct)]
                 # the heads in every chunk count that splits them (the default: 1)
-                runs += [dict(preset="a2a", tuning=SoftmaxTuning(a2a_head_chunks=c))
-                         for c in head_chunk_counts(shape[2], shape[3], P) if c != 1]
+                runs += [dict(preset="a2a", tuning=SoftmaxTuning(a2a_head_chunks=c, a2a_direct=d))
+                         for c in head_chunk_counts(shape[2], shape[3], P) if c != 1
+                         for d in (False, True)]
                 if i == 0 and P > 1:
-                    runs += [dict(preset="a2a_ring", a2a_size=u) for u in sizes]
+                    runs += [dict(preset="a2a_ring", a2a_size=u, tuning=t) for u in sizes
+                             for t in (None, direct)]
                     runs += [dict(preset="a2a_ring", a2a_size=u,
-                                  tuning=SoftmaxTuning(a2a_head_chunks=2))
-                             for u in sizes if 2 in head_chunk_counts(shape[2], shape[3], u)]
+                                  tuning=SoftmaxTuning(a2a_head_chunks=2, a2a_direct=d))
+                             for u in sizes if 2 in head_chunk_counts(shape[2], shape[3], u)
+                             for d in (False, True)]
                 ctx = build_sp_context(group, layout=layout) if P > 1 else SPContext(
                     None, 0, 1, (0,), layout)
                 for kw in runs:
@@ -374,16 +378,19 @@ def _gpu_errors(got, ref, ctx=None):
 def _gpu_runs(world, shape):
     """(name, kwargs) of every preset at ``world`` ranks for a GPU shape: the four fwd × bwd
     pairs (with the shape's stride pattern where the backward all-gathers), ``a2a`` and, with
-    ``world >= 4``, ``a2a_ring`` with groups of 2."""
+    ``world >= 4``, ``a2a_ring`` with groups of 2, each also with ``a2a_direct``."""
     extra = shape[5]
     runs = []
     for fwd, bwd in PAIRS:
         for kw in ({}, extra) if extra and bwd == "allgather" else ({},):
             runs.append((f"{fwd}/{bwd} {kw}", dict(fwd=fwd, bwd=bwd, **kw)))
+    direct = SoftmaxTuning(a2a_direct=True)
     if shape[2] % world == 0:
         runs.append(("a2a", dict(preset="a2a")))
+        runs.append(("a2a direct", dict(preset="a2a", tuning=direct)))
     if world >= 4 and world % 2 == 0 and shape[2] % 2 == 0:
         runs.append(("a2a_ring U=2", dict(preset="a2a_ring", a2a_size=2)))
+        runs.append(("a2a_ring U=2 direct", dict(preset="a2a_ring", a2a_size=2, tuning=direct)))
     return runs
 
 
