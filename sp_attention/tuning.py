@@ -168,9 +168,9 @@ class SoftmaxTuning:
         a2a_direct: the all-to-all presets exchange each run of a position's tokens as its
             own point-to-point message straight into its place (the head shard in sequence
             order on the way out, the position's own rows on the way back), instead of one
-            ``all_to_all_single`` per tensor and an index gather on each side: four of the
-            forward's seven copies and four of the backward's go (at P = 4, 8K per GPU the
-            re-sharding copies took ~0.8 ms of a 15.8 ms step, 4 × H200). Applies with one
+            ``all_to_all_single`` per tensor and an index gather on each side: about 40 % of
+            the bytes copied go (at P = 4, 8K per GPU the re-sharding copies took ~0.8 ms of
+            a 15.8 ms step, 4 × H200). Applies with one
             sequence per micro-batch and without packed documents (elsewhere the gathers
             stay). Off until measured: ``benchmarks/softmax_cp.py --a2a-direct``. Exact
             either way (the kernels see the same tensors).
