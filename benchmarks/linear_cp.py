@@ -31,7 +31,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 from benchmarks.common import (COMM_VARIANTS, base_parser, cp_groups, device_name,  # noqa: E402
                                emit, host_ahead_lost, host_ms, init_dist, time_ms)
 from benchmarks.packed_linear import lognormal_cu  # noqa: E402
@@ -106,6 +107,42 @@ def _profile(step, out_dir: str, tag: str, rank: int, base: dict, out) -> None:
     for e in kern:
         print(f"  s{e['args'].get('stream', '?'):<4} {e['ts'] - t0:9.0f} {e['dur']:7.0f}  "
               f"{e['name'][:80]}", file=sys.stderr)
+
+
+def _host_profile(step, n: int, tag: str, rank: int, base: dict, out) -> None:
+    """Python's own time per call of ``step`` (cProfile over ``n`` calls after one, every rank
+    running them; rank 0 reports): where the op's host time goes, function by function (the
+    CUDA profiler's trace shows launches, not the Python between them)."""
+    import cProfile
+    import pstats
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    step()
+    sync()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        step()
+    pr.disable()
+    sync()
+    if rank != 0:
+        return
+    rows = []
+    for (f, line, name), (_, nc, tt, ct, _) in pstats.Stats(pr).stats.items():
+        where = f.split("site-packages/")[-1] if "site-packages/" in f else \
+            os.path.relpath(f, ROOT) if f.startswith(ROOT) else f
+        rows.append((ct / n * 1e3, tt / n * 1e3, nc / n, f"{where}:{line} {name}"))
+    total = sum(r[1] for r in rows)
+    top_self = sorted(rows, key=lambda r: -r[1])[:30]
+    top_cum = sorted((r for r in rows if "sp_attention/" in r[3] or "fla/" in r[3]),
+                     key=lambda r: -r[0])[:30]
+    emit(dict(base, bench="linear_host_profile", tag=tag, calls=n, python_ms=total,
+              top_self=[[round(a, 4), round(b, 4), c, d] for a, b, c, d in top_self],
+              top_cumulative=[[round(a, 4), round(b, 4), c, d] for a, b, c, d in top_cum]),
+         out, rank)
+    print(f"# host profile {tag} (rank 0, per call: {total:.3f} ms of Python; cum ms, self ms, "
+          "calls)", file=sys.stderr)
+    for a_, b_, c_, d_ in top_cum:
+        print(f"  {a_:8.3f} {b_:8.3f} {c_:6.1f}  {d_}", file=sys.stderr)
 
 
 class _Rows:
@@ -217,10 +254,16 @@ class _Rows:
         if mode == "queued":
             rec["host_ahead_lost"] = host_ahead_lost()
         emit(rec, a.out, self.rank)
+        tag = f"{ctx.layout}-{impl}-{self.decay}{'-packed' if plan else ''}-{T}"
         if profile and self.dev == "cuda" and mode == a.timing[0] and a.profile:
-            _profile(lambda: self.step(ctx, impl, True, tuning, plan), a.profile,
-                     f"{ctx.layout}-{impl}-{self.decay}{'-packed' if plan else ''}-{T}",
+            _profile(lambda: self.step(ctx, impl, True, tuning, plan), a.profile, tag,
                      self.rank, dict(base, impl=impl, layout=ctx.layout), a.out)
+        if profile and mode == a.timing[0] and a.host_profile:
+            _host_profile(lambda: self.step(ctx, impl, True, tuning, plan), a.host_profile,
+                          tag, self.rank, dict(base, impl=impl, layout=ctx.layout), a.out)
+            if self.cu is None and self.g is None and self.backend == "fla":
+                _host_profile(lambda: self.fla_step(True), a.host_profile, f"fla-{T}",
+                              self.rank, dict(base, impl="fla_chunk_simple_gla", world=1), a.out)
 
 
 def main() -> None:
@@ -248,6 +291,10 @@ def main() -> None:
                         "'side0' (the scan's side stream at normal priority); suffix '+VARIANT'")
     p.add_argument("--profile", metavar="DIR",
                    help="also profile one fwd+bwd step per layout and scan at the last T_local")
+    p.add_argument("--host-profile", type=int, default=0, metavar="N",
+                   help="also cProfile N eager fwd+bwd calls per layout and scan at the last "
+                        "T_local (and fla's own call): Python's time per call, function by "
+                        "function (rows bench='linear_host_profile')")
     p.add_argument("--backend", choices=["fla", "torch"], default=None,
                    help="local kernel (default: fla when it can run)")
     a = p.parse_args()
