@@ -46,7 +46,7 @@ from sp_train.progress import (Progress, claim_log_dir, describe_attention, flop
                                release_log_dir)
 from sp_train.setup import (build_model, build_optimizer, check_memory, count_params,
                             init_groups, load_hf, memory_capacity, memory_margin_warning,
-                            model_vocab, schedule_picks)
+                            model_vocab, resolve_auto_recompute, schedule_picks)
 from sp_attention import build_sp_context, release_cuda_graphs
 
 
@@ -136,7 +136,9 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
     args = parse_args(argv)                       # bad flags fail here, on every rank
     rank, world, device = init_distributed(args.distributed_timeout_minutes)
     layout = args.layout(world)                   # world-size checks, still before collectives
-    args.recompute().check_device(device.type == "cuda")
+    auto_recompute = args.recompute_granularity == "auto"
+    if not auto_recompute:
+        args.recompute().check_device(device.type == "cuda")
     if args.cuda_graphs and device.type != "cuda":
         raise UsageError("--cuda-graphs replays CUDA graphs: run on GPUs or drop it")
     check_loss_impl(args.loss_impl, layout.tp, device)
@@ -150,6 +152,13 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
     # printed before anything is allocated; a layout that cannot fit (the GPU's memory, or the
     # RAM available to each rank on CPU) stops here on every rank
     capacity, where = memory_capacity(device)
+    if auto_recompute:          # the same pick on every rank: the smallest capacity of all
+        if capacity is not None and world > 1:
+            smallest = torch.tensor([capacity], dtype=torch.float64, device=device)
+            dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+            capacity = float(smallest)
+        rank0_print(resolve_auto_recompute(args, layout, vocab, bf16=bf16, capacity=capacity,
+                                           on_gpu=device.type == "cuda"))
     estimate = check_memory(args, layout, vocab, bf16=bf16, capacity=capacity, where=where,
                             on_gpu=device.type == "cuda")
     rank0_print(f"memory estimate per rank (the model's tensors): "

@@ -26,8 +26,10 @@
 #                 optimizer + overlapped gather: each rank's step split into compute, NCCL
 #                 alone, NCCL hidden and idle; the traces (gzip) beside
 #     long        the longest context at CP = P: LONG_KINDS (hybrid softmax) at LONG_SEQS
-#                 (524288 1048576) with full recompute and --use-distributed-optimizer, 3 steps
-#                 (the estimate beside the measured peak in each row)
+#                 (524288 1048576) with --recompute-granularity LONG_RECOMPUTE (auto: the
+#                 least recompute that fits; e.g. "full --recompute-method uniform
+#                 --recompute-num-layers 1") and --use-distributed-optimizer, 3 steps (the
+#                 estimate beside the measured peak in each row)
 # Knobs: KINDS (softmax hybrid gated), SEQ (32768), ITERS (10), SCALE_EXTRA (train.py flags for
 # every scaling run, after "--"), FIRST_KINDS (hybrid-packed gated softmax linear), HF_MODELS
 # (llama linear gated hybrid), STEP_TIMEOUT (seconds per run, 240; a fresh machine compiles
@@ -200,8 +202,8 @@ for l in open(sys.argv[1]):
       for seq in ${LONG_SEQS:-524288 1048576}; do
         python3 benchmarks/train_scaling.py --kinds ${LONG_KINDS:-hybrid softmax} --layouts "cp$P" \
           --seq-length "$seq" --train-iters 3 --timeout "$T" --out "$OUT/long_context_cp$P.jsonl" \
-          --log-root "$OUT/long_$seq" -- --recompute-granularity full --recompute-method uniform \
-          --recompute-num-layers 1 --use-distributed-optimizer >> "$OUT/long.log" 2>&1
+          --log-root "$OUT/long_$seq" -- --recompute-granularity ${LONG_RECOMPUTE:-auto} \
+          --use-distributed-optimizer >> "$OUT/long.log" 2>&1
       done
       cut -c1-400 "$OUT/long_context_cp$P.jsonl" ;;
     *) echo "unknown step $step" ;;

@@ -151,7 +151,9 @@ class TrainArgs:
                                          "rule for packed sequences: a micro-batch is one row)")
     recompute_granularity: Optional[str] = _f(
         help="activation recompute (Megatron's flag): selective (--recompute-modules of every "
-        "layer) or full (whole layers)", choices=RECOMPUTE_GRANULARITIES, default_help="none")
+        "layer) or full (whole layers); auto (ours): the setting that replays the fewest "
+        "FLOPs among those whose memory estimate fits the GPU, printed at the start",
+        choices=RECOMPUTE_GRANULARITIES + ("auto",), default_help="none")
     recompute_method: Optional[str] = _f(
         help="full recompute: uniform (groups of --recompute-num-layers layers) or block (the "
         "first --recompute-num-layers layers)", choices=RECOMPUTE_METHODS,
@@ -401,7 +403,19 @@ class TrainArgs:
         if self.cuda_graphs and self.packing == "documents":
             raise UsageError("--cuda-graphs replays fixed shapes: packed documents change "
                              "shape every batch; drop --cuda-graphs or use --packing none")
-        if self.cuda_graphs and self.recompute().granularity is not None:
+        if self.recompute_granularity == "auto":
+            given = [f"--{n.replace('_', '-')}" for n in ("recompute_method",
+                                                          "recompute_num_layers",
+                                                          "recompute_modules")
+                     if getattr(self, n) is not None]
+            if given:
+                raise UsageError(f"--recompute-granularity auto chooses {' and '.join(given)} "
+                                 "itself: drop them, or name the granularity")
+            if self.cuda_graphs:
+                raise UsageError("--cuda-graphs cannot replay a layer that recomputes its "
+                                 "activations, which --recompute-granularity auto may choose: "
+                                 "drop one of them")
+        elif self.cuda_graphs and self.recompute().granularity is not None:
             raise UsageError("--cuda-graphs cannot replay a layer that recomputes its "
                              "activations: drop --recompute-granularity or --cuda-graphs")
         if self.data_encoding == "bytes" and self.tokenizer_model:
@@ -413,10 +427,15 @@ class TrainArgs:
             raise UsageError("--save-interval must be >= 0 and --log-interval >= 1")
         if self.loss_impl not in LOSS_IMPLS:
             raise UsageError(f"--loss-impl {self.loss_impl!r}: use one of {LOSS_IMPLS}")
-        self.recompute()                   # its checks, with the fix in the message
+        if self.recompute_granularity != "auto":
+            self.recompute()               # its checks, with the fix in the message
 
     def recompute(self) -> Recompute:
-        """The validated ``--recompute-*`` settings."""
+        """The validated ``--recompute-*`` settings (``auto`` resolved first:
+        :func:`sp_train.setup.resolve_auto_recompute`)."""
+        if self.recompute_granularity == "auto":
+            raise UsageError("--recompute-granularity auto is resolved against the device's "
+                             "memory before the model is built (train.py does it)")
         try:
             return Recompute.from_flags(self.recompute_granularity, self.recompute_method,
                                         self.recompute_num_layers, self.recompute_modules,

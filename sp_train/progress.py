@@ -38,19 +38,18 @@ def peak_flops(device: torch.device, override_tflops: Optional[float] = None) ->
     return None
 
 
-def flops_per_token(*, num_layers: int, hidden_size: int, ffn_hidden_size: int,
-                    num_attention_heads: int, num_query_groups: int, vocab_size: int,
-                    seq_length: int, layer_kinds: Sequence[str]) -> float:
-    """Training FLOPs per token (forward + backward = 3 × forward, no recomputation): matmuls
-    of the projections, SwiGLU MLP and output layer, plus causal softmax attention (half the
-    full score matrix) or chunked linear attention (64-token chunks, state [d, d] per head;
-    gated layers also the gate projection). Packed documents are counted as one sequence of
-    ``seq_length`` (an upper bound for softmax layers)."""
+def layer_forward_flops(*, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
+                        num_query_groups: int, seq_length: int,
+                        layer_kinds: Sequence[str]) -> list:
+    """Forward FLOPs per token of each layer, ``[(projections, mlp, core attention), ...]``:
+    matmuls of the QKV and output projections and of the SwiGLU MLP, and causal softmax
+    attention (half the full score matrix over ``seq_length`` keys) or chunked linear attention
+    (64-token chunks, state ``[d, d]`` per head; gated layers also the gate projection)."""
     h, f, d = hidden_size, ffn_hidden_size, hidden_size // num_attention_heads
     kv = num_query_groups * d
     proj = 2 * h * (h + 2 * kv) + 2 * h * h          # QKV + output projection
     mlp = 2 * 3 * h * f                              # gate, up, down
-    total = 0.0
+    out = []
     for kind in layer_kinds:
         if kind == "S":
             attn = 2 * 2 * seq_length * h / 2            # QK^T and PV, causal half
@@ -58,8 +57,21 @@ def flops_per_token(*, num_layers: int, hidden_size: int, ffn_hidden_size: int,
             attn = num_attention_heads * (4 * d * d + 2 * 64 * d)  # state in/out + intra-chunk
             if kind == "G":
                 attn += 2 * h * num_attention_heads                # gate projection
-        total += proj + mlp + attn
-    total += 2 * h * vocab_size
+        out.append((proj, mlp, attn))
+    return out
+
+
+def flops_per_token(*, num_layers: int, hidden_size: int, ffn_hidden_size: int,
+                    num_attention_heads: int, num_query_groups: int, vocab_size: int,
+                    seq_length: int, layer_kinds: Sequence[str]) -> float:
+    """Training FLOPs per token (forward + backward = 3 × forward, no recomputation): each
+    layer's :func:`layer_forward_flops` plus the output layer. Packed documents are counted as
+    one sequence of ``seq_length`` (an upper bound for softmax layers)."""
+    layers = layer_forward_flops(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
+                                 num_attention_heads=num_attention_heads,
+                                 num_query_groups=num_query_groups, seq_length=seq_length,
+                                 layer_kinds=layer_kinds)
+    total = sum(sum(layer) for layer in layers) + 2 * hidden_size * vocab_size
     return 3.0 * total
 
 

@@ -16,6 +16,7 @@ from .args import Layout, TrainArgs, UsageError
 from .loss import default_chunk_tokens
 from .memory import GIB, ModelShape, StepShape, estimate_memory
 from .optim import MasterAdamW
+from .progress import layer_forward_flops
 from .reduce import GradientReducer, group_size
 from .sharded_optim import ShardedAdamW
 
@@ -256,6 +257,72 @@ def _memory_fixes(args: TrainArgs, layout: Layout, model, step, capacity: float,
         alt = estimate_memory(model, dataclasses.replace(step, **change))
         fixes.append(f"{flag}: {alt.total / GIB:.1f} GiB")
     return fixes
+
+
+def recompute_candidates(num_layers: int) -> list:
+    """Every recompute setting ``--recompute-granularity auto`` weighs, as the flags' values
+    ``(granularity, method, num_layers, modules)``: none, selective with each module set,
+    full on the first N layers (block) for N = 1 … L − 1, and full on every layer."""
+    out = [(None, None, None, None)]
+    out += [("selective", None, None, m) for m in (("core_attn",), ("mlp",), ("core_attn", "mlp"))]
+    out += [("full", "block", n, None) for n in range(1, num_layers)]
+    return out + [("full", "uniform", 1, None)]
+
+
+def layer_flops(args: TrainArgs) -> list:
+    """:func:`~sp_train.progress.layer_forward_flops` of this run's layers."""
+    return layer_forward_flops(hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+                               num_attention_heads=args.num_attention_heads,
+                               num_query_groups=args.num_query_groups,
+                               seq_length=args.seq_length, layer_kinds=args.layer_kinds())
+
+
+def recomputed_flops(layers: list, rc) -> float:
+    """Forward FLOPs per token a step spends again under recompute ``rc`` (a
+    :class:`~sp_train.recompute.Recompute`) over ``layers`` (:func:`layer_flops`): the
+    replayed modules (selective) or layers (full: the first ``num_layers`` with ``block``, all
+    with ``uniform``)."""
+    if rc.granularity is None:
+        return 0.0
+    if rc.granularity == "selective":
+        return sum(("mlp" in rc.modules) * mlp + ("core_attn" in rc.modules) * attn
+                   for _, mlp, attn in layers)
+    return sum(sum(layer) for layer in layers[:rc.recomputed_layers()])
+
+
+def resolve_auto_recompute(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: bool,
+                           capacity: Optional[float], on_gpu: bool) -> str:
+    """``--recompute-granularity auto``: set ``args``' recompute flags to the setting that
+    replays the fewest forward FLOPs among those whose memory estimate leaves
+    :data:`GPU_HEADROOM` of ``capacity`` (:func:`recompute_candidates`; the least memory when
+    none does, so that the memory check names the fixes); none on CPU (Megatron's checkpoint
+    needs the CUDA RNG) or without a capacity. Pure arithmetic on sizes: every rank picks the
+    same when given the same capacity. Returns the line to print."""
+    def set_flags(values) -> None:
+        g, method, n, modules = values
+        args.recompute_granularity, args.recompute_method, args.recompute_num_layers = g, method, n
+        args.recompute_modules = None if modules is None else list(modules)
+    if not on_gpu or capacity is None:
+        set_flags((None,) * 4)
+        why = "on CPU" if not on_gpu else "the device's memory is unknown"
+        return f"recompute auto: none ({why})"
+    room, layers = capacity - GPU_HEADROOM, layer_flops(args)
+    tried = []
+    for values in recompute_candidates(args.num_layers):
+        set_flags(values)
+        rc = args.recompute()
+        _, _, est = memory_estimate(args, layout, vocab_size, bf16=bf16)
+        tried.append((recomputed_flops(layers, rc), est.total, values, rc))
+    fits = [t for t in tried if t[1] <= room]
+    flops, total, values, rc = min(fits, key=lambda t: (t[0], t[1])) if fits else \
+        min(tried, key=lambda t: t[1])
+    set_flags(values)
+    forward = sum(sum(layer) for layer in layers)
+    return (f"recompute auto: {rc.describe()} — estimate {total / GIB:.1f} GiB per rank "
+            + (f"within {room / GIB:.1f} GiB (the GPU's {capacity / GIB:.1f} less "
+               f"{GPU_HEADROOM / GIB:.0f} GiB outside the tensors)" if fits else
+               f"(the least of every setting; {room / GIB:.1f} GiB available)")
+            + f"; replays {100 * flops / forward:.0f} % of the layers' forward FLOPs")
 
 
 def build_optimizer(model: torch.nn.Module, args, groups):

@@ -132,3 +132,56 @@ def test_recompute_flags_checked_with_the_fix():
     with pytest.raises(ValueError, match="needs a GPU"):
         Recompute.from_flags("full", None, None, None, 16).check_device(on_gpu=False)
     Recompute.from_flags(None, None, None, None, 16).check_device(on_gpu=False)
+
+
+def _auto_args(*extra):
+    from sp_train.args import parse_args
+    return parse_args(["--preset", "1b", "--sp-model-kind", "hybrid", "--seq-length", "524288",
+                       "--context-parallel-size", "4", "--global-batch-size", "1",
+                       "--use-distributed-optimizer", "--recompute-granularity", "auto", *extra])
+
+
+def test_auto_recompute_replays_the_fewest_flops_that_fit():
+    """``--recompute-granularity auto`` (pure arithmetic on sizes): the 1B hybrid at 512K over
+    CP 4 keeps its attention on an H200 (selective MLP fits), takes full recompute of the first
+    layers only on an H100, and the least memory when nothing fits; none on CPU."""
+    from sp_train.args import UsageError
+    from sp_train.memory import GIB
+    from sp_train.setup import (GPU_HEADROOM, memory_estimate, recompute_candidates,
+                                resolve_auto_recompute)
+    vocab = 128256
+
+    def pick(capacity, on_gpu=True):
+        args = _auto_args()
+        with pytest.raises(UsageError, match="resolved against the device's memory"):
+            args.recompute()
+        layout = args.layout(4)
+        line = resolve_auto_recompute(args, layout, vocab, bf16=True, capacity=capacity,
+                                      on_gpu=on_gpu)
+        est = memory_estimate(args, layout, vocab, bf16=True)[2].total
+        return args, args.recompute(), est, line, layout
+
+    args, rc, est, line, _ = pick(139.8 * GIB)                     # H200
+    assert (rc.granularity, rc.modules) == ("selective", ("mlp",)), line
+    assert est <= 139.8 * GIB - GPU_HEADROOM and "selective recompute (mlp)" in line
+    args, rc, est, line, layout = pick(79.6 * GIB)                 # H100
+    assert (rc.granularity, rc.method) == ("full", "block"), line
+    assert est <= 79.6 * GIB - GPU_HEADROOM
+    # one layer fewer does not fit (the first layers are the ones replayed)
+    args.recompute_num_layers = rc.num_layers - 1
+    assert memory_estimate(args, layout, vocab, bf16=True)[2].total > 79.6 * GIB - GPU_HEADROOM
+    args, rc, est, line, _ = pick(20 * GIB)                        # nothing fits
+    assert (rc.granularity, rc.method, rc.num_layers) == ("full", "uniform", 1)
+    assert "the least of every setting" in line
+    args, rc, _, line, _ = pick(139.8 * GIB, on_gpu=False)
+    assert rc.granularity is None and "on CPU" in line
+    assert recompute_candidates(4)[0] == (None, None, None, None)
+    assert ("full", "block", 3, None) in recompute_candidates(4)
+
+
+def test_auto_recompute_refuses_what_it_would_choose():
+    from sp_train.args import UsageError
+    with pytest.raises(UsageError, match="auto chooses --recompute-num-layers itself"):
+        _auto_args("--recompute-num-layers", "2")
+    with pytest.raises(UsageError, match="auto may choose"):
+        _auto_args("--cuda-graphs")

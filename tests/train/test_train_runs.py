@@ -316,7 +316,9 @@ def test_plain_python_sigterm_saves_plots_and_exits_75(tmp_path):
     log_dir = str(tmp_path / "run")
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"),
                           *_argv("softmax", 1, 1, log_dir, steps=400),
-                          "--save", str(tmp_path / "ck")], cwd=ROOT,
+                          "--save", str(tmp_path / "ck"),
+                          # auto recompute resolves to none on CPU (Megatron's needs CUDA)
+                          "--recompute-granularity", "auto"], cwd=ROOT,
                          env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     _wait_for_steps(f"{log_dir}/log.jsonl", 2, p)
@@ -326,6 +328,7 @@ def test_plain_python_sigterm_saves_plots_and_exits_75(tmp_path):
     assert rc == 75 and last.startswith("stopped by SIGTERM after step "), (rc, out[-3000:])
     assert f"loss curve {log_dir}/loss.png" in last and "Traceback" not in out
     assert os.path.exists(f"{log_dir}/loss.png") and os.path.exists(f"{log_dir}/summary.json")
+    assert "recompute auto: none (on CPU)" in out and "| no recompute," in out, out[-3000:]
 
 
 def test_sbatch_as_two_nodes_on_one_host_trains_and_resumes(tmp_path):
