@@ -184,7 +184,9 @@ DQK_TUNED = [21, 5, 2, 12, 11, 20]
 # with an illegal memory access in bf16 on Hopper (the GPU test forcing every config: H200 and
 # H100, 2026-11-27), at a different (config, shape) in each of two runs of the same sequence and
 # never in a process of their own (``probe``-style isolation, every shape passed): a
-# nondeterministic fault of the generated code at that tile, not root-caused. Such tiles get
+# nondeterministic fault of the generated code at that tile, not root-caused here; the same
+# class as triton-lang/triton#10486 and #11366 (probabilistic illegal accesses of multi-dot
+# kernels on sm_90 since Triton 3.6: wgmma reading shared memory). Such tiles get
 # the 4-warp members of DQK_TUNED only, and forcing an 8-warp config there raises. K tiles of
 # 32 and more (every model here: K = 32 … 128) are unchanged; their 8-warp picks ran clean in
 # every benchmark and training run.
