@@ -19,6 +19,10 @@ Backward: ``dout`` goes to head shards the same way; the inner backward uses the
 the output, dK/dV like K/V in reverse, summed in fp32 over the positions that received a
 replicated KV head.
 
+``SoftmaxTuning.a2a_direct`` (B = 1, no packed documents): each run of a position's tokens is
+its own point-to-point message, received straight into its place in the head shard and sent
+back straight from it (:func:`_direct_in`, :func:`_direct_back`): no index gathers.
+
 No process group of its own: with ``U = P`` the all-to-all is ``all_to_all_single`` on the CP
 group; with ``U < P`` it is the same exchange as grouped point-to-point messages among the
 group's ``U`` ranks (``batch_isend_irecv`` on the CP group: NCCL runs its all-to-all exactly
