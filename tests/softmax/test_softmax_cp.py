@@ -100,8 +100,9 @@ def _check_group(group, P, tag, refs, full=True):
 def _a2a_cases(P):
     """(B, tokens per zigzag chunk, H, Hkv, D) for the all-to-all presets at P: KV heads split
     over the ranks (group 2), one KV head replicated to every rank, and three KV heads whose
-    query heads straddle the ranks unevenly (expanded locally; P = 3: split)."""
-    return [(1, 2, 2 * P, P, 4), (2, 2, 2 * P, 1, 4), (1, 3, 3 * P, 3, 4)]
+    query heads straddle the ranks unevenly (expanded locally; P = 3: split); last, the
+    replicated head with one sequence, where ``a2a_direct`` applies (B = 1)."""
+    return [(1, 2, 2 * P, P, 4), (2, 2, 2 * P, 1, 4), (1, 3, 3 * P, 3, 4), (1, 2, 2 * P, 1, 4)]
 
 
 def _check_a2a(group, P, tag, full=True):
@@ -114,11 +115,14 @@ def _check_a2a(group, P, tag, full=True):
             inputs, expected = _reference(shape, P, causal, 41 + 7 * i + causal)
             for layout in ("zigzag", "contiguous"):
                 direct = SoftmaxTuning(a2a_direct=True)
-                runs = [dict(preset="a2a"), dict(preset="a2a", tuning=direct)]
-                # the heads in every chunk count that splits them (the default: 1)
-                runs += [dict(preset="a2a", tuning=SoftmaxTuning(a2a_head_chunks=c, a2a_direct=d))
-                         for c in head_chunk_counts(shape[2], shape[3], P) if c != 1
-                         for d in (False, True)]
+                runs = [dict(preset="a2a", tuning=direct)]
+                if i < 3:               # (the last case: the direct exchanges only)
+                    runs.insert(0, dict(preset="a2a"))
+                    # the heads in every chunk count that splits them (the default: 1)
+                    runs += [dict(preset="a2a",
+                                  tuning=SoftmaxTuning(a2a_head_chunks=c, a2a_direct=d))
+                             for c in head_chunk_counts(shape[2], shape[3], P) if c != 1
+                             for d in (False, True)]
                 if i == 0 and P > 1:
                     runs += [dict(preset="a2a_ring", a2a_size=u, tuning=t) for u in sizes
                              for t in (None, direct)]
