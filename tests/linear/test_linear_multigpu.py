@@ -162,6 +162,13 @@ def _graph_step(rank, world):
     return True
 
 
+def _run_and_report(check, world):
+    """``check`` on ``world`` GPUs over NCCL (its workers assert); rank 0's errors printed."""
+    res = run_distributed(check, world, timeout=900, backend="nccl")
+    for key, (e, base) in sorted(res[0].items()):
+        print(f"P={world} {key:<40} vs fp32 {e:.2e} (P = 1: {base:.2e})")
+
+
 def _worlds():
     return [w for w in (2, 4) if torch.cuda.device_count() >= w] or [2]
 
@@ -169,17 +176,13 @@ def _worlds():
 @pytest.mark.parametrize("world", _worlds())
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (device machine)")
 def test_every_scan_matches_fp32_within_the_single_gpu_error(world):
-    res = run_distributed(_check, world, timeout=900, backend="nccl")
-    for key, (e, base) in sorted(res[0].items()):
-        print(f"P={world} {key:<34} vs fp32 {e:.2e} (P = 1: {base:.2e})")
+    _run_and_report(_check, world)
 
 
 @pytest.mark.parametrize("world", _worlds())
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (device machine)")
 def test_row_splits_match_fp32_within_the_single_gpu_error(world):
-    res = run_distributed(_rows_check, world, timeout=900, backend="nccl")
-    for key, (e, base) in sorted(res[0].items()):
-        print(f"P={world} {key:<40} vs fp32 {e:.2e} (P = 1: {base:.2e})")
+    _run_and_report(_rows_check, world)
 
 
 @pytest.mark.parametrize("world", _worlds())
