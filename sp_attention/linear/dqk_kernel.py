@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["chunk_dqkdg", "DQK_CANDIDATES", "dqk_configs"]
+__all__ = ["chunk_dqkdg", "DQK_CANDIDATES", "DQK_TUNED", "MIN_BLOCK_K"]
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -180,28 +180,16 @@ DQK_CANDIDATES = [
 # (2026-11-24, ``benchmarks/gated_check.py --phases sweep``: 0.71–0.77 ms; the slowest
 # candidates take 1.36 ms)
 DQK_TUNED = [21, 5, 2, 12, 11, 20]
-# K tiles of 16 (K = 16, or block_k=16): the two 8-warp row-wise configs (12, 21) faulted there
-# with an illegal memory access in bf16 on Hopper (the GPU test forcing every config: H200 and
-# H100, 2026-11-27), at a different (config, shape) in each of two runs of the same sequence and
-# never in a process of their own (``probe``-style isolation, every shape passed): a
-# nondeterministic fault of the generated code at that tile, not root-caused here; the same
-# class as triton-lang/triton#10486 and #11366 (probabilistic illegal accesses of multi-dot
-# kernels on sm_90 since Triton 3.6: wgmma reading shared memory). Such tiles get
-# the 4-warp members of DQK_TUNED only, and forcing an 8-warp config there raises. K tiles of
-# 32 and more (every model here: K = 32 … 128) are unchanged; their 8-warp picks ran clean in
-# every benchmark and training run.
-SMALL_TILE = 16
-DQK_SMALL = [i for i in DQK_TUNED if DQK_CANDIDATES[i].num_warps == 4]
+# K tiles of 16 are never run: on Hopper (Triton 3.6, bf16, H200 and H100, 2026-11-27) the
+# kernel at a K tile of 16 faults with an illegal memory access in 4- and 8-warp configs alike,
+# deterministically per (shape, config) — compute-sanitizer: "out-of-range shared or local
+# address" inside the kernel — while every config at K tiles of 32 and more runs clean (the
+# GPU test forcing each config). So the smallest K tile is 32; K = 16 runs as one masked tile
+# of 32 (the same products, half of the tile's columns zero).
+MIN_BLOCK_K = 32
 _KEY = ["H", "K", "V", "BT", "BK", "PRECISION", "IS_VARLEN", "GATED", "ARRIVING"]
 _dqkdg_tuned = triton.autotune(configs=[DQK_CANDIDATES[i] for i in DQK_TUNED], key=_KEY)(
     _dqkdg_kernel)
-_dqkdg_small = triton.autotune(configs=[DQK_CANDIDATES[i] for i in DQK_SMALL], key=_KEY)(
-    _dqkdg_kernel)
-
-
-def dqk_configs(block_k: int) -> list:
-    """The :data:`DQK_CANDIDATES` indices the autotuner offers at a K tile of ``block_k``."""
-    return DQK_SMALL if block_k <= SMALL_TILE else DQK_TUNED
 
 
 def chunk_dqkdg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
@@ -219,9 +207,9 @@ def chunk_dqkdg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
     ``gc [B, T, H]`` fp32 chunk-local log2 sums of the gate (:func:`.gates.gate_sums`, same
     chunk). Returns dq, dk in the input dtype and dg ``[B, T, H]`` fp32 (natural-log gate).
     fp32 inputs run IEEE fp32 dots. ``config``: index into :data:`DQK_CANDIDATES` (default:
-    autotuned on the GPU over :func:`dqk_configs`, the first in Triton's CPU interpreter;
-    an 8-warp config at a K tile of 16 raises); ``block_k``: the K tile
-    (default the whole K up to 128; more tiles write partial dg rows, added here).
+    autotuned on the GPU over :data:`DQK_TUNED`, the first in Triton's CPU interpreter);
+    ``block_k``: the K tile, a power of two from :data:`MIN_BLOCK_K` (32) to 128 (default the
+    whole K up to 128, at least 32; more tiles write partial dg rows, added here).
     ``cu_seqlens`` (int32 ``[N+1]``) with ``chunk_indices`` (int32 ``[NT, 2]``: (sequence,
     chunk) per chunk, :func:`sp_attention.linear.varlen.chunk_indices`): B = 1 holds N
     sequences (fla's varlen layout; ``h``, ``dh`` ``[1, NT, H, K, V]``, ``gc`` summed per
@@ -260,14 +248,14 @@ def chunk_dqkdg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
         raise ValueError(f"chunk_dqkdg: h, dh must be [B, N, H, K, V] = {(B, N, H, K, V)}")
     if gated and (tuple(gc.shape) != (B, T, H) or gc.dtype != torch.float32):
         raise ValueError(f"chunk_dqkdg: gc must be fp32 [B, T, H] = {(B, T, H)}")
-    BK = block_k or min(max(triton.next_power_of_2(K), 16), 128)
+    if block_k is not None and (block_k < MIN_BLOCK_K or block_k > 128
+                                or block_k & (block_k - 1)):
+        raise ValueError(f"chunk_dqkdg: block_k={block_k}; use a power of two from "
+                         f"{MIN_BLOCK_K} to 128 (K tiles of 16 fault on Hopper: "
+                         f"MIN_BLOCK_K's comment), or None for the default")
+    BK = block_k or min(max(triton.next_power_of_2(K), MIN_BLOCK_K), 128)
     nk = triton.cdiv(K, BK)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"     # warps mean nothing there
-    if config is not None and BK <= SMALL_TILE and DQK_CANDIDATES[config].num_warps > 4 \
-            and not interpret:
-        raise ValueError(f"chunk_dqkdg: config {config} ({DQK_CANDIDATES[config].num_warps} "
-                         f"warps) at a K tile of {BK}: 8-warp configs fault there on Hopper; "
-                         f"pick one of {DQK_SMALL} (dqk_configs({BK}))")
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty(nk, B, T, H, device=q.device, dtype=torch.float32) if gated else None
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -282,8 +270,7 @@ def chunk_dqkdg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
             _dqkdg_kernel[(nk, N, B * H)](*args, **kw, num_warps=cfg.num_warps,
                                           num_stages=cfg.num_stages, **cfg.kwargs)
         else:
-            tuned = _dqkdg_small if BK <= SMALL_TILE else _dqkdg_tuned
-            tuned[(nk, N, B * H)](*args, **kw)
+            _dqkdg_tuned[(nk, N, B * H)](*args, **kw)
     if not gated:
         return dq, dk, None
     return dq, dk, (dg[0] if nk == 1 else dg.sum(0))

@@ -5,7 +5,7 @@
 (:func:`sp_attention.linear.gated_naive.dqkdg_ref`) given the true gradient at every chunk's
 end. Fed the zero-end recurrence plus ``G``, they must equal the same kernels fed the
 recurrence from ``G`` and the reference: fixed rates and gates, partial last chunks, 1 and 3
-heads, K ≠ V, one and two K tiles, both dk accumulations. On CPU in Triton's interpreter
+heads, K ≠ V, one and two K tiles (K = 16 as one masked tile of 32), both dk accumulations. On CPU in Triton's interpreter
 (every CI run); with ``-m gpu`` every config the autotuners may pick, on the GPU.
 """
 from __future__ import annotations
@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from local_cases import apply, gpu
-from sp_attention.linear.dqk_kernel import DQK_CANDIDATES, chunk_dqkdg, dqk_configs
+from sp_attention.linear.dqk_kernel import MIN_BLOCK_K, chunk_dqkdg
 from sp_attention.testing import run_process
 
 _CHECK = r"""
 import math, sys, torch
 from sp_attention.linear.gated_naive import dqkdg_ref, gated_chunk_states, chunk_end_grads
 from sp_attention.linear.gates import gate_sums, suffix_sums
-from sp_attention.linear.dqk_kernel import DQK_CANDIDATES, chunk_dqkdg, dqk_configs
+from sp_attention.linear.dqk_kernel import DQK_CANDIDATES, DQK_TUNED, chunk_dqkdg
 from sp_attention.linear.dv_kernel import DV_TUNED, chunk_dv
 dev, dtype, tol = sys.argv[1], getattr(torch, sys.argv[2]), float(sys.argv[3])
 every = dev == "cuda"          # every config the autotuners may pick on the GPU; a few here
@@ -33,7 +33,7 @@ worst = {}
 def err(name, a, b):
     e = float((a.double().cpu() - b.double()).norm() / b.double().norm())
     worst[name] = max(worst.get(name, 0.0), e)
-cases = ((1, 64, 1, 16, 16, 0, None), (2, 100, 3, 32, 16, 1, 16), (1, 130, 3, 16, 32, 2, None))
+cases = ((1, 64, 1, 16, 16, 0, None), (2, 100, 3, 64, 16, 1, 32), (1, 130, 3, 16, 32, 2, None))
 if every:
     cases += ((1, 1000, 4, 128, 128, 0, None),)
 for B, T, H, K, V, cfg, bk in cases:
@@ -56,8 +56,7 @@ for B, T, H, K, V, cfg, bk in cases:
         suf = suffix_sums(gs.tot).contiguous() if gated else None
         tag = "gated" if gated else "fixed"
         hf = h.float().contiguous().to(dev)
-        tile = bk or min(max(1 << (K - 1).bit_length(), 16), 128)
-        dqk_cfgs = dqk_configs(tile) if every else (cfg, cfg + len(DQK_CANDIDATES) // 2)
+        dqk_cfgs = DQK_TUNED if every else (cfg, cfg + len(DQK_CANDIDATES) // 2)
         for c in dqk_cfgs:
             for late in (False, True):
                 dh_in = (dh_zero if late else dh_true).float().contiguous().to(dev)
@@ -114,16 +113,14 @@ def test_late_gradient_kernels_every_config_gpu(dtype, tol):
     _run("cuda", dtype, tol, False)
 
 
-def test_small_k_tiles_offer_only_four_warp_configs():
-    """At a K tile of 16 the autotuner offers only 4-warp configs (8-warp ones faulted on
-    Hopper there), and forcing an 8-warp config raises before any launch; larger tiles keep the
-    whole tuned set."""
-    from sp_attention.linear.dqk_kernel import DQK_TUNED
-    assert dqk_configs(32) == dqk_configs(128) == DQK_TUNED
-    small = dqk_configs(16)
-    assert small and all(DQK_CANDIDATES[i].num_warps == 4 for i in small)
-    eight = next(i for i in DQK_TUNED if DQK_CANDIDATES[i].num_warps == 8)
-    q = torch.zeros(1, 64, 1, 16)
-    h = torch.zeros(1, 1, 1, 16, 16)
-    with pytest.raises(ValueError, match="8-warp configs fault there"):
-        chunk_dqkdg(q, q, q, q, h, h, torch.zeros(1, 64, 1), 1.0, 64, eight)
+def test_no_k_tile_below_32():
+    """K tiles of 16 faulted on Hopper in every config (an out-of-range shared-memory access
+    inside the kernel): K = 16 runs as one masked tile of 32 — exact in the interpreter (the
+    first case of ``_CHECK``) — and a ``block_k`` below 32, or not a power of two, raises before
+    any launch, naming the fix."""
+    assert MIN_BLOCK_K == 32
+    q = torch.zeros(1, 64, 1, 32)
+    h = torch.zeros(1, 1, 1, 32, 32)
+    for bad in (16, 48, 256):
+        with pytest.raises(ValueError, match="power of two from 32 to 128"):
+            chunk_dqkdg(q, q, q, q, h, h, torch.zeros(1, 64, 1), 1.0, 64, 0, bad)
