@@ -172,8 +172,12 @@ class SoftmaxTuning:
             the bytes copied go (at P = 4, 8K per GPU the re-sharding copies took ~0.8 ms of
             a 15.8 ms step, 4 × H200). Applies with one
             sequence per micro-batch and without packed documents (elsewhere the gathers
-            stay). Off until measured: ``benchmarks/softmax_cp.py --a2a-direct``. Exact
-            either way (the kernels see the same tensors).
+            stay). Off: measured no faster (4 × H200, P = 4, Llama-3-8B attention, zigzag,
+            eager, one run, ``benchmarks/results/2026-11-27_h200x4_softmax_cp.jsonl``):
+            ``a2a`` 8K 0.899 → 0.890, 32K 0.966 → 0.970; ``a2a_ring`` (groups of 2) 8K 0.869
+            → 0.844, 32K 0.976 → 0.978 — the copies it saves are hidden behind the
+            exchanges, and more, smaller messages cost what they save. Exact either way (the
+            kernels see the same tensors); ``benchmarks/softmax_cp.py --a2a-direct``.
     """
 
     min_query_heads_per_call: int = MIN_QUERY_HEADS_PER_CALL
