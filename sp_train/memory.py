@@ -105,6 +105,9 @@ class StepShape:
         overlap_param_gather: with ``distributed_optimizer``, the step launches every bucket's
             parameter all-gather at once (``--overlap-param-gather``): their 16-bit buffers
             are alive together until the next forward has taken them in.
+        softmax_a2a_group: the ranks per all-to-all group of the softmax layers (``a2a``: CP;
+            ``a2a_ring``: its ``a2a_size``; 1: a ring or all-gather preset): their core
+            attention saves exchanged copies (:func:`layer_saved_bytes`).
     """
 
     tp: int = 1
@@ -123,6 +126,7 @@ class StepShape:
     grad_reduce_overlap: bool = True
     distributed_optimizer: bool = False
     overlap_param_gather: bool = False
+    softmax_a2a_group: int = 1
 
     def __post_init__(self) -> None:
         if self.param_bytes not in (2, 4):
@@ -179,9 +183,11 @@ def param_count(m: ModelShape, tp: int = 1) -> dict:
 
 
 def layer_saved_bytes(m: ModelShape, kind: str, tp: int = 1, act_bytes: int = 2,
-                      drop: tuple = ()) -> dict:
+                      drop: tuple = (), a2a: int = 1) -> dict:
     """Bytes per token one layer saves for its backward, by tensor (``drop``: recomputed
-    submodules, ``core_attn`` / ``mlp``, whose internals are replaced by their inputs).
+    submodules, ``core_attn`` / ``mlp``, whose internals are replaced by their inputs;
+    ``a2a``: the ranks U of the softmax layers' all-to-all groups, ``a2a`` or ``a2a_ring``
+    presets; 1: none).
 
     Softmax core attention saves q, k (after RoPE), v — a view of the fused QKV projection's
     output, which it keeps alive whole — the output and the fp32 LSE. Linear core attention
@@ -189,7 +195,13 @@ def layer_saved_bytes(m: ModelShape, kind: str, tp: int = 1, act_bytes: int = 2,
     calls) and its fp32 per-head output norm's input,
     normalised value and inverse RMS; a gated layer's q carries one more channel per head (the
     gate projection) and it saves the fp32 softplus input and output and the log-decay ``g``.
-    RoPE makes 16-bit cos/sin per call (q and k)."""
+    RoPE makes 16-bit cos/sin per call (q and k). Under an all-to-all preset the softmax core
+    attention saves the exchanged copies instead — q, the output and the LSE in head shards
+    (the same bytes per token), and k and v as tensors of their own, ``max(Hkv, U)`` heads'
+    worth per token (a KV head is replicated when the group has more ranks than KV heads) —
+    so the QKV projection's output is no longer kept (the CPU test measures the real model
+    at CP 2 and 4; at 512K over 4 × H200 the count without this put the 1B softmax model
+    10 GiB, 12.6 %, over its peak)."""
     h, f, d, t, e = m.hidden_size, m.ffn_hidden_size, m.head_dim, tp, act_bytes
     ad, gd, heads = m.num_attention_heads * d // t, m.num_query_groups * d // t, \
         m.num_attention_heads // t
@@ -201,6 +213,9 @@ def layer_saved_bytes(m: ModelShape, kind: str, tp: int = 1, act_bytes: int = 2,
     qkv_inputs = {"q": e * q, "k": e * gd, "qkv_out(v)": e * (ad + 2 * gd)}
     if "core_attn" in drop:
         out.update(qkv_inputs)
+    elif kind == "S" and a2a > 1:
+        kv = e * d * max(m.num_query_groups // t, a2a)
+        out.update(q=e * ad, k=kv, v=kv, attn_out=e * ad, lse=4 * heads)
     elif kind == "S":
         out.update(qkv_inputs, attn_out=e * ad, lse=4 * heads)
     else:
@@ -213,8 +228,8 @@ def layer_saved_bytes(m: ModelShape, kind: str, tp: int = 1, act_bytes: int = 2,
     return out
 
 
-def _layer_bytes(m, kind, tp, e, drop=()) -> float:
-    return float(sum(layer_saved_bytes(m, kind, tp, e, drop).values()))
+def _layer_bytes(m, kind, tp, e, drop=(), a2a=1) -> float:
+    return float(sum(layer_saved_bytes(m, kind, tp, e, drop, a2a).values()))
 
 
 def _workspace_per_token(m: ModelShape, kind: str, s: StepShape, e: int) -> float:
@@ -238,14 +253,15 @@ def _recompute_unit_bytes(m: ModelShape, s: StepShape, e: int) -> tuple:
     """(saved bytes per token of all layers, bytes per token re-materialised at the worst
     moment of the backward) under the step's recompute setting."""
     kinds, L, h = m.layer_kinds, m.num_layers, m.hidden_size
-    per = [_layer_bytes(m, k, s.tp, e) for k in kinds]
+    a2a = s.softmax_a2a_group if s.cp > 1 else 1
+    per = [_layer_bytes(m, k, s.tp, e, (), a2a) for k in kinds]
     if s.recompute is None:
         return sum(per), 0.0
     if s.recompute == "selective":
         drop = tuple(s.recompute_modules)
-        saved = sum(_layer_bytes(m, k, s.tp, e, drop) for k in kinds)
+        saved = sum(_layer_bytes(m, k, s.tp, e, drop, a2a) for k in kinds)
         # the worst replay: one layer's dropped internals come back during its backward
-        back = max(a - _layer_bytes(m, k, s.tp, e, drop) for a, k in zip(per, kinds))
+        back = max(a - _layer_bytes(m, k, s.tp, e, drop, a2a) for a, k in zip(per, kinds))
         return saved, back
     method = s.recompute_method or "uniform"
     n = s.recompute_num_layers or (1 if method == "uniform" else L)

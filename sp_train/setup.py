@@ -133,8 +133,46 @@ def count_params(model: torch.nn.Module, tp: int) -> int:
                for p in model.parameters())
 
 
-def memory_estimate(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: bool):
-    """``sp_train.memory.estimate_memory`` for this run (pure: no device, no collective)."""
+def planned_softmax_preset(args: TrainArgs, layout: Layout, device: torch.device, *,
+                           bf16: bool) -> Optional[str]:
+    """The preset this run's softmax layers will run, resolved from sizes before anything
+    exists (``auto``: the cost model on GPUs, the fixed rule on CPU, as the op resolves it for
+    the same per-rank shape; the CP group on one node); None without softmax layers or CP.
+    The memory estimate needs it: the all-to-all presets save other tensors."""
+    from megatron_patches.options import DEFAULT_SOFTMAX_SCHEDULE
+    from sp_attention import DEFAULT_LAYOUT
+    from sp_attention.cost.auto import softmax_preset_for_shape
+    from sp_attention.cost.common import SoftmaxShape
+    from sp_attention.planning.schedules import PRESETS
+    options = args.sp_options
+    if "S" not in options.pattern or layout.cp == 1 or args.local_attention_only:
+        return None
+    s = options.softmax_schedule or DEFAULT_SOFTMAX_SCHEDULE
+    if not s.is_auto:
+        return next((n for n, pair in PRESETS.items() if pair == (s.fwd, s.bwd)), None)
+    heads = args.num_attention_heads // layout.tp
+    kv = max(1, args.num_query_groups // layout.tp)
+    shape = SoftmaxShape(layout.micro_batch_size, args.seq_length // layout.cp, heads, kv,
+                         args.hidden_size // args.num_attention_heads, 2 if bf16 else 4, True)
+    return softmax_preset_for_shape(device, shape, layout.cp, DEFAULT_LAYOUT,
+                                    heads_k_stride=s.heads_k_stride).name
+
+
+def _a2a_group(args: TrainArgs, layout: Layout, preset: Optional[str]) -> int:
+    """Ranks per all-to-all group of ``preset`` (1: not an all-to-all preset)."""
+    if preset == "a2a":
+        return layout.cp
+    schedule = args.sp_options.softmax_schedule
+    if preset == "a2a_ring" and schedule is not None and schedule.a2a_size:
+        return schedule.a2a_size
+    return 1
+
+
+def memory_estimate(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: bool,
+                    softmax_preset: Optional[str] = None):
+    """``sp_train.memory.estimate_memory`` for this run (pure: no device, no collective);
+    ``softmax_preset``: what the softmax layers run (:func:`planned_softmax_preset`; None: a
+    ring or all-gather schedule)."""
     rc = args.recompute()
     model = ModelShape(args.num_layers, args.hidden_size, args.ffn_hidden_size,
                        args.num_attention_heads, args.num_query_groups, vocab_size,
@@ -148,7 +186,8 @@ def memory_estimate(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: b
                      loss_chunk_tokens=default_chunk_tokens(vocab_size // layout.tp),
                      grad_reduce_overlap=not args.no_overlap_grad_reduce,
                      distributed_optimizer=args.use_distributed_optimizer,
-                     overlap_param_gather=args.overlap_param_gather)
+                     overlap_param_gather=args.overlap_param_gather,
+                     softmax_a2a_group=_a2a_group(args, layout, softmax_preset))
     return model, step, estimate_memory(model, step)
 
 
@@ -196,12 +235,13 @@ def load_hf(model: torch.nn.Module, args: TrainArgs, groups: Groups, tp: int) ->
 
 def check_memory(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: bool,
                  capacity: Optional[float], where: str = "the device holds",
-                 on_gpu: bool = True):
+                 on_gpu: bool = True, softmax_preset: Optional[str] = None):
     """The run's :class:`~sp_train.memory.MemoryEstimate`; raises :class:`UsageError` (the
     same on every rank) naming the fixes (more CP, recompute on GPUs, a smaller micro-batch,
     each with its own estimate) when it exceeds ``capacity`` bytes (``where``: what that is;
     None: no limit) and ``--no-memory-check`` is not given."""
-    model, step, est = memory_estimate(args, layout, vocab_size, bf16=bf16)
+    model, step, est = memory_estimate(args, layout, vocab_size, bf16=bf16,
+                                       softmax_preset=softmax_preset)
     line = f"memory estimate per rank: {est.summary(capacity)}"
     if capacity is None or est.total <= capacity or args.no_memory_check:
         return est
@@ -218,12 +258,14 @@ GPU_HEADROOM = 12 * GIB
 
 
 def memory_margin_warning(args: TrainArgs, layout: Layout, vocab_size: int, est, *,
-                          bf16: bool, capacity: Optional[float]) -> Optional[str]:
+                          bf16: bool, capacity: Optional[float],
+                          softmax_preset: Optional[str] = None) -> Optional[str]:
     """A warning when a GPU run's estimate fits the card but leaves less than
     :data:`GPU_HEADROOM` for the memory outside its tensors (None otherwise)."""
     if capacity is None or est.total > capacity or capacity - est.total >= GPU_HEADROOM:
         return None
-    model, step, _ = memory_estimate(args, layout, vocab_size, bf16=bf16)
+    model, step, _ = memory_estimate(args, layout, vocab_size, bf16=bf16,
+                                     softmax_preset=softmax_preset)
     fixes = _memory_fixes(args, layout, model, step, capacity - GPU_HEADROOM, True)
     return (f"warning: the estimate leaves {(capacity - est.total) / GIB:.1f} GiB of the GPU for "
             f"CUDA, cuDNN, NCCL and fragmentation (about {GPU_HEADROOM / GIB:.0f} GiB seen in "
@@ -291,7 +333,8 @@ def recomputed_flops(layers: list, rc) -> float:
 
 
 def resolve_auto_recompute(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: bool,
-                           capacity: Optional[float], on_gpu: bool) -> str:
+                           capacity: Optional[float], on_gpu: bool,
+                           softmax_preset: Optional[str] = None) -> str:
     """``--recompute-granularity auto``: set ``args``' recompute flags to the setting that
     replays the fewest forward FLOPs among those whose memory estimate leaves
     :data:`GPU_HEADROOM` of ``capacity`` (:func:`recompute_candidates`; the least memory when
@@ -311,7 +354,8 @@ def resolve_auto_recompute(args: TrainArgs, layout: Layout, vocab_size: int, *, 
     for values in recompute_candidates(args.num_layers):
         set_flags(values)
         rc = args.recompute()
-        _, _, est = memory_estimate(args, layout, vocab_size, bf16=bf16)
+        _, _, est = memory_estimate(args, layout, vocab_size, bf16=bf16,
+                                    softmax_preset=softmax_preset)
         tried.append((recomputed_flops(layers, rc), est.total, values, rc))
     fits = [t for t in tried if t[1] <= room]
     flops, total, values, rc = min(fits, key=lambda t: (t[0], t[1])) if fits else \

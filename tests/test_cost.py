@@ -51,7 +51,24 @@ def test_public_api_pinned():
                                "default_machine", "calibration_path", "load_machine",
                                "save_machine", "machine_from_dict"]
     assert auto.__all__ == ["machine_for", "topology_for", "auto_linear_scan",
-                            "auto_softmax_preset"]
+                            "auto_softmax_preset", "softmax_preset_for_shape"]
+
+
+def test_softmax_preset_from_sizes_is_the_calls_pick():
+    """``softmax_preset_for_shape`` (a launcher planning before any tensor exists) picks what
+    ``auto_softmax_preset`` picks for the call's tensors."""
+    import torch
+    from sp_attention.cost import H200_NVLINK_4GPU, SoftmaxShape
+
+    class Ctx:
+        world_size, layout, global_ranks = 4, "zigzag", (0, 1, 2, 3)
+    for t in (8192, 32768):
+        q, k = torch.zeros(1, t, 32, 128, dtype=torch.bfloat16), torch.zeros(1, t, 8, 128)
+        from_call = auto.auto_softmax_preset(Ctx, q, k, machine=H200_NVLINK_4GPU)
+        planned = auto.softmax_preset_for_shape(
+            torch.device("cpu"), SoftmaxShape(1, t, 32, 8, 128, 2, True), 4, "zigzag",
+            machine=H200_NVLINK_4GPU)
+        assert planned.name == from_call.name
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])

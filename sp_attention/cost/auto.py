@@ -27,7 +27,8 @@ from .choose import (choose_linear_scan, choose_softmax_preset, cpu_linear_scan,
 from .common import Choice, LinearShape, SoftmaxShape, Topology
 from .machine import Machine, calibration_path, load_machine
 
-__all__ = ["machine_for", "topology_for", "auto_linear_scan", "auto_softmax_preset"]
+__all__ = ["machine_for", "topology_for", "auto_linear_scan", "auto_softmax_preset",
+           "softmax_preset_for_shape"]
 
 
 @lru_cache(maxsize=8)
@@ -81,14 +82,30 @@ def auto_softmax_preset(ctx: SPContext, q: torch.Tensor, k: torch.Tensor, *, cau
     """The softmax preset for ``q [B, T_local, H, D]``, ``k [.., Hkv, D]`` on ``ctx`` (logged
     once per shape, group size, layout and stride); ``machine`` overrides the device's;
     ``a2a_size``: also consider ``a2a_ring`` with that all-to-all group size."""
-    m = machine or machine_for(q.device)
     B, T, H, D = q.shape
     shape = SoftmaxShape(B, T, H, k.shape[2], D, q.element_size(), bool(causal))
+    return softmax_preset_for_shape(q.device, shape, ctx.world_size, ctx.layout,
+                                    topology_for(ctx), heads_k_stride=heads_k_stride,
+                                    memory_limit_bytes=memory_limit_bytes, machine=machine,
+                                    a2a_size=a2a_size)
+
+
+def softmax_preset_for_shape(device: torch.device, shape: SoftmaxShape, world: int, layout: str,
+                             topology: Optional[Topology] = None, *,
+                             heads_k_stride: Optional[int] = None,
+                             memory_limit_bytes: Optional[float] = None,
+                             machine: Optional[Machine] = None,
+                             a2a_size: Optional[int] = None) -> Choice:
+    """:func:`auto_softmax_preset` from sizes alone (no tensors, no group): what a launcher
+    plans with before anything is allocated (train.py's memory estimate). ``topology`` None:
+    the ``world`` ranks on one node."""
+    m = machine or machine_for(device)
+    topology = topology or Topology.single_node(world)
     if m is None:
         choice = Choice(cpu_softmax_preset(), {})
     else:
-        choice = _softmax_choice(shape, ctx.world_size, ctx.layout, m, topology_for(ctx),
-                                 heads_k_stride, memory_limit_bytes, a2a_size=a2a_size)
-    log_choice("softmax preset", (shape, ctx.world_size, ctx.layout, heads_k_stride, a2a_size),
-               choice, m or "cpu")
+        choice = _softmax_choice(shape, world, layout, m, topology, heads_k_stride,
+                                 memory_limit_bytes, a2a_size=a2a_size)
+    log_choice("softmax preset", (shape, world, layout, heads_k_stride, a2a_size), choice,
+               m or "cpu")
     return choice

@@ -15,6 +15,7 @@ import torch
 
 from sp_train.memory import (ModelShape, StepShape, estimate_memory, layer_saved_bytes,
                                  param_count)
+from sp_attention import SoftmaxSchedule
 from sp_attention.testing import run_distributed
 
 pytest.importorskip("megatron.core")
@@ -36,8 +37,9 @@ RECOMPUTE = {
 LAYERS = 2
 
 
-def _measure(kind, groups, recompute):
-    """Saved bytes per token of a 2-layer model's forward (hidden states out), outside norms."""
+def _measure(kind, groups, recompute, cp=1, preset=None):
+    """Saved bytes per token of a 2-layer model's forward (hidden states out), outside norms
+    (per local token over ``cp`` ranks, softmax ``preset`` with groups of 2 for ``a2a_ring``)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron_patches.model import build_gpt_model
     config = TransformerConfig(
@@ -46,10 +48,12 @@ def _measure(kind, groups, recompute):
         normalization="RMSNorm", add_bias_linear=False, attention_dropout=0.0,
         hidden_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.bfloat16,
         bf16=True, bias_activation_fusion=True, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, **(recompute or {}))
+        gradient_accumulation_fusion=False, context_parallel_size=cp, **(recompute or {}))
     torch.manual_seed(0)
+    schedule = None if preset is None else SoftmaxSchedule(
+        preset, a2a_size=2 if preset == "a2a_ring" else None)
     model = build_gpt_model(config, kind={"S": "softmax", "L": "linear", "G": "gated"}[kind],
-                            vocab_size=64,
+                            vocab_size=64, softmax_schedule=schedule,
                             max_sequence_length=SEQ, return_hidden_states=True).bfloat16()
     model.train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -66,21 +70,35 @@ def _measure(kind, groups, recompute):
             seen.setdefault(st.data_ptr(), st.nbytes())
         return t
 
-    tokens = torch.randint(0, 64, (1, SEQ))
+    n = SEQ // cp
+    tokens = torch.randint(0, 64, (1, n))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens, torch.arange(SEQ)[None], None)
-    return sum(seen.values()) / SEQ
+        model(tokens, torch.arange(n)[None], None)
+    return sum(seen.values()) / n
+
+
+def _shim_rng():
+    from megatron.core.tensor_parallel import random as mrandom
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.zeros(1)     # test-only, see
+    mrandom._set_cuda_rng_state = lambda *a, **k: None                 # test_recompute.py
 
 
 def _worker(rank, world):
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import random as mrandom
-    mrandom._get_cuda_rng_state = lambda *a, **k: torch.zeros(1)     # test-only, see
-    mrandom._set_cuda_rng_state = lambda *a, **k: None                 # test_recompute.py
+    _shim_rng()
     ps.initialize_model_parallel(1, 1)
     return {(kind, g, name): _measure(kind, g, rc) for kind, g in CASES
             for name, rc in RECOMPUTE.items()}
+
+
+def _a2a_worker(rank, world):
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state as ps
+    _shim_rng()
+    ps.initialize_model_parallel(1, 1, context_parallel_size=world)
+    return {(preset, name): _measure("S", 2, RECOMPUTE[name], world, preset)
+            for preset in ("ring", "a2a", "a2a_ring") for name in ("none", "sel_mlp")}
 
 
 def _expected(kind, groups, name):
@@ -115,6 +133,23 @@ def test_activation_tally_matches_a_real_model():
         if abs(got - want) > 1e-9 * want:
             bad[kind, g, name] = (got, want)
     assert not bad, bad
+
+
+def test_all_to_all_presets_save_exchanged_copies():
+    """CP 4, softmax with 2 KV heads: ``a2a`` (groups of 4: a KV head replicated per rank)
+    and ``a2a_ring`` (groups of 2) save their exchanged q, k, v instead of the QKV output —
+    the tally's difference from the ring schedule, with and without selective ``mlp``
+    recompute, is exactly what the model saves less."""
+    measured = run_distributed(_a2a_worker, 4, timeout=300)[0]
+    m = ModelShape(LAYERS, HID, FFN, HEADS, 2, 64, "S" * LAYERS)
+    for name, drop in (("none", ()), ("sel_mlp", ("mlp",))):
+        ring = sum(layer_saved_bytes(m, "S", 1, 2, drop).values())
+        assert measured["ring", name] == pytest.approx(_expected("S", 2, name), rel=1e-9)
+        for preset, group in (("a2a", 4), ("a2a_ring", 2)):
+            tally = sum(layer_saved_bytes(m, "S", 1, 2, drop, a2a=group).values())
+            assert tally < ring
+            assert measured[preset, name] - measured["ring", name] == pytest.approx(
+                LAYERS * (tally - ring), rel=1e-9), (preset, name)
 
 
 def test_estimate_arithmetic():

@@ -185,3 +185,36 @@ def test_auto_recompute_refuses_what_it_would_choose():
         _auto_args("--recompute-num-layers", "2")
     with pytest.raises(UsageError, match="auto may choose"):
         _auto_args("--cuda-graphs")
+
+
+def test_the_estimate_follows_the_softmax_preset():
+    """The softmax preset the run will take is planned before the estimate
+    (``planned_softmax_preset``: a named preset as given, ``auto`` by the CPU rule here, none
+    without softmax layers or CP), and an all-to-all preset's exchanged copies replace the QKV
+    output it keeps: 10 GiB less for the 1B softmax model at 512K over CP 4 with selective
+    ``mlp`` recompute (the measured peak on 4 × H200 was 80.6 GiB)."""
+    import torch
+    from sp_train.args import parse_args
+    from sp_train.memory import GIB
+    from sp_train.setup import memory_estimate, planned_softmax_preset
+
+    def args_of(*extra):
+        return parse_args(["--preset", "1b", "--sp-model-kind", "softmax", "--seq-length",
+                           "524288", "--context-parallel-size", "4", "--global-batch-size",
+                           "1", "--use-distributed-optimizer", "--recompute-granularity",
+                           "selective", "--recompute-modules", "mlp", *extra])
+    cpu = torch.device("cpu")
+    args = args_of()
+    layout = args.layout(4)
+    assert planned_softmax_preset(args, layout, cpu, bf16=True) == "ring"   # auto on CPU
+    a2a = args_of("--softmax-cp-preset", "a2a")
+    assert planned_softmax_preset(a2a, layout, cpu, bf16=True) == "a2a"
+    ring = memory_estimate(args, layout, 128256, bf16=True)[2].total
+    exch = memory_estimate(a2a, layout, 128256, bf16=True, softmax_preset="a2a")[2].total
+    assert (ring - exch) / GIB == pytest.approx(16 * 131072 * 5120 / GIB, rel=1e-6)
+    assert exch / GIB == pytest.approx(80.8, abs=0.1)
+    hybrid = parse_args(["--preset", "1b", "--sp-model-kind", "linear",
+                         "--context-parallel-size", "4", "--global-batch-size", "1"])
+    assert planned_softmax_preset(hybrid, hybrid.layout(4), cpu, bf16=True) is None
+    one = args_of("--context-parallel-size", "1")
+    assert planned_softmax_preset(one, one.layout(1), cpu, bf16=True) is None
