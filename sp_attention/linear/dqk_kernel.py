@@ -183,9 +183,11 @@ DQK_TUNED = [21, 5, 2, 12, 11, 20]
 # K tiles of 16 are never run: on Hopper (Triton 3.6, bf16, H200 and H100, 2026-11-27) the
 # kernel at a K tile of 16 faults with an illegal memory access in 4- and 8-warp configs alike,
 # deterministically per (shape, config) — compute-sanitizer: "out-of-range shared or local
-# address" inside the kernel — while every config at K tiles of 32 and more runs clean (the
-# GPU test forcing each config). So the smallest K tile is 32; K = 16 runs as one masked tile
-# of 32 (the same products, half of the tile's columns zero).
+# address" inside the kernel — while every config ran clean at a K tile of 128 (the GPU test
+# forcing each config, K = V = 128) and the autotuned ones at 32 (the HF example's head dim 32
+# on GPUs). So the smallest K tile is 32; K = 16 runs as one masked tile of 32 (the same
+# products, half of the tile's columns zero). Forcing every config at tiles of 32 and 64 on a
+# GPU: the test's case with block_k=32 (not yet run there).
 MIN_BLOCK_K = 32
 _KEY = ["H", "K", "V", "BT", "BK", "PRECISION", "IS_VARLEN", "GATED", "ARRIVING"]
 _dqkdg_tuned = triton.autotune(configs=[DQK_CANDIDATES[i] for i in DQK_TUNED], key=_KEY)(
