@@ -137,12 +137,12 @@ def planned_softmax_preset(args: TrainArgs, layout: Layout, device: torch.device
                            bf16: bool) -> Optional[str]:
     """The preset this run's softmax layers will run, resolved from sizes before anything
     exists (``auto``: the cost model on GPUs, the fixed rule on CPU, as the op resolves it for
-    the same per-rank shape; the CP group on one node); None without softmax layers or CP.
+    the same per-rank shape, group and nodes); None without softmax layers or CP.
     The memory estimate needs it: the all-to-all presets save other tensors."""
     from megatron_patches.options import DEFAULT_SOFTMAX_SCHEDULE
     from sp_attention import DEFAULT_LAYOUT
     from sp_attention.cost.auto import softmax_preset_for_shape
-    from sp_attention.cost.common import SoftmaxShape
+    from sp_attention.cost.common import SoftmaxShape, Topology
     from sp_attention.planning.schedules import PRESETS
     options = args.sp_options
     if "S" not in options.pattern or layout.cp == 1 or args.local_attention_only:
@@ -154,8 +154,14 @@ def planned_softmax_preset(args: TrainArgs, layout: Layout, device: torch.device
     kv = max(1, args.num_query_groups // layout.tp)
     shape = SoftmaxShape(layout.micro_batch_size, args.seq_length // layout.cp, heads, kv,
                          args.hidden_size // args.num_attention_heads, 2 if bf16 else 4, True)
-    return softmax_preset_for_shape(device, shape, layout.cp, DEFAULT_LAYOUT,
-                                    heads_k_stride=s.heads_k_stride).name
+    # the first CP group's global ranks (Megatron orders TP innermost, then CP) over torchrun's
+    # nodes, and the a2a_ring size the op would consider (as sp_attention.softmax does)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    topology = Topology.of_ranks(range(0, layout.cp * layout.tp, layout.tp), per_node) \
+        if per_node > 0 else None
+    return softmax_preset_for_shape(device, shape, layout.cp, DEFAULT_LAYOUT, topology,
+                                    heads_k_stride=s.heads_k_stride,
+                                    a2a_size=s.auto_a2a_size(layout.cp, heads)).name
 
 
 def _a2a_group(args: TrainArgs, layout: Layout, preset: Optional[str]) -> int:

@@ -279,7 +279,7 @@ def _config(q, k, v, ctx: SPContext, tuning, *, fwd, bwd, preset, heads_k_stride
         sched.local_stride(kv_heads, default_heads_k_stride(kv_heads, group, tuning))
         sched = sched.resolve(DEFAULT_PRESET if ctx.world_size == 1 else auto_softmax_preset(
             ctx, q, k, causal=causal, heads_k_stride=sched.heads_k_stride,
-            a2a_size=_auto_a2a_size(ctx, q.shape[2], sched.a2a_size)).name)
+            a2a_size=sched.auto_a2a_size(ctx.world_size, q.shape[2])).name)
     size = sched.a2a_group_size(ctx.world_size, q.shape[2])
     chunks = 1 if size is None else head_chunks(q.shape[2], kv_heads, size,
                                                 tuning.a2a_head_chunks)
@@ -289,12 +289,3 @@ def _config(q, k, v, ctx: SPContext, tuning, *, fwd, bwd, preset, heads_k_stride
     return _Config(ctx, sched.fwd, sched.bwd, causal, scale, kernel, stride,
                    sched.bwd_head_first_stride, sched.bwd_head_last_stride, return_lse,
                    tuning.pack_kv, size, chunks)
-
-
-def _auto_a2a_size(ctx: SPContext, heads: int, size: Optional[int]) -> Optional[int]:
-    """The a2a_ring group size ``auto`` may consider: the one given, if it splits the group
-    and the heads into more than one group of more than one rank; else None."""
-    if size is not None and 1 < size < ctx.world_size and ctx.world_size % size == 0 \
-            and heads % size == 0:
-        return size
-    return None

@@ -153,6 +153,15 @@ class SoftmaxSchedule:
             out.pop("a2a_size")
         return out
 
+    def auto_a2a_size(self, world: int, heads: int) -> Optional[int]:
+        """The ``a2a_ring`` group size ``auto`` may consider on ``world`` ranks with ``heads``
+        local query heads: this schedule's ``a2a_size`` if it splits both into more than one
+        group of more than one rank; else None."""
+        u = self.a2a_size
+        if u is not None and 1 < u < world and world % u == 0 and heads % u == 0:
+            return u
+        return None
+
     def a2a_group_size(self, world: int, heads: int) -> Optional[int]:
         """U, the ranks per all-to-all group (``world`` for ``a2a``; 1 on one rank), or None
         for the other schedules, after the rules that need the CP size and the local query
