@@ -16,8 +16,8 @@ import sp_attention.linear.attention as _linear
 from sp_attention.linear.attention import resolve_impl
 from sp_attention.softmax import PRESETS
 
-__all__ = ["flops_per_token", "peak_flops", "memory_gb", "Progress", "plot_losses",
-           "read_log", "describe_attention", "log_dir_refusal", "claim_log_dir",
+__all__ = ["flops_per_token", "peak_flops", "memory_gb", "allocator_retries", "Progress",
+           "plot_losses", "read_log", "describe_attention", "log_dir_refusal", "claim_log_dir",
            "release_log_dir"]
 
 # Dense bf16 tensor-core peak (no sparsity), FLOP/s.
@@ -83,6 +83,15 @@ def memory_gb(device: torch.device) -> float:
     return rss / 2**20 if sys.platform != "darwin" else rss / 2**30
 
 
+def allocator_retries(device: torch.device) -> Optional[int]:
+    """How often the CUDA caching allocator found no free block, released its cache and tried
+    again since the process started (``num_alloc_retries``; each retry synchronises the device
+    and costs the step time); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
 class Progress:
     """Rank-0 progress: a bar on a terminal (a log line every ``log_interval`` steps otherwise),
     JSON lines, TensorBoard. Other ranks get a Progress that does nothing."""
@@ -97,6 +106,7 @@ class Progress:
         self.tty = bar and sys.stdout.isatty()
         self.json = self.tb = None
         self.history: list[dict] = []
+        self._retries_told = False
         self._t_last = time.perf_counter()
         if not enabled:
             return
@@ -121,6 +131,9 @@ class Progress:
         rec = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                "step_time_s": dt, "tokens_per_s": tps, "mem_gb": memory_gb(self.device),
                "time": time.time()}
+        retries = allocator_retries(self.device)
+        if retries is not None:
+            rec["alloc_retries"] = retries
         if self.peak:
             # tokens/s of the whole job over the peak of all its devices
             world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -134,6 +147,15 @@ class Progress:
                 if k in rec:
                     self.tb.add_scalar(f"train/{k}", rec[k], step)
         self._show(rec)
+        if retries and not self._retries_told:      # once; the count goes on in the JSON rows
+            self._retries_told = True
+            print(("\n" if self.tty else "")
+                  + f"warning: by step {step} the CUDA allocator found no free block "
+                  f"{retries} time(s) and retried after releasing its cache (each retry stalls "
+                  f"the GPU; peak {rec['mem_gb']:.1f} GiB of tensors): memory is tight — more "
+                  "recompute (--recompute-granularity full), more CP, or "
+                  "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True gives it room",
+                  flush=True)
         return rec
 
     def _show(self, rec: dict) -> None:

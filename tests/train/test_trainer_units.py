@@ -501,3 +501,30 @@ def test_unreachable_tokenizer_fails_at_once_in_one_line(monkeypatch):
     with pytest.raises(UsageError, match="hub is unreachable") as e:
         load_tokenizer("no-such-org/no-such-tokenizer")
     assert "\n" not in str(e.value)
+
+
+def test_progress_tells_of_allocator_retries(monkeypatch, capsys):
+    """On CUDA each step's record carries the allocator's retries (``num_alloc_retries``), and
+    the first step that has some prints one warning naming the remedies, once. (The CUDA calls
+    are stand-ins here.)"""
+    import torch
+    from sp_train.progress import Progress
+    stats = {"num_alloc_retries": 0}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: dict(stats))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 100 * 2**30)
+    p = Progress(enabled=True, total=4, start=0, tokens_per_step=1, flops_per_token=1.0,
+                 peak=None, device=torch.device("cuda", 0), log_interval=100, log_json=None,
+                 tensorboard_dir=None, bar=False)
+    assert p.step(1, 1.0, 1.0, 1e-3)["alloc_retries"] == 0
+    stats["num_alloc_retries"] = 3
+    assert p.step(2, 1.0, 1.0, 1e-3)["alloc_retries"] == 3
+    stats["num_alloc_retries"] = 5
+    assert p.step(3, 1.0, 1.0, 1e-3)["alloc_retries"] == 5
+    out = capsys.readouterr().out
+    assert out.count("warning: by step 2 the CUDA allocator") == 1
+    assert "3 time(s)" in out and "--recompute-granularity full" in out
+    assert "expandable_segments" in out
+    cpu = Progress(enabled=True, total=1, start=0, tokens_per_step=1, flops_per_token=1.0,
+                   peak=None, device=torch.device("cpu"), log_interval=1, log_json=None,
+                   tensorboard_dir=None, bar=False)
+    assert "alloc_retries" not in cpu.step(1, 1.0, 1.0, 1e-3)
