@@ -403,7 +403,8 @@ def sweep(kern, a, device, dtype):
         _sweep_state_sum(kern, a, device, (q, k, v, do), gs, scale, base)
     if "dqk" not in a.sweep:
         return
-    for bk in (None, K // 2):
+    from sp_attention.linear.dqk_kernel import MIN_BLOCK_K
+    for bk in (None, K // 2) if K // 2 >= MIN_BLOCK_K else (None,):   # no K tile below 32
         for i, cfg in enumerate(DQK_CANDIDATES):
             rec = dict(base, config=i, block_k=bk or min(K, 128), BV=cfg.kwargs["BV"],
                        dk_rows=cfg.kwargs["DK_ROWS"], warps=cfg.num_warps,

@@ -159,7 +159,7 @@ worst = {}
 def err(name, a, b):
     e = float((a.double() - b.double()).norm() / b.double().norm())
     worst[name] = max(worst.get(name, 0.0), e)
-for B, T, H, K, V, cfg, bk in ((1, 64, 1, 16, 16, 0, None), (2, 100, 3, 32, 16, 1, 16),
+for B, T, H, K, V, cfg, bk in ((1, 64, 1, 16, 16, 0, None), (2, 100, 3, 32, 16, 1, None),
                                (1, 130, 3, 16, 32, 2, None)):
     q, k, v, do = (torch.randn(B, T, H, d) for d in (K, K, V, V))
     g = -torch.rand(B, T, H) * torch.tensor([0.001, 0.5, 40.0])[:H]
@@ -245,8 +245,9 @@ sys.exit(0 if max(worst.values()) < 1e-5 else 1)
 
 def test_gated_kernels_in_triton_interpreter():
     """Our Triton kernels with per-token gates on CPU (``TRITON_INTERPRET=1``, fp32, partial
-    last chunks, 1 and 3 heads, K ≠ V, slow / medium / fast gates, three launch configs, one
-    and two K tiles, state sums over 128 and 256 tokens per iteration in three splits): the
+    last chunks, 1 and 3 heads, K ≠ V, slow / medium / fast gates, three launch configs, state
+    sums over 128 and 256 tokens per iteration in three splits; two K tiles of dq/dk/dg:
+    ``test_late_gradient.py``, the smallest tile being 32): the
     gate sums vs torch, the output and state-sum kernels vs the fp64 chunked form, and the
     dq/dk/dg kernel vs autograd through the fp64 chunk pieces, also in fla's varlen layout
     (sequences of 30, 100, 1 and 69 tokens, padding after them)."""
