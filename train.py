@@ -44,10 +44,9 @@ from sp_train.optim import lr_at
 from sp_train.progress import (Progress, claim_log_dir, describe_attention, flops_per_token,
                                log_dir_refusal, peak_flops, plot_losses, read_log,
                                release_log_dir)
-from sp_train.setup import (build_model, build_optimizer, check_memory, count_params,
-                            init_groups, load_hf, memory_capacity, memory_margin_warning,
-                            model_vocab, planned_softmax_preset, resolve_auto_recompute,
-                            schedule_picks)
+from sp_train.setup import (build_model, build_optimizer, check_memory, count_params, init_groups,
+                            load_hf, memory_capacity, memory_margin_warning, model_vocab,
+                            planned_softmax_preset, resolve_auto_recompute, schedule_picks)
 from sp_attention import build_sp_context, release_cuda_graphs
 
 
@@ -153,22 +152,20 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
     # printed before anything is allocated; a layout that cannot fit (the GPU's memory, or the
     # RAM available to each rank on CPU) stops here on every rank
     capacity, where = memory_capacity(device)
-    softmax_preset = planned_softmax_preset(args, layout, device, bf16=bf16)
+    mem = dict(bf16=bf16, softmax_preset=planned_softmax_preset(args, layout, device, bf16=bf16))
     if auto_recompute:          # the same pick on every rank: the smallest capacity of all
         if capacity is not None and world > 1:
             smallest = torch.tensor([capacity], dtype=torch.float64, device=device)
             dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
             capacity = float(smallest)
-        rank0_print(resolve_auto_recompute(args, layout, vocab, bf16=bf16, capacity=capacity,
-                                           on_gpu=device.type == "cuda",
-                                           softmax_preset=softmax_preset))
-    estimate = check_memory(args, layout, vocab, bf16=bf16, capacity=capacity, where=where,
-                            on_gpu=device.type == "cuda", softmax_preset=softmax_preset)
+        rank0_print(resolve_auto_recompute(args, layout, vocab, capacity=capacity,
+                                           on_gpu=device.type == "cuda", **mem))
+    estimate = check_memory(args, layout, vocab, capacity=capacity, where=where,
+                            on_gpu=device.type == "cuda", **mem)
     rank0_print(f"memory estimate per rank (the model's tensors): "
                 f"{estimate.summary(capacity)} — {where}")
     if device.type == "cuda":
-        margin = memory_margin_warning(args, layout, vocab, estimate, bf16=bf16,
-                                       capacity=capacity, softmax_preset=softmax_preset)
+        margin = memory_margin_warning(args, layout, vocab, estimate, capacity=capacity, **mem)
         if margin:
             rank0_print(margin)
     claim_logs(args, data, fresh=resume_from is None)

@@ -10,7 +10,12 @@ import os
 import torch
 import torch.distributed as dist
 
+from megatron_patches.options import DEFAULT_SOFTMAX_SCHEDULE
 from megatron_patches.weights import load_hf_into, padded_vocab
+from sp_attention import DEFAULT_LAYOUT
+from sp_attention.cost.auto import softmax_preset_for_shape
+from sp_attention.cost.common import SoftmaxShape, Topology
+from sp_attention.planning.schedules import PRESETS
 
 from .args import Layout, TrainArgs, UsageError
 from .loss import default_chunk_tokens
@@ -139,11 +144,6 @@ def planned_softmax_preset(args: TrainArgs, layout: Layout, device: torch.device
     exists (``auto``: the cost model on GPUs, the fixed rule on CPU, as the op resolves it for
     the same per-rank shape, group and nodes); None without softmax layers or CP.
     The memory estimate needs it: the all-to-all presets save other tensors."""
-    from megatron_patches.options import DEFAULT_SOFTMAX_SCHEDULE
-    from sp_attention import DEFAULT_LAYOUT
-    from sp_attention.cost.auto import softmax_preset_for_shape
-    from sp_attention.cost.common import SoftmaxShape, Topology
-    from sp_attention.planning.schedules import PRESETS
     options = args.sp_options
     if "S" not in options.pattern or layout.cp == 1 or args.local_attention_only:
         return None
