@@ -40,7 +40,9 @@ hybrid (with and without packed documents) and gated models at CP 2 and 32K on a
 H200 (``bash scripts/device_train.sh first_step``): the archive grew from 0.1 to 1.1 MiB, and
 the same first steps in new empty caches with it installed took 31.4–31.9 s instead of
 38.1–44.8 s (softmax, which compiles none of them, 21.8 vs 22.8 s; ``first_seeded``,
-``benchmarks/results/2026-11-27_h200x2_first_step.jsonl``).
+``benchmarks/results/2026-11-27_h200x2_first_step.jsonl``). Since the eleventh session: 59
+kernels (1.2 MiB), the CP 4 first steps' harvest of a fresh 4 × H200 added (those first steps
+took 34.2–42.7 s, ``…_h200x4_first_step.jsonl``).
 """
 from __future__ import annotations
 
