@@ -54,7 +54,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from sp_attention import SoftmaxSchedule, build_sp_context
 from sp_attention.cost.auto import auto_softmax_preset
 from sp_attention.linear.attention import resolve_impl
-from sp_attention.softmax import PRESETS
 from sp_attention.tokens import global_token_mean
 
 from .core_attention import resolve_groups
@@ -289,8 +288,7 @@ def auto_picks(options: SPOptions, ctx, *, micro_batch_size: int, seq_length: in
             out["softmax"] = auto_softmax_preset(ctx, q, k,
                                                  heads_k_stride=s.heads_k_stride).name
         else:
-            out["softmax"] = next((n for n, pair in PRESETS.items()
-                                   if pair == (s.fwd, s.bwd)), f"{s.fwd}/{s.bwd}")
+            out["softmax"] = s.preset_name
     if options.has_scan:
         out["linear"] = resolve_impl(options.context_parallel_impl, ctx, q, q)
     return out

@@ -14,7 +14,6 @@ import torch
 
 import sp_attention.linear.attention as _linear
 from sp_attention.linear.attention import resolve_impl
-from sp_attention.softmax import PRESETS
 
 __all__ = ["flops_per_token", "peak_flops", "memory_gb", "allocator_retries", "Progress",
            "plot_losses", "read_log", "describe_attention", "log_dir_refusal", "claim_log_dir",
@@ -315,8 +314,7 @@ def describe_attention(options, ctx, local_only: bool = False,
     pattern, parts = options.pattern, []
     if "S" in pattern:
         s = options.softmax_schedule
-        name = picks.get("softmax") or next(
-            (n for n, pair in PRESETS.items() if pair == (s.fwd, s.bwd)), f"{s.fwd}/{s.bwd}")
+        name = picks.get("softmax") or s.preset_name
         parts.append(f"softmax {_auto(s.is_auto, name)}")
     for letter, name in (("L", "linear"), ("G", "gated")):
         if letter in pattern:

@@ -10,12 +10,10 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_patches.options import DEFAULT_SOFTMAX_SCHEDULE
 from megatron_patches.weights import load_hf_into, padded_vocab
 from sp_attention import DEFAULT_LAYOUT
 from sp_attention.cost.auto import softmax_preset_for_shape
 from sp_attention.cost.common import SoftmaxShape, Topology
-from sp_attention.planning.schedules import PRESETS
 
 from .args import Layout, TrainArgs, UsageError
 from .loss import default_chunk_tokens
@@ -147,9 +145,9 @@ def planned_softmax_preset(args: TrainArgs, layout: Layout, device: torch.device
     options = args.sp_options
     if "S" not in options.pattern or layout.cp == 1 or args.local_attention_only:
         return None
-    s = options.softmax_schedule or DEFAULT_SOFTMAX_SCHEDULE
+    s = options.softmax_schedule         # SPOptions fills in the default
     if not s.is_auto:
-        return next((n for n, pair in PRESETS.items() if pair == (s.fwd, s.bwd)), None)
+        return s.preset_name
     heads = args.num_attention_heads // layout.tp
     kv = max(1, args.num_query_groups // layout.tp)
     shape = SoftmaxShape(layout.micro_batch_size, args.seq_length // layout.cp, heads, kv,
@@ -168,9 +166,8 @@ def _a2a_group(args: TrainArgs, layout: Layout, preset: Optional[str]) -> int:
     """Ranks per all-to-all group of ``preset`` (1: not an all-to-all preset)."""
     if preset == "a2a":
         return layout.cp
-    schedule = args.sp_options.softmax_schedule
-    if preset == "a2a_ring" and schedule is not None and schedule.a2a_size:
-        return schedule.a2a_size
+    if preset == "a2a_ring":
+        return args.sp_options.softmax_schedule.a2a_size or 1
     return 1
 
 

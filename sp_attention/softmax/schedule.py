@@ -153,6 +153,12 @@ class SoftmaxSchedule:
             out.pop("a2a_size")
         return out
 
+    @property
+    def preset_name(self) -> str:
+        """The preset that names this schedule's (fwd, bwd) pair, else ``"fwd/bwd"``."""
+        return next((n for n, pair in PRESETS.items() if pair == (self.fwd, self.bwd)),
+                    f"{self.fwd}/{self.bwd}")
+
     def auto_a2a_size(self, world: int, heads: int) -> Optional[int]:
         """The ``a2a_ring`` group size ``auto`` may consider on ``world`` ranks with ``heads``
         local query heads: this schedule's ``a2a_size`` if it splits both into more than one
