@@ -52,6 +52,10 @@ class LRU:
         """The keys held, least recently used first."""
         return list(self._data)
 
+    def values(self) -> list:
+        """The entries held, least recently used first."""
+        return list(self._data.values())
+
     def __len__(self) -> int:
         return len(self._data)
 

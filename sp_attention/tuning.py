@@ -102,6 +102,15 @@ class LinearTuning:
             :func:`.planning.linear_rows.row_splits` (split while the rows' programs leave SMs idle
             and each row keeps at least 4096 tokens); 1: never. Exact for every value. The
             A/B: ``benchmarks/linear_cp.py --ab row_splits``.
+        op_graphs: on CUDA (the fla path, one sequence per row; packed documents run eagerly),
+            replay this rank's whole forward and whole backward from one CUDA graph each per
+            call signature (:mod:`.linear.op_graphs`): one launch instead of the op's ~100
+            (kernels through Triton's launcher, the scan, the row folds, stream forks), for
+            layers called eagerly, whose step waits on the host. The price: the inputs are
+            copied into the graph's buffers and the outputs out of them on every call, and
+            each signature keeps its buffers and two graph pools. Off: measured below. Inside a
+            capture of the caller's own (``train.py --cuda-graphs``) the op is captured with
+            it instead. The A/B: ``--ab op_graphs``.
     """
 
     static_zero_paths: bool = False
@@ -113,12 +122,13 @@ class LinearTuning:
     scan_graphs: bool = True
     backward_schedule: str = "auto"
     row_splits: Optional[int] = None
+    op_graphs: bool = False
 
     BACKWARD_SCHEDULES = ("auto", "scan_first", "recurrence_first")
 
     def __post_init__(self) -> None:
         _check_bools(self, "static_zero_paths", "concurrent_recurrences", "check_every_call",
-                     "check_gate_values", "early_end_states", "scan_graphs")
+                     "check_gate_values", "early_end_states", "scan_graphs", "op_graphs")
         if self.backward_schedule not in self.BACKWARD_SCHEDULES:
             raise ValueError(f"LinearTuning.backward_schedule must be one of "
                              f"{self.BACKWARD_SCHEDULES}, got {self.backward_schedule!r}")

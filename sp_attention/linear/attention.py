@@ -37,6 +37,7 @@ from .inputs import call_signature, check_inputs
 from .kernel_set import FlaKernels, resolve_kernels
 from .leaf import leaf_backward, leaf_output
 from .leaves import leaves_backward, leaves_output, sm_count, split_rows_scan
+from .op_graphs import OpGraphs
 from .packed import packed_grads, packed_output
 from .scan_allgather import allgather_rows, allgather_scan
 from .scan_blelloch import blelloch_rows, blelloch_scan
@@ -120,84 +121,135 @@ def _rows_per_leaf(q: torch.Tensor, v: torch.Tensor, n: int, gated: bool, local,
                       gated)
 
 
+def _decay(g, slopes, rows: int) -> Decay:
+    """The call's decay as ``rows`` rows of leaves (one row: as given)."""
+    decay = Decay(slopes=slopes) if g is None else Decay(g=g)
+    return decay if rows == 1 else decay.rows(rows)
+
+
+def _forward(q, k_in, v_in, g, slopes, decay: Optional[Decay], ctx: SPContext, impl: str,
+             scale: float, local, tuning: LinearTuning, m: int) -> tuple:
+    """This rank's forward: ``(out in q's dtype, S_in)`` (``S_in``: the states entering the
+    leaves, saved for backward; a 0-d placeholder for one leaf). ``decay``: the call's as
+    rows of leaves (:func:`_decay`), or None to make it here."""
+    # GQA: one expansion on this rank (nothing but states crosses ranks), after the checks;
+    # the kernels see as many K/V heads as query heads; backward expands again
+    k, v = expand_kv(k_in, q.shape[2]), expand_kv(v_in, q.shape[2])
+    n = len(ctx.leaves)
+    decay = _decay(g, slopes, n * m) if decay is None else decay
+    if ctx.num_leaves == 1:
+        # the whole sequence is one leaf: nothing enters it; one kernel call
+        return leaf_output(q, k, v, decay, scale, None, local).to(q.dtype), torch.zeros(())
+    # A rank's leaves are the rows of one batch. Each leaf's zero-start end state is scanned
+    # across ranks into the state S_in entering it (on GPU a side stream; the end states come
+    # from the zero-start chunk recurrence), and the output kernel adds S_in to every chunk
+    # state. The sequence's first leaf gets S_in = 0 (exact).
+    qb, kb, vb = leaf_rows(q, n * m), leaf_rows(k, n * m), leaf_rows(v, n * m)
+    # a rank holding only the sequence's first leaf receives nothing (S_in = 0)
+    zero_in = tuning.static_zero_paths and m == 1 and all(leaf == 0 for leaf in ctx.leaves)
+    o, S = leaves_output(
+        qb, kb, vb, decay, scale, split_rows_scan(
+            lambda b, A: scan_rows(b, A, ctx, impl, False, tuning.scan_graphs), m, False),
+        local, zero_in, tuning=tuning)
+    return o.reshape(*q.shape[:3], v.shape[-1]).to(q.dtype), S
+
+
+def _backward(q, k_in, v_in, g, slopes, S, do, decay: Optional[Decay], ctx: SPContext,
+              impl: str, scale: float, local, tuning: LinearTuning, m: int) -> tuple:
+    """This rank's backward: ``(dq, dk, dv, dg)`` in the inputs' dtypes (``dk``, ``dv`` summed
+    per GQA group; ``dg`` None for fixed rates). ``decay``: the forward's (its gate sums
+    reused), or None to make it again."""
+    k, v = expand_kv(k_in, q.shape[2]), expand_kv(v_in, q.shape[2])
+    n = len(ctx.leaves)
+    decay = _decay(g, slopes, n * m) if decay is None else decay
+    if ctx.num_leaves == 1:
+        # one leaf: no state enters, no gradient arrives
+        dq, dk, dv, dg = leaf_backward(q, k, v, decay, scale, None, do, None, local)
+    else:
+        # Mirror image: each leaf's state-gradient contribution (one pass over q, dO) is
+        # suffix-scanned into the gradient G arriving at its end (side stream) while the chunk
+        # states from S_in are recomputed; the last leaf gets G = 0 (exact).
+        qb, kb, vb, dob = (leaf_rows(t, n * m) for t in (q, k, v, do))
+        # the sequence's first leaf sends its contribution to nobody: not computed (with rows,
+        # its later rows' contributions reach its earlier rows: all computed)
+        needed = tuple(leaf != 0 for leaf in ctx.leaves) if m == 1 else None
+        # ... and one holding only its last leaf receives no gradient (G = 0)
+        zero_grad = tuning.static_zero_paths and m == 1 and all(
+            leaf == ctx.num_leaves - 1 for leaf in ctx.leaves)
+        grads = leaves_backward(
+            qb, kb, vb, decay, scale, S, dob, split_rows_scan(
+                lambda d, A: scan_rows(d, A, ctx, impl, True, tuning.scan_graphs), m, True),
+            local, needed, zero_grad, tuning=tuning)
+        dq, dk, dv = (x.reshape(t.shape) for x, t in zip(grads[:3], (q, k, v)))
+        dg = None if grads[3] is None else grads[3].reshape(g.shape)
+    return _reduced(dq, dk, dv, dg, k_in, v_in, g)
+
+
+# the op's forward and backward replayed from CUDA graphs (LinearTuning.op_graphs)
+_OP_GRAPHS = OpGraphs()
+
+
+def _graphed(tuning: LinearTuning, q: torch.Tensor, local) -> bool:
+    """Whether this call replays from :data:`_OP_GRAPHS`: asked for, on CUDA, fla's path."""
+    return tuning.op_graphs and q.is_cuda and local != "torch"
+
+
+def _graph_key(role: str, tensors: tuple, ctx: SPContext, impl: str, scale: float, local,
+               tuning: LinearTuning, m: int) -> tuple:
+    return (role, tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors),
+            ctx.group, ctx.rank, ctx.world_size, ctx.layout, ctx.leaves, impl, scale,
+            local if isinstance(local, str) else id(local), tuning, m)
+
+
 class _LightningAttention(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, g, slopes, ctx: SPContext, impl: str, scale: float,
                 local: Union[str, FlaKernels], tuning: LinearTuning):
-        k_in, v_in = k, v
-        # GQA: one expansion on this rank (nothing but states crosses ranks), after the
-        # checks; the kernels see as many K/V heads as query heads; backward expands again
-        k, v = expand_kv(k, q.shape[2]), expand_kv(v, q.shape[2])
-        decay = Decay(slopes=slopes) if g is None else Decay(g=g)
-        n = len(ctx.leaves)
         # each leaf runs as m rows (one program per row and head: more SMs busy), combined on
         # this rank around the cross-rank scan; the sequence as one leaf (P = 1) stays one row
-        m = 1 if ctx.num_leaves == 1 else _rows_per_leaf(q, v, n, g is not None, local, tuning)
-        fctx.rows = m
-        # the backward reuses the gate sums this decay makes (derived, never differentiated)
-        fctx.decay = decay if n * m == 1 else decay.rows(n * m)
-        if ctx.num_leaves == 1:
-            # the whole sequence is one leaf: nothing enters it; one kernel call
-            S = torch.zeros(())
-            out = leaf_output(q, k, v, decay, scale, None, local)
+        m = 1 if ctx.num_leaves == 1 else _rows_per_leaf(q, v, len(ctx.leaves), g is not None,
+                                                         local, tuning)
+        args = (ctx, impl, scale, local, tuning, m)
+        if _graphed(tuning, q, local):
+            inputs = (q, k, v, g, slopes)
+            out, S = _OP_GRAPHS(_graph_key("fwd", inputs, *args),
+                                lambda *t: _forward(*t, None, *args), inputs)
+            fctx.decay = None           # made again inside the backward's graph
         else:
-            # A rank's leaves are the rows of one batch. Each leaf's zero-start end state is
-            # scanned across ranks into the state S_in entering it (on GPU a side stream; the
-            # end states come from the zero-start chunk recurrence), and the output kernel adds
-            # S_in to every chunk state. The sequence's first leaf gets S_in = 0 (exact).
-            qb, kb, vb = leaf_rows(q, n * m), leaf_rows(k, n * m), leaf_rows(v, n * m)
-            # a rank holding only the sequence's first leaf receives nothing (S_in = 0)
-            zero_in = tuning.static_zero_paths and m == 1 and all(leaf == 0
-                                                                   for leaf in ctx.leaves)
-            o, S = leaves_output(
-                qb, kb, vb, fctx.decay, scale, split_rows_scan(
-                    lambda b, A: scan_rows(b, A, ctx, impl, False, tuning.scan_graphs), m,
-                    False), local, zero_in, tuning=tuning)
-            out = o.reshape(*q.shape[:3], v.shape[-1])
-        fctx.save_for_backward(q, k_in, v_in, g, slopes, S)
-        fctx.sp, fctx.impl, fctx.scale, fctx.local, fctx.tuning = ctx, impl, scale, local, tuning
-        return out.to(q.dtype)
+            # the backward reuses the gate sums this decay makes (derived, never
+            # differentiated)
+            fctx.decay = _decay(g, slopes, len(ctx.leaves) * m)
+            out, S = _forward(q, k, v, g, slopes, fctx.decay, *args)
+        fctx.save_for_backward(q, k, v, g, slopes, S)
+        fctx.args = args
+        return out
 
     @staticmethod
     def backward(fctx, do):
         with autocast_off(do.device):
-            return _LightningAttention._backward(fctx, do)
-
-    @staticmethod
-    def _backward(fctx, do):
-        q, k_in, v_in, g, slopes, S = fctx.saved_tensors
-        k, v = expand_kv(k_in, q.shape[2]), expand_kv(v_in, q.shape[2])
-        ctx, scale, local, tuning = fctx.sp, fctx.scale, fctx.local, fctx.tuning
-        decay = fctx.decay
-        if ctx.num_leaves == 1:
-            # one leaf: no state enters, no gradient arrives
-            dq, dk, dv, dg = leaf_backward(q, k, v, decay, scale, None, do, None, local)
-        else:
-            # Mirror image: each leaf's state-gradient contribution (one pass over q, dO) is
-            # suffix-scanned into the gradient G arriving at its end (side stream) while the
-            # chunk states from S_in are recomputed; the last leaf gets G = 0 (exact).
-            n, m = len(ctx.leaves), fctx.rows
-            qb, kb, vb, dob = (leaf_rows(t, n * m) for t in (q, k, v, do))
-            # the sequence's first leaf sends its contribution to nobody: not computed (with
-            # rows, its later rows' contributions reach its earlier rows: all computed)
-            needed = tuple(leaf != 0 for leaf in ctx.leaves) if m == 1 else None
-            # ... and one holding only its last leaf receives no gradient (G = 0)
-            zero_grad = tuning.static_zero_paths and m == 1 and all(
-                leaf == ctx.num_leaves - 1 for leaf in ctx.leaves)
-            grads = leaves_backward(
-                qb, kb, vb, decay, scale, S, dob, split_rows_scan(
-                    lambda d, A: scan_rows(d, A, ctx, fctx.impl, True, tuning.scan_graphs), m,
-                    True), local, needed, zero_grad, tuning=tuning)
-            dq, dk, dv = (x.reshape(t.shape) for x, t in zip(grads[:3], (q, k, v)))
-            dg = None if grads[3] is None else grads[3].reshape(g.shape)
-        return _finish(dq, dk, dv, dg, k_in, v_in, g, fctx)
+            q, k_in, v_in, g, slopes, S = fctx.saved_tensors
+            args = fctx.args
+            if fctx.decay is None:
+                inputs = (q, k_in, v_in, g, slopes, S, do)
+                grads = _OP_GRAPHS(_graph_key("bwd", inputs, *args),
+                                   lambda *t: _backward(*t, None, *args), inputs)
+            else:
+                grads = _backward(q, k_in, v_in, g, slopes, S, do, fctx.decay, *args)
+            return _finish(grads, fctx)
 
 
-def _finish(dq, dk, dv, dg, k_in, v_in, g, fctx) -> tuple:
-    """The Function's gradients: K/V summed per GQA group, dg in g's dtype (None unless asked)."""
+def _reduced(dq, dk, dv, dg, k_in, v_in, g) -> tuple:
+    """The gradients in the inputs' shapes and dtypes: K/V summed per GQA group, dg in g's
+    dtype (None for fixed rates)."""
     dk = reduce_kv_grad(dk, k_in.shape[2], k_in.dtype)
     dv = reduce_kv_grad(dv, v_in.shape[2], v_in.dtype)
-    dg = dg.to(g.dtype) if dg is not None and fctx.needs_input_grad[3] else None
+    return dq, dk, dv, None if dg is None else dg.to(g.dtype)
+
+
+def _finish(grads: tuple, fctx) -> tuple:
+    """The Function's gradients: ``dg`` only where asked for."""
+    dq, dk, dv, dg = grads
+    dg = dg if fctx.needs_input_grad[3] else None
     return (dq, dk, dv, dg) + (None,) * (len(fctx.needs_input_grad) - 4)
 
 
@@ -225,7 +277,7 @@ class _PackedLightningAttention(torch.autograd.Function):
             dq, dk, dv, dg = packed_grads(q, k, v, decay, fctx.scale, fctx.lp, S_in, do,
                                           _packed_scan(fctx.sp, fctx.impl),
                                           resolve_kernels(fctx.local, q, k, v))
-            return _finish(dq.to(q.dtype), dk, dv, dg, k_in, v_in, g, fctx)
+            return _finish(_reduced(dq.to(q.dtype), dk, dv, dg, k_in, v_in, g), fctx)
 
 
 def _packed_scan(ctx: SPContext, impl: str):

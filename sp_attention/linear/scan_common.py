@@ -325,7 +325,7 @@ class GraphReplay:
     def __init__(self, run):
         self.run = run
         self.states: dict = {}          # process group -> [calls, graph, output]
-        _REPLAYS.add(self)
+        register_graphs(self)
 
     def __call__(self, A: torch.Tensor, b: torch.Tensor, ctx: SPContext, *args) -> torch.Tensor:
         if torch.cuda.is_current_stream_capturing():
@@ -343,22 +343,37 @@ class GraphReplay:
         state[1].replay()
         return state[2].clone()
 
+    def graphs(self) -> int:
+        """How many CUDA graphs this replay holds."""
+        return sum(1 for s in self.states.values() if s[1] is not None)
 
-_REPLAYS: "weakref.WeakSet[GraphReplay]" = weakref.WeakSet()
+    def release(self) -> None:
+        self.states.clear()
+
+
+# Every holder of CUDA graphs of the linear op (the scans' GraphReplay, the op's
+# :class:`~.op_graphs.OpGraphs`): objects with ``graphs() -> int`` and ``release()``.
+_REPLAYS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def register_graphs(holder) -> None:
+    """Let :func:`release_cuda_graphs` drop ``holder``'s graphs (held weakly)."""
+    _REPLAYS.add(holder)
 
 
 def release_cuda_graphs() -> int:
-    """Drop every CUDA graph the linear scans captured (they are captured again on later
-    calls); returns how many. Call it before ``torch.distributed.destroy_process_group()``:
-    NCCL cannot destroy a communicator that a live CUDA graph still holds, and the call then
-    hangs (pytorch/pytorch#115388). train.py, the Megatron launcher, the HF example and the
-    test harness do; it also runs at interpreter exit."""
-    held = [r for r in list(_REPLAYS) if r.states]
-    graphs = sum(1 for r in held for s in r.states.values() if s[1] is not None)
+    """Drop every CUDA graph the linear op captured (its scans', and the whole forward and
+    backward under ``LinearTuning.op_graphs``; they are captured again on later calls);
+    returns how many. Call it before ``torch.distributed.destroy_process_group()``: NCCL
+    cannot destroy a communicator that a live CUDA graph still holds, and the call then hangs
+    (pytorch/pytorch#115388). train.py, the Megatron launcher, the HF example and the test
+    harness do; it also runs at interpreter exit."""
+    holders = list(_REPLAYS)
+    graphs = sum(h.graphs() for h in holders)
     if graphs and torch.cuda.is_available():
         torch.cuda.synchronize()        # nothing of theirs still queued
-    for r in held:
-        r.states.clear()
+    for h in holders:
+        h.release()
     return graphs
 
 

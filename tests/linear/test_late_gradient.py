@@ -11,6 +11,7 @@ heads, K ≠ V, one and two K tiles (K = 16 as one masked tile of 32), both dk a
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 
 from local_cases import apply, gpu
 from sp_attention.linear.dqk_kernel import MIN_BLOCK_K, chunk_dqkdg
-from sp_attention.testing import run_process
+from sp_attention.testing import finish_process, run_process
 
 _CHECK = r"""
 import math, sys, torch
@@ -27,6 +28,7 @@ from sp_attention.linear.gates import gate_sums, suffix_sums
 from sp_attention.linear.dqk_kernel import DQK_CANDIDATES, DQK_TUNED, chunk_dqkdg
 from sp_attention.linear.dv_kernel import DV_TUNED, chunk_dv
 dev, dtype, tol = sys.argv[1], getattr(torch, sys.argv[2]), float(sys.argv[3])
+part = int(sys.argv[4]) if len(sys.argv) > 4 else None   # one (case, decay) of the list
 every = dev == "cuda"          # every config the autotuners may pick on the GPU; a few here
 torch.manual_seed(0)
 worst = {}
@@ -36,10 +38,12 @@ def err(name, a, b):
 cases = ((1, 64, 1, 16, 16, 0, None), (2, 100, 3, 64, 16, 1, 32), (1, 130, 3, 16, 32, 2, None))
 if every:
     cases += ((1, 1000, 4, 128, 128, 0, None),)
-for B, T, H, K, V, cfg, bk in cases:
+for i, (B, T, H, K, V, cfg, bk) in enumerate(cases):
     q, k, v, do = (torch.randn(B, T, H, d) for d in (K, K, V, V))
     S, D = torch.randn(B, H, K, V), torch.randn(B, H, K, V)
     for gated in (True, False):
+        if part is not None and part != 2 * i + (not gated):
+            continue
         if gated:
             g = -torch.rand(B, T, H) * torch.tensor([0.001, 0.5, 40.0, 0.05])[:H]
         else:
@@ -89,15 +93,24 @@ sys.exit(0 if max(worst.values()) < tol else 1)
 """
 
 
-def _run(device: str, dtype: str, tol: float, interpret: bool) -> None:
+def _run(device: str, dtype: str, tol: float, interpret: bool, parts: int = 0) -> None:
+    """The check in a fresh process; ``parts`` > 0: as that many processes at once, one per
+    (case, decay) (on the GPU every config of every case compiles: minutes one by one)."""
     pytest.importorskip("triton", reason="triton is in the `test` extra; install it to run this")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    r = run_process([sys.executable, "-c", _CHECK, device, dtype, str(tol)], env=env,
-                    timeout=900)
-    assert r.returncode == 0, f"relative errors {r.stdout.strip()}\n{r.stderr[-3000:]}"
+    cmd = [sys.executable, "-c", _CHECK, device, dtype, str(tol)]
+    if not parts:
+        r = run_process(cmd, env=env, timeout=900)
+        assert r.returncode == 0, f"relative errors {r.stdout.strip()}\n{r.stderr[-3000:]}"
+        return
+    procs = [subprocess.Popen(cmd + [str(i)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(parts)]
+    for i, p in enumerate(procs):
+        out, err = finish_process(p, 900)
+        assert p.returncode == 0, f"part {i}: relative errors {out.strip()}\n{err[-3000:]}"
 
 
 def test_late_gradient_kernels_in_triton_interpreter():
@@ -109,8 +122,9 @@ def test_late_gradient_kernels_in_triton_interpreter():
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 1e-2)])
 def test_late_gradient_kernels_every_config_gpu(dtype, tol):
     """Every config the autotuners may pick, forced one at a time on the GPU (fp32: IEEE
-    dots; bf16: its rounding), also at K = V = 128 over 1000 tokens."""
-    _run("cuda", dtype, tol, False)
+    dots; bf16: its rounding), also at K = V = 128 over 1000 tokens. Eight processes at
+    once: one per case and decay."""
+    _run("cuda", dtype, tol, False, parts=8)
 
 
 def test_no_k_tile_below_32():
