@@ -107,10 +107,15 @@ class LinearTuning:
             call signature (:mod:`.linear.op_graphs`): one launch instead of the op's ~100
             (kernels through Triton's launcher, the scan, the row folds, stream forks), for
             layers called eagerly, whose step waits on the host. The price: the inputs are
-            copied into the graph's buffers and the outputs out of them on every call, and
-            each signature keeps its buffers and two graph pools. Off: measured below. Inside a
-            capture of the caller's own (``train.py --cuda-graphs``) the op is captured with
-            it instead. The A/B: ``--ab op_graphs``.
+            copied into the graph's buffers and the outputs out of them on every call (eleven
+            ``[B, T_local, H, K]`` tensors per forward + backward), and each signature keeps
+            its buffers and two graph pools. Measured on 4 × H200 (P = 4, 2026-11-27,
+            ``--ab op_graphs``): host per forward + backward 1.6–3.3 → 0.45–1.16 ms; eager
+            8K 0.52–0.63 → 1.52–1.83 of fla (called eagerly), 32K about even; queued (host
+            ahead) 8K 0.61–0.80 → 0.47–0.60, 32K 0.92–1.01 → 0.67–0.73 (the copies: 0.72 ms
+            at 32K). So off by default; on for a layer whose step waits on the host. Inside
+            a capture of the caller's own (``train.py --cuda-graphs``) the op is captured
+            with it instead.
     """
 
     static_zero_paths: bool = False
