@@ -163,7 +163,7 @@ class Progress:
         # GPU: peak allocated tensor memory; CPU: the whole process's peak resident set
         mem = "GPU mem" if self.device.type == "cuda" else "rank-0 RSS"
         text = (f"step {step}/{n} | loss {rec['loss']:.4f} | {rec['tokens_per_s']:,.0f} tok/s"
-                f"{mfu} | {mem} {rec['mem_gb']:.2f} GB | {rec['step_time_s'] * 1e3:.0f} ms/step")
+                f"{mfu} | {mem} {rec['mem_gb']:.2f} GiB | {rec['step_time_s'] * 1e3:.0f} ms/step")
         if self.tty:
             width = 24
             done = int(width * step / n)
