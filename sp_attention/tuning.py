@@ -87,11 +87,13 @@ class LinearTuning:
             recurrence from zero at once; its start gradient is ``d``, which the scan then
             carries while the chunk states are recomputed, and ``G`` enters our dv and dq/dk
             kernels (:mod:`.linear.dv_kernel`): no state-kernel pass, no wait before the
-            recurrence. ``"auto"``: ``recurrence_first`` with fixed rates, ``scan_first`` with
-            per-token gates — measured on 4 × H100 (2026-11-27, queued, P = 4, 32K per GPU):
-            fixed rates 0.83–0.88 → 0.86–0.94 of fla (P = 2: 0.86–0.91 → 0.90–0.98), gates
-            0.74–0.81 → 0.73–0.84 (eager: lower). The A/B: ``benchmarks/linear_cp.py --ab
-            backward``.
+            recurrence. ``"auto"``: ``recurrence_first`` — measured on 4 × H100 (2026-11-27,
+            queued, P = 4, 32K per GPU): fixed rates 0.83–0.88 → 0.86–0.94 of fla (P = 2:
+            0.86–0.91 → 0.90–0.98); with per-token gates, since the rows split and the
+            recurrences share one stream, 0.834–0.909 → 0.842–0.923, better in 6 of 6 scans
+            and layouts (4 × H200, P = 4, 2026-11-27, queued; before both changes it was
+            neutral queued and lower eager, and ``auto`` kept gates on ``scan_first``). The
+            A/B: ``benchmarks/linear_cp.py --ab backward``.
         row_splits: on the fla path, each leaf runs as this many rows of equal length (whole
             chunks), the rows' states combined on the rank before and after the cross-rank
             scan (:func:`.linear.leaves.split_rows_scan`): fla's chunk recurrences run one

@@ -224,7 +224,7 @@ def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
     states are in, dq and dk (fla's own backward, split up; gates: our dq/dk/dg kernel in
     place of fla's ``chunk_bwd_dqkwg``). ``tuning.concurrent_recurrences`` (off by default) runs
     the chunk states on their own stream beside it. That is ``tuning.backward_schedule``
-    ``"scan_first"``; ``"recurrence_first"`` (``auto``'s pick with fixed rates) runs the
+    ``"scan_first"``; ``"recurrence_first"`` (``auto``'s pick) runs the
     gradient recurrence at once and takes ``G`` in-kernel (:func:`_late_leaves_backward`).
     """
     decay = as_decay(decay)
@@ -241,7 +241,7 @@ def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
         d = _state_grads(q, do, decay, scale, needed, kern.state_sum, True)
         return scan(d, decay.fla_transition(N, C, d.dtype, q.device))
     main = torch.cuda.current_stream(q.device)
-    if backward_schedule(tuning, decay) == "recurrence_first":
+    if backward_schedule(tuning) == "recurrence_first":
         return _late_leaves_backward(kern, q, k, v, do, decay, fkw, scale, S_in, scan,
                                      zero_grad, tuning)
     with torch.cuda.device(q.device):
@@ -259,12 +259,12 @@ def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg
 
 
-def backward_schedule(tuning: LinearTuning, decay: Decay) -> str:
-    """``tuning.backward_schedule`` with ``"auto"`` resolved for this decay (the measured pick:
-    :class:`~sp_attention.tuning.LinearTuning`)."""
+def backward_schedule(tuning: LinearTuning) -> str:
+    """``tuning.backward_schedule`` with ``"auto"`` resolved (the measured pick, fixed rates
+    and gates alike: :class:`~sp_attention.tuning.LinearTuning`)."""
     if tuning.backward_schedule != "auto":
         return tuning.backward_schedule
-    return "scan_first" if decay.gated else "recurrence_first"
+    return "recurrence_first"
 
 
 def _late_leaves_backward(kern, q, k, v, do, decay: Decay, fkw: dict, scale: float, S_in,
