@@ -16,10 +16,18 @@ Ulysses through yunchang's all-to-all (``SeqAllToAll4D`` on contiguous shards, c
 that SDPA call on the global sequence, ``impl: yunchang_single_global``). yunchang (0.6.4, pure
 Python) is imported only for its rows; without it they say why. FLOPs: forward 4·B·H·T²·D·½
 (causal), fwd+bwd 3.5× forward; CP per-GPU TFLOP/s = global FLOPs / P / time.
+
+``--packed``: packed documents instead (rows ``packed: true``): one row of P·T_local tokens cut
+into the log-normal document mix of the linear benchmark (median 720 tokens, seed 7), every
+run above with ``cu_seqlens=plan_packing(cu, ctx)``; one-GPU baselines on the whole packed row:
+torch's varlen FlashAttention-2 kernels (those of ``torch.nn.attention.varlen.varlen_attn``;
+``impl: torch_varlen_single_global``) and our op at P = 1 (``single_global_packed``), the
+faster of the two the ratio's; FLOPs summed per document. No anchors (neither takes documents).
 """
 from __future__ import annotations
 
 import os
+import random
 import sys
 
 import torch
@@ -28,7 +36,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (COMM_VARIANTS, base_parser, cp_groups, device_name,  # noqa: E402
                                emit, init_dist, time_ms)
-from sp_attention import SoftmaxTuning, build_sp_context, shard_sequence  # noqa: E402
+from benchmarks.packed_linear import lognormal_cu  # noqa: E402
+from sp_attention import (SoftmaxTuning, build_sp_context, plan_packing,  # noqa: E402
+                          shard_sequence)
 from sp_attention.planning.softmax_a2a import head_chunks  # noqa: E402
 from sp_attention.softmax import context_parallel_attention  # noqa: E402
 from sp_attention.softmax.backends import get_backend  # noqa: E402
@@ -174,6 +184,9 @@ def _parser():
                         "no index gathers)")
     p.add_argument("--fwd-bwd-only", action="store_true",
                    help="time fwd+bwd only (the ratio's measure): a shorter sweep")
+    p.add_argument("--packed", action="store_true",
+                   help="packed documents (the log-normal mix) instead of one sequence; "
+                        "baselines: torch's varlen kernel and our op on one GPU (batch 1)")
     p.add_argument("--no-torch-cp", action="store_true")
     p.add_argument("--no-yunchang", action="store_true")
     p.add_argument("--comm-variants", nargs="+", default=["default"],
@@ -342,6 +355,62 @@ def _sweep(a, T_local, world, rank, device, dtype, backend, groups, timer, mode)
                  groups)
 
 
+def _packed_sweep(a, T_local, world, rank, device, dtype, groups, timer, mode):
+    """``--packed``: the rows of one T_local over packed documents (fwd+bwd only)."""
+    if a.batch != 1 or a.non_causal:
+        raise SystemExit("--packed runs one causal packed row: drop --batch and --non-causal")
+    H, Hkv, D, dev = a.heads, a.kv_heads, a.head_dim, device.type
+    T = world * T_local
+    cu = lognormal_cu(T, random.Random(7))
+    lens = [e - s for s, e in zip(cu, cu[1:])]
+    fl = sum(flops(1, H, n, D, True, True) for n in lens)          # the global row's fwd+bwd
+    g = torch.Generator(device=device).manual_seed(99)
+    q, do = (torch.randn(1, T, H, D, device=device, dtype=dtype, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, T, Hkv, D, device=device, dtype=dtype, generator=g) for _ in range(2))
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+    base = {"bench": "softmax_cp", "packed": True, "docs": len(lens),
+            "doc_median": sorted(lens)[len(lens) // 2], "doc_max": max(lens), "world": world,
+            "B": 1, "T_local": T_local, "H": H, "Hkv": Hkv, "K": D, "V": D,
+            "dtype": str(dtype).replace("torch.", ""), "causal": True, "layout": "zigzag",
+            "device": device_name(dev), "timing": mode}
+    refs = {}
+    if dev == "cuda":                  # torch's varlen kernels on the whole packed row
+        from sp_attention.softmax.backend_cuda import flash_varlen_bwd, flash_varlen_fwd
+        q0, k0, v0, do0 = (t[0].contiguous() for t in (q, k, v, do))
+        n, scale = max(lens), D ** -0.5
+
+        def varlen():
+            out, lse = flash_varlen_fwd(q0, k0, v0, cu_t, cu_t, n, n, True, scale)
+            flash_varlen_bwd(do0, q0, k0, v0, out, lse, cu_t, cu_t, n, n, True, scale)
+        refs["torch_varlen_single_global"] = timer(varlen)
+    xs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+
+    def single():
+        context_parallel_attention(*xs, ctx=None, causal=True, cu_seqlens=cu_t).backward(do)
+    refs["single_global_packed"] = timer(single)
+    for name, t in refs.items():
+        emit(dict(base, impl=name, world=1, T_local=T, ms_fwd_bwd=t,
+                  tflops_per_gpu=fl / t / 1e9, baseline="self", ratio=1.0), a.out, rank)
+    best = min(refs, key=refs.get)
+    for impl, kw, comm in _runs(a, world, H):
+        cctx = build_sp_context(groups[comm], layout="zigzag")
+        plan = plan_packing(cu_t, cctx)
+        ql, kl, vl, dol = (plan.shard(t, cctx.rank, 1).contiguous() for t in (q, k, v, do))
+        ql, kl, vl = (t.requires_grad_(True) for t in (ql, kl, vl))
+
+        def step():
+            context_parallel_attention(ql, kl, vl, ctx=cctx, causal=True, cu_seqlens=plan,
+                                       **kw).backward(dol)
+        try:
+            t = timer(step)
+        except (ValueError, RuntimeError) as e:
+            emit(dict(base, impl=impl, comm=comm, error=str(e)[:300]), a.out, rank)
+            continue
+        tp = fl / world / t / 1e9
+        emit(dict(base, impl=impl, comm=comm, ms_fwd_bwd=t, tflops_per_gpu=tp, baseline=best,
+                  ratio=tp / (fl / refs[best] / 1e9), local_len=plan.local_len), a.out, rank)
+
+
 def main() -> None:
     a = _parser().parse_args()
     dev = a.device
@@ -360,7 +429,10 @@ def main() -> None:
         return time_ms(fn, dev, a.warmup, a.iters, a.repeats, mode=mode)
 
     for T_local in a.t_local or ([8192, 32768] if dev == "cuda" else [64]):
-        _sweep(a, T_local, world, rank, device, dtype, backend, groups, timer, mode)
+        if a.packed:
+            _packed_sweep(a, T_local, world, rank, device, dtype, groups, timer, mode)
+        else:
+            _sweep(a, T_local, world, rank, device, dtype, backend, groups, timer, mode)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -231,3 +231,18 @@ def test_launcher_vs_train_warm_run_comes_first(monkeypatch, tmp_path):
     assert "megatron_patches.pretrain_gpt" in launcher
     rec = json.loads(out.read_text().splitlines()[-1])
     assert rec["warm_run"] == {"status": "ok", "wall_s": 1.0} and rec["tp"] == 2
+
+
+def test_softmax_cp_packed_rows(capsys, monkeypatch):
+    """``softmax_cp.py --packed`` on one CPU rank: the P = 1 baseline and a row per preset, each
+    over the same documents (FLOPs summed per document), finite and without errors."""
+    from benchmarks import softmax_cp
+    rows = _rows(softmax_cp, ["--packed", "--t-local", "600", "--heads", "4", "--kv-heads", "2",
+                              "--head-dim", "8", "--pairs", "ring/ring", "--presets", "a2a",
+                              "--strides", "default"], capsys, monkeypatch)
+    assert not dist.is_initialized()
+    impls = [r["impl"] for r in rows]
+    assert impls == ["single_global_packed", "ring/ring", "a2a"], impls
+    assert all(r["packed"] and r["docs"] > 1 and "error" not in r for r in rows)
+    assert all(math.isfinite(r[c]) and r[c] > 0 for r in rows for c in ("ms_fwd_bwd", "ratio"))
+    assert {r["baseline"] for r in rows[1:]} == {"single_global_packed"}
