@@ -239,7 +239,9 @@ class LinearCoreAttention(_CPCoreAttention):
     allgather / ring / auto, handed to ``lightning_attention(impl=...)``; None: the library's
     ``DEFAULT_IMPL``, read at each call; its name is checked by
     :class:`~megatron_patches.options.SPOptions` and by the op), ``slope_schedule``
-    (``sp_attention.linear.slopes``; None: the default), ``sp_context``. GQA: K/V go to
+    (``sp_attention.linear.slopes``; None: the default), ``linear_tuning`` (the op's
+    :class:`~sp_attention.LinearTuning`, ``--linear-op-graphs``; None: the defaults),
+    ``sp_context``. GQA: K/V go to
     ``lightning_attention`` with their ``ng`` heads; it maps query head i to group
     ``i // (np / ng)``, Megatron's mapping.
     """
@@ -249,12 +251,13 @@ class LinearCoreAttention(_CPCoreAttention):
                  cp_comm_type: Optional[str] = None, pg_collection=None,
                  sp_context: Optional[SPContext] = None,
                  context_parallel_impl: Optional[str] = None,
-                 slope_schedule: Optional[str] = None, **kwargs):
+                 slope_schedule: Optional[str] = None, linear_tuning=None, **kwargs):
         super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout,
                          softmax_scale, cp_comm_type, pg_collection, sp_context)
         self.context_parallel_impl = take_renamed(kwargs, "cp_impl", "context_parallel_impl",
                                                   context_parallel_impl)
         self.slope_schedule = DEFAULT_SLOPE_SCHEDULE if slope_schedule is None else slope_schedule
+        self.linear_tuning = linear_tuning
         first = self.tp_rank * self.heads_per_rank
         # This TP rank's heads' slopes, fp32. A plain attribute, not a buffer: Megatron's
         # Float16Module casts buffers to bf16, which would round the decay rates.
@@ -295,7 +298,7 @@ class LinearCoreAttention(_CPCoreAttention):
 
     def _decay(self, q: torch.Tensor):
         """``(q, the decay keywords of lightning_attention)``: this layer's fixed slopes."""
-        return q, decay_kwargs(slopes=self._slopes_for(q.device))
+        return q, decay_kwargs(slopes=self._slopes_for(q.device), tuning=self.linear_tuning)
 
     def _out_norm(self, o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The core's per-head RMS norm with the learnt weight, in ``dtype``."""

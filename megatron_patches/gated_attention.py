@@ -41,7 +41,8 @@ class GatedCoreAttention(LinearCoreAttention):
     """Linear attention with a per-token, per-head decay gate over Megatron's CP group (see
     the module docstring). Used with :class:`GatedSelfAttention`, whose query carries the gate
     projection ``x·W`` as its last channel. Spec params: ``context_parallel_impl``,
-    ``sp_context`` (as :class:`~megatron_patches.core_attention.LinearCoreAttention`)."""
+    ``linear_tuning``, ``sp_context`` (as
+    :class:`~megatron_patches.core_attention.LinearCoreAttention`)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
@@ -80,7 +81,7 @@ class GatedCoreAttention(LinearCoreAttention):
                              "megatron_patches.gated_attention.GatedSelfAttention (the 'gated' "
                              "layer spec, pattern letter G)")
         g = gate_log_decay(query[..., -1], self.A_log, self.dt_bias)     # [b, s, np]
-        return query[..., :-1], decay_kwargs(g=g)
+        return query[..., :-1], decay_kwargs(g=g, tuning=self.linear_tuning)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """The output norm, ``A_log``, ``dt_bias`` and the gate projection are sharded over TP

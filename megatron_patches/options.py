@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import sp_attention.context as _context
 import sp_attention.linear.attention as _linear
 import sp_attention.softmax.schedule as _schedule
-from sp_attention import SoftmaxSchedule
+from sp_attention import LinearTuning, SoftmaxSchedule
 from sp_attention.planning.layout import num_chunks
 from sp_attention.linear import IMPLS as LINEAR_IMPLS
 from sp_attention.linear.slopes import DEFAULT_SLOPE_SCHEDULE, SLOPE_SCHEDULES
@@ -82,6 +82,7 @@ class Option:
         type: converts the command-line string.
         default_help: how ``--help`` names the default when it is a rule or a library constant
             (a callable, evaluated when the parser is built, so it shows the current value).
+        action: an argparse action instead of a value (``"store_true"``: a switch).
     """
 
     flag: str
@@ -90,6 +91,7 @@ class Option:
     choices: Optional[tuple] = None
     type: Callable = str
     default_help: Optional[Callable[[], str]] = None
+    action: Optional[str] = None
 
     @property
     def dest(self) -> str:
@@ -108,9 +110,13 @@ class Option:
     def add_to(self, parser, *, default: Any = None, use_default: bool = True) -> None:
         """Add to an argparse parser or group; ``use_default=False`` leaves the attribute unset
         when the flag is absent (``argparse.SUPPRESS``: the caller tells given from default)."""
-        kw = dict(type=self.type, help=self.help_text(),
+        kw = dict(help=self.help_text(),
                   default=(self.default if default is None else default) if use_default
                   else argparse.SUPPRESS)
+        if self.action is not None:
+            kw["action"] = self.action
+        else:
+            kw["type"] = self.type
         if self.choices is not None:
             kw["choices"] = self.choices
         parser.add_argument(self.flag, **kw)
@@ -148,6 +154,11 @@ SP_OPTIONS: tuple[Option, ...] = (
            choices=CP_IMPLS,
            default_help=lambda: f"{_linear.DEFAULT_IMPL}, the library's "
            "sp_attention.linear.DEFAULT_IMPL"),
+    Option("--linear-op-graphs", "replay each linear and gated layer's attention op (forward "
+           "and backward on this rank) from CUDA graphs: one launch instead of ~100, for steps "
+           "that wait on the host (short sequences per GPU, small models, eager layers); costs "
+           "a copy of the op's inputs and outputs per call, a loss when the host runs ahead "
+           "(sp_attention.LinearTuning.op_graphs)", default=False, action="store_true"),
     Option("--softmax-cp-preset", "softmax layers' schedule across CP ranks "
            "(sp_attention.softmax.PRESETS: ring, ring_ag, allgather, ag_ring; a2a: Ulysses "
            "all-to-all, needs heads per TP rank divisible by the CP size; a2a_ring: all-to-all "
@@ -306,6 +317,10 @@ class SPOptions:
             :data:`DEFAULT_SOFTMAX_SCHEDULE` (``auto``).
         slope_schedule: ``--sp-slope-schedule``: the fixed decay of ``L`` layers; None: the
             library's ``DEFAULT_SLOPE_SCHEDULE`` (:attr:`slopes`).
+        linear_tuning: the :class:`~sp_attention.LinearTuning` of linear and gated layers
+            (``--linear-op-graphs`` sets ``op_graphs``); None: the library's defaults (gated
+            layers skip the gate-value check either way: their gates are ≤ 0 by
+            construction).
         num_attention_heads, num_query_groups, tensor_model_parallel_size,
             context_parallel_size: the model's head counts, TP and CP sizes, for the rules that
             need them (None: unknown, rules skipped — the op checks them at its first call,
@@ -319,6 +334,7 @@ class SPOptions:
     context_parallel_impl: Optional[str] = None
     softmax_schedule: Optional[SoftmaxSchedule] = None
     slope_schedule: Optional[str] = None
+    linear_tuning: Optional[LinearTuning] = None
     num_attention_heads: Optional[int] = None
     num_query_groups: Optional[int] = None
     tensor_model_parallel_size: Optional[int] = None
@@ -344,6 +360,7 @@ class SPOptions:
         self._check_heads()
         self._check_softmax()
         self._check_slopes()
+        self._check_linear_tuning()
 
     # -- the rules, one each --------------------------------------------------------------
     def _check_scan(self) -> None:
@@ -411,6 +428,15 @@ class SPOptions:
                              f"linear layer with fixed slopes (--sp-model-kind "
                              f"{self.model_kind}; gated layers learn their decay); drop it")
 
+    def _check_linear_tuning(self) -> None:
+        tuning = self.linear_tuning
+        if tuning is not None and not isinstance(tuning, LinearTuning):
+            raise TypeError(f"linear_tuning must be an sp_attention.LinearTuning or None, got "
+                            f"{type(tuning).__name__}")
+        if tuning is not None and tuning.op_graphs and not self.has_scan:
+            raise ValueError(f"--linear-op-graphs would be ignored: the model has no linear or "
+                             f"gated layer (--sp-model-kind {self.model_kind}); drop it")
+
     # -- what the builders read -----------------------------------------------------------
     @property
     def has_softmax(self) -> bool:
@@ -462,7 +488,9 @@ class SPOptions:
                    hybrid_pattern=getattr(ns, "sp_hybrid_pattern", None),
                    context_parallel_impl=getattr(ns, "context_parallel_impl", None),
                    softmax_schedule=softmax_schedule(ns),
-                   slope_schedule=getattr(ns, "sp_slope_schedule", None), **model)
+                   slope_schedule=getattr(ns, "sp_slope_schedule", None),
+                   linear_tuning=LinearTuning(op_graphs=True)
+                   if getattr(ns, "linear_op_graphs", False) else None, **model)
 
     @classmethod
     def from_layer_kinds(cls, kinds, **options) -> "SPOptions":

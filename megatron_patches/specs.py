@@ -112,7 +112,8 @@ def options_spec_kwargs(options: SPOptions) -> dict:
     """What the core attentions take from ``options``: :func:`core_attention_spec`'s keywords."""
     return {"context_parallel_impl": options.context_parallel_impl,
             "softmax_schedule": options.softmax_schedule,
-            "slope_schedule": options.slope_schedule}
+            "slope_schedule": options.slope_schedule,
+            "linear_tuning": options.linear_tuning}
 
 
 def layer_kind(pattern: str, layer_number: int, num_layers: int) -> str:
@@ -122,7 +123,7 @@ def layer_kind(pattern: str, layer_number: int, num_layers: int) -> str:
 
 def core_attention_spec(kind: str, *, context_parallel_impl: Optional[str] = None,
                         softmax_schedule=None, slope_schedule: Optional[str] = None,
-                        sp_context=None, **renamed) -> ModuleSpec:
+                        linear_tuning=None, sp_context=None, **renamed) -> ModuleSpec:
     """The core-attention ModuleSpec for one layer kind, from the pieces of an
     :class:`~megatron_patches.options.SPOptions` (:func:`options_spec_kwargs`). None: the
     library's / adapters' defaults, read when the layer is built; ``sp_context`` None: one over
@@ -136,10 +137,11 @@ def core_attention_spec(kind: str, *, context_parallel_impl: Optional[str] = Non
     if kind == "linear":
         return ModuleSpec(module=LinearCoreAttention,
                           params={"context_parallel_impl": scan, "slope_schedule": slope_schedule,
-                                  "sp_context": sp_context})
+                                  "linear_tuning": linear_tuning, "sp_context": sp_context})
     if kind == "gated":
         return ModuleSpec(module=GatedCoreAttention,
-                          params={"context_parallel_impl": scan, "sp_context": sp_context})
+                          params={"context_parallel_impl": scan, "linear_tuning": linear_tuning,
+                                  "sp_context": sp_context})
     raise ValueError(f"unknown layer kind {kind!r}; use one of {sorted(LAYER_KINDS.values())}")
 
 

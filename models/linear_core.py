@@ -33,6 +33,7 @@ Torch and the attention library only (no Megatron, no transformers): both adapte
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -65,13 +66,17 @@ def gate_params(num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     return mamba2_gate_init(num_heads)
 
 
-def decay_kwargs(*, slopes: Optional[torch.Tensor] = None,
-                 g: Optional[torch.Tensor] = None) -> dict:
-    """``lightning_attention``'s decay keywords: fixed ``slopes [H]`` or gates ``g [B, T, H]``
-    (then the gate-value check is skipped: they are ≤ 0 by construction)."""
+def decay_kwargs(*, slopes: Optional[torch.Tensor] = None, g: Optional[torch.Tensor] = None,
+                 tuning: Optional[LinearTuning] = None) -> dict:
+    """``lightning_attention``'s decay and tuning keywords: fixed ``slopes [H]`` or gates
+    ``g [B, T, H]`` (then the gate-value check is skipped: they are ≤ 0 by construction),
+    run with ``tuning`` (None: the defaults)."""
     if (slopes is None) == (g is None):
         raise ValueError("give exactly one of slopes= and g=")
-    return {"slopes": slopes} if g is None else {"g": g, "tuning": GATED_TUNING}
+    if g is None:
+        return {"slopes": slopes, "tuning": tuning}
+    return {"g": g, "tuning": GATED_TUNING if tuning is None else
+            dataclasses.replace(tuning, check_gate_values=False)}
 
 
 def out_norm(o: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -137,6 +137,7 @@ class TrainArgs:
         "divisor of world / (TP·p) that divides the global batch, p the smallest prime factor "
         "of world / TP (world 4: CP 2 · DP 2; world 3: CP 3; world 8: CP 2 · DP 4)")
     context_parallel_impl: Optional[str] = _sp("context_parallel_impl")
+    linear_op_graphs: bool = _sp("linear_op_graphs")
     softmax_cp_preset: Optional[str] = _sp("softmax_cp_preset")
     softmax_heads_k_stride: Optional[int] = _sp("softmax_heads_k_stride")
     softmax_bwd_head_first_stride: Optional[int] = _sp("softmax_bwd_head_first_stride")

@@ -321,9 +321,11 @@ def describe_attention(options, ctx, local_only: bool = False,
             scan = picks.get("linear") or resolve_impl(options.context_parallel_impl, ctx)
             asked = options.context_parallel_impl or _linear.DEFAULT_IMPL
             parts.append(f"{name} scan {_auto(asked == 'auto' and ctx.world_size > 1, scan)}")
+    tuning = options.linear_tuning
+    graphs = ", linear ops as CUDA graphs" if tuning is not None and tuning.op_graphs else ""
     if ctx.world_size == 1:
-        return " + ".join(p.split(" ")[0] for p in parts) + " on one rank (CP 1)"
-    return f"{' + '.join(parts)} across CP {ctx.world_size} ({ctx.layout})"
+        return " + ".join(p.split(" ")[0] for p in parts) + " on one rank (CP 1)" + graphs
+    return f"{' + '.join(parts)} across CP {ctx.world_size} ({ctx.layout}){graphs}"
 
 
 def _auto(is_auto: bool, name: str) -> str:

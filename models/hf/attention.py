@@ -153,19 +153,22 @@ def packed_plan(ctx: SPContext, q_len: int, device, kwargs: dict) -> Optional[Pa
     return None
 
 
-def decay_kwargs(module, log_decay) -> dict:
-    """``lightning_attention``'s decay arguments for a linear layer of ours: its gates
-    (``log_decay [b, s, h]``, a gated layer) or its fixed slopes."""
+def decay_kwargs(module, log_decay, tuning=None) -> dict:
+    """``lightning_attention``'s decay and tuning arguments for a linear layer of ours: its
+    gates (``log_decay [b, s, h]``, a gated layer) or its fixed slopes; ``tuning`` the
+    options' ``linear_tuning`` (None: the defaults)."""
     if log_decay is not None:
-        return core_decay_kwargs(g=log_decay)
-    return core_decay_kwargs(slopes=module.decay_slopes())
+        return core_decay_kwargs(g=log_decay, tuning=tuning)
+    return core_decay_kwargs(slopes=module.decay_slopes(), tuning=tuning)
 
 
 def make_cp_attention(ctx: SPContext, schedule: SoftmaxSchedule,
-                      context_parallel_impl: Optional[str] = None, **renamed) -> Callable:
-    """The attention function to register: a closure over ``ctx``, the softmax ``schedule``
-    and the linear layers' scan ``context_parallel_impl`` (None: the library's default, read per
-    call; the op checks the name; ``linear_impl=``, its old name, works for one release)."""
+                      context_parallel_impl: Optional[str] = None, linear_tuning=None,
+                      **renamed) -> Callable:
+    """The attention function to register: a closure over ``ctx``, the softmax ``schedule``,
+    the linear layers' scan ``context_parallel_impl`` (None: the library's default, read per
+    call; the op checks the name; ``linear_impl=``, its old name, works for one release) and
+    their :class:`~sp_attention.LinearTuning` ``linear_tuning`` (None: the defaults)."""
     scan = take_renamed(renamed, "linear_impl", "context_parallel_impl", context_parallel_impl)
     if renamed:
         raise TypeError(f"make_cp_attention() got unexpected keywords {sorted(renamed)}")
@@ -196,7 +199,8 @@ def make_cp_attention(ctx: SPContext, schedule: SoftmaxSchedule,
         if getattr(module, "is_linear_attention", False):     # K/V with their Hkv heads (GQA)
             out = lightning_attention(q, key.transpose(1, 2), value.transpose(1, 2),
                                       ctx=run_ctx, impl=scan, scale=scale,
-                                      **decay_kwargs(module, kwargs.get("log_decay")),
+                                      **decay_kwargs(module, kwargs.get("log_decay"),
+                                                     linear_tuning),
                                       **packed)
         else:
             out = context_parallel_attention(q, key.transpose(1, 2), value.transpose(1, 2),
@@ -324,6 +328,8 @@ def prepare_model_for_cp(model, cp: Union[SPContext, dist.ProcessGroup, None], *
             or None for a single process (CP = 1: same code path, no communication).
         options: our attention options, one :class:`~megatron_patches.options.SPOptions` (e.g.
             a command line's, ``SPOptions.from_flags``); it must describe the model's layers.
+            Its ``linear_tuning`` (e.g. ``LinearTuning(op_graphs=True)``, the op replayed
+            from CUDA graphs for a host-bound eager model) reaches every linear layer's op.
             Or give its pieces instead:
         schedule: the softmax layers' :class:`~sp_attention.SoftmaxSchedule` (``CPSchedule``
             is the same class; None: ``auto``, the trainers' default
@@ -367,7 +373,8 @@ def prepare_model_for_cp(model, cp: Union[SPContext, dist.ProcessGroup, None], *
         raise ValueError(f"attention implementation {name!r} is already registered; pass an "
                          "unused name= (or leave it None for a fresh one)")
     AttentionInterface.register(name, make_cp_attention(ctx, options.softmax_schedule,
-                                                        options.context_parallel_impl))
+                                                        options.context_parallel_impl,
+                                                        options.linear_tuning))
     model.set_attn_implementation(name)
     if model.config._attn_implementation != name:
         raise RuntimeError(f"{type(model).__name__} did not switch to attention {name!r}: it does "

@@ -78,3 +78,21 @@ def test_the_packing_plan_travels_with_the_batch(monkeypatch):
     del inputs[hf_attention.PLAN_KWARG]
     assert torch.equal(model(**inputs).logits, with_plan)
     assert calls["lookup"] == 4                             # the tensor-keyed cache, per layer
+
+
+def test_linear_op_graphs_reach_the_op(monkeypatch):
+    """``--linear-op-graphs`` (``SPOptions.linear_tuning``) reaches each linear and gated
+    layer's op call as its LinearTuning; the gated layer keeps its gates unchecked (≤ 0 by
+    construction). CPU tensors run eagerly whatever the tuning says."""
+    ns = add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--sp-model-kind", "hybrid", "--sp-hybrid-pattern", "LGS", "--linear-op-graphs"])
+    options = SPOptions.from_flags(ns, num_layers=3)
+    seen = []
+    op = hf_attention.lightning_attention
+    monkeypatch.setattr(hf_attention, "lightning_attention",
+                        lambda *a, tuning=None, **kw: seen.append(tuning) or op(*a, tuning=tuning,
+                                                                                **kw))
+    model = _hybrid(options.layer_kinds)
+    prepare_model_for_cp(model, None, options=options)
+    model(torch.randint(0, 64, (1, 8)), position_ids=torch.arange(8)[None])
+    assert [(t.op_graphs, t.check_gate_values) for t in seen] == [(True, True), (True, False)]

@@ -122,3 +122,26 @@ def test_the_packing_plan_travels_with_the_batch(one_rank, monkeypatch):
     assert not hasattr(bare, PLAN_ATTRIBUTE)
     assert torch.equal(model(tok, pos, None, packed_seq_params=bare), outs[-1])
     assert calls["lookup"] == 4                           # the tensor-keyed cache, per layer
+
+
+def test_linear_op_graphs_reach_the_op(one_rank, monkeypatch):
+    """train.py's ``--linear-op-graphs`` reaches the linear and the gated layer's op call as
+    their LinearTuning (the gated one with its gate check off: ≤ 0 by construction); the
+    header says so. A model without linear layers refuses the flag by name."""
+    from sp_attention import build_sp_context
+    from sp_train.args import parse_args
+    from sp_train.progress import describe_attention
+    seen = []
+    op = core.lightning_attention
+    monkeypatch.setattr(core, "lightning_attention",
+                        lambda *a, tuning=None, **kw: seen.append(tuning) or op(*a, tuning=tuning,
+                                                                                **kw))
+    args, _, model = _train_model(["--sp-model-kind", "hybrid", "--sp-hybrid-pattern", "LG",
+                                   "--linear-op-graphs"])
+    tokens = torch.randint(0, 32, (1, args.seq_length))
+    model(tokens, torch.arange(args.seq_length)[None], None)
+    assert [(t.op_graphs, t.check_gate_values) for t in seen] == [(True, True), (True, False)]
+    assert describe_attention(args.sp_options, build_sp_context(None)).endswith(
+        ", linear ops as CUDA graphs")
+    with pytest.raises(ValueError, match="--linear-op-graphs would be ignored"):
+        parse_args(["--linear-op-graphs"])
