@@ -404,6 +404,10 @@ class TrainArgs:
         if self.cuda_graphs and self.packing == "documents":
             raise UsageError("--cuda-graphs replays fixed shapes: packed documents change "
                              "shape every batch; drop --cuda-graphs or use --packing none")
+        if self.cuda_graphs and self.linear_op_graphs:
+            raise UsageError("--cuda-graphs captures whole layers, the linear ops with them: "
+                             "--linear-op-graphs would only add its own graphs' memory; drop "
+                             "one of them")
         if self.recompute_granularity == "auto":
             given = [f"--{n.replace('_', '-')}" for n in ("recompute_method",
                                                           "recompute_num_layers",

@@ -145,3 +145,5 @@ def test_linear_op_graphs_reach_the_op(one_rank, monkeypatch):
         ", linear ops as CUDA graphs")
     with pytest.raises(ValueError, match="--linear-op-graphs would be ignored"):
         parse_args(["--linear-op-graphs"])
+    with pytest.raises(ValueError, match="would only add its own graphs' memory"):
+        parse_args(["--sp-model-kind", "linear", "--linear-op-graphs", "--cuda-graphs"])
