@@ -63,9 +63,11 @@ class LinearTuning:
             0.61–0.75; 2026-11-27): the state kernel's full-GPU pass over k and v delays the
             chunk recurrence by more than the scan it hides.
             The A/B: ``benchmarks/linear_cp.py --ab early``.
-        scan_graphs: on CUDA, replay each scan (its rounds' NCCL kernels and combines) from a
-            CUDA graph captured on its second call: one launch per scan on the host instead of
-            one batched exchange and a few combines per round (tens of µs each on these hosts).
+        scan_graphs: on CUDA, replay each scan (its rounds' NCCL kernels and combines; with
+            row splits also the folds of each leaf's rows around it) from a CUDA graph captured
+            on its second call: one launch per scan on the host instead of one batched
+            exchange and a few combines per round and ~20 small fold ops (tens of µs each on
+            these hosts; the folds inside the graph since the twelfth session, not yet timed).
             On (2 × H100, P = 2, eager: 0.42 → 0.67 of fla at 8K contiguous all-gather, 0.57 →
             0.87 at 32K zigzag Blelloch; queued unchanged; 2026-11-26). The graphs hold only
             the CP group's communicator. NCCL documents that graphs of *several* communicators

@@ -147,10 +147,8 @@ def _forward(q, k_in, v_in, g, slopes, decay: Optional[Decay], ctx: SPContext, i
     qb, kb, vb = leaf_rows(q, n * m), leaf_rows(k, n * m), leaf_rows(v, n * m)
     # a rank holding only the sequence's first leaf receives nothing (S_in = 0)
     zero_in = tuning.static_zero_paths and m == 1 and all(leaf == 0 for leaf in ctx.leaves)
-    o, S = leaves_output(
-        qb, kb, vb, decay, scale, split_rows_scan(
-            lambda b, A: scan_rows(b, A, ctx, impl, False, tuning.scan_graphs), m, False),
-        local, zero_in, tuning=tuning)
+    o, S = leaves_output(qb, kb, vb, decay, scale, _rows_scan(ctx, impl, False, m, tuning),
+                         local, zero_in, tuning=tuning)
     return o.reshape(*q.shape[:3], v.shape[-1]).to(q.dtype), S
 
 
@@ -176,10 +174,9 @@ def _backward(q, k_in, v_in, g, slopes, S, do, decay: Optional[Decay], ctx: SPCo
         # ... and one holding only its last leaf receives no gradient (G = 0)
         zero_grad = tuning.static_zero_paths and m == 1 and all(
             leaf == ctx.num_leaves - 1 for leaf in ctx.leaves)
-        grads = leaves_backward(
-            qb, kb, vb, decay, scale, S, dob, split_rows_scan(
-                lambda d, A: scan_rows(d, A, ctx, impl, True, tuning.scan_graphs), m, True),
-            local, needed, zero_grad, tuning=tuning)
+        grads = leaves_backward(qb, kb, vb, decay, scale, S, dob,
+                                _rows_scan(ctx, impl, True, m, tuning), local, needed,
+                                zero_grad, tuning=tuning)
         dq, dk, dv = (x.reshape(t.shape) for x, t in zip(grads[:3], (q, k, v)))
         dg = None if grads[3] is None else grads[3].reshape(g.shape)
     return _reduced(dq, dk, dv, dg, k_in, v_in, g)
@@ -187,6 +184,35 @@ def _backward(q, k_in, v_in, g, slopes, S, do, decay: Optional[Decay], ctx: SPCo
 
 # the op's forward and backward replayed from CUDA graphs (LinearTuning.op_graphs)
 _OP_GRAPHS = OpGraphs()
+# with row splits, each scan with its rows' folds on this rank (LinearTuning.scan_graphs)
+_ROW_SCAN_GRAPHS = OpGraphs()
+
+
+def _rows_scan(ctx: SPContext, impl: str, reverse: bool, m: int, tuning: LinearTuning):
+    """The scan callback of a rank's leaf rows ``(x [N·m, H, K, V], A [N·m, H])`` ->
+    the states entering them (``reverse``: the gradients arriving at their ends): each leaf's
+    ``m`` rows folded into the leaf's element, the cross-rank scan, the result spread back
+    over the rows (:func:`.leaves.split_rows_scan`). With ``tuning.scan_graphs`` on CUDA the
+    folds and the scan replay from one CUDA graph per signature (one launch instead of the
+    folds' ~20 small ops around the scan's own graph); with one row per leaf the scan's own
+    graph is all there is."""
+    rows = split_rows_scan(lambda x, A: scan_rows(x, A, ctx, impl, reverse, tuning.scan_graphs),
+                           m, reverse)
+    if m == 1 or not tuning.scan_graphs:
+        return rows
+
+    def graphed(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+        if not _graph_device(x):
+            return rows(x, A)
+        key = ("rows", reverse, x.shape, x.dtype, A.shape, A.dtype, x.device, ctx.group,
+               ctx.rank, ctx.world_size, ctx.layout, ctx.leaves, impl, m)
+        return _ROW_SCAN_GRAPHS(key, lambda x_, A_: (rows(x_, A_),), (x, A))[0]
+    return graphed
+
+
+def _graph_device(x: torch.Tensor) -> bool:
+    """Whether the row scans of ``x`` replay from graphs: on CUDA."""
+    return x.is_cuda
 
 
 def _graphed(tuning: LinearTuning, q: torch.Tensor, local) -> bool:

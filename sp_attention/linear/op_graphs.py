@@ -64,8 +64,9 @@ def _static(t):
 
 
 class OpGraphs:
-    """The graphs of one op, by signature. ``graph_type``: what records and replays a body
-    (:class:`CudaGraph`; the CPU tests pass a stand-in that re-runs the body)."""
+    """The graphs of one body (the op's forward or backward; a scan with its row folds), by
+    signature. ``graph_type``: what records and replays a body (:class:`CudaGraph`; the CPU
+    tests pass a stand-in that re-runs the body)."""
 
     def __init__(self, graph_type=CudaGraph, maxsize: int = MAX_SIGNATURES):
         self.graph_type = graph_type

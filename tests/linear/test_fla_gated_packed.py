@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from sp_attention import LinearTuning
 from sp_attention.linear import gated_naive as gn
 
 from sp_attention.linear.torch_ops import chunked_gated_core
@@ -110,12 +111,15 @@ def fake_kernels() -> FlaKernels:
     def chunk_bwd_dh(q, k, v, do, h0, dht, scale, g=None, g_gamma=None, gk=None, gv=None,
                      state_v_first=False, cu_seqlens=None, chunk_size=64, split_size=None,
                      states_in_fp32=False, split_offsets=None, num_splits=None):
-        assert h0 is None, "the CP backward never asks fla for dh0"
         _check_splits(cu_seqlens, chunk_size, split_offsets, num_splits)
 
         def dense(q, do, dht=None, g=None):
             nat = _natural(g, g_gamma, q.shape[0], q.shape[1], chunk_size)
             return gn.chunk_end_grads(q, do, nat, dht, scale, chunk_size)[0]
+        if h0 is not None:      # the late-gradient path: from a zero end, with the start's
+            assert dht is None and cu_seqlens is None, "dh0 only from a zero end, unpacked"
+            nat = _natural(g, g_gamma, q.shape[0], q.shape[1], chunk_size)
+            return gn.chunk_end_grads(q, do, nat, None, scale, chunk_size)
         if cu_seqlens is None:
             return dense(q, do, dht, g), None
         parts = _varlen(dense, {"q": q, "do": do, **({"g": g} if g is not None else {})},
@@ -147,10 +151,29 @@ def fake_kernels() -> FlaKernels:
         dq, dk, _, _ = _dqkdg(q, k, v, do, h, dh, None, g_gamma, scale, cu_seqlens, chunk_size)
         return dq, dk, None, None
 
+    def _with_late(q, do, dh, gc, g_gamma, G, suffix, scale, chunk_size):
+        """``dh`` from a zero end plus the gradient ``G`` arriving at the row's end, carried
+        back to every chunk's end (what our dv and dq/dk/dg kernels add in-kernel); gates
+        come with their suffix sums, fixed rates without."""
+        if G is None:
+            return dh
+        assert (suffix is not None) == (gc is not None), "gates take G with suffix sums"
+        nat = _natural(gc, g_gamma, q.shape[0], q.shape[1], chunk_size)
+        return dh + gn.chunk_end_grads(q, do, nat, G, scale, chunk_size)[0] \
+            - gn.chunk_end_grads(q, do, nat, None, scale, chunk_size)[0]
+
     def chunk_dqkdg(q, k, v, do, h, dh, gc, scale, chunk_size=64, config=None, block_k=None,
-                    cu_seqlens=None, chunk_indices=None):
-        dq, dk, _, dg = _dqkdg(q, k, v, do, h, dh, gc, None, scale, cu_seqlens, chunk_size)
+                    cu_seqlens=None, chunk_indices=None, *, g_gamma=None, G=None, suffix=None):
+        dh = _with_late(q, do, dh, gc, g_gamma, G, suffix, scale, chunk_size)
+        dq, dk, _, dg = _dqkdg(q, k, v, do, h, dh, gc, g_gamma, scale, cu_seqlens, chunk_size)
         return dq, dk, dg
+
+    def chunk_dv(q, k, do, dh, scale, chunk_size=64, *, g_gamma=None, gc=None, G=None,
+                 suffix=None, config=None):
+        dh = _with_late(q, do, dh, gc, g_gamma, G, suffix, scale, chunk_size)
+        zero = torch.zeros_like(dh)
+        return _dqkdg(q, k, torch.zeros_like(do), do, zero, dh, gc, g_gamma, scale, None,
+                      chunk_size)[2].to(do.dtype)
 
     def output_from_states(q, k, v, h, S_in, g_gamma, scale, chunk_size=64, config=None,
                            gates=None):
@@ -160,7 +183,7 @@ def fake_kernels() -> FlaKernels:
                                                chunk_size).to(v.dtype)
 
     return FlaKernels(chunk_fwd_h, chunk_fwd_o, chunk_bwd_dh, chunk_bwd_dqkwg, chunk_bwd_dv,
-                      output_from_states, decayed_sum, chunk_dqkdg)
+                      output_from_states, decayed_sum, chunk_dqkdg, chunk_dv=chunk_dv)
 
 
 def _no_streams(setattr_) -> None:
@@ -178,11 +201,13 @@ def _no_streams(setattr_) -> None:
 
 @pytest.mark.parametrize("T", [128, 100])
 @pytest.mark.parametrize("needed", [None, (False, True)])
-def test_gated_leaves_fla_path(T, needed, monkeypatch):
+@pytest.mark.parametrize("schedule", ["auto", "scan_first"])
+def test_gated_leaves_fla_path(T, needed, schedule, monkeypatch):
     """Two leaves per batch row with gates (one underflowing head, single gates of −1e2 …
     −1e30 among the others: the kernels take clamped sums) through the fla path's
     leaves_output / leaves_backward = the torch path, fp64: o, S_in, the end states and
-    contributions the scans receive, dq, dk, dv, dg."""
+    contributions the scans receive, dq, dk, dv, dg; both backward orders (``auto`` is
+    ``recurrence_first``: the gradient arriving at the rows' ends taken in-kernel)."""
     _no_streams(monkeypatch.setattr)
     from sp_attention.linear.decay import Decay
     kern = fake_kernels()
@@ -201,7 +226,8 @@ def test_gated_leaves_fla_path(T, needed, monkeypatch):
     assert_close(seen["x"][0], ref_b, TOL, "b")
     assert_close(seen["A"][0], g.sum(1).exp(), TOL, "A")
     assert_close(o, chunked_gated_core(q, k, v, g, 0.3, S, 64)[0], TOL, "o")
-    grads = leaves_backward(q, k, v, decay, 0.3, S, do, scan, kern, needed)
+    grads = leaves_backward(q, k, v, decay, 0.3, S, do, scan, kern, needed,
+                            tuning=LinearTuning(backward_schedule=schedule))
     d = gn.gated_state_grad_ref(q, do, g, 0.3)
     keep = torch.tensor(needed or (True,) * n).repeat(B)
     assert_close(seen["x"][1][keep], d[keep], TOL, "d")

@@ -123,6 +123,15 @@ def _rows_check(rank, world):
                         assert torch.isfinite(g_).all(), (name, layout, impl, rows, what)
                         assert e <= 1.5 * max(base, FLOOR), (name, layout, impl, rows, what, e,
                                                              base)
+                    # the scans and their row folds replayed from one graph (the third call)
+                    # or run eagerly: the same numbers
+                    for _ in range(2):
+                        graphed = _run(*loc, dec, ctx=ctx, impl=impl,
+                                       tuning=LinearTuning(row_splits=rows))
+                    eager = _run(*loc, dec, ctx=ctx, impl=impl,
+                                 tuning=LinearTuning(row_splits=rows, scan_graphs=False))
+                    for what, a, b in zip(("o", "dq", "dk", "dv"), graphed, eager):
+                        assert torch.equal(a, b), (name, layout, impl, rows, what)
     return errors
 
 

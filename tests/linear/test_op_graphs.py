@@ -190,3 +190,50 @@ def test_gpu_replays_equal_the_eager_op():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (device machine)")
 def test_multigpu_replays_equal_the_eager_op(world):
     assert all(run_distributed(_gpu_check, world, timeout=900, backend="nccl"))
+
+
+# ------------------------------------------------------ row splits: the folds inside the graph
+def _rows_check(rank, world):
+    """With row splits and ``scan_graphs``, each scan and its rows' folds replay from one graph
+    per direction (the stand-in here, on the fla path's orchestration with pure-torch kernels):
+    the calls A, A, B, A equal the same calls without graphs, exactly, at every rank."""
+    import torch.distributed as dist
+
+    import test_fla_orchestration as orch
+    from sp_attention.linear.attention import lightning_attention_with_kernels
+
+    def setattr_(obj, name, value):
+        setattr(obj, name, value)
+    fake = orch._install(setattr_, orch.SLOPES)
+    graphs = OpGraphs(graph_type=ReRun, maxsize=64)
+    attention_module._ROW_SCAN_GRAPHS = graphs
+    attention_module._graph_device = lambda x: True
+    group = dist.new_group(list(range(world)))
+    T = 2 * world * 384                    # zigzag leaves of 6 chunks: rows of 3
+    sets = []
+    for seed in (0, 1):
+        g = torch.Generator().manual_seed(seed)
+        sets.append([torch.randn(1, T, 3, 4, generator=g, dtype=torch.float64)
+                     for _ in range(4)])
+    for layout in ("contiguous", "zigzag"):
+        ctx = build_sp_context(group, layout=layout)
+        for impl in ("blelloch", "allgather", "ring"):
+            def run(i, graphs_on):
+                q, k, v, w = (shard_sequence(t, ctx, 1) for t in sets[i])
+                xs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+                out = lightning_attention_with_kernels(
+                    *xs, orch.SLOPES, fake, ctx=ctx, impl=impl, scale=0.5,
+                    tuning=LinearTuning(row_splits=2, scan_graphs=graphs_on))
+                (out * w).sum().backward()
+                return [out.detach()] + [x.grad for x in xs]
+            before = graphs.graphs()
+            want = [run(i, False) for i in (0, 1)]
+            for call, i in enumerate((0, 0, 1, 0)):
+                for name, a, b in zip(("o", "dq", "dk", "dv"), run(i, True), want[i]):
+                    assert torch.equal(a, b), (rank, layout, impl, call, name)
+            assert graphs.graphs() == before + 2          # forward and backward scans
+    return True
+
+
+def test_row_scan_graphs_equal_the_eager_scans():
+    assert all(run_distributed(_rows_check, 3, timeout=300))
