@@ -85,7 +85,13 @@ class OpGraphs:
         if e.graph is None:
             e.inputs = tuple(_static(t) for t in inputs)
             graph = self.graph_type()
-            e.outputs = graph.capture(lambda: fn(*e.inputs))
+            try:
+                e.outputs = graph.capture(lambda: fn(*e.inputs))
+            except RuntimeError as err:
+                self.entries.clear()
+                raise RuntimeError(f"capturing the linear op in a CUDA graph failed ({err}); "
+                                   "run it without graphs: LinearTuning(op_graphs=False, "
+                                   "scan_graphs=False)") from err
             e.graph = graph
         else:
             for buf, t in zip(e.inputs, inputs):

@@ -237,3 +237,15 @@ def _rows_check(rank, world):
 
 def test_row_scan_graphs_equal_the_eager_scans():
     assert all(run_distributed(_rows_check, 3, timeout=300))
+
+
+def test_a_failed_capture_names_the_fix():
+    class Failing(ReRun):
+        def capture(self, fn):
+            raise RuntimeError("operation not permitted when stream is capturing")
+    graphs = OpGraphs(graph_type=Failing)
+    x = torch.ones(2)
+    graphs("k", lambda t: (t + 1,), (x,))                   # eager
+    with pytest.raises(RuntimeError, match="op_graphs=False, scan_graphs=False"):
+        graphs("k", lambda t: (t + 1,), (x,))
+    assert graphs.graphs() == 0 and len(graphs.entries) == 0
