@@ -14,6 +14,8 @@ suffix-scanned into the gradient ``G`` arriving at its end on the side stream wh
 chunk states from ``S_in`` are recomputed; fla's gradient recurrence from ``G`` and its
 dq/dk/dv kernels follow.
 Only ``S_in`` per leaf is saved for backward; everything else is recomputed by the local op.
+The forward and backward bodies (:func:`_forward`, :func:`_backward`) run eagerly or, with
+``LinearTuning.op_graphs``, replayed from a CUDA graph each (:mod:`.op_graphs`).
 """
 from __future__ import annotations
 
