@@ -139,8 +139,7 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
     auto_recompute = args.recompute_granularity == "auto"
     if not auto_recompute:
         args.recompute().check_device(device.type == "cuda")
-    if args.cuda_graphs and device.type != "cuda":
-        raise UsageError("--cuda-graphs replays CUDA graphs: run on GPUs or drop it")
+    args.check_graph_flags(device.type == "cuda")
     check_loss_impl(args.loss_impl, layout.tp, device)
     resume_from = checked_resume_point(args, layout)
     if device.type != "cuda" or rank != 0:

@@ -435,6 +435,13 @@ class TrainArgs:
         if self.recompute_granularity != "auto":
             self.recompute()               # its checks, with the fix in the message
 
+    def check_graph_flags(self, cuda: bool) -> None:
+        """The flags that replay CUDA graphs need GPUs: raise naming the flag off CUDA."""
+        for flag in ("cuda_graphs", "linear_op_graphs"):
+            if getattr(self, flag) and not cuda:
+                raise UsageError(f"--{flag.replace('_', '-')} replays CUDA graphs: run on GPUs "
+                                 "or drop it")
+
     def recompute(self) -> Recompute:
         """The validated ``--recompute-*`` settings (``auto`` resolved first:
         :func:`sp_train.setup.resolve_auto_recompute`)."""

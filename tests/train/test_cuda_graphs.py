@@ -129,6 +129,11 @@ def test_refusals_name_the_fix():
         parse_args(ARGV + ["--cuda-graphs", "--recompute-granularity", "full"])
     with pytest.raises(ValueError, match="no decoder layers"):
         LayerGraphs([])
+    for flag in ("--cuda-graphs", "--linear-op-graphs"):    # off CUDA, both by name
+        args = parse_args(["--sp-model-kind", "linear", flag])
+        with pytest.raises(UsageError, match=f"{flag} replays CUDA graphs: run on GPUs"):
+            args.check_graph_flags(cuda=False)
+        args.check_graph_flags(cuda=True)
 
 
 def _train_worker(rank, world, tmp, flags):
