@@ -214,10 +214,38 @@ def device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" else "cpu"
 
 
+_SMI: list = []      # [False] once nvidia-smi was not found
+
+
+def gpu_state() -> Optional[list]:
+    """``[[index, SM MHz, °C, W], …]`` of this host's GPUs now (nvidia-smi), or None: rows
+    timed later in a sweep may run at lower clocks (heat, power), which the row then shows."""
+    if _SMI or not torch.cuda.is_available():
+        return None
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,clocks.sm,temperature.gpu,"
+                              "power.draw", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        _SMI.append(False)
+        return None
+    rows = []
+    for line in out.strip().splitlines():
+        try:
+            rows.append([float(x) for x in line.split(",")])
+        except ValueError:          # "[N/A]" fields
+            continue
+    return rows or None
+
+
 def emit(record: dict, out: Optional[str], rank: int) -> None:
     if rank != 0:
         return
     record.setdefault("torch", torch.__version__)
+    state = gpu_state()
+    if state is not None:
+        record.setdefault("gpu_state", state)
     record.setdefault("date", time.strftime("%Y-%m-%d"))
     # NCCL knobs change what overlaps what; keep them with the numbers they produced.
     nccl = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
