@@ -14,7 +14,8 @@ t_cp, with t_base the slowest rank's baseline (a CP step cannot beat its slowest
 work; for unpacked rows all ranks do the same work). `timing`: `eager` (the host enqueues
 while the GPU runs: a layer called as a model calls it), `queued` (every timed call enqueued
 behind a GPU sleep: the GPU's own time, as in a deep model whose host runs ahead).
-`ms_host_fwd_bwd`: the host's time to enqueue one fwd+bwd (GPU drained before).
+`ms_host_fwd_bwd`: the host's time to enqueue one fwd+bwd (GPU drained before), the
+baseline's too; `host_vs_base`: a CP row's over its baseline's (the issue's ≤ 1.3 ×).
 `--ab`: the same rows with a LinearTuning field flipped, or set to its other values (impl
 suffix), side by side.
 `--profile DIR`: one profiled fwd+bwd per layout and scan at the last T_local: a
@@ -186,25 +187,27 @@ class _Rows:
             torch.autograd.grad(o, self.x, self.do)
 
     def baseline(self, timer, plan) -> tuple:
-        """(name, fwd ms, fwd+bwd ms) of the single-GPU baseline, the slowest rank's."""
+        """(name, fwd ms, fwd+bwd ms, host ms per fwd+bwd or None) of the single-GPU baseline,
+        the slowest rank's."""
         if self.cu is not None and self.backend == "fla" and self.g is None:
             cu = torch.tensor(plan.local_cu_seqlens(self.rank), device=self.x[0].device)
             name = "fla_varlen"
-            tf, tfb = timer(lambda: self.fla_step(False, cu)), timer(lambda: self.fla_step(True, cu))
+            fwd, fwd_bwd = (lambda: self.fla_step(False, cu)), (lambda: self.fla_step(True, cu))
         elif self.cu is None and self.backend == "fla" and self.g is None:
             name = "fla_chunk_simple_gla"
-            tf, tfb = timer(lambda: self.fla_step(False)), timer(lambda: self.fla_step(True))
+            fwd, fwd_bwd = (lambda: self.fla_step(False)), (lambda: self.fla_step(True))
         else:       # gates (fla's gated backward is refused on Hopper) or the torch backend
             single = SPContext(None, 0, 1, (0,), "contiguous")
             local = None if plan is None else torch.tensor(plan.local_cu_seqlens(self.rank))
             name = "local_op"
-            tf = timer(lambda: self.step(single, "ring", False, plan=local))
-            tfb = timer(lambda: self.step(single, "ring", True, plan=local))
-        t = torch.tensor([tf, tfb], dtype=torch.float64,
+            fwd = lambda: self.step(single, "ring", False, plan=local)      # noqa: E731
+            fwd_bwd = lambda: self.step(single, "ring", True, plan=local)   # noqa: E731
+        host = host_ms(fwd_bwd) if self.dev == "cuda" else 0.0
+        t = torch.tensor([timer(fwd), timer(fwd_bwd), host], dtype=torch.float64,
                          device=self.x[0].device if self.dev == "cuda" else "cpu")
         if self.world > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return name, float(t[0]), float(t[1])
+        return name, float(t[0]), float(t[1]), float(t[2]) if self.dev == "cuda" else None
 
     def run(self, base: dict, mode: str, profile: bool) -> None:
         a = self.a
@@ -232,7 +235,8 @@ class _Rows:
                     if (comm, layout) not in refs:
                         refs[comm, layout] = ref = self.baseline(self.timer(mode), plan)
                         emit(dict(base, impl=ref[0], layout=layout, world=1, ms_fwd=ref[1],
-                                  ms_fwd_bwd=ref[2], ratio=1.0), a.out, self.rank)
+                                  ms_fwd_bwd=ref[2], ms_host_fwd_bwd=ref[3], ratio=1.0), a.out,
+                             self.rank)
                     for impl in a.impls:
                         t = replace(tuning, side_stream_priority=0) if comm == "side0" \
                             else tuning
@@ -251,7 +255,8 @@ class _Rows:
         rec = dict(base, impl=impl + suffix, layout=ctx.layout, ms_fwd=tf, ms_fwd_bwd=tfb,
                    ms_host_fwd_bwd=host, mtok_s=world * T / tfb / 1e3,
                    baseline=f"{world} x {ref[0]}", ms_base_fwd_bwd=ref[2], ratio=ref[2] / tfb,
-                   ratio_fwd=ref[1] / tf)
+                   ratio_fwd=ref[1] / tf,
+                   host_vs_base=host / ref[3] if host is not None and ref[3] else None)
         if mode == "queued":
             rec["host_ahead_lost"] = host_ahead_lost()
         emit(rec, a.out, self.rank)
