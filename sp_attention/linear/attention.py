@@ -206,8 +206,8 @@ def _rows_scan(ctx: SPContext, impl: str, reverse: bool, m: int, tuning: LinearT
     def graphed(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
         if not _graph_device(x):
             return rows(x, A)
-        key = ("rows", reverse, x.shape, x.dtype, A.shape, A.dtype, x.device, ctx.group,
-               ctx.rank, ctx.world_size, ctx.layout, ctx.leaves, impl, m)
+        key = ("rows", reverse, x.shape, x.dtype, A.shape, A.dtype, x.device, _ctx_key(ctx),
+               impl, m)
         return _ROW_SCAN_GRAPHS(key, lambda x_, A_: (rows(x_, A_),), (x, A))[0]
     return graphed
 
@@ -222,11 +222,16 @@ def _graphed(tuning: LinearTuning, q: torch.Tensor, local) -> bool:
     return tuning.op_graphs and q.is_cuda and local != "torch"
 
 
+def _ctx_key(ctx: SPContext) -> tuple:
+    """What of ``ctx`` a graph depends on (its group's communicator, this rank's leaves)."""
+    return ctx.group, ctx.rank, ctx.world_size, ctx.layout, ctx.leaves
+
+
 def _graph_key(role: str, tensors: tuple, ctx: SPContext, impl: str, scale: float, local,
                tuning: LinearTuning, m: int) -> tuple:
     return (role, tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors),
-            ctx.group, ctx.rank, ctx.world_size, ctx.layout, ctx.leaves, impl, scale,
-            local if isinstance(local, str) else id(local), tuning, m)
+            _ctx_key(ctx), impl, scale, local if isinstance(local, str) else id(local), tuning,
+            m)
 
 
 class _LightningAttention(torch.autograd.Function):

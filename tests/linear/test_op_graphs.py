@@ -55,13 +55,16 @@ def _inputs(T, H, seed, gated, Hkv=None):
     return q, k, v, do, decay
 
 
-def _step(q, k, v, do, decay, ctx, impl, tuning):
-    xs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+def _step(q, k, v, do, decay, ctx, impl, tuning, dtype=None, backend="torch"):
+    """One forward + backward: ``[o, dq, dk, dv(, dg)]``; q, k, v, dO in ``dtype`` (None: as
+    given), gates as given."""
+    dtype = q.dtype if dtype is None else dtype
+    xs = [t.detach().to(dtype).clone().requires_grad_(True) for t in (q, k, v)]
     gated = decay.dim() > 1
-    g = decay.clone().requires_grad_(True) if gated else None
+    g = decay.detach().clone().requires_grad_(True) if gated else None
     o = lightning_attention(*xs, None if gated else decay, g=g, ctx=ctx, impl=impl,
-                            tuning=tuning, backend="torch")
-    o.backward(do)
+                            tuning=tuning, backend=backend)
+    o.backward(do.to(dtype))
     return [o.detach()] + [x.grad for x in xs] + ([g.grad] if gated else [])
 
 
@@ -133,13 +136,7 @@ def test_op_graphs_must_be_a_bool():
 
 # ------------------------------------------------------------------------------ the device
 def _gpu_step(q, k, v, do, decay, ctx, impl, tuning):
-    xs = [t.detach().to(torch.bfloat16).clone().requires_grad_(True) for t in (q, k, v)]
-    gated = decay.dim() > 1
-    g = decay.detach().clone().requires_grad_(True) if gated else None
-    o = lightning_attention(*xs, None if gated else decay, g=g, ctx=ctx, impl=impl,
-                            tuning=tuning)
-    o.backward(do.to(torch.bfloat16))
-    return [o.detach()] + [x.grad for x in xs] + ([g.grad] if gated else [])
+    return _step(q, k, v, do, decay, ctx, impl, tuning, torch.bfloat16, None)
 
 
 def _gpu_check(rank, world):
