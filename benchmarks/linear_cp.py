@@ -52,6 +52,8 @@ GATED_AB = ("serial", "op_graphs")     # the flags that also apply with per-toke
 # --ab NAME for a field with several values: (LinearTuning field, ((value, impl suffix), ...))
 AB_VALUES = {"backward": ("backward_schedule", (("recurrence_first", "-recfirst"),
                                                 ("scan_first", "-scanfirst"))),
+             "forward": ("forward_schedule", (("output_first", "-outfirst"),
+                                              ("states_first", "-statesfirst"))),
              "row_splits": ("row_splits", ((1, "-rows1"), (2, "-rows2"), (4, "-rows4")))}
 
 

@@ -96,6 +96,17 @@ class LinearTuning:
             and layouts (4 × H200, P = 4, 2026-11-27, queued; before both changes it was
             neutral queued and lower eager, and ``auto`` kept gates on ``scan_first``). The
             A/B: ``benchmarks/linear_cp.py --ab backward``.
+        forward_schedule: how the forward meets the state ``S_in`` entering a leaf from
+            earlier ranks (rows of leaves on the fla path; packed documents and the torch
+            path unaffected). ``"states_first"``: the output kernel waits for the scan and adds
+            ``λ^(n·C) S_in`` to every chunk state before its GEMMs (one kernel after the
+            scan). ``"output_first"``: the output from the zero-start chunk states runs while
+            the scan is in flight, and ``scale · λ^(t+1) q_t S_in`` is added afterwards
+            (:func:`.linear.kernels.add_entering_state`: one more read of q and read and write
+            of the output, chunks whose weights underflow to 0 skipped), so only that pass
+            waits for the scan; the output is rounded once more (bf16: within the kernels'
+            rounding). ``"auto"``: ``states_first`` (not yet measured on GPUs). The A/B:
+            ``benchmarks/linear_cp.py --ab forward``.
         row_splits: on the fla path, each leaf runs as this many rows of equal length (whole
             chunks), the rows' states combined on the rank before and after the cross-rank
             scan (:func:`.linear.leaves.split_rows_scan`): fla's chunk recurrences run one
@@ -130,10 +141,12 @@ class LinearTuning:
     early_end_states: bool = False
     scan_graphs: bool = True
     backward_schedule: str = "auto"
+    forward_schedule: str = "auto"
     row_splits: Optional[int] = None
     op_graphs: bool = False
 
     BACKWARD_SCHEDULES = ("auto", "scan_first", "recurrence_first")
+    FORWARD_SCHEDULES = ("auto", "states_first", "output_first")
 
     def __post_init__(self) -> None:
         _check_bools(self, "static_zero_paths", "concurrent_recurrences", "check_every_call",
@@ -141,6 +154,9 @@ class LinearTuning:
         if self.backward_schedule not in self.BACKWARD_SCHEDULES:
             raise ValueError(f"LinearTuning.backward_schedule must be one of "
                              f"{self.BACKWARD_SCHEDULES}, got {self.backward_schedule!r}")
+        if self.forward_schedule not in self.FORWARD_SCHEDULES:
+            raise ValueError(f"LinearTuning.forward_schedule must be one of "
+                             f"{self.FORWARD_SCHEDULES}, got {self.forward_schedule!r}")
         if self.row_splits is not None and (not is_int(self.row_splits) or self.row_splits < 1):
             raise ValueError("LinearTuning.row_splits must be a positive int (rows per leaf on "
                              f"the fla path) or None (the built-in rule), got {self.row_splits!r}")

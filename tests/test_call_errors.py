@@ -127,6 +127,8 @@ def test_tuning_is_validated():
         LinearTuning(static_zero_paths=1)
     with pytest.raises(ValueError, match=r"backward_schedule must be one of \('auto', "):
         LinearTuning(backward_schedule="sum_beside")
+    with pytest.raises(ValueError, match=r"forward_schedule must be one of \('auto', "):
+        LinearTuning(forward_schedule="scan_first")
     with pytest.raises(ValueError, match="min_query_heads_per_call"):
         SoftmaxTuning(min_query_heads_per_call=0)
     for bad in (0, 2.0, True):

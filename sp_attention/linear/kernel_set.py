@@ -39,6 +39,10 @@ class FlaKernels:
     dq/dk of a late gradient). ``chunk_dv``: our dv kernel that takes the gradient arriving at
     the rows' ends in-kernel (:func:`sp_attention.linear.dv_kernel.chunk_dv`; None: a set
     without it cannot run ``LinearTuning.backward_schedule`` other than ``"scan_first"``).
+    ``entering_state(o, q, S_in, g_gamma, scale, chunk_size, gates=None)``: adds the entering
+    state's part to a zero-start output in place
+    (:func:`sp_attention.linear.kernels.add_entering_state`; None: a set without it cannot run
+    ``LinearTuning.forward_schedule="output_first"``).
     :func:`fla_kernels` gives the real set;
     another set runs the fla path's orchestration with other implementations (the CPU tests
     pass pure-torch stand-ins to :mod:`.leaves` and to
@@ -54,6 +58,7 @@ class FlaKernels:
     state_sum: Callable
     chunk_dqkdg: Optional[Callable] = None
     chunk_dv: Optional[Callable] = None
+    entering_state: Optional[Callable] = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -72,13 +77,14 @@ def fla_kernels() -> FlaKernels:
 
     from .dqk_kernel import chunk_dqkdg
     from .dv_kernel import chunk_dv
-    from .kernels import output_from_states
+    from .kernels import add_entering_state, output_from_states
     install_once()      # shipped autotune results: a fresh machine's first step in seconds
     fwd_o, dqkwg, dv = (inspect.unwrap(f) for f in (chunk_fwd_o, chunk_bwd_dqkwg, chunk_bwd_dv))
     # the chunk-state kernels through our launchers: no device sync for varlen sequences
     return FlaKernels(fla_states.chunk_fwd_h, fwd_o, fla_states.chunk_bwd_dh, dqkwg, dv,
                       output_from_states=output_from_states, state_sum=decayed_sum,
-                      chunk_dqkdg=chunk_dqkdg, chunk_dv=chunk_dv)
+                      chunk_dqkdg=chunk_dqkdg, chunk_dv=chunk_dv,
+                      entering_state=add_entering_state)
 
 
 def resolve_kernels(backend: Union[None, str, FlaKernels], q: torch.Tensor,

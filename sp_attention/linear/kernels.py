@@ -14,14 +14,19 @@ state in fp32 before the output GEMMs. Per (V tile, chunk, batch·head) program:
     state = h_n + λ^(n·BT) S_in                 (fp32, rounded to the input dtype once)
     o_i   = scale · ( λ^(i+1) q_i state + Σ_{j<=i} λ^(i−j) (q_i·k_j) v_j )
 
+``add_entering_state``: the other order (``LinearTuning.forward_schedule="output_first"``): the
+output from the zero-start states runs while the scan is in flight, and this kernel adds
+``scale · λ^(t+1) q_t S_in`` afterwards — one read of q, one read and write of o, and chunks
+whose weights underflow to 0 skipped.
+
 ``decayed_state_sum``: ``Σ_t λ^(base + step·t) x_tᵀ y_t`` per (batch, head) in fp32 — the
 leaf's zero-start end state (``x = k, y = v``, weights ``λ^(C−1−t)``) or its state-gradient
 contribution (``x = q, y = dO``, weights ``λ^(t+1)``). One read of x and y (a GEMM over
 torch would first write the weighted x), split over the sequence for parallelism; the
 split partial sums are added in a fixed order (deterministic).
 
-Layers: these kernels → :func:`output_from_states` (launcher) → the leaf routines of
-:mod:`sp_attention.linear.leaves` → :func:`sp_attention.linear.lightning_attention`.
+Layers: these kernels → :func:`output_from_states`, :func:`add_entering_state` (launchers) →
+the leaf routines of :mod:`sp_attention.linear.leaves` → :func:`sp_attention.linear.lightning_attention`.
 References: :func:`sp_attention.linear.naive.output_from_states_ref` and
 :func:`sp_attention.linear.naive.decayed_state_sum_ref`. Decays are ``exp2`` of
 ``g_gamma = −slope / ln 2`` times integer positions (fla's convention, see ``fla_ops.py``).
@@ -62,7 +67,8 @@ _CONFIGS = [OUTPUT_CANDIDATES[9], OUTPUT_CANDIDATES[8]]
 def _output_from_states_kernel(q, k, v, h, s_in, g_gamma, gc, prefix, o, scale, T, NT,
                                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                               PRECISION: tl.constexpr, USE_G: tl.constexpr):
+                               PRECISION: tl.constexpr, USE_G: tl.constexpr,
+                               HAS_S: tl.constexpr = True):
     i_v = tl.program_id(0)
     i_t = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
@@ -100,8 +106,9 @@ def _output_from_states_kernel(q, k, v, h, s_in, g_gamma, gc, prefix, o, scale, 
                       mask=m_k[:, None] & m_t[None, :], other=0.0)
         p_s = o_k[:, None] * V + o_v[None, :]
         m_s = m_k[:, None] & m_v[None, :]
-        b_s = tl.load(h + p_s, mask=m_s, other=0.0).to(tl.float32) \
-            + carry * tl.load(s_in + p_s, mask=m_s, other=0.0)
+        b_s = tl.load(h + p_s, mask=m_s, other=0.0).to(tl.float32)
+        if HAS_S:                                       # else the zero-start output
+            b_s += carry * tl.load(s_in + p_s, mask=m_s, other=0.0)
         b_o = tl.dot(b_q, b_s.to(b_q.dtype), b_o, input_precision=PRECISION)
         b_A = tl.dot(b_q, b_k, b_A, input_precision=PRECISION)
 
@@ -119,19 +126,20 @@ def _output_from_states_kernel(q, k, v, h, s_in, g_gamma, gc, prefix, o, scale, 
 # Autotuned on the GPU; Triton's CPU interpreter has no benchmarker, so there the first config
 # is used as it is.
 _output_from_states_tuned = triton.autotune(configs=_CONFIGS,
-                                           key=["H", "K", "V", "BT", "PRECISION", "USE_G"])(
-    _output_from_states_kernel)
+                                           key=["H", "K", "V", "BT", "PRECISION", "USE_G",
+                                                "HAS_S"])(_output_from_states_kernel)
 
 
 def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor,
-                       S_in: torch.Tensor, g_gamma: torch.Tensor | None, scale: float,
+                       S_in: torch.Tensor | None, g_gamma: torch.Tensor | None, scale: float,
                        chunk_size: int = 64, config: int | None = None,
                        gates: GateSums | None = None) -> torch.Tensor:
     """Launch the kernel: ``o [B, T, H, V]`` in ``v.dtype``.
 
     q, k ``[B, T, H, K]``, v ``[B, T, H, V]`` contiguous; ``h [B, N, H, K, V]`` the zero-start
     states entering each chunk (``N = ceil(T / chunk_size)``, fla's ``chunk_fwd_h`` layout, any
-    float dtype); ``S_in [B, H, K, V]`` fp32, the state entering the leaf; ``g_gamma [H]`` fp32
+    float dtype); ``S_in [B, H, K, V]`` fp32, the state entering the leaf (None: the zero-start
+    output, fla's ``chunk_fwd_o``, :func:`add_entering_state` adds the rest); ``g_gamma [H]`` fp32
     log2 decay per token (``−slope / ln 2``). ``config``: index into
     :data:`OUTPUT_CANDIDATES` (default: autotuned over the offered :data:`_CONFIGS` on
     the GPU, their first in Triton's CPU interpreter). ``gates``: per-token decays
@@ -143,13 +151,13 @@ def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: tor
     V = v.shape[-1]
     N = triton.cdiv(T, chunk_size)
     for name, t in (("q", q), ("k", k), ("v", v), ("h", h), ("S_in", S_in)):
-        if not t.is_contiguous():
+        if t is not None and not t.is_contiguous():
             raise ValueError(f"output_from_states: {name} must be contiguous")
     if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
     if tuple(h.shape) != (B, N, H, K, V):
         raise ValueError(f"h must be [B, N, H, K, V] = {(B, N, H, K, V)}, got {tuple(h.shape)}")
-    if tuple(S_in.shape) != (B, H, K, V) or S_in.dtype != torch.float32:
+    if S_in is not None and (tuple(S_in.shape) != (B, H, K, V) or S_in.dtype != torch.float32):
         raise ValueError(f"S_in must be fp32 [B, H, K, V] = {(B, H, K, V)}, got "
                          f"{S_in.dtype} {tuple(S_in.shape)}")
     o = torch.empty_like(v)
@@ -160,7 +168,7 @@ def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: tor
     if (gates is None) == (g_gamma is None):
         raise ValueError("output_from_states: pass exactly one of g_gamma and gates")
     gc, prefix = (gates.gc, gates.prefix) if gates is not None else (g_gamma, g_gamma)
-    args = (q, k, v, h, S_in, g_gamma, gc, prefix, o, float(scale), T, N)
+    args = (q, k, v, h, h if S_in is None else S_in, g_gamma, gc, prefix, o, float(scale), T, N)
     # fp32 inputs get IEEE fp32 dots (fp32-accurate results); Triton's default for fp32 is
     # TF32 (10-bit mantissa: ~1.5e-3 relative RMS on an H200). 16-bit inputs are unaffected.
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -170,10 +178,114 @@ def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: tor
             cfg = _CONFIGS[0] if config is None else OUTPUT_CANDIDATES[config]
             _output_from_states_kernel[grid(cfg.kwargs)](
                 *args, H=H, K=K, V=V, BT=chunk_size, PRECISION=prec, USE_G=gates is not None,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)
+                HAS_S=S_in is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **cfg.kwargs)
         else:
             _output_from_states_tuned[grid](*args, H=H, K=K, V=V, BT=chunk_size, PRECISION=prec,
-                                            USE_G=gates is not None)
+                                            USE_G=gates is not None, HAS_S=S_in is not None)
+    return o
+
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def _entering_state_kernel(q, s_in, g_gamma, gc, prefix, o, scale, T, NT,
+                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                           PRECISION: tl.constexpr, USE_G: tl.constexpr):
+    i_v = tl.program_id(0)
+    i_t = tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    tok0 = i_b * T
+    q += (tok0 * H + i_h) * K
+    o += (tok0 * H + i_h) * V
+    s_in += i_bh * K * V
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    if USE_G:
+        # the leaf's log2 gate sum before chunk n plus the chunk-local inclusive sums
+        b_g = tl.load(gc + (tok0 + o_t) * H + i_h, mask=m_t, other=0.0)
+        before = tl.load(prefix + ((i_b * NT + i_t - 1) * H + i_h), mask=i_t > 0, other=0.0)
+        b_g = before + b_g
+    else:
+        gamma = tl.load(g_gamma + i_h).to(tl.float32)  # log2 of the per-token decay (<= 0)
+        b_g = gamma * (o_t + 1).to(tl.float32)          # log2 λ^(t+1)
+    # rows past T masked before exp2; decays <= 1, so the block's first row weighs the most:
+    # a block whose weights all underflow to 0 in fp32 adds exactly nothing and is skipped
+    w = tl.where(m_t, tl.exp2(tl.where(m_t, b_g, 0.0)), 0.0) * scale
+    if tl.max(w, axis=0) > 0.0:
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        acc = tl.zeros([BT, BV], dtype=tl.float32)
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            b_q = tl.load(q + o_t[:, None] * (H * K) + o_k[None, :],
+                          mask=m_t[:, None] & m_k[None, :], other=0.0)
+            b_s = tl.load(s_in + o_k[:, None] * V + o_v[None, :],
+                          mask=m_k[:, None] & m_v[None, :], other=0.0)
+            acc = tl.dot(b_q, b_s.to(b_q.dtype), acc, input_precision=PRECISION)
+        p_o = o_t[:, None] * (H * V) + o_v[None, :]
+        m_o = m_t[:, None] & m_v[None, :]
+        b_o = tl.load(o + p_o, mask=m_o, other=0.0).to(tl.float32) + acc * w[:, None]
+        tl.store(o + p_o, b_o.to(o.dtype.element_ty), mask=m_o)
+
+
+# Candidate configs (BK, BV, warps, stages) of the entering state's part; the first is what
+# Triton's CPU interpreter runs. Append only: tests name candidates by index.
+ENTERING_CANDIDATES = [
+    triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=st)
+    for bk, bv, w, st in ((64, 64, 4, 2), (128, 64, 4, 1), (128, 128, 8, 1), (64, 128, 4, 2))
+]
+_entering_state_tuned = triton.autotune(configs=ENTERING_CANDIDATES,
+                                        key=["H", "K", "V", "BT", "PRECISION", "USE_G"],
+                                        restore_value=["o"])(_entering_state_kernel)
+
+
+def add_entering_state(o: torch.Tensor, q: torch.Tensor, S_in: torch.Tensor,
+                       g_gamma: torch.Tensor | None, scale: float, chunk_size: int = 64,
+                       config: int | None = None, gates: GateSums | None = None
+                       ) -> torch.Tensor:
+    """Add the part of a leaf's output that the state entering it makes, in place:
+    ``o_t += scale · λ^(t+1) q_t S_in`` (gates: ``exp2(prefix_{n−1} + gc_t)`` for token t of
+    chunk n) — ``o`` from the zero-start states (fla's ``chunk_fwd_o``) then equals
+    :func:`output_from_states` with ``S_in``. Returns ``o``.
+
+    o ``[B, T, H, V]`` and q ``[B, T, H, K]`` contiguous; ``S_in [B, H, K, V]`` fp32, rounded to
+    q's dtype for the tensor-core product as :func:`output_from_states` rounds its states;
+    the product is weighted and added in fp32, and ``o`` is rounded once more. Chunks of
+    ``chunk_size`` tokens whose weights all underflow to 0 in fp32 (fast decays, long leaves)
+    are skipped: they add exactly nothing. ``config``: index into
+    :data:`ENTERING_CANDIDATES` (default: autotuned on the GPU, the first in Triton's CPU
+    interpreter)."""
+    B, T, H, K = q.shape
+    V = o.shape[-1]
+    N = triton.cdiv(T, chunk_size)
+    for name, t in (("o", o), ("q", q), ("S_in", S_in)):
+        if not t.is_contiguous():
+            raise ValueError(f"add_entering_state: {name} must be contiguous")
+    if o.shape[:3] != q.shape[:3]:
+        raise ValueError(f"add_entering_state: o {tuple(o.shape)} and q {tuple(q.shape)} disagree")
+    if tuple(S_in.shape) != (B, H, K, V) or S_in.dtype != torch.float32:
+        raise ValueError(f"S_in must be fp32 [B, H, K, V] = {(B, H, K, V)}, got "
+                         f"{S_in.dtype} {tuple(S_in.shape)}")
+    if (gates is None) == (g_gamma is None):
+        raise ValueError("add_entering_state: pass exactly one of g_gamma and gates")
+    gc, prefix = (gates.gc, gates.prefix) if gates is not None else (g_gamma, g_gamma)
+
+    def grid(meta):
+        return (triton.cdiv(V, meta["BV"]), N, B * H)
+    args = (q, S_in, g_gamma, gc, prefix, o, float(scale), T, N)
+    kw = dict(H=H, K=K, V=V, BT=chunk_size, PRECISION="ieee" if q.dtype == torch.float32
+              else "tf32", USE_G=gates is not None)
+    guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
+    with guard:
+        if config is not None or os.environ.get("TRITON_INTERPRET") == "1":
+            cfg = ENTERING_CANDIDATES[config or 0]
+            _entering_state_kernel[grid(cfg.kwargs)](
+                *args, **kw, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)
+        else:
+            _entering_state_tuned[grid](*args, **kw)
     return o
 
 

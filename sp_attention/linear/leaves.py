@@ -33,7 +33,8 @@ from .leaf import leaf_backward, leaf_output, leaf_state
 from .local import LateGradient, chunk_states, local_backward
 from .state_sum import decayed_sum
 
-__all__ = ["leaves_output", "leaves_backward", "state_dtype", "sm_count", "split_rows_scan"]
+__all__ = ["leaves_output", "leaves_backward", "state_dtype", "sm_count", "split_rows_scan",
+           "forward_schedule", "backward_schedule"]
 
 _DEFAULT = LinearTuning()
 # Streams made once per (stream factory, device, role, priority), not per call; the factory is
@@ -78,9 +79,11 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
     C is a multiple of the chunk or the decay is gated, otherwise ``b`` comes from the
     one-pass state kernel, run with the scan on the side stream beside the recurrence. The
     output kernel (:func:`sp_attention.linear.kernels.output_from_states`) then adds
-    ``λ^(n·BT) S_in`` (gates: ``exp2(prefix) S_in``) to each chunk state. ``zero_in``: no state
+    ``λ^(n·BT) S_in`` (gates: ``exp2(prefix) S_in``) to each chunk state; with
+    ``tuning.forward_schedule`` ``"output_first"`` the zero-start output runs while the scan
+    travels and ``kern.entering_state`` adds ``S_in``'s part after it. ``zero_in``: no state
     enters any leaf (this rank holds only the sequence's first leaf): the zero-start states
-    are the states, fla's own output kernel runs at once and the scan (this rank only sends)
+    are the states, the zero-start output runs at once and the scan (this rank only sends)
     is joined afterwards. torch: ``b``, the scan, then the chunked form.
     ``tuning.side_stream_priority``: the scan stream's priority. ``backend``: ``"torch"``,
     ``"fla"``, None (fla where it can run) or a
@@ -114,17 +117,31 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
                 lambda _: with_A(kern.state_sum(k, v, decay, k.shape[1] - 1, -1, 1.0)), None,
                 q.device, prio)
             h, _ = chunk_states(kern, k, v, fkw)
-        if zero_in:
-            o = kern.chunk_fwd_o(q=q, k=k, v=v, h=h, scale=float(scale), chunk_size=CHUNK,
-                                 **fkw)
-            main.wait_stream(side)          # the send finishes behind the output kernel
-            return o, S_in
+        gates = decay.sums if decay.gated else None
+        g_gamma = None if decay.gated else fkw["g_gamma"]
+        if zero_in or forward_schedule(tuning, kern) == "output_first":
+            # the output from the zero-start states while the scan is in flight
+            o = kern.output_from_states(q, k, v, h, None, g_gamma, scale, CHUNK, gates=gates)
+            main.wait_stream(side)          # (zero_in: the send finishes behind the kernel)
+            if zero_in:
+                return o, S_in
+            S_in = S_in.contiguous()
+            return kern.entering_state(o, q, S_in, g_gamma, scale, CHUNK, gates=gates), S_in
         main.wait_stream(side)
         S_in = S_in.contiguous()
-        if decay.gated:
-            return kern.output_from_states(q, k, v, h, S_in, None, scale, CHUNK,
-                                           gates=decay.sums), S_in
-        return kern.output_from_states(q, k, v, h, S_in, fkw["g_gamma"], scale, CHUNK), S_in
+        return kern.output_from_states(q, k, v, h, S_in, g_gamma, scale, CHUNK,
+                                       gates=gates), S_in
+
+
+def forward_schedule(tuning: LinearTuning, kern: FlaKernels) -> str:
+    """``tuning.forward_schedule`` with ``"auto"`` resolved (the measured pick:
+    :class:`~sp_attention.tuning.LinearTuning`); a kernel set without ``entering_state``
+    cannot run ``"output_first"`` and says so."""
+    schedule = "states_first" if tuning.forward_schedule == "auto" else tuning.forward_schedule
+    if schedule == "output_first" and kern.entering_state is None:
+        raise ValueError("LinearTuning.forward_schedule='output_first' needs a kernel set with "
+                         "entering_state; pass forward_schedule='states_first'")
+    return schedule
 
 
 @functools.lru_cache(maxsize=64)      # one entry per CUDA device index

@@ -179,11 +179,23 @@ def fake_kernels() -> FlaKernels:
                            gates=None):
         nat = _natural(None if gates is None else gates.gc, g_gamma, q.shape[0], q.shape[1],
                        chunk_size)
+        if S_in is None:                # the zero-start output
+            S_in = h.new_zeros(h.shape[0], *h.shape[2:])
         return gn.gated_output_from_states_ref(q, k, v, h, S_in, nat, scale,
                                                chunk_size).to(v.dtype)
 
+    def entering_state(o, q, S_in, g_gamma, scale, chunk_size=64, gates=None):
+        # o_t += scale · exp(Σ_{s<=t} g_s) q_t S_in, the row's inclusive natural-log gate sum
+        nat = _natural(None if gates is None else gates.gc, g_gamma, q.shape[0], q.shape[1],
+                       chunk_size)
+        w = nat.double().cumsum(1).exp()
+        o += (scale * torch.einsum("nthk,nhkv->nthv", q.double() * w[..., None],
+                                   S_in.double())).to(o.dtype)
+        return o
+
     return FlaKernels(chunk_fwd_h, chunk_fwd_o, chunk_bwd_dh, chunk_bwd_dqkwg, chunk_bwd_dv,
-                      output_from_states, decayed_sum, chunk_dqkdg, chunk_dv=chunk_dv)
+                      output_from_states, decayed_sum, chunk_dqkdg, chunk_dv=chunk_dv,
+                      entering_state=entering_state)
 
 
 def _no_streams(setattr_) -> None:
@@ -207,7 +219,9 @@ def test_gated_leaves_fla_path(T, needed, schedule, monkeypatch):
     −1e30 among the others: the kernels take clamped sums) through the fla path's
     leaves_output / leaves_backward = the torch path, fp64: o, S_in, the end states and
     contributions the scans receive, dq, dk, dv, dg; both backward orders (``auto`` is
-    ``recurrence_first``: the gradient arriving at the rows' ends taken in-kernel)."""
+    ``recurrence_first``: the gradient arriving at the rows' ends taken in-kernel), each with
+    one forward order (``auto`` with ``output_first``: the zero-start output, then the entering
+    state's part)."""
     _no_streams(monkeypatch.setattr)
     from sp_attention.linear.decay import Decay
     kern = fake_kernels()
@@ -221,7 +235,9 @@ def test_gated_leaves_fla_path(T, needed, schedule, monkeypatch):
         seen.setdefault("x", []).append(x)
         seen.setdefault("A", []).append(A)
         return S if len(seen["x"]) == 1 else G
-    o, S_got = leaves_output(q, k, v, decay, 0.3, scan, kern)
+    order = "output_first" if schedule == "auto" else "states_first"
+    o, S_got = leaves_output(q, k, v, decay, 0.3, scan, kern,
+                             tuning=LinearTuning(forward_schedule=order))
     ref_b = chunked_gated_core(k, k, v, g, 1.0, None, 64)[1]
     assert_close(seen["x"][0], ref_b, TOL, "b")
     assert_close(seen["A"][0], g.sum(1).exp(), TOL, "A")

@@ -134,8 +134,19 @@ def _fake_fla(slopes: torch.Tensor) -> FlaKernels:
 
     def output_from_states(q, k, v, h, S_in, g_gamma, scale, chunk_size=64, config=None,
                            gates=None):
-        log("output_from_states")
+        log("output_from_states" if S_in is not None else "zero_start_output")
+        if S_in is None:
+            S_in = torch.zeros_like(h[:, 0])
         return output_from_states_ref(q, k, v, h, S_in, slopes, scale, chunk_size).to(v.dtype)
+
+    def entering_state(o, q, S_in, g_gamma, scale, chunk_size=64, gates=None):
+        # o_t += scale · λ^(t+1) q_t S_in
+        log("entering_state")
+        assert gates is None and g_gamma is not None
+        t = torch.arange(1, q.shape[1] + 1, dtype=q.dtype)
+        w = torch.exp(-slopes[None, :] * t[:, None])          # [C, H]
+        o += scale * torch.einsum("nthk,nhkv->nthv", q * w[None, :, :, None], S_in)
+        return o
 
     def state_sum(x, y, slopes_, base, step, scale=1.0, gates=None):
         # the one-pass state kernel: a leaf's end state (base C-1, step -1) or its
@@ -144,7 +155,8 @@ def _fake_fla(slopes: torch.Tensor) -> FlaKernels:
         return decayed_sum(x, y, slopes_, base, step, scale)
 
     return FlaKernels(chunk_fwd_h, chunk_fwd_o, chunk_bwd_dh, chunk_bwd_dqkwg, chunk_bwd_dv,
-                      output_from_states, state_sum, chunk_dqkdg=chunk_dqkdg, chunk_dv=chunk_dv)
+                      output_from_states, state_sum, chunk_dqkdg=chunk_dqkdg, chunk_dv=chunk_dv,
+                      entering_state=entering_state)
 
 
 def _install(setattr_, slopes: torch.Tensor) -> FlaKernels:
@@ -191,14 +203,15 @@ def _joined(streams=("side", "rec")) -> None:
 @pytest.mark.parametrize("T", [128, 100])      # whole chunks (end state from the recurrence)
 @pytest.mark.parametrize("zero_in", [False, True])   # and a partial last one (state kernel)
 @pytest.mark.parametrize("early", [False, True])     # LinearTuning.early_end_states
-def test_leaves_output_fla_path(T, zero_in, early, monkeypatch):
+@pytest.mark.parametrize("order", ["states_first", "output_first"])   # .forward_schedule
+def test_leaves_output_fla_path(T, zero_in, early, order, monkeypatch):
     fake = _install(monkeypatch.setattr, SLOPES)
     q, k, v, _, S, _ = _data(2, T)
     S = torch.zeros_like(S) if zero_in else S
     seen = {}
     scan = _scan_returning(S, seen)
     o, S_got = leaves_output(q, k, v, SLOPES, 0.3, scan, fake, zero_in=zero_in,
-                             tuning=LinearTuning(early_end_states=early))
+                             tuning=LinearTuning(early_end_states=early, forward_schedule=order))
     assert_close(seen["x"], chunked_core(k, k, v, SLOPES, 1.0, None, 64)[1], TOL, "end state")
     assert_close(o, chunked_core(q, k, v, SLOPES, 0.3, S, 64)[0], TOL, "o")
     assert S_got is S or torch.equal(S_got, S)
@@ -206,10 +219,18 @@ def test_leaves_output_fla_path(T, zero_in, early, monkeypatch):
     # b: the recurrence's final state for whole chunks, else (or early) the state kernel
     # beside it, on the side stream with the scan
     assert _stream_of("leaf_state") == ([] if T % 64 == 0 and not early else ["side"])
-    out = "chunk_fwd_o" if zero_in else "output_from_states"
+    first = zero_in or order == "output_first"
+    out = "zero_start_output" if first else "output_from_states"
     assert _stream_of(out) == ["main"]
-    if not zero_in:      # the output waits for the scan; the shortcut joins it afterwards
-        assert LOG.index(("wait", "main", "side")) < LOG.index((out, "main"))
+    wait = LOG.index(("wait", "main", "side"))
+    if not first:        # the output waits for the scan
+        assert wait < LOG.index((out, "main"))
+    else:                # the zero-start output is queued before the wait, ...
+        assert LOG.index((out, "main")) < wait
+        # ... and S_in's part after it (the shortcut has none: nothing enters)
+        assert _stream_of("entering_state") == ([] if zero_in else ["main"])
+        if not zero_in:
+            assert wait < LOG.index(("entering_state", "main"))
     _joined()
 
 
@@ -335,7 +356,9 @@ def _cp_world(rank, world):
         LinearTuning(concurrent_recurrences=c, early_end_states=e, backward_schedule=b)
         for c, e, b in ((True, False, "scan_first"), (False, False, "scan_first"),
                         (True, True, "scan_first"), (True, False, "recurrence_first"),
-                        (False, False, "auto"))])
+                        (False, False, "auto"))] + [
+        LinearTuning(forward_schedule="output_first"),
+        LinearTuning(forward_schedule="output_first", early_end_states=True)])
 
 
 @pytest.mark.parametrize("world", [3])
@@ -347,8 +370,9 @@ def _cp_world_rows(rank, world):
     """``LinearTuning.row_splits``: each leaf as 2 and 3 rows (zigzag leaves of 6 chunks), both
     backward schedules."""
     return _cp_steps(rank, world, 384, 6, [
-        LinearTuning(row_splits=r, backward_schedule=b)
-        for r, b in ((2, "recurrence_first"), (3, "scan_first"), (3, "auto"))])
+        LinearTuning(row_splits=r, backward_schedule=b, forward_schedule=f)
+        for r, b, f in ((2, "recurrence_first", "auto"), (3, "scan_first", "output_first"),
+                        (3, "auto", "auto"))])
 
 
 def test_cp_step_through_fla_path_with_row_splits():

@@ -153,7 +153,7 @@ from sp_attention.linear.gated_naive import dqkdg_ref, gated_chunk_states, gated
 from sp_attention.linear.torch_ops import chunked_gated_core
 from sp_attention.linear.gates import gate_sums, gate_sums_torch
 from sp_attention.linear.dqk_kernel import DQK_CANDIDATES, chunk_dqkdg
-from sp_attention.linear.kernels import decayed_state_sum, output_from_states
+from sp_attention.linear.kernels import add_entering_state, decayed_state_sum, output_from_states
 torch.manual_seed(0)
 worst = {}
 def err(name, a, b):
@@ -171,6 +171,11 @@ for B, T, H, K, V, cfg, bk in ((1, 64, 1, 16, 16, 0, None), (2, 100, 3, 32, 16, 
     h0 = gated_chunk_states(k, v, g, 64).float().contiguous()
     o = output_from_states(q, k, v, h0, S, None, 0.5, 64, cfg, gates=gs)
     err("output", o, chunked_gated_core(qd, kd, vd, gd, 0.5, S.double())[0])
+    # the other order: the zero-start output, then the entering state's part added in place
+    o = add_entering_state(output_from_states(q, k, v, h0, None, None, 0.5, 64, cfg, gates=gs),
+                           q, S, None, 0.5, 64, cfg, gates=gs)
+    err("output zero-start + entering state", o,
+        chunked_gated_core(qd, kd, vd, gd, 0.5, S.double())[0])
     for sc in (cfg, 9 + cfg):                          # x weighted / y weighted
         d = decayed_state_sum(q, do, None, 0, 1, None, 0.3, sc, gates=gs)
         err("state_sum", d, gated_state_grad_ref(qd, dod, gd, 0.3))
@@ -248,7 +253,8 @@ def test_gated_kernels_in_triton_interpreter():
     last chunks, 1 and 3 heads, K ≠ V, slow / medium / fast gates, three launch configs, state
     sums over 128 and 256 tokens per iteration in three splits; two K tiles of dq/dk/dg:
     ``test_late_gradient.py``, the smallest tile being 32): the
-    gate sums vs torch, the output and state-sum kernels vs the fp64 chunked form, and the
+    gate sums vs torch, the output (also as the zero-start output plus the entering state's
+    part) and state-sum kernels vs the fp64 chunked form, and the
     dq/dk/dg kernel vs autograd through the fp64 chunk pieces, also in fla's varlen layout
     (sequences of 30, 100, 1 and 69 tokens, padding after them)."""
     pytest.importorskip("triton", reason="triton is in the `test` extra; install it to run this")

@@ -30,6 +30,14 @@ for T, B, H, K, V in ((64, 1, 1, 16, 16), (100, 2, 3, 32, 16), (200, 1, 3, 16, 4
         o = output_from_states(q, k, v, h, S, (-slopes / math.log(2)).float(), 0.5, 64, cfg)
         worst = max(worst, ((o.double() - ref).norm() / ref.norm()).item())
         assert o.dtype == torch.float32 and o.shape == (B, T, H, V)
+    # the other order: the zero-start output, then the entering state's part added in place
+    # (every candidate; slope 60 underflows after the first chunk: those chunks are skipped)
+    from sp_attention.linear.kernels import ENTERING_CANDIDATES, add_entering_state
+    gg = (-slopes / math.log(2)).float()
+    for cfg in range(len(ENTERING_CANDIDATES)):
+        o = output_from_states(q, k, v, h, None, gg, 0.5, 64, cfg % len(OUTPUT_CANDIDATES))
+        assert add_entering_state(o, q, S, gg, 0.5, 64, cfg) is o
+        worst = max(worst, ((o.double() - ref).norm() / ref.norm()).item())
 from sp_attention.linear.kernels import STATE_CANDIDATES, decayed_state_sum
 from sp_attention.linear.naive import decayed_state_sum_ref
 for T, splits in ((64, None), (600, 3), (130, 1), (1000, None)):
@@ -70,7 +78,8 @@ sys.exit(0 if worst < 1e-5 else 1)
 def test_output_from_states_kernel_in_triton_interpreter():
     """The Triton kernels on CPU (``TRITON_INTERPRET=1``, fp32, partial last chunks, one and
     three heads, K != V, slopes 0 / small / underflowing, several sequence splits): the output
-    kernel vs the fp64 chunked form, the state-sum kernel vs its fp64 reference (every
+    kernel vs the fp64 chunked form, and so the zero-start output plus the entering state's
+    part (``add_entering_state``, every candidate), the state-sum kernel vs its fp64 reference (every
     candidate, so every BL; 600 tokens in 3 splits, the last one partial). Runs in a
     subprocess: the interpreter is chosen when the kernel module is imported."""
     pytest.importorskip("triton", reason="triton is in the `test` extra; install it to run this")
@@ -120,11 +129,13 @@ def test_output_from_states_kernel_gpu(dtype, T):
 def test_our_kernels_every_config_gpu(dtype):
     """Every config the autotuners may pick, forced one at a time on the GPU, vs the fp64
     references: the state-sum kernel (x read transposed or as stored; contiguous and strided
-    rows; partial last chunk) and the output kernel (fp32: IEEE dots, held to 1e-5). The
+    rows; partial last chunk), the output kernel and the entering state's part added to the
+    zero-start output (fp32: IEEE dots, held to 1e-5). The
     interpreter cannot show a config that compiles wrong on the GPU; this does."""
     import math
 
-    from sp_attention.linear.kernels import (OUTPUT_CANDIDATES, STATE_CANDIDATES,
+    from sp_attention.linear.kernels import (ENTERING_CANDIDATES, OUTPUT_CANDIDATES,
+                                             STATE_CANDIDATES, add_entering_state,
                                              decayed_state_sum, output_from_states)
     from sp_attention.linear.naive import chunk_start_states, decayed_state_sum_ref
     tol = 3e-3
@@ -164,6 +175,16 @@ def test_our_kernels_every_config_gpu(dtype):
                     bad.append(f"output cfg {i} T {T} fp32: relative RMS {err:.3e} > 1e-5")
             else:
                 check(o.float(), ref, f"output cfg {i} T {T} {dtype}")
+        # the other order: zero-start output, then the entering state's part, every candidate
+        for i in range(len(ENTERING_CANDIDATES)):
+            o = add_entering_state(output_from_states(q, k, v, h, None, gg, 0.25),
+                                   q, S0.float().contiguous(), gg, 0.25, 64, i)
+            if dtype == torch.float32:
+                err = rel_rms(o, ref)
+                if not err <= 1e-5:
+                    bad.append(f"entering cfg {i} T {T} fp32: relative RMS {err:.3e} > 1e-5")
+            else:
+                check(o.float(), ref, f"entering cfg {i} T {T} {dtype}")
     assert not bad, "candidate configs off the reference:\n" + "\n".join(bad)
 
 

@@ -75,10 +75,12 @@ def _check(rank, world):
                     errors[f"{name} {layout} {impl} {what}"] = (e, base)
                     assert torch.isfinite(g_).all(), (name, layout, impl, what)
                     assert e <= 1.5 * max(base, FLOOR), (name, layout, impl, what, e, base)
-                if cu is None:          # both backward schedules, whatever auto picks
-                    for bwd in ("scan_first", "recurrence_first"):
-                        late = _run(*loc, dec, ctx=ctx, impl=impl,
-                                    tuning=LinearTuning(backward_schedule=bwd))
+                if cu is None:          # both schedules each way, whatever auto picks
+                    for bwd in ("scan_first", "recurrence_first", "states_first",
+                                "output_first"):
+                        kw = dict(backward_schedule=bwd) if bwd.startswith(("scan", "rec")) \
+                            else dict(forward_schedule=bwd)
+                        late = _run(*loc, dec, ctx=ctx, impl=impl, tuning=LinearTuning(**kw))
                         for what, g_, w_, base in zip(("o", "dq", "dk", "dv"), late, want, e1):
                             e = rel_rms(g_, w_)
                             errors[f"{name} {layout} {impl} {bwd} {what}"] = (e, base)
