@@ -40,6 +40,7 @@ from benchmarks.packed_linear import lognormal_cu  # noqa: E402
 from sp_attention import LinearTuning, SPContext, build_sp_context, plan_packing  # noqa: E402
 from sp_attention.linear import lightning_attention  # noqa: E402
 from sp_attention.linear.fla_ops import resolve_backend  # noqa: E402
+from sp_attention.linear.leaves import backward_schedule, forward_schedule  # noqa: E402
 from sp_attention.planning.schedules import LINEAR_SCANS  # noqa: E402
 
 # --ab NAME: (LinearTuning field, impl suffix when on, when off)
@@ -55,6 +56,9 @@ AB_VALUES = {"backward": ("backward_schedule", (("recurrence_first", "-recfirst"
              "forward": ("forward_schedule", (("output_first", "-outfirst"),
                                               ("states_first", "-statesfirst"))),
              "row_splits": ("row_splits", ((1, "-rows1"), (2, "-rows2"), (4, "-rows4")))}
+# what a field's default runs (its "auto" resolved), so the A/B skips the default's twin
+RESOLVED = {"backward_schedule": backward_schedule, "forward_schedule": forward_schedule,
+            "row_splits": lambda t: t.row_splits}
 
 
 def _phases(events: list) -> dict:
@@ -216,10 +220,11 @@ class _Rows:
         default = LinearTuning()
         variants = [(default, "")]
         for name in (a.ab if self.case in ("fixed", "gated") else ()):
-            if name in AB_VALUES:       # every value but the default's
+            if name in AB_VALUES:       # every value but the one the default runs
                 field, values = AB_VALUES[name]
+                runs = RESOLVED[field](default)
                 variants += [(replace(default, **{field: value}), sfx) for value, sfx in values
-                             if value != getattr(default, field)]
+                             if value != runs]
                 continue
             if self.case != "fixed" and name not in GATED_AB:
                 continue

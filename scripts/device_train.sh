@@ -18,8 +18,9 @@
 #                 (one Triton cache per model; what autotuned -> autotune_hf.tgz)
 #     parity      train_parity.py: CP = P against two CP = 1 runs, 300 steps, PNG
 #     slurm       scripts/slurm/one_host.sh 2 P/2: the sbatch path as two nodes, save + resume
-#     graphs      KINDS at CP = P without and with --cuda-graphs (layers replayed from CUDA
-#                 graphs), each pair on this machine
+#     graphs      KINDS at CP = P without and with GRAPH_FLAGS (--cuda-graphs: layers replayed
+#                 from CUDA graphs; --linear-op-graphs: the linear ops alone), each pair on
+#                 this machine
 #     distopt     KINDS at CP = P three ways in one call: the replicated optimizer,
 #                 --use-distributed-optimizer, and with --overlap-param-gather too
 #     profile     train_profile.py at CP = P (PROFILE_KINDS: hybrid softmax), the distributed
@@ -174,7 +175,7 @@ for l in open(sys.argv[1]):
       # --cuda-graphs against the same runs without it, KINDS at CP = P, each kind's plain run
       # first (it compiles the kernels both use), then its graphed run
       for kind in $KINDS; do
-        for flags in "" "--cuda-graphs"; do
+        for flags in "" "${GRAPH_FLAGS:---cuda-graphs}"; do
           python3 benchmarks/train_scaling.py --kinds "$kind" --layouts "cp$P" --seq-length "$SEQ" \
             --train-iters "$ITERS" --timeout "$T" --out "$OUT/train_graphs.jsonl" \
             --log-root "$OUT/graphs_${kind}${flags// /_}" -- $flags >> "$OUT/train_graphs.log" 2>&1
@@ -184,7 +185,7 @@ for l in open(sys.argv[1]):
       python3 -c 'import json,sys
 for l in open(sys.argv[1]):
     r = json.loads(l)
-    print(r["model_kind"], r["status"], "mfu", round(100 * (r.get("mfu") or 0), 1), "step", r.get("step_time_s"), "graphs" if "--cuda-graphs" in r["command"] else "eager")' "$OUT/train_graphs.jsonl" ;;
+    print(r["model_kind"], r["status"], "mfu", round(100 * (r.get("mfu") or 0), 1), "step", r.get("step_time_s"), " ".join(f for f in r["command"].split() if "graphs" in f) or "eager")' "$OUT/train_graphs.jsonl" ;;
     profile)
       # where a CP = P step goes on each GPU (compute / NCCL alone / NCCL hidden / idle),
       # PROFILE_KINDS at SEQ with the distributed optimizer and the overlapped gather

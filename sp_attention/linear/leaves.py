@@ -119,7 +119,11 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
             h, _ = chunk_states(kern, k, v, fkw)
         gates = decay.sums if decay.gated else None
         g_gamma = None if decay.gated else fkw["g_gamma"]
-        if zero_in or forward_schedule(tuning, kern) == "output_first":
+        if zero_in or forward_schedule(tuning) == "output_first":
+            if kern.entering_state is None and not zero_in:
+                raise ValueError("LinearTuning.forward_schedule='output_first' needs a kernel "
+                                 "set with entering_state; pass forward_schedule="
+                                 "'states_first'")
             # the output from the zero-start states while the scan is in flight
             o = kern.output_from_states(q, k, v, h, None, g_gamma, scale, CHUNK, gates=gates)
             main.wait_stream(side)          # (zero_in: the send finishes behind the kernel)
@@ -133,15 +137,12 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
                                        gates=gates), S_in
 
 
-def forward_schedule(tuning: LinearTuning, kern: FlaKernels) -> str:
+def forward_schedule(tuning: LinearTuning) -> str:
     """``tuning.forward_schedule`` with ``"auto"`` resolved (the measured pick:
-    :class:`~sp_attention.tuning.LinearTuning`); a kernel set without ``entering_state``
-    cannot run ``"output_first"`` and says so."""
-    schedule = "states_first" if tuning.forward_schedule == "auto" else tuning.forward_schedule
-    if schedule == "output_first" and kern.entering_state is None:
-        raise ValueError("LinearTuning.forward_schedule='output_first' needs a kernel set with "
-                         "entering_state; pass forward_schedule='states_first'")
-    return schedule
+    :class:`~sp_attention.tuning.LinearTuning`)."""
+    if tuning.forward_schedule != "auto":
+        return tuning.forward_schedule
+    return "states_first"
 
 
 @functools.lru_cache(maxsize=64)      # one entry per CUDA device index

@@ -30,6 +30,8 @@ from sp_attention.linear.dv_kernel import DV_TUNED, chunk_dv
 dev, dtype, tol = sys.argv[1], getattr(torch, sys.argv[2]), float(sys.argv[3])
 # one (case, decay, kernel) of the lists: part // 2 the (case, decay), part % 2 dq/dk or dv
 part = int(sys.argv[4]) if len(sys.argv) > 4 else None
+# and one config of that kernel's list (the index into it), or all
+only = int(sys.argv[5]) if len(sys.argv) > 5 else None
 every = dev == "cuda"          # every config the autotuners may pick on the GPU; a few here
 torch.manual_seed(0)
 worst = {}
@@ -64,6 +66,8 @@ for i, (B, T, H, K, V, cfg, bk) in enumerate(cases):
         dqk_cfgs = DQK_TUNED if every else (cfg, cfg + len(DQK_CANDIDATES) // 2)
         if part is not None and part % 2:
             dqk_cfgs = ()
+        if only is not None:
+            dqk_cfgs = dqk_cfgs[only:only + 1]
         for c in dqk_cfgs:
             for late in (False, True):
                 dh_in = (dh_zero if late else dh_true).float().contiguous().to(dev)
@@ -80,7 +84,8 @@ for i, (B, T, H, K, V, cfg, bk) in enumerate(cases):
                     err(f"dg G={late}", dg, ref[3])
                 else:
                     assert dg is None
-        for c in ((DV_TUNED if every else (0, 1, 5)) if part is None or part % 2 else ()):
+        dv_cfgs = (DV_TUNED if every else (0, 1, 5)) if part is None or part % 2 else ()
+        for c in (dv_cfgs if only is None else dv_cfgs[only:only + 1]):
             for late in (False, True):
                 dh_in = (dh_zero if late else dh_true).float().contiguous().to(dev)
                 extra = dict(G=D.contiguous().to(dev), suffix=suf) if late else {}
@@ -96,10 +101,12 @@ sys.exit(0 if max(worst.values()) < tol else 1)
 """
 
 
-def _run(device: str, dtype: str, tol: float, interpret: bool, parts: int = 0) -> None:
-    """The check in a fresh process; ``parts`` > 0: as that many processes at once, one per
-    (case, decay, kernel) (on the GPU every config of every case compiles: over 5 minutes one
-    by one, over 2 minutes as 8 processes on a 4-GPU machine's 64 cores)."""
+def _run(device: str, dtype: str, tol: float, interpret: bool, parts: int = 0,
+         configs: int = 1) -> None:
+    """The check in a fresh process; ``parts`` > 0: as processes, one per (case, decay,
+    kernel) and, with ``configs`` > 1, per config of that kernel's list, as many at once as
+    the machine has cores (on the GPU every config of every case compiles, ~30 s each: 16
+    processes of 12 compiles each did not finish in 330 s on a 4 × H200 machine's 64 cores)."""
     pytest.importorskip("triton", reason="triton is in the `test` extra; install it to run this")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
@@ -110,11 +117,16 @@ def _run(device: str, dtype: str, tol: float, interpret: bool, parts: int = 0) -
         r = run_process(cmd, env=env, timeout=900)
         assert r.returncode == 0, f"relative errors {r.stdout.strip()}\n{r.stderr[-3000:]}"
         return
-    procs = [subprocess.Popen(cmd + [str(i)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(parts)]
-    for i, p in enumerate(procs):
-        out, err = finish_process(p, 900)
-        assert p.returncode == 0, f"part {i}: relative errors {out.strip()}\n{err[-3000:]}"
+    jobs = [(i, c) for i in range(parts) for c in range(configs)]
+    width = max(1, min(len(jobs), os.cpu_count() or 1))
+    for start in range(0, len(jobs), width):
+        wave = jobs[start:start + width]
+        procs = [subprocess.Popen(cmd + [str(i), str(c)], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for i, c in wave]
+        for (i, c), p in zip(wave, procs):
+            out, err = finish_process(p, 900)
+            assert p.returncode == 0, \
+                f"part {i} config {c}: relative errors {out.strip()}\n{err[-3000:]}"
 
 
 def test_late_gradient_kernels_in_triton_interpreter():
@@ -126,9 +138,9 @@ def test_late_gradient_kernels_in_triton_interpreter():
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 1e-2)])
 def test_late_gradient_kernels_every_config_gpu(dtype, tol):
     """Every config the autotuners may pick, forced one at a time on the GPU (fp32: IEEE
-    dots; bf16: its rounding), also at K = V = 128 over 1000 tokens. Sixteen processes at
-    once: one per case, decay and kernel."""
-    _run("cuda", dtype, tol, False, parts=16)
+    dots; bf16: its rounding), also at K = V = 128 over 1000 tokens. One process per case,
+    decay, kernel and config (96), as many at once as there are cores."""
+    _run("cuda", dtype, tol, False, parts=16, configs=6)
 
 
 def test_no_k_tile_below_32():
