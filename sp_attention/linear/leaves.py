@@ -119,7 +119,7 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
             h, _ = chunk_states(kern, k, v, fkw)
         gates = decay.sums if decay.gated else None
         g_gamma = None if decay.gated else fkw["g_gamma"]
-        if zero_in or forward_schedule(tuning) == "output_first":
+        if zero_in or forward_schedule(tuning, decay.gated) == "output_first":
             if kern.entering_state is None and not zero_in:
                 raise ValueError("LinearTuning.forward_schedule='output_first' needs a kernel "
                                  "set with entering_state; pass forward_schedule="
@@ -137,12 +137,12 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
                                        gates=gates), S_in
 
 
-def forward_schedule(tuning: LinearTuning) -> str:
-    """``tuning.forward_schedule`` with ``"auto"`` resolved (the measured pick:
-    :class:`~sp_attention.tuning.LinearTuning`)."""
+def forward_schedule(tuning: LinearTuning, gated: bool) -> str:
+    """``tuning.forward_schedule`` with ``"auto"`` resolved (the measured pick, per-token gates
+    ``output_first``, fixed rates ``states_first``: :class:`~sp_attention.tuning.LinearTuning`)."""
     if tuning.forward_schedule != "auto":
         return tuning.forward_schedule
-    return "states_first"
+    return "output_first" if gated else "states_first"
 
 
 @functools.lru_cache(maxsize=64)      # one entry per CUDA device index

@@ -20,7 +20,7 @@ from sp_attention.linear import gated_naive as gn
 from sp_attention.linear.torch_ops import chunked_gated_core
 from sp_attention.linear.kernel_set import FlaKernels
 from sp_attention.linear.leaf import decayed_sum, torch_leaf_backward
-from sp_attention.linear.leaves import leaves_backward, leaves_output
+from sp_attention.linear.leaves import forward_schedule, leaves_backward, leaves_output
 from sp_attention.testing import assert_close
 
 from packed_cases import check_shard, make_inputs, per_document_reference
@@ -220,8 +220,8 @@ def test_gated_leaves_fla_path(T, needed, schedule, monkeypatch):
     leaves_output / leaves_backward = the torch path, fp64: o, S_in, the end states and
     contributions the scans receive, dq, dk, dv, dg; both backward orders (``auto`` is
     ``recurrence_first``: the gradient arriving at the rows' ends taken in-kernel), each with
-    one forward order (``auto`` with ``output_first``: the zero-start output, then the entering
-    state's part)."""
+    one forward order (``auto`` with ``auto``, for gates ``output_first``: the zero-start
+    output, then the entering state's part)."""
     _no_streams(monkeypatch.setattr)
     from sp_attention.linear.decay import Decay
     kern = fake_kernels()
@@ -235,7 +235,9 @@ def test_gated_leaves_fla_path(T, needed, schedule, monkeypatch):
         seen.setdefault("x", []).append(x)
         seen.setdefault("A", []).append(A)
         return S if len(seen["x"]) == 1 else G
-    order = "output_first" if schedule == "auto" else "states_first"
+    order = "auto" if schedule == "auto" else "states_first"   # auto: output_first for gates
+    assert forward_schedule(LinearTuning(forward_schedule=order), True) == (
+        "output_first" if schedule == "auto" else "states_first")
     o, S_got = leaves_output(q, k, v, decay, 0.3, scan, kern,
                              tuning=LinearTuning(forward_schedule=order))
     ref_b = chunked_gated_core(k, k, v, g, 1.0, None, 64)[1]
