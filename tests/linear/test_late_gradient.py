@@ -119,14 +119,17 @@ def _run(device: str, dtype: str, tol: float, interpret: bool, parts: int = 0,
         return
     jobs = [(i, c) for i in range(parts) for c in range(configs)]
     width = max(1, min(len(jobs), os.cpu_count() or 1))
+    bad = []                    # every failing (part, config), not only the first
     for start in range(0, len(jobs), width):
         wave = jobs[start:start + width]
         procs = [subprocess.Popen(cmd + [str(i), str(c)], env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for i, c in wave]
         for (i, c), p in zip(wave, procs):
             out, err = finish_process(p, 900)
-            assert p.returncode == 0, \
-                f"part {i} config {c}: relative errors {out.strip()}\n{err[-3000:]}"
+            if p.returncode != 0:
+                bad.append(f"part {i} config {c}: relative errors {out.strip()} "
+                           f"{err.strip()[-600:]}")
+    assert not bad, f"{len(bad)} of {len(jobs)} failed:\n" + "\n".join(bad)
 
 
 def test_late_gradient_kernels_in_triton_interpreter():
