@@ -164,26 +164,36 @@ def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: tor
 
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), N, B * H)
-    guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
     if (gates is None) == (g_gamma is None):
         raise ValueError("output_from_states: pass exactly one of g_gamma and gates")
     gc, prefix = (gates.gc, gates.prefix) if gates is not None else (g_gamma, g_gamma)
     args = (q, k, v, h, h if S_in is None else S_in, g_gamma, gc, prefix, o, float(scale), T, N)
-    # fp32 inputs get IEEE fp32 dots (fp32-accurate results); Triton's default for fp32 is
-    # TF32 (10-bit mantissa: ~1.5e-3 relative RMS on an H200). 16-bit inputs are unaffected.
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    kw = dict(H=H, K=K, V=V, BT=chunk_size, PRECISION=_precision(q), USE_G=gates is not None,
+              HAS_S=S_in is not None)
+    _launch(_output_from_states_kernel, _output_from_states_tuned, _CONFIGS[0],
+            OUTPUT_CANDIDATES, config, grid, args, kw, q.device)
+    return o
+
+
+def _precision(x: torch.Tensor) -> str:
+    """The dots' input precision: fp32 inputs get IEEE fp32 dots (fp32-accurate results);
+    Triton's default for fp32 is TF32 (10-bit mantissa: ~1.5e-3 relative RMS on an H200).
+    16-bit inputs are unaffected."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def _launch(kernel, tuned, first: triton.Config, candidates: list, config: int | None,
+            grid, args: tuple, kw: dict, device: torch.device) -> None:
+    """Launch ``kernel`` with candidate ``config`` (tests), or ``first`` in Triton's CPU
+    interpreter (no benchmarker there), else through its autotuner ``tuned``."""
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with guard:
         if config is not None or os.environ.get("TRITON_INTERPRET") == "1":
-            # a fixed config (tests; the interpreter)
-            cfg = _CONFIGS[0] if config is None else OUTPUT_CANDIDATES[config]
-            _output_from_states_kernel[grid(cfg.kwargs)](
-                *args, H=H, K=K, V=V, BT=chunk_size, PRECISION=prec, USE_G=gates is not None,
-                HAS_S=S_in is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                **cfg.kwargs)
+            cfg = first if config is None else candidates[config]
+            kernel[grid(cfg.kwargs)](*args, **kw, num_warps=cfg.num_warps,
+                                     num_stages=cfg.num_stages, **cfg.kwargs)
         else:
-            _output_from_states_tuned[grid](*args, H=H, K=K, V=V, BT=chunk_size, PRECISION=prec,
-                                            USE_G=gates is not None, HAS_S=S_in is not None)
-    return o
+            tuned[grid](*args, **kw)
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -276,16 +286,9 @@ def add_entering_state(o: torch.Tensor, q: torch.Tensor, S_in: torch.Tensor,
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), N, B * H)
     args = (q, S_in, g_gamma, gc, prefix, o, float(scale), T, N)
-    kw = dict(H=H, K=K, V=V, BT=chunk_size, PRECISION="ieee" if q.dtype == torch.float32
-              else "tf32", USE_G=gates is not None)
-    guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
-    with guard:
-        if config is not None or os.environ.get("TRITON_INTERPRET") == "1":
-            cfg = ENTERING_CANDIDATES[config or 0]
-            _entering_state_kernel[grid(cfg.kwargs)](
-                *args, **kw, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)
-        else:
-            _entering_state_tuned[grid](*args, **kw)
+    kw = dict(H=H, K=K, V=V, BT=chunk_size, PRECISION=_precision(q), USE_G=gates is not None)
+    _launch(_entering_state_kernel, _entering_state_tuned, ENTERING_CANDIDATES[0],
+            ENTERING_CANDIDATES, config, grid, args, kw, q.device)
     return o
 
 
@@ -496,14 +499,8 @@ def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor | 
     args = (x, y, g_gamma, gc, prefix, part, float(scale), T, per, base, step, x.stride(0),
             y.stride(0), sg, sp, bounds, n_pieces)
     kw = dict(H=H, K=K, V=V, BT=BT, USE_G=gates is not None, PIECES=pieces is not None)
-    guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
-    with guard:
-        if config is not None or os.environ.get("TRITON_INTERPRET") == "1":
-            cfg = STATE_CANDIDATES[config or 0]
-            _decayed_state_sum_kernel[grid(cfg.kwargs)](
-                *args, **kw, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)
-        else:
-            _decayed_state_sum_tuned[grid](*args, **kw)
+    _launch(_decayed_state_sum_kernel, _decayed_state_sum_tuned, STATE_CANDIDATES[0],
+            STATE_CANDIDATES, config, grid, args, kw, x.device)
     out = part[0] if splits == 1 else part.sum(0)
     return out if pieces is None else out.view(B, n_pieces, H, K, V)
 
