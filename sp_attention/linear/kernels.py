@@ -63,6 +63,23 @@ OUTPUT_CANDIDATES = [
 _CONFIGS = [OUTPUT_CANDIDATES[9], OUTPUT_CANDIDATES[8]]
 
 
+@triton.jit
+def _chunk_log_decays(g_gamma, gc, prefix, tok0, o_t, m_t, i_b, i_t, i_h, NT,
+                      H: tl.constexpr, BT: tl.constexpr, USE_G: tl.constexpr):
+    """Chunk n's ``(before, b_g)``: log2 of the decay from the leaf's start to the chunk's
+    start, and each of its tokens' log2 decay from there, inclusive (fixed rates:
+    ``g_gamma·n·BT`` and ``g_gamma·(i+1)``; gates: the leaf's sum before chunk n and the
+    chunk-local sums ``gc``)."""
+    if USE_G:
+        b_g = tl.load(gc + (tok0 + o_t) * H + i_h, mask=m_t, other=0.0)
+        before = tl.load(prefix + ((i_b * NT + i_t - 1) * H + i_h), mask=i_t > 0, other=0.0)
+    else:
+        gamma = tl.load(g_gamma + i_h).to(tl.float32)  # log2 of the per-token decay (<= 0)
+        before = gamma * (i_t * BT).to(tl.float32)
+        b_g = gamma * (tl.arange(0, BT) + 1).to(tl.float32)
+    return before, b_g
+
+
 @triton.jit(do_not_specialize=["T", "NT"])
 def _output_from_states_kernel(q, k, v, h, s_in, g_gamma, gc, prefix, o, scale, T, NT,
                                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -84,15 +101,9 @@ def _output_from_states_kernel(q, k, v, h, s_in, g_gamma, gc, prefix, o, scale, 
 
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
-    if USE_G:
-        # per-token gates: chunk-local log2 sums, and the leaf's sum before chunk n
-        b_g = tl.load(gc + (tok0 + o_t) * H + i_h, mask=m_t, other=0.0)
-        before = tl.load(prefix + ((i_b * NT + i_t - 1) * H + i_h), mask=i_t > 0, other=0.0)
-        carry = tl.exp2(before)                         # S_in decayed to chunk n
-    else:
-        gamma = tl.load(g_gamma + i_h).to(tl.float32)  # log2 of the per-token decay (<= 0)
-        carry = tl.exp2(gamma * (i_t * BT).to(tl.float32))  # λ^(n·BT): S_in decayed to chunk n
-        b_g = gamma * (tl.arange(0, BT) + 1).to(tl.float32)    # log2 λ^(i+1), local i
+    before, b_g = _chunk_log_decays(g_gamma, gc, prefix, tok0, o_t, m_t, i_b, i_t, i_h, NT,
+                                    H, BT, USE_G)
+    carry = tl.exp2(before)                             # S_in decayed to chunk n
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
@@ -212,14 +223,9 @@ def _entering_state_kernel(q, s_in, g_gamma, gc, prefix, o, scale, T, NT,
     s_in += i_bh * K * V
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
-    if USE_G:
-        # the leaf's log2 gate sum before chunk n plus the chunk-local inclusive sums
-        b_g = tl.load(gc + (tok0 + o_t) * H + i_h, mask=m_t, other=0.0)
-        before = tl.load(prefix + ((i_b * NT + i_t - 1) * H + i_h), mask=i_t > 0, other=0.0)
-        b_g = before + b_g
-    else:
-        gamma = tl.load(g_gamma + i_h).to(tl.float32)  # log2 of the per-token decay (<= 0)
-        b_g = gamma * (o_t + 1).to(tl.float32)          # log2 λ^(t+1)
+    before, b_g = _chunk_log_decays(g_gamma, gc, prefix, tok0, o_t, m_t, i_b, i_t, i_h, NT,
+                                    H, BT, USE_G)
+    b_g = before + b_g                                  # log2 of S_in's decay to token t
     # rows past T masked before exp2; decays <= 1, so the block's first row weighs the most:
     # a block whose weights all underflow to 0 in fp32 adds exactly nothing and is skipped
     w = tl.where(m_t, tl.exp2(tl.where(m_t, b_g, 0.0)), 0.0) * scale
