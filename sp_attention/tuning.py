@@ -101,15 +101,18 @@ class LinearTuning:
             path unaffected). ``"states_first"``: the output kernel waits for the scan and adds
             ``λ^(n·C) S_in`` to every chunk state before its GEMMs (one kernel after the
             scan). ``"output_first"``: the output from the zero-start chunk states runs while
-            the scan is in flight, and ``scale · λ^(t+1) q_t S_in`` is added afterwards
+            the scan is in flight (fla's output kernel; with gates ours from a zero state),
+            and ``scale · λ^(t+1) q_t S_in`` is added afterwards
             (:func:`.linear.kernels.add_entering_state`: one more read of q and read and write
             of the output, chunks whose weights underflow to 0 skipped), so only that pass
             waits for the scan; the output is rounded once more (bf16: within the kernels'
-            rounding). ``"auto"``: ``output_first`` with per-token gates, ``states_first``
-            with fixed rates — measured on 4 × H200 (P = 4, queued, 2026-11-27): gated 32K
-            better in 6 of 6 scans and layouts (+0.4–1.2 %, the forward 10–21 µs shorter);
-            fixed rates 32K within ±0.6 % but for one row (+1.8 %), 8K worse in 5 of 6
-            (−0.5 … −1.7 %: the added pass costs more than the wait it hides). The A/B:
+            rounding). ``"auto"``: ``states_first``. Measured on 4 × H200 (P = 4, queued,
+            2026-11-27, with gates an earlier build whose output kernel skipped the zero
+            state's loads): gated 32K better in 6 of 6 scans and layouts (+0.4–1.2 %, the
+            forward 10–21 µs shorter), fixed rates 32K within ±0.6 % but for one row
+            (+1.8 %), 8K lower in 5 of 6 (−0.5 … −1.7 %). Not yet ``auto``'s pick for gates:
+            this build is not measured, and the added kernel is not in the shipped compiled
+            kernels (a fresh machine's first step would compile and autotune it). The A/B:
             ``benchmarks/linear_cp.py --ab forward``.
         row_splits: on the fla path, each leaf runs as this many rows of equal length (whole
             chunks), the rows' states combined on the rank before and after the cross-rank

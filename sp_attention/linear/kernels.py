@@ -84,8 +84,7 @@ def _chunk_log_decays(g_gamma, gc, prefix, tok0, o_t, m_t, i_b, i_t, i_h, NT,
 def _output_from_states_kernel(q, k, v, h, s_in, g_gamma, gc, prefix, o, scale, T, NT,
                                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                               PRECISION: tl.constexpr, USE_G: tl.constexpr,
-                               HAS_S: tl.constexpr = True):
+                               PRECISION: tl.constexpr, USE_G: tl.constexpr):
     i_v = tl.program_id(0)
     i_t = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
@@ -101,9 +100,15 @@ def _output_from_states_kernel(q, k, v, h, s_in, g_gamma, gc, prefix, o, scale, 
 
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
-    before, b_g = _chunk_log_decays(g_gamma, gc, prefix, tok0, o_t, m_t, i_b, i_t, i_h, NT,
-                                    H, BT, USE_G)
-    carry = tl.exp2(before)                             # S_in decayed to chunk n
+    if USE_G:
+        # per-token gates: chunk-local log2 sums, and the leaf's sum before chunk n
+        b_g = tl.load(gc + (tok0 + o_t) * H + i_h, mask=m_t, other=0.0)
+        before = tl.load(prefix + ((i_b * NT + i_t - 1) * H + i_h), mask=i_t > 0, other=0.0)
+        carry = tl.exp2(before)                         # S_in decayed to chunk n
+    else:
+        gamma = tl.load(g_gamma + i_h).to(tl.float32)  # log2 of the per-token decay (<= 0)
+        carry = tl.exp2(gamma * (i_t * BT).to(tl.float32))  # λ^(n·BT): S_in decayed to chunk n
+        b_g = gamma * (tl.arange(0, BT) + 1).to(tl.float32)    # log2 λ^(i+1), local i
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
@@ -117,9 +122,8 @@ def _output_from_states_kernel(q, k, v, h, s_in, g_gamma, gc, prefix, o, scale, 
                       mask=m_k[:, None] & m_t[None, :], other=0.0)
         p_s = o_k[:, None] * V + o_v[None, :]
         m_s = m_k[:, None] & m_v[None, :]
-        b_s = tl.load(h + p_s, mask=m_s, other=0.0).to(tl.float32)
-        if HAS_S:                                       # else the zero-start output
-            b_s += carry * tl.load(s_in + p_s, mask=m_s, other=0.0)
+        b_s = tl.load(h + p_s, mask=m_s, other=0.0).to(tl.float32) \
+            + carry * tl.load(s_in + p_s, mask=m_s, other=0.0)
         b_o = tl.dot(b_q, b_s.to(b_q.dtype), b_o, input_precision=PRECISION)
         b_A = tl.dot(b_q, b_k, b_A, input_precision=PRECISION)
 
@@ -137,20 +141,19 @@ def _output_from_states_kernel(q, k, v, h, s_in, g_gamma, gc, prefix, o, scale, 
 # Autotuned on the GPU; Triton's CPU interpreter has no benchmarker, so there the first config
 # is used as it is.
 _output_from_states_tuned = triton.autotune(configs=_CONFIGS,
-                                           key=["H", "K", "V", "BT", "PRECISION", "USE_G",
-                                                "HAS_S"])(_output_from_states_kernel)
+                                           key=["H", "K", "V", "BT", "PRECISION", "USE_G"])(
+    _output_from_states_kernel)
 
 
 def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor,
-                       S_in: torch.Tensor | None, g_gamma: torch.Tensor | None, scale: float,
+                       S_in: torch.Tensor, g_gamma: torch.Tensor | None, scale: float,
                        chunk_size: int = 64, config: int | None = None,
                        gates: GateSums | None = None) -> torch.Tensor:
     """Launch the kernel: ``o [B, T, H, V]`` in ``v.dtype``.
 
     q, k ``[B, T, H, K]``, v ``[B, T, H, V]`` contiguous; ``h [B, N, H, K, V]`` the zero-start
     states entering each chunk (``N = ceil(T / chunk_size)``, fla's ``chunk_fwd_h`` layout, any
-    float dtype); ``S_in [B, H, K, V]`` fp32, the state entering the leaf (None: the zero-start
-    output, fla's ``chunk_fwd_o``, :func:`add_entering_state` adds the rest); ``g_gamma [H]`` fp32
+    float dtype); ``S_in [B, H, K, V]`` fp32, the state entering the leaf; ``g_gamma [H]`` fp32
     log2 decay per token (``−slope / ln 2``). ``config``: index into
     :data:`OUTPUT_CANDIDATES` (default: autotuned over the offered :data:`_CONFIGS` on
     the GPU, their first in Triton's CPU interpreter). ``gates``: per-token decays
@@ -162,13 +165,13 @@ def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: tor
     V = v.shape[-1]
     N = triton.cdiv(T, chunk_size)
     for name, t in (("q", q), ("k", k), ("v", v), ("h", h), ("S_in", S_in)):
-        if t is not None and not t.is_contiguous():
+        if not t.is_contiguous():
             raise ValueError(f"output_from_states: {name} must be contiguous")
     if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
     if tuple(h.shape) != (B, N, H, K, V):
         raise ValueError(f"h must be [B, N, H, K, V] = {(B, N, H, K, V)}, got {tuple(h.shape)}")
-    if S_in is not None and (tuple(S_in.shape) != (B, H, K, V) or S_in.dtype != torch.float32):
+    if tuple(S_in.shape) != (B, H, K, V) or S_in.dtype != torch.float32:
         raise ValueError(f"S_in must be fp32 [B, H, K, V] = {(B, H, K, V)}, got "
                          f"{S_in.dtype} {tuple(S_in.shape)}")
     o = torch.empty_like(v)
@@ -178,9 +181,8 @@ def output_from_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: tor
     if (gates is None) == (g_gamma is None):
         raise ValueError("output_from_states: pass exactly one of g_gamma and gates")
     gc, prefix = (gates.gc, gates.prefix) if gates is not None else (g_gamma, g_gamma)
-    args = (q, k, v, h, h if S_in is None else S_in, g_gamma, gc, prefix, o, float(scale), T, N)
-    kw = dict(H=H, K=K, V=V, BT=chunk_size, PRECISION=_precision(q), USE_G=gates is not None,
-              HAS_S=S_in is not None)
+    args = (q, k, v, h, S_in, g_gamma, gc, prefix, o, float(scale), T, N)
+    kw = dict(H=H, K=K, V=V, BT=chunk_size, PRECISION=_precision(q), USE_G=gates is not None)
     _launch(_output_from_states_kernel, _output_from_states_tuned, _CONFIGS[0],
             OUTPUT_CANDIDATES, config, grid, args, kw, q.device)
     return o

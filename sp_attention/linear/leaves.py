@@ -83,7 +83,7 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
     ``tuning.forward_schedule`` ``"output_first"`` the zero-start output runs while the scan
     travels and ``kern.entering_state`` adds ``S_in``'s part after it. ``zero_in``: no state
     enters any leaf (this rank holds only the sequence's first leaf): the zero-start states
-    are the states, the zero-start output runs at once and the scan (this rank only sends)
+    are the states, fla's own output kernel runs at once and the scan (this rank only sends)
     is joined afterwards. torch: ``b``, the scan, then the chunked form.
     ``tuning.side_stream_priority``: the scan stream's priority. ``backend``: ``"torch"``,
     ``"fla"``, None (fla where it can run) or a
@@ -119,16 +119,27 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
             h, _ = chunk_states(kern, k, v, fkw)
         gates = decay.sums if decay.gated else None
         g_gamma = None if decay.gated else fkw["g_gamma"]
-        if zero_in or forward_schedule(tuning, decay.gated) == "output_first":
-            if kern.entering_state is None and not zero_in:
+        if zero_in:
+            o = kern.chunk_fwd_o(q=q, k=k, v=v, h=h, scale=float(scale), chunk_size=CHUNK,
+                                 **fkw)
+            main.wait_stream(side)          # the send finishes behind the output kernel
+            return o, S_in
+        if forward_schedule(tuning, decay.gated) == "output_first":
+            if kern.entering_state is None:
                 raise ValueError("LinearTuning.forward_schedule='output_first' needs a kernel "
                                  "set with entering_state; pass forward_schedule="
                                  "'states_first'")
-            # the output from the zero-start states while the scan is in flight
-            o = kern.output_from_states(q, k, v, h, None, g_gamma, scale, CHUNK, gates=gates)
-            main.wait_stream(side)          # (zero_in: the send finishes behind the kernel)
-            if zero_in:
-                return o, S_in
+            # the output from the zero-start states while the scan is in flight: fla's output
+            # kernel, or with gates ours from a zero entering state (fla's gated one is
+            # slower); then S_in's part
+            if decay.gated:
+                zero = torch.zeros(N, q.shape[2], k.shape[-1], v.shape[-1], device=q.device,
+                                   dtype=torch.float32)
+                o = kern.output_from_states(q, k, v, h, zero, None, scale, CHUNK, gates=gates)
+            else:
+                o = kern.chunk_fwd_o(q=q, k=k, v=v, h=h, scale=float(scale), chunk_size=CHUNK,
+                                     **fkw)
+            main.wait_stream(side)
             S_in = S_in.contiguous()
             return kern.entering_state(o, q, S_in, g_gamma, scale, CHUNK, gates=gates), S_in
         main.wait_stream(side)
@@ -138,11 +149,12 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
 
 
 def forward_schedule(tuning: LinearTuning, gated: bool) -> str:
-    """``tuning.forward_schedule`` with ``"auto"`` resolved (the measured pick, per-token gates
-    ``output_first``, fixed rates ``states_first``: :class:`~sp_attention.tuning.LinearTuning`)."""
+    """``tuning.forward_schedule`` with ``"auto"`` resolved: ``states_first`` for fixed rates
+    and gates alike (why: :class:`~sp_attention.tuning.LinearTuning`); ``gated`` is the
+    decay kind the rule may tell apart."""
     if tuning.forward_schedule != "auto":
         return tuning.forward_schedule
-    return "output_first" if gated else "states_first"
+    return "states_first"
 
 
 @functools.lru_cache(maxsize=64)      # one entry per CUDA device index

@@ -179,8 +179,6 @@ def fake_kernels() -> FlaKernels:
                            gates=None):
         nat = _natural(None if gates is None else gates.gc, g_gamma, q.shape[0], q.shape[1],
                        chunk_size)
-        if S_in is None:                # the zero-start output
-            S_in = h.new_zeros(h.shape[0], *h.shape[2:])
         return gn.gated_output_from_states_ref(q, k, v, h, S_in, nat, scale,
                                                chunk_size).to(v.dtype)
 
@@ -220,8 +218,8 @@ def test_gated_leaves_fla_path(T, needed, schedule, monkeypatch):
     leaves_output / leaves_backward = the torch path, fp64: o, S_in, the end states and
     contributions the scans receive, dq, dk, dv, dg; both backward orders (``auto`` is
     ``recurrence_first``: the gradient arriving at the rows' ends taken in-kernel), each with
-    one forward order (``auto`` with ``auto``, for gates ``output_first``: the zero-start
-    output, then the entering state's part)."""
+    one forward order (``auto`` with ``output_first``: the zero-start output, then the
+    entering state's part; ``scan_first`` with ``auto``, i.e. ``states_first``)."""
     _no_streams(monkeypatch.setattr)
     from sp_attention.linear.decay import Decay
     kern = fake_kernels()
@@ -235,7 +233,7 @@ def test_gated_leaves_fla_path(T, needed, schedule, monkeypatch):
         seen.setdefault("x", []).append(x)
         seen.setdefault("A", []).append(A)
         return S if len(seen["x"]) == 1 else G
-    order = "auto" if schedule == "auto" else "states_first"   # auto: output_first for gates
+    order = "output_first" if schedule == "auto" else "auto"
     assert forward_schedule(LinearTuning(forward_schedule=order), True) == (
         "output_first" if schedule == "auto" else "states_first")
     o, S_got = leaves_output(q, k, v, decay, 0.3, scan, kern,

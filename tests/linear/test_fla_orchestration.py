@@ -134,9 +134,7 @@ def _fake_fla(slopes: torch.Tensor) -> FlaKernels:
 
     def output_from_states(q, k, v, h, S_in, g_gamma, scale, chunk_size=64, config=None,
                            gates=None):
-        log("output_from_states" if S_in is not None else "zero_start_output")
-        if S_in is None:
-            S_in = torch.zeros_like(h[:, 0])
+        log("output_from_states")
         return output_from_states_ref(q, k, v, h, S_in, slopes, scale, chunk_size).to(v.dtype)
 
     def entering_state(o, q, S_in, g_gamma, scale, chunk_size=64, gates=None):
@@ -220,7 +218,7 @@ def test_leaves_output_fla_path(T, zero_in, early, order, monkeypatch):
     # beside it, on the side stream with the scan
     assert _stream_of("leaf_state") == ([] if T % 64 == 0 and not early else ["side"])
     first = zero_in or order == "output_first"
-    out = "zero_start_output" if first else "output_from_states"
+    out = "chunk_fwd_o" if first else "output_from_states"
     assert _stream_of(out) == ["main"]
     wait = LOG.index(("wait", "main", "side"))
     if not first:        # the output waits for the scan

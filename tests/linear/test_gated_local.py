@@ -172,8 +172,8 @@ for B, T, H, K, V, cfg, bk in ((1, 64, 1, 16, 16, 0, None), (2, 100, 3, 32, 16, 
     o = output_from_states(q, k, v, h0, S, None, 0.5, 64, cfg, gates=gs)
     err("output", o, chunked_gated_core(qd, kd, vd, gd, 0.5, S.double())[0])
     # the other order: the zero-start output, then the entering state's part added in place
-    o = add_entering_state(output_from_states(q, k, v, h0, None, None, 0.5, 64, cfg, gates=gs),
-                           q, S, None, 0.5, 64, cfg, gates=gs)
+    o = add_entering_state(output_from_states(q, k, v, h0, torch.zeros_like(S), None, 0.5, 64,
+                                              cfg, gates=gs), q, S, None, 0.5, 64, cfg, gates=gs)
     err("output zero-start + entering state", o,
         chunked_gated_core(qd, kd, vd, gd, 0.5, S.double())[0])
     for sc in (cfg, 9 + cfg):                          # x weighted / y weighted

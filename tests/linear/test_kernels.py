@@ -35,7 +35,8 @@ for T, B, H, K, V in ((64, 1, 1, 16, 16), (100, 2, 3, 32, 16), (200, 1, 3, 16, 4
     from sp_attention.linear.kernels import ENTERING_CANDIDATES, add_entering_state
     gg = (-slopes / math.log(2)).float()
     for cfg in range(len(ENTERING_CANDIDATES)):
-        o = output_from_states(q, k, v, h, None, gg, 0.5, 64, cfg % len(OUTPUT_CANDIDATES))
+        o = output_from_states(q, k, v, h, torch.zeros_like(S), gg, 0.5, 64,
+                               cfg % len(OUTPUT_CANDIDATES))
         assert add_entering_state(o, q, S, gg, 0.5, 64, cfg) is o
         worst = max(worst, ((o.double() - ref).norm() / ref.norm()).item())
 from sp_attention.linear.kernels import STATE_CANDIDATES, decayed_state_sum
@@ -177,7 +178,8 @@ def test_our_kernels_every_config_gpu(dtype):
                 check(o.float(), ref, f"output cfg {i} T {T} {dtype}")
         # the other order: zero-start output, then the entering state's part, every candidate
         for i in range(len(ENTERING_CANDIDATES)):
-            o = add_entering_state(output_from_states(q, k, v, h, None, gg, 0.25),
+            o = add_entering_state(output_from_states(q, k, v, h, torch.zeros_like(S0).float(),
+                                                      gg, 0.25),
                                    q, S0.float().contiguous(), gg, 0.25, 64, i)
             if dtype == torch.float32:
                 err = rel_rms(o, ref)
