@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["chunk_dqkdg", "DQK_CANDIDATES", "DQK_TUNED", "MIN_BLOCK_K"]
+__all__ = ["chunk_dqkdg", "DQK_CANDIDATES", "DQK_TUNED", "MIN_BLOCK_K", "SMALL_K_CONFIG"]
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -189,6 +189,12 @@ DQK_TUNED = [21, 5, 2, 12, 11, 20]
 # products, half of the tile's columns zero). Forcing every config at tiles of 32 and 64 on a
 # GPU: the test's case with block_k=32 (not yet run there).
 MIN_BLOCK_K = 32
+# K below MIN_BLOCK_K (one masked tile) runs this candidate, never the autotuner's: forced one
+# at a time on a 4 × H200 (2026-11-27, bf16, gated, K = V = 16 over 64 tokens), candidate 11
+# ([64] V tile, 4 warps, 2 stages, dsᵀ dot) gave dk and dg off by over 100 % while 21, 5, 2
+# and 12 matched the fp64 reference (20 was not reached); 21 is the autotuner's usual pick
+# at K = 128.
+SMALL_K_CONFIG = 21
 _KEY = ["H", "K", "V", "BT", "BK", "PRECISION", "IS_VARLEN", "GATED", "ARRIVING"]
 _dqkdg_tuned = triton.autotune(configs=[DQK_CANDIDATES[i] for i in DQK_TUNED], key=_KEY)(
     _dqkdg_kernel)
@@ -209,7 +215,8 @@ def chunk_dqkdg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
     ``gc [B, T, H]`` fp32 chunk-local log2 sums of the gate (:func:`.gates.gate_sums`, same
     chunk). Returns dq, dk in the input dtype and dg ``[B, T, H]`` fp32 (natural-log gate).
     fp32 inputs run IEEE fp32 dots. ``config``: index into :data:`DQK_CANDIDATES` (default:
-    autotuned on the GPU over :data:`DQK_TUNED`, the first in Triton's CPU interpreter);
+    autotuned on the GPU over :data:`DQK_TUNED` — for K below :data:`MIN_BLOCK_K`
+    :data:`SMALL_K_CONFIG` —, the first in Triton's CPU interpreter);
     ``block_k``: the K tile, a power of two from :data:`MIN_BLOCK_K` (32) to 128 (default the
     whole K up to 128, at least 32; more tiles write partial dg rows, added here).
     ``cu_seqlens`` (int32 ``[N+1]``) with ``chunk_indices`` (int32 ``[NT, 2]``: (sequence,
@@ -266,6 +273,8 @@ def chunk_dqkdg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
             B * T * H, G, g_gamma, suffix)
     kw = dict(H=H, K=K, V=V, BT=chunk_size, BK=BK, PRECISION=prec, IS_VARLEN=varlen,
               GATED=gated, ARRIVING=G is not None)
+    if config is None and K < MIN_BLOCK_K and not interpret:
+        config = SMALL_K_CONFIG      # a masked K tile: the candidate checked there, not tuned
     with guard:
         if config is not None or interpret:
             cfg = DQK_CANDIDATES[config or 0]

@@ -18,14 +18,16 @@ import pytest
 import torch
 
 from local_cases import apply, gpu
-from sp_attention.linear.dqk_kernel import MIN_BLOCK_K, chunk_dqkdg
+from sp_attention.linear.dqk_kernel import (DQK_CANDIDATES, DQK_TUNED, MIN_BLOCK_K,
+                                            SMALL_K_CONFIG, chunk_dqkdg)
 from sp_attention.testing import finish_process, run_process
 
 _CHECK = r"""
 import math, sys, torch
 from sp_attention.linear.gated_naive import dqkdg_ref, gated_chunk_states, chunk_end_grads
 from sp_attention.linear.gates import gate_sums, suffix_sums
-from sp_attention.linear.dqk_kernel import DQK_CANDIDATES, DQK_TUNED, chunk_dqkdg
+from sp_attention.linear.dqk_kernel import (DQK_CANDIDATES, DQK_TUNED, MIN_BLOCK_K,
+                                            SMALL_K_CONFIG, chunk_dqkdg)
 from sp_attention.linear.dv_kernel import DV_TUNED, chunk_dv
 dev, dtype, tol = sys.argv[1], getattr(torch, sys.argv[2]), float(sys.argv[3])
 # one (case, decay, kernel) of the lists: part // 2 the (case, decay), part % 2 dq/dk or dv
@@ -63,7 +65,9 @@ for i, (B, T, H, K, V, cfg, bk) in enumerate(cases):
         suf = suffix_sums(gs.tot).contiguous() if gated else None
         tag = "gated" if gated else "fixed"
         hf = h.float().contiguous().to(dev)
-        dqk_cfgs = DQK_TUNED if every else (cfg, cfg + len(DQK_CANDIDATES) // 2)
+        # on the GPU what may run: the autotuner's set, or below a K tile of 32 the one config
+        dqk_cfgs = ((DQK_TUNED if K >= MIN_BLOCK_K else [SMALL_K_CONFIG]) if every
+                    else (cfg, cfg + len(DQK_CANDIDATES) // 2))
         if part is not None and part % 2:
             dqk_cfgs = ()
         if only is not None:
@@ -141,8 +145,9 @@ def test_late_gradient_kernels_in_triton_interpreter():
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 1e-2)])
 def test_late_gradient_kernels_every_config_gpu(dtype, tol):
     """Every config the autotuners may pick, forced one at a time on the GPU (fp32: IEEE
-    dots; bf16: its rounding), also at K = V = 128 over 1000 tokens. One process per case,
-    decay, kernel and config (96), as many at once as there are cores."""
+    dots; bf16: its rounding), also at K = V = 128 over 1000 tokens; below a K tile of 32 the
+    dq/dk kernel's one config (``SMALL_K_CONFIG``). One process per case, decay, kernel and
+    config (up to 96), as many at once as there are cores."""
     _run("cuda", dtype, tol, False, parts=16, configs=6)
 
 
@@ -152,6 +157,8 @@ def test_no_k_tile_below_32():
     first case of ``_CHECK``) — and a ``block_k`` below 32, or not a power of two, raises before
     any launch, naming the fix."""
     assert MIN_BLOCK_K == 32
+    # below it the autotuner never runs: the config checked there on the GPU
+    assert SMALL_K_CONFIG in DQK_TUNED and DQK_CANDIDATES[SMALL_K_CONFIG].kwargs["DK_ROWS"]
     q = torch.zeros(1, 64, 1, 32)
     h = torch.zeros(1, 1, 1, 32, 32)
     for bad in (16, 48, 256):
