@@ -96,6 +96,10 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
         b = leaf_state(k, v, decay).to(state_dtype(q, decay, False))
         S_in = scan(b, decay.transition(N, C, b.dtype, q.device))
         return leaf_output(q, k, v, decay, scale, S_in, "torch"), S_in
+    first = not zero_in and forward_schedule(tuning, decay.gated) == "output_first"
+    if first and kern.entering_state is None:       # before anything is sent
+        raise ValueError("LinearTuning.forward_schedule='output_first' needs a kernel set with "
+                         "entering_state; pass forward_schedule='states_first'")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     fkw = decay.fla_kw(q.device)
 
@@ -124,11 +128,7 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
                                  **fkw)
             main.wait_stream(side)          # the send finishes behind the output kernel
             return o, S_in
-        if forward_schedule(tuning, decay.gated) == "output_first":
-            if kern.entering_state is None:
-                raise ValueError("LinearTuning.forward_schedule='output_first' needs a kernel "
-                                 "set with entering_state; pass forward_schedule="
-                                 "'states_first'")
+        if first:
             # the output from the zero-start states while the scan is in flight: fla's output
             # kernel, or with gates ours from a zero entering state (fla's gated one is
             # slower); then S_in's part

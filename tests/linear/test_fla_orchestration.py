@@ -232,6 +232,19 @@ def test_leaves_output_fla_path(T, zero_in, early, order, monkeypatch):
     _joined()
 
 
+def test_output_first_without_its_kernel_raises_before_the_scan(monkeypatch):
+    """A kernel set without ``entering_state`` cannot run ``forward_schedule="output_first"``:
+    it says so before the scan sends anything (no peer is left waiting)."""
+    import dataclasses
+    fake = dataclasses.replace(_install(monkeypatch.setattr, SLOPES), entering_state=None)
+    q, k, v, _, S, _ = _data(2, 128)
+    seen = {}
+    with pytest.raises(ValueError, match="entering_state; pass forward_schedule='states_first'"):
+        leaves_output(q, k, v, SLOPES, 0.3, _scan_returning(S, seen), fake,
+                      tuning=LinearTuning(forward_schedule="output_first"))
+    assert not seen and not _stream_of("scan")
+
+
 def _backward_case(monkeypatch, seed: int, zero_grad: bool, needed, tuning: LinearTuning):
     """``leaves_backward`` on two leaves per batch row (zigzag-like rows) through the stand-in
     kernels, checked: the contributions ``d`` handed to the scan (the leaves someone reads)
