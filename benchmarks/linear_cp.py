@@ -57,8 +57,8 @@ AB_VALUES = {"backward": ("backward_schedule", (("recurrence_first", "-recfirst"
                                               ("states_first", "-statesfirst"))),
              "row_splits": ("row_splits", ((1, "-rows1"), (2, "-rows2"), (4, "-rows4")))}
 # what a field's default runs (its "auto" resolved), so the A/B skips the default's twin
-RESOLVED = {"backward_schedule": lambda t, gated: backward_schedule(t),
-            "forward_schedule": forward_schedule, "row_splits": lambda t, gated: t.row_splits}
+RESOLVED = {"backward_schedule": backward_schedule, "forward_schedule": forward_schedule,
+            "row_splits": lambda t: t.row_splits}
 
 
 def _phases(events: list) -> dict:
@@ -222,7 +222,7 @@ class _Rows:
         for name in (a.ab if self.case in ("fixed", "gated") else ()):
             if name in AB_VALUES:       # every value but the one the default runs
                 field, values = AB_VALUES[name]
-                runs = RESOLVED[field](default, self.case == "gated")
+                runs = RESOLVED[field](default)
                 variants += [(replace(default, **{field: value}), sfx) for value, sfx in values
                              if value != runs]
                 continue

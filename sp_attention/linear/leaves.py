@@ -96,7 +96,7 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
         b = leaf_state(k, v, decay).to(state_dtype(q, decay, False))
         S_in = scan(b, decay.transition(N, C, b.dtype, q.device))
         return leaf_output(q, k, v, decay, scale, S_in, "torch"), S_in
-    first = not zero_in and forward_schedule(tuning, decay.gated) == "output_first"
+    first = not zero_in and forward_schedule(tuning) == "output_first"
     if first and kern.entering_state is None:       # before anything is sent
         raise ValueError("LinearTuning.forward_schedule='output_first' needs a kernel set with "
                          "entering_state; pass forward_schedule='states_first'")
@@ -148,10 +148,9 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
                                        gates=gates), S_in
 
 
-def forward_schedule(tuning: LinearTuning, gated: bool) -> str:
+def forward_schedule(tuning: LinearTuning) -> str:
     """``tuning.forward_schedule`` with ``"auto"`` resolved: ``states_first`` for fixed rates
-    and gates alike (why: :class:`~sp_attention.tuning.LinearTuning`); ``gated`` is the
-    decay kind the rule may tell apart."""
+    and gates alike (why: :class:`~sp_attention.tuning.LinearTuning`)."""
     if tuning.forward_schedule != "auto":
         return tuning.forward_schedule
     return "states_first"

@@ -234,7 +234,7 @@ def test_gated_leaves_fla_path(T, needed, schedule, monkeypatch):
         seen.setdefault("A", []).append(A)
         return S if len(seen["x"]) == 1 else G
     order = "output_first" if schedule == "auto" else "auto"
-    assert forward_schedule(LinearTuning(forward_schedule=order), True) == (
+    assert forward_schedule(LinearTuning(forward_schedule=order)) == (
         "output_first" if schedule == "auto" else "states_first")
     o, S_got = leaves_output(q, k, v, decay, 0.3, scan, kern,
                              tuning=LinearTuning(forward_schedule=order))

@@ -147,6 +147,14 @@ def test_our_kernels_every_config_gpu(dtype):
             assert_close(got, ref, tol, what)
         except AssertionError as e:
             bad.append(str(e).splitlines()[0][:200])
+
+    def check_output(o, ref, what):       # fp32: IEEE dots, held to 1e-5
+        if o.dtype == torch.float32:
+            err = rel_rms(o, ref)
+            if not err <= 1e-5:
+                bad.append(f"{what} fp32: relative RMS {err:.3e} > 1e-5")
+        else:
+            check(o.float(), ref, f"{what} {o.dtype}")
     for B, T, H, K in ((2, 300, 4, 64), (1, 2048, 16, 128)):
         q, k, v, S0, do, _ = inputs(B=B, T=T, H=H, K=K, V=K, dtype=dtype, device="cuda")
         slopes = torch.tensor([0.0, 0.01, 0.3, 50.0] * (H // 4), device="cuda")
@@ -170,23 +178,13 @@ def test_our_kernels_every_config_gpu(dtype):
                 if "OutOfResources" in type(e).__name__ or "out of resource" in str(e):
                     continue
                 raise
-            if dtype == torch.float32:
-                err = rel_rms(o, ref)
-                if not err <= 1e-5:
-                    bad.append(f"output cfg {i} T {T} fp32: relative RMS {err:.3e} > 1e-5")
-            else:
-                check(o.float(), ref, f"output cfg {i} T {T} {dtype}")
+            check_output(o, ref, f"output cfg {i} T {T}")
         # the other order: zero-start output, then the entering state's part, every candidate
         for i in range(len(ENTERING_CANDIDATES)):
             o = add_entering_state(output_from_states(q, k, v, h, torch.zeros_like(S0).float(),
                                                       gg, 0.25),
                                    q, S0.float().contiguous(), gg, 0.25, 64, i)
-            if dtype == torch.float32:
-                err = rel_rms(o, ref)
-                if not err <= 1e-5:
-                    bad.append(f"entering cfg {i} T {T} fp32: relative RMS {err:.3e} > 1e-5")
-            else:
-                check(o.float(), ref, f"entering cfg {i} T {T} {dtype}")
+            check_output(o, ref, f"entering cfg {i} T {T}")
     assert not bad, "candidate configs off the reference:\n" + "\n".join(bad)
 
 
