@@ -133,6 +133,9 @@ def _run(device: str, dtype: str, tol: float, interpret: bool, parts: int = 0,
             if p.returncode != 0:
                 bad.append(f"part {i} config {c}: relative errors {out.strip()} "
                            f"{err.strip()[-600:]}")
+                print(bad[-1], file=sys.stderr, flush=True)   # seen with -s if cut off
+        print(f"late-gradient check: {start + len(wave)} of {len(jobs)} jobs run, "
+              f"{len(bad)} failed", file=sys.stderr, flush=True)
     assert not bad, f"{len(bad)} of {len(jobs)} failed:\n" + "\n".join(bad)
 
 
