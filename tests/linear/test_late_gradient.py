@@ -20,9 +20,18 @@ import torch
 from local_cases import apply, gpu
 from sp_attention.linear.dqk_kernel import (DQK_CANDIDATES, DQK_TUNED, MIN_BLOCK_K,
                                             SMALL_K_CONFIG, chunk_dqkdg)
+from sp_attention.linear.dv_kernel import DV_TUNED
 from sp_attention.testing import finish_process, run_process
 
-_CHECK = r"""
+# (B, T, H, K, V, interpreter's dq/dk config, block_k): K = 16 as one masked K tile of 32,
+# two K tiles (block_k 32), 1 and 3 heads, K != V, partial last chunks
+CASES = ((1, 64, 1, 16, 16, 0, None), (2, 100, 3, 64, 16, 1, 32), (1, 130, 3, 16, 32, 2, None))
+# on the GPU also the head dims models use (32: the HF example; 64: the 1B models; 128), one
+# and two K tiles
+GPU_CASES = ((1, 1000, 4, 128, 128, 0, None), (1, 300, 2, 32, 32, 0, None),
+             (1, 300, 2, 64, 64, 0, None), (1, 300, 2, 64, 64, 0, 32))
+
+_CHECK = f"CASES, GPU_CASES = {CASES!r}, {GPU_CASES!r}\n" + r"""
 import math, sys, torch
 from sp_attention.linear.gated_naive import dqkdg_ref, gated_chunk_states, chunk_end_grads
 from sp_attention.linear.gates import gate_sums, suffix_sums
@@ -40,9 +49,7 @@ worst = {}
 def err(name, a, b):
     e = float((a.double().cpu() - b.double()).norm() / b.double().norm())
     worst[name] = max(worst.get(name, 0.0), e)
-cases = ((1, 64, 1, 16, 16, 0, None), (2, 100, 3, 64, 16, 1, 32), (1, 130, 3, 16, 32, 2, None))
-if every:
-    cases += ((1, 1000, 4, 128, 128, 0, None),)
+cases = CASES + (GPU_CASES if every else ())
 for i, (B, T, H, K, V, cfg, bk) in enumerate(cases):
     q, k, v, do = (torch.randn(B, T, H, d) for d in (K, K, V, V))
     S, D = torch.randn(B, H, K, V), torch.randn(B, H, K, V)
@@ -101,16 +108,26 @@ for i, (B, T, H, K, V, cfg, bk) in enumerate(cases):
                     raise
                 err(f"dv {tag} G={late}", dv, ref[2])
 print(worst)
+assert worst, "nothing was checked: a job of no (case, decay, kernel, config)"
 sys.exit(0 if max(worst.values()) < tol else 1)
 """
 
 
-def _run(device: str, dtype: str, tol: float, interpret: bool, parts: int = 0,
-         configs: int = 1) -> None:
+def _configs(part: int) -> int:
+    """How many configs the GPU check forces for ``part`` (of ``CASES + GPU_CASES``: case
+    ``part // 4``, decay, kernel ``part % 2``): the dq/dk kernel's autotuned set, or below a K
+    tile of 32 its one config; the dv kernel's set."""
+    if part % 2:
+        return len(DV_TUNED)
+    return len(DQK_TUNED) if (CASES + GPU_CASES)[part // 4][3] >= MIN_BLOCK_K else 1
+
+
+def _run(device: str, dtype: str, tol: float, interpret: bool, parts: int = 0) -> None:
     """The check in a fresh process; ``parts`` > 0: as processes, one per (case, decay,
-    kernel) and, with ``configs`` > 1, per config of that kernel's list, as many at once as
-    the machine has cores (on the GPU every config of every case compiles, ~30 s each: 16
-    processes of 12 compiles each did not finish in 330 s on a 4 × H200 machine's 64 cores)."""
+    kernel) and config of that kernel's list (:func:`_configs`), as many at once as the
+    machine has cores (every config of every case compiles on the GPU: 16 processes of 12
+    compiles each did not finish in 330 s on 64 cores; one per config, 96 jobs, took 175 s on
+    one H200's 16)."""
     pytest.importorskip("triton", reason="triton is in the `test` extra; install it to run this")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
@@ -121,7 +138,7 @@ def _run(device: str, dtype: str, tol: float, interpret: bool, parts: int = 0,
         r = run_process(cmd, env=env, timeout=900)
         assert r.returncode == 0, f"relative errors {r.stdout.strip()}\n{r.stderr[-3000:]}"
         return
-    jobs = [(i, c) for i in range(parts) for c in range(configs)]
+    jobs = [(i, c) for i in range(parts) for c in range(_configs(i))]
     width = max(1, min(len(jobs), os.cpu_count() or 1))
     bad = []                    # every failing (part, config), not only the first
     for start in range(0, len(jobs), width):
@@ -150,8 +167,8 @@ def test_late_gradient_kernels_every_config_gpu(dtype, tol):
     """Every config the autotuners may pick, forced one at a time on the GPU (fp32: IEEE
     dots; bf16: its rounding), also at K = V = 128 over 1000 tokens; below a K tile of 32 the
     dq/dk kernel's one config (``SMALL_K_CONFIG``). One process per case, decay, kernel and
-    config (up to 96), as many at once as there are cores."""
-    _run("cuda", dtype, tol, False, parts=16, configs=6)
+    config, as many at once as there are cores; each failing one is printed as it ends."""
+    _run("cuda", dtype, tol, False, parts=4 * len(CASES + GPU_CASES))
 
 
 def test_no_k_tile_below_32():
