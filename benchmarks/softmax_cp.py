@@ -182,6 +182,13 @@ def _parser():
                    help="also run every all-to-all row with SoftmaxTuning(a2a_direct=True) "
                         "(rows '<preset> direct': each piece sent straight into its place, "
                         "no index gathers)")
+    p.add_argument("--own-last", action="store_true",
+                   help="also run every ring/ring row with SoftmaxTuning(ring_backward_order="
+                        "'own_last') (rows '<pair> own_last': the backward starts on the block "
+                        "the forward kept and runs the own block last)")
+    p.add_argument("--reverse-rows", action="store_true",
+                   help="time the CP rows in the reverse order (a row's place in the process "
+                        "can move it by several %%: run an A/B both ways)")
     p.add_argument("--fwd-bwd-only", action="store_true",
                    help="time fwd+bwd only (the ratio's measure): a shorter sweep")
     p.add_argument("--packed", action="store_true",
@@ -237,7 +244,12 @@ def _runs(a, world, H):
         runs += [(f"{name} direct", dict(kw, tuning=SoftmaxTuning(a2a_direct=True)), v)
                  for name, kw, v in list(runs)
                  if kw.get("preset") in ("a2a", "a2a_ring") and "tuning" not in kw]
-    return runs
+    if a.own_last:      # the ring pair with the own block last in its backward, beside it
+        runs += [(f"{name} own_last", dict(kw, tuning=SoftmaxTuning(
+                     ring_backward_order="own_last")), v)
+                 for name, kw, v in list(runs)
+                 if kw.get("fwd") == "ring" == kw.get("bwd") and "tuning" not in kw]
+    return runs[::-1] if a.reverse_rows else runs
 
 
 def _resolved(kw, ctx, q, k, causal):

@@ -253,11 +253,13 @@ class RingComm:
     instead of deadlocking.
     """
 
-    def __init__(self, ctx: SPContext):
+    def __init__(self, ctx: SPContext, reverse: bool = False):
         if ctx.world_size < 2:
             raise ValueError("RingComm needs a group of at least 2 ranks")
         self.ctx = ctx
         self.prev, self.next = ring_neighbors(ctx.rank, ctx.world_size)
+        if reverse:           # the ring the other way: send to the previous rank
+            self.prev, self.next = self.next, self.prev
         self._sends: list[torch.Tensor] = []
         self._recvs: list[torch.Tensor] = []
         self._works: Optional[list] = None

@@ -220,6 +220,16 @@ class SoftmaxTuning:
             → 0.844, 32K 0.976 → 0.978 — the copies it saves are hidden behind the
             exchanges, and more, smaller messages cost what they save. Exact either way (the
             kernels see the same tensors); ``benchmarks/softmax_cp.py --a2a-direct``.
+        ring_backward_order: when the ring backward (``bwd="ring"`` after ``fwd="ring"``: the
+            ``ring`` preset) runs the rank's own block. ``"own_first"``: first, while the first
+            remote block travels, so the last remote block's dK/dV accumulator goes home after
+            every kernel, waited for. ``"own_last"``: the forward keeps the K/V block it held
+            last (rank ``r + 1``'s: one more K/V block per layer until the backward), the
+            backward starts on it, the remote blocks travel the other way round the ring (with
+            P = 2 none travel at all), and the last accumulator hop goes home while the own
+            block — the largest call — computes. Exact either way (P = 2: the same bits).
+            ``"auto"``: ``"own_first"``. Other pairs, packed documents and the all-to-all
+            presets run the own block first.
     """
 
     min_query_heads_per_call: int = MIN_QUERY_HEADS_PER_CALL
@@ -229,9 +239,15 @@ class SoftmaxTuning:
     packed_varlen_gaps: bool = True
     a2a_head_chunks: Optional[int] = None
     a2a_direct: bool = False
+    ring_backward_order: str = "auto"
+
+    RING_BACKWARD_ORDERS = ("auto", "own_first", "own_last")
 
     def __post_init__(self) -> None:
         _check_bools(self, "check_every_call", "pack_kv", "packed_varlen_gaps", "a2a_direct")
+        if self.ring_backward_order not in self.RING_BACKWARD_ORDERS:
+            raise ValueError(f"SoftmaxTuning.ring_backward_order must be one of "
+                             f"{self.RING_BACKWARD_ORDERS}, got {self.ring_backward_order!r}")
         if self.a2a_head_chunks is not None and (not is_int(self.a2a_head_chunks)
                                                  or self.a2a_head_chunks < 1):
             raise ValueError("SoftmaxTuning.a2a_head_chunks must be a positive int (head chunks "

@@ -54,18 +54,30 @@ class _Config:
     pack_kv: bool
     a2a_size: Optional[int] = None     # the all-to-all schedules: U (P for "a2a")
     a2a_chunks: int = 1                # the all-to-all schedules: head chunks (pipelined)
+    own_last: bool = False             # the ring pair: the own block last in the backward
+
+
+def ring_backward_own_last(tuning: SoftmaxTuning, fwd: str, bwd: str, world: int) -> bool:
+    """Whether the ring backward runs the rank's own block last
+    (``SoftmaxTuning.ring_backward_order``): only after the ring forward, which keeps the
+    block it starts from, and across ranks. ``"auto"``: own block first."""
+    return (tuning.ring_backward_order == "own_last" and fwd == "ring" == bwd and world > 1)
 
 
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, cfg: _Config):
-        if cfg.fwd == "ring":
+        kept = ()
+        if cfg.own_last:      # the last K/V block, where the backward starts
+            out, lse, kept = ring_forward(q, k, v, cfg.ctx, cfg.backend, causal=cfg.causal,
+                                          scale=cfg.scale, pack_kv=cfg.pack_kv, keep_last=True)
+        elif cfg.fwd == "ring":
             out, lse = ring_forward(q, k, v, cfg.ctx, cfg.backend, causal=cfg.causal,
                                     scale=cfg.scale, pack_kv=cfg.pack_kv)
         else:
             out, lse = allgather_forward(q, k, v, cfg.ctx, cfg.backend, causal=cfg.causal,
                                          scale=cfg.scale, heads_k_stride=cfg.stride)
-        fctx.save_for_backward(q, k, v, out, lse)
+        fctx.save_for_backward(q, k, v, out, lse, *kept)
         fctx.cfg = cfg
         if cfg.return_lse:
             fctx.mark_non_differentiable(lse)
@@ -74,13 +86,13 @@ class _ContextParallelAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, dout, *unused):
-        q, k, v, out, lse = fctx.saved_tensors
+        q, k, v, out, lse, *kept = fctx.saved_tensors
         cfg: _Config = fctx.cfg
         with autocast_off(q.device):
             if cfg.bwd == "ring":
                 dq, dk, dv = ring_backward(dout, q, k, v, out, lse, cfg.ctx, cfg.backend,
                                            causal=cfg.causal, scale=cfg.scale,
-                                           pack_kv=cfg.pack_kv)
+                                           pack_kv=cfg.pack_kv, kept=tuple(kept) or None)
             else:
                 dq, dk, dv = allgather_backward(dout, q, k, v, out, lse, cfg.ctx, cfg.backend,
                                                 causal=cfg.causal, scale=cfg.scale,
@@ -288,4 +300,5 @@ def _config(q, k, v, ctx: SPContext, tuning, *, fwd, bwd, preset, heads_k_stride
     scale = q.shape[3] ** -0.5 if softmax_scale is None else float(softmax_scale)
     return _Config(ctx, sched.fwd, sched.bwd, causal, scale, kernel, stride,
                    sched.bwd_head_first_stride, sched.bwd_head_last_stride, return_lse,
-                   tuning.pack_kv, size, chunks)
+                   tuning.pack_kv, size, chunks,
+                   ring_backward_own_last(tuning, sched.fwd, sched.bwd, ctx.world_size))

@@ -49,46 +49,66 @@ from ..precision import acc_dtype
 from .backends import KernelBackend
 from .ring_buffers import KVRing
 
-__all__ = ["ring_backward", "hop_dtypes", "hop_chunks"]
+__all__ = ["ring_backward", "hop_dtypes", "hop_chunks", "visit_steps"]
 
 
-@lru_cache(maxsize=256)     # per (group size, layout, causal) a process meets
-def _acc_hops(world: int, layout: str, causal: bool) -> tuple[tuple[tuple[bool, int], ...], ...]:
-    """``hops[r][s - 1] = (single, chunks)`` of the accumulator rank ``r`` sends after step
-    ``s``: whether it holds at most one kernel output (this rank's one call on a block nobody
-    has sent anything for yet, or one passed on untouched), and how many of the block's leading
-    key chunks it covers. Every call reads a prefix of the block's keys, so what a block's
-    visitors have touched is a prefix; the rest is zero and does not travel. ``chunks == 0``:
-    nothing to send, both ends skip the hop."""
+def visit_steps(world: int, own_last: bool) -> tuple[int, ...]:
+    """The ring steps (``s``: the block of rank ``rank − s``) a backward visits before or after
+    its own block, in order: ``1 … P−1`` (own block first), or ``P−1 … 1`` (own block last:
+    the blocks come from the next rank and the accumulators go to the previous one)."""
+    steps = tuple(range(1, world))
+    return steps[::-1] if own_last else steps
+
+
+@lru_cache(maxsize=256)     # per (group size, layout, causal, order) a process meets
+def _acc_hops(world: int, layout: str, causal: bool,
+              own_last: bool = False) -> tuple[tuple[tuple[bool, int], ...], ...]:
+    """``hops[r][i] = (single, chunks)`` of the accumulator rank ``r`` sends after its ``i``-th
+    remote block (:func:`visit_steps`): whether it holds at most one kernel output (this rank's
+    one call on a block nobody has sent anything for yet, or one passed on untouched), and how
+    many of the block's leading key chunks it covers. Every call reads a prefix of the block's
+    keys, so what a block's visitors have touched is a prefix; the rest is zero and does not
+    travel. ``chunks == 0``: nothing to send, both ends skip the hop. The block's previous
+    visitor is the previous rank (own block first) or the next one (own block last)."""
     hops: dict = {}
-    for s in range(1, world):
+    before = 1 if own_last else -1            # the previous visitor: next / previous rank
+    for i, s in enumerate(visit_steps(world, own_last)):
         for r in range(world):
             calls = ring_calls(r, ring_source(r, world, s), world, layout, causal)
             keys = max((c.keys for c in calls), default=0)
-            p_single, p_chunks = hops[ring_neighbors(r, world)[0], s - 1] if s > 1 else (True, 0)
+            p_single, p_chunks = hops[(r + before) % world, i - 1] if i else (True, 0)
             single = (p_single and not calls) or (p_chunks == 0 and len(calls) <= 1)
-            hops[r, s] = (single, max(p_chunks, keys))
-    return tuple(tuple(hops[r, s] for s in range(1, world)) for r in range(world))
+            hops[r, i] = (single, max(p_chunks, keys))
+    return tuple(tuple(hops[r, i] for i in range(world - 1)) for r in range(world))
+
+
+def _sender(rank: int, world: int, own_last: bool) -> int:
+    """The rank whose accumulators this rank receives."""
+    prev_rank, next_rank = ring_neighbors(rank, world)
+    return next_rank if own_last else prev_rank
 
 
 def hop_dtypes(rank: int, world: int, layout: str, causal: bool, kernel_dtype: torch.dtype,
-               acc: torch.dtype) -> tuple[list[torch.dtype], list[torch.dtype]]:
-    """``(sent, got)``: ``sent[s - 1]`` is the dtype of the accumulator this rank sends after
-    step ``s`` (1 … P−1), ``got[s - 1]`` the dtype of the one the previous rank sends after its
-    step ``s`` (received before this rank's step ``s + 1``, or, for ``s = P − 1``, this rank's
-    own block coming home). ``kernel_dtype`` for one kernel output, ``acc`` for a sum."""
-    hops = _acc_hops(world, layout, causal)
+               acc: torch.dtype, own_last: bool = False
+               ) -> tuple[list[torch.dtype], list[torch.dtype]]:
+    """``(sent, got)``: ``sent[i]`` is the dtype of the accumulator this rank sends after its
+    ``i``-th remote block (:func:`visit_steps`), ``got[i]`` the dtype of the one its sender
+    (the previous rank; own block last: the next) sends then (received before this rank's next
+    block, or, after the last, this rank's own block coming home). ``kernel_dtype`` for one
+    kernel output, ``acc`` for a sum."""
+    hops = _acc_hops(world, layout, causal, own_last)
     sent = [kernel_dtype if x else acc for x, _ in hops[rank]]
-    got = [kernel_dtype if x else acc for x, _ in hops[ring_neighbors(rank, world)[0]]]
+    got = [kernel_dtype if x else acc for x, _ in hops[_sender(rank, world, own_last)]]
     return sent, got
 
 
-def hop_chunks(rank: int, world: int, layout: str, causal: bool) -> tuple[list[int], list[int]]:
+def hop_chunks(rank: int, world: int, layout: str, causal: bool,
+               own_last: bool = False) -> tuple[list[int], list[int]]:
     """``(sent, got)`` as :func:`hop_dtypes`, in leading key chunks of the block the accumulator
     covers (its ``chunks · T_local / leaves`` rows travel; 0: no message)."""
-    hops = _acc_hops(world, layout, causal)
+    hops = _acc_hops(world, layout, causal, own_last)
     return ([n for _, n in hops[rank]],
-            [n for _, n in hops[ring_neighbors(rank, world)[0]]])
+            [n for _, n in hops[_sender(rank, world, own_last)]])
 
 
 def kernel_grad_dtype(backend: KernelBackend, dtype: torch.dtype) -> torch.dtype:
@@ -102,7 +122,8 @@ def kernel_grad_dtype(backend: KernelBackend, dtype: torch.dtype) -> torch.dtype
 
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, ctx: SPContext, backend: KernelBackend,
-                  *, causal: bool, scale: Optional[float], pack_kv: bool = False
+                  *, causal: bool, scale: Optional[float], pack_kv: bool = False,
+                  kept: Optional[tuple[torch.Tensor, torch.Tensor]] = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward by ring exchange of K/V and of the blocks' dK/dV accumulators.
 
@@ -111,6 +132,11 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         lse: ``[B, H, T_local]``, the global LSE of the forward.
 
     ``pack_kv``: K and V travel packed in one buffer (:class:`.ring_buffers.KVRing`).
+    ``kept``: the K/V block the ring forward held last (rank ``rank + 1``'s, ``ring_forward(…,
+    keep_last=True)``): given, the own block runs **last** (``SoftmaxTuning.ring_backward_order
+    = "own_last"``) — the remote blocks from ``kept`` on, travelling from the next rank to the
+    previous one (none with P = 2), and the accumulators' last hop home hides behind the own
+    block's kernel instead of being waited for after it.
 
     Returns ``(dq, dk, dv)`` in the dtypes of q, k, v.
     """
@@ -120,30 +146,42 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     if world == 1:            # the own block alone: one call (plan.ring_calls), no ring
         dq, dk, dv = backend.backward(dout, q, k, v, out, lse, bool(causal), scale)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    own_last = kept is not None
     sent, got = hop_dtypes(rank, world, ctx.layout, bool(causal),
-                           kernel_grad_dtype(backend, q.dtype), acc)
-    sent_n, got_n = hop_chunks(rank, world, ctx.layout, bool(causal))
-    kv = KVRing(k, v, ctx, pack_kv)
+                           kernel_grad_dtype(backend, q.dtype), acc, own_last)
+    sent_n, got_n = hop_chunks(rank, world, ctx.layout, bool(causal), own_last)
     prev_rank, next_rank = ring_neighbors(rank, world)
+    to, frm = (prev_rank, next_rank) if own_last else (next_rank, prev_rank)
 
     def new_pair(dtype: torch.dtype, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (k.shape[0], rows) + tuple(k.shape[2:])       # dK, dV of a block's first rows
         return (torch.empty(shape, dtype=dtype, device=k.device),
                 torch.empty(shape, dtype=dtype, device=k.device))
 
-    # Step 0: the own block, one square causal call; its dK/dV stay home.
-    kv.post(0)
-    dq, dk_home, dv_home = backend.backward(dout, q, k, v, out, lse, bool(causal), scale)
-    if world > 2:
-        dq = dq.to(acc)
-    kv.wait()
+    def own_block():          # one square causal call; its dK/dV stay home
+        return backend.backward(dout, q, k, v, out, lse, bool(causal), scale)
+
+    if own_last:              # slot i holds the i-th remote block: kept, then from the next rank
+        kv = KVRing(kept[0], kept[1], ctx, pack_kv, reverse=True)
+        # dq of the remote blocks: with P = 2 kept apart and added to the own block's once
+        # (the same fp32 sum and rounding as the own block first); beyond, an fp32 sum
+        dq, parts = (None, []) if world == 2 else (torch.zeros(q.shape, dtype=acc,
+                                                               device=q.device), None)
+    else:                     # the own block first, while the first remote block travels
+        kv = KVRing(k, v, ctx, pack_kv)
+        kv.post(0)
+        dq, dk_home, dv_home = own_block()
+        if world > 2:
+            dq = dq.to(acc)
+        kv.wait()
     carry, works = None, []
-    for step in range(1, world):
+    for i, step in enumerate(visit_steps(world, own_last)):
         src = ring_source(rank, world, step)
-        last = step == world - 1
+        slot = i if own_last else step
+        last = i == world - 2
         if not last:          # the next block travels while this one computes
-            kv.post(step)
-        block = kv.block(step)
+            kv.post(slot)
+        block = kv.block(slot)
         grads = []
         for c in ring_calls(rank, src, world, ctx.layout, bool(causal)):
             rows = slice(c.q_start * ls, c.q_stop * ls)
@@ -151,17 +189,28 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             dq_c, dk_c, dv_c = backend.backward(
                 dout[:, rows], q[:, rows], block[0][:, :n_keys], block[1][:, :n_keys],
                 out[:, rows], lse[:, :, rows], c.causal, scale)
-            dq[:, rows].add_(dq_c)
+            if dq is None:
+                parts.append((rows, dq_c))
+            else:
+                dq[:, rows].add_(dq_c)
             grads.append((n_keys, dk_c, dv_c))
         for w in works:       # the previous hop, enqueued behind this step's kernels
             w.wait()
-        send = _join(carry, grads, sent[step - 1], acc, sent_n[step - 1] * ls, new_pair)
-        # after the last step the accumulator goes home and ours arrives
-        carry = new_pair(got[step - 1], got_n[step - 1] * ls) if got_n[step - 1] else None
-        works = p2p_exchange([(t.contiguous(), next_rank) for t in send or ()],
-                             [(t, prev_rank) for t in carry or ()], ctx)
+        send = _join(carry, grads, sent[i], acc, sent_n[i] * ls, new_pair)
+        # after the last remote block the accumulator goes home and ours arrives
+        carry = new_pair(got[i], got_n[i] * ls) if got_n[i] else None
+        works = p2p_exchange([(t.contiguous(), to) for t in send or ()],
+                             [(t, frm) for t in carry or ()], ctx)
         if not last:
             kv.wait()
+    if own_last:              # the last hop travels while the own block computes
+        dq_own, dk_home, dv_home = own_block()
+        if dq is None:
+            dq = dq_own
+            for rows, dq_c in parts:
+                dq[:, rows].add_(dq_c)
+        else:
+            dq.add_(dq_own)
     for w in works:
         w.wait()
     if carry is not None:     # everyone else's contribution to the own block's leading keys

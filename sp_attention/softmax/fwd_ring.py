@@ -35,22 +35,25 @@ __all__ = ["ring_forward"]
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SPContext,
                  backend: KernelBackend, *, causal: bool, scale: Optional[float],
-                 pack_kv: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 pack_kv: bool = False, keep_last: bool = False):
     """Forward by ring exchange of K/V.
 
     Args:
         q: ``[B, T_local, H, D]``; k, v: ``[B, T_local, Hkv, D]`` (local shards, ctx's layout).
 
     ``pack_kv``: K and V travel packed in one buffer (:class:`.ring_buffers.KVRing`).
+    ``keep_last``: also return the K/V block of the last step (rank ``rank + 1``'s, views of
+    its receive buffer: no copy), where the own-block-last ring backward starts.
 
-    Returns ``(out [B, T_local, H, D] in q.dtype, lse [B, H, T_local] fp32 (fp64 for fp64))``.
+    Returns ``(out [B, T_local, H, D] in q.dtype, lse [B, H, T_local] fp32 (fp64 for fp64))``,
+    with ``keep_last`` ``(out, lse, (k_block, v_block))`` (P = 1: None for the block).
     """
     world, rank = ctx.world_size, ctx.rank
     ls = q.shape[1] // len(ctx.leaves)
     acc = acc_dtype(q.dtype)
     if world == 1:            # the own block alone: one call (plan.ring_calls), no ring
         o, l = backend.forward(q, k, v, bool(causal), scale)
-        return o.to(q.dtype), l.to(acc)
+        return (o.to(q.dtype), l.to(acc)) + ((None,) if keep_last else ())
     kv = KVRing(k, v, ctx, pack_kv)
     out = lse = None
     for step in range(world):
@@ -73,4 +76,4 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: SPConte
                 merge_blocks_(out[:, rows], lse[:, :, rows], o, l)
         if step + 1 < world:
             kv.wait()
-    return out.to(q.dtype), lse
+    return (out.to(q.dtype), lse) + ((kv.block(world - 1),) if keep_last else ())

@@ -20,10 +20,14 @@ class KVRing:
     (if a next block exists), compute on ``block(s)``, then ``wait()``.
     """
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, ctx: SPContext, pack: bool = False):
-        self.comm = RingComm(ctx)
-        self.pack = pack
-        if pack:
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, ctx: SPContext, pack: bool = False,
+                 reverse: bool = False):
+        # reverse: blocks come from the next rank and go to the previous one, starting from a
+        # received block (the own-block-last backward): P − 2 hops instead of P − 1
+        hops = ctx.world_size - (2 if reverse else 1)
+        self.comm = RingComm(ctx, reverse=reverse) if hops else None
+        self.pack = pack and hops > 0
+        if self.pack:
             bufs = [torch.empty((2,) + tuple(k.shape), dtype=k.dtype, device=k.device)
                     for _ in range(2)]
             bufs[0][0].copy_(k)
@@ -31,7 +35,7 @@ class KVRing:
             self._slots = [(b,) for b in bufs]
         else:
             own = (k.contiguous(), v.contiguous())
-            n_recv = min(2, ctx.world_size - 1)
+            n_recv = min(2, hops)
             self._slots = [own] + [(torch.empty_like(own[0]), torch.empty_like(own[1]))
                                    for _ in range(n_recv)]
 
@@ -47,7 +51,8 @@ class KVRing:
 
     def post(self, step: int) -> None:
         """Send the block of ``step`` to the next rank and receive the next step's block from
-        the previous one (launched at once; overlaps the calls on ``block(step)``)."""
+        the previous one (reverse: to the previous, from the next; launched at once, overlaps
+        the calls on ``block(step)``)."""
         for t, buf in zip(self._slot(step), self._slot(step + 1)):
             self.comm.send_recv(t, buf)
         self.comm.commit()

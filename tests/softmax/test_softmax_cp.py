@@ -40,6 +40,10 @@ CASES = [
                                                        bwd_head_last_stride=2)),
                        # the A/B of the ring's K/V hops: packed into one buffer per hop
                        ("ring", "ring", dict(tuning=SoftmaxTuning(pack_kv=True))),
+                       # the own block last in the ring backward, K/V hops plain and packed
+                       ("ring", "ring", dict(tuning=SoftmaxTuning(ring_backward_order="own_last"))),
+                       ("ring", "ring", dict(tuning=SoftmaxTuning(ring_backward_order="own_last",
+                                                                  pack_kv=True))),
                        (None, None, dict(preset="auto"))]),      # the cost model's pair
     ((1, 2, 8, 2, 4), [("ring", "allgather", dict(heads_k_stride=2, bwd_head_first_stride=1,
                                                   bwd_head_last_stride=1)),
@@ -190,16 +194,26 @@ def _check_ring_16bit_hops(group, P):
             (q, k, v, w), expected = _reference((2, 3, 8, 2, 8), P, causal, 5 + causal)
             want = [shard_sequence(t, ctx, 1) for t in (expected[0],) + expected[2:]]
             ql, kl, vl, wl = (shard_sequence(t, ctx, 1).to(torch.bfloat16) for t in (q, k, v, w))
-            runs = []
+            runs = {}
             for pack in (False, True):
-                o, lse = ring_forward(ql, kl, vl, ctx, be, causal=causal, scale=SCALE,
-                                      pack_kv=pack)
-                runs.append((o,) + ring_backward(wl, ql, kl, vl, o, lse, ctx, be, causal=causal,
-                                                 scale=SCALE, pack_kv=pack))
+                for own_last in (False, True):
+                    o, lse, kept = ring_forward(ql, kl, vl, ctx, be, causal=causal, scale=SCALE,
+                                                pack_kv=pack, keep_last=True)
+                    runs[pack, own_last] = (o,) + ring_backward(
+                        wl, ql, kl, vl, o, lse, ctx, be, causal=causal, scale=SCALE,
+                        pack_kv=pack, kept=kept if own_last else None)
             name = f"P={P} {layout} causal={causal} rank{ctx.rank}"
-            for a, b_, exp, what in zip(*runs, want, ("out", "dq", "dk", "dv")):
-                assert a.dtype == torch.bfloat16 and torch.equal(a, b_), f"{name} {what}"
-                assert rel_rms(a.double(), exp) < 2e-2, (name, what, rel_rms(a.double(), exp))
+            # packing never changes a bit; with P = 2 neither does the order (one remote block,
+            # its dq added to the own block's in fp32 and rounded once either way)
+            same = [((False, o), (True, o)) for o in (False, True)]
+            if P == 2:
+                same.append(((False, False), (False, True)))
+            for x, y in same:
+                for a, b_, what in zip(runs[x], runs[y], ("out", "dq", "dk", "dv")):
+                    assert a.dtype == torch.bfloat16 and torch.equal(a, b_), (name, what, x, y)
+            for run in runs.values():
+                for a, exp, what in zip(run, want, ("out", "dq", "dk", "dv")):
+                    assert rel_rms(a.double(), exp) < 2e-2, (name, what, rel_rms(a.double(), exp))
 
 
 def _softmax_world(rank, world):
@@ -388,6 +402,8 @@ def _gpu_runs(world, shape):
     for fwd, bwd in PAIRS:
         for kw in ({}, extra) if extra and bwd == "allgather" else ({},):
             runs.append((f"{fwd}/{bwd} {kw}", dict(fwd=fwd, bwd=bwd, **kw)))
+    runs.append(("ring/ring own_last", dict(preset="ring", tuning=SoftmaxTuning(
+        ring_backward_order="own_last"))))
     direct = SoftmaxTuning(a2a_direct=True)
     if shape[2] % world == 0:
         runs.append(("a2a", dict(preset="a2a")))
