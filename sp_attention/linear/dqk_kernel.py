@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["chunk_dqkdg", "DQK_CANDIDATES", "DQK_TUNED", "MIN_BLOCK_K", "SMALL_K_CONFIG"]
+__all__ = ["chunk_dqkdg", "DQK_CANDIDATES", "DQK_TUNED", "MIN_BLOCK_K", "tuned_configs", "block_k_of"]
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -189,15 +189,40 @@ DQK_TUNED = [21, 5, 2, 12, 11, 20]
 # products, half of the tile's columns zero). Forcing every config at tiles of 32 and 64 on a
 # GPU: the test's case with block_k=32 (not yet run there).
 MIN_BLOCK_K = 32
-# K below MIN_BLOCK_K (one masked tile) runs this candidate, never the autotuner's: forced one
-# at a time on a 4 × H200 (2026-11-27, bf16, gated, K = V = 16 over 64 tokens), candidate 11
-# ([64] V tile, 4 warps, 2 stages, dsᵀ dot) gave dk and dg off by over 100 % while 21, 5, 2
-# and 12 matched the fp64 reference (20 was not reached); 21 is the autotuner's usual pick
-# at K = 128.
-SMALL_K_CONFIG = 21
+# At a K tile of 32 (K up to 32, masked below it, or ``block_k=32``) the candidates with the
+# dsᵀ dot (``DK_ROWS``) and 4 warps — 11 and 20 of the tuned set — compute dk and dg wrong on
+# Hopper (Triton 3.6, bf16, each config forced by the GPU test, 2026-11-27: on an H200 at
+# K = V = 16; on an H100 at K = V = 32 and at K = 64 in tiles of 32 with V 16 and 64, dk off by
+# 63–95 %, dg by 36–71 %, dq right), while every tuned config matches at tiles of 64 and 128
+# and the CPU interpreter runs them exactly (a GPU code-generation problem). The autotuner is
+# never offered them there: pruned per launch, so the lists of the 64 and 128 tiles — and the
+# shipped autotune results keyed on them — are unchanged.
+def dsT_four_warps(cfg: triton.Config) -> bool:
+    """The configs miscompiled at a K tile of 32: the dsᵀ dot with 4 warps."""
+    return bool(cfg.kwargs.get("DK_ROWS")) and cfg.num_warps == 4
+
+
+def tuned_configs(block_k: int) -> list[int]:
+    """The candidates (indices into :data:`DQK_CANDIDATES`) the autotuner may pick at a K tile
+    of ``block_k``: :data:`DQK_TUNED`, at 32 without :func:`dsT_four_warps`."""
+    return [i for i in DQK_TUNED
+            if block_k > MIN_BLOCK_K or not dsT_four_warps(DQK_CANDIDATES[i])]
+
+
+def _prune(configs: list, named_args: dict, **kwargs) -> list:
+    if kwargs.get("BK", named_args.get("BK")) > MIN_BLOCK_K:
+        return configs
+    return [c for c in configs if not dsT_four_warps(c)]
+
+
+def block_k_of(K: int, block_k: int | None = None) -> int:
+    """The K tile a launch runs: ``block_k``, or the whole K up to 128, at least 32."""
+    return block_k or min(max(triton.next_power_of_2(K), MIN_BLOCK_K), 128)
+
+
 _KEY = ["H", "K", "V", "BT", "BK", "PRECISION", "IS_VARLEN", "GATED", "ARRIVING"]
-_dqkdg_tuned = triton.autotune(configs=[DQK_CANDIDATES[i] for i in DQK_TUNED], key=_KEY)(
-    _dqkdg_kernel)
+_dqkdg_tuned = triton.autotune(configs=[DQK_CANDIDATES[i] for i in DQK_TUNED], key=_KEY,
+                               prune_configs_by={"early_config_prune": _prune})(_dqkdg_kernel)
 
 
 def chunk_dqkdg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
@@ -215,8 +240,8 @@ def chunk_dqkdg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
     ``gc [B, T, H]`` fp32 chunk-local log2 sums of the gate (:func:`.gates.gate_sums`, same
     chunk). Returns dq, dk in the input dtype and dg ``[B, T, H]`` fp32 (natural-log gate).
     fp32 inputs run IEEE fp32 dots. ``config``: index into :data:`DQK_CANDIDATES` (default:
-    autotuned on the GPU over :data:`DQK_TUNED` — for K below :data:`MIN_BLOCK_K`
-    :data:`SMALL_K_CONFIG` —, the first in Triton's CPU interpreter);
+    autotuned on the GPU over :func:`tuned_configs` of the K tile, the first in Triton's CPU
+    interpreter);
     ``block_k``: the K tile, a power of two from :data:`MIN_BLOCK_K` (32) to 128 (default the
     whole K up to 128, at least 32; more tiles write partial dg rows, added here).
     ``cu_seqlens`` (int32 ``[N+1]``) with ``chunk_indices`` (int32 ``[NT, 2]``: (sequence,
@@ -262,7 +287,7 @@ def chunk_dqkdg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
         raise ValueError(f"chunk_dqkdg: block_k={block_k}; use a power of two from "
                          f"{MIN_BLOCK_K} to 128 (K tiles of 16 fault on Hopper: "
                          f"MIN_BLOCK_K's comment), or None for the default")
-    BK = block_k or min(max(triton.next_power_of_2(K), MIN_BLOCK_K), 128)
+    BK = block_k_of(K, block_k)
     nk = triton.cdiv(K, BK)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     dq, dk = torch.empty_like(q), torch.empty_like(k)
@@ -273,8 +298,6 @@ def chunk_dqkdg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
             B * T * H, G, g_gamma, suffix)
     kw = dict(H=H, K=K, V=V, BT=chunk_size, BK=BK, PRECISION=prec, IS_VARLEN=varlen,
               GATED=gated, ARRIVING=G is not None)
-    if config is None and K < MIN_BLOCK_K and not interpret:
-        config = SMALL_K_CONFIG      # a masked K tile: the candidate checked there, not tuned
     with guard:
         if config is not None or interpret:
             cfg = DQK_CANDIDATES[config or 0]

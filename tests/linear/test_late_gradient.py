@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from local_cases import apply, gpu
-from sp_attention.linear.dqk_kernel import (DQK_CANDIDATES, DQK_TUNED, MIN_BLOCK_K,
-                                            SMALL_K_CONFIG, chunk_dqkdg)
+from sp_attention.linear.dqk_kernel import (DQK_CANDIDATES, DQK_TUNED, MIN_BLOCK_K, block_k_of,
+                                            chunk_dqkdg, dsT_four_warps, tuned_configs)
 from sp_attention.linear.dv_kernel import DV_TUNED
 from sp_attention.testing import finish_process, run_process
 
@@ -35,8 +35,8 @@ _CHECK = f"CASES, GPU_CASES = {CASES!r}, {GPU_CASES!r}\n" + r"""
 import math, sys, torch
 from sp_attention.linear.gated_naive import dqkdg_ref, gated_chunk_states, chunk_end_grads
 from sp_attention.linear.gates import gate_sums, suffix_sums
-from sp_attention.linear.dqk_kernel import (DQK_CANDIDATES, DQK_TUNED, MIN_BLOCK_K,
-                                            SMALL_K_CONFIG, chunk_dqkdg)
+from sp_attention.linear.dqk_kernel import (DQK_CANDIDATES, block_k_of, chunk_dqkdg,
+                                            tuned_configs)
 from sp_attention.linear.dv_kernel import DV_TUNED, chunk_dv
 dev, dtype, tol = sys.argv[1], getattr(torch, sys.argv[2]), float(sys.argv[3])
 # one (case, decay, kernel) of the lists: part // 2 the (case, decay), part % 2 dq/dk or dv
@@ -72,8 +72,8 @@ for i, (B, T, H, K, V, cfg, bk) in enumerate(cases):
         suf = suffix_sums(gs.tot).contiguous() if gated else None
         tag = "gated" if gated else "fixed"
         hf = h.float().contiguous().to(dev)
-        # on the GPU what may run: the autotuner's set, or below a K tile of 32 the one config
-        dqk_cfgs = ((DQK_TUNED if K >= MIN_BLOCK_K else [SMALL_K_CONFIG]) if every
+        # on the GPU what may run: the autotuner's set for the K tile
+        dqk_cfgs = (tuned_configs(block_k_of(K, bk)) if every
                     else (cfg, cfg + len(DQK_CANDIDATES) // 2))
         if part is not None and part % 2:
             dqk_cfgs = ()
@@ -115,11 +115,12 @@ sys.exit(0 if max(worst.values()) < tol else 1)
 
 def _configs(part: int) -> int:
     """How many configs the GPU check forces for ``part`` (of ``CASES + GPU_CASES``: case
-    ``part // 4``, decay, kernel ``part % 2``): the dq/dk kernel's autotuned set, or below a K
-    tile of 32 its one config; the dv kernel's set."""
+    ``part // 4``, decay, kernel ``part % 2``): the dq/dk kernel's autotuned set for the case's
+    K tile; the dv kernel's set."""
     if part % 2:
         return len(DV_TUNED)
-    return len(DQK_TUNED) if (CASES + GPU_CASES)[part // 4][3] >= MIN_BLOCK_K else 1
+    _, _, _, K, _, _, bk = (CASES + GPU_CASES)[part // 4]
+    return len(tuned_configs(block_k_of(K, bk)))
 
 
 def _run(device: str, dtype: str, tol: float, interpret: bool, parts: int = 0) -> None:
@@ -165,9 +166,10 @@ def test_late_gradient_kernels_in_triton_interpreter():
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 1e-2)])
 def test_late_gradient_kernels_every_config_gpu(dtype, tol):
     """Every config the autotuners may pick, forced one at a time on the GPU (fp32: IEEE
-    dots; bf16: its rounding), also at K = V = 128 over 1000 tokens; below a K tile of 32 the
-    dq/dk kernel's one config (``SMALL_K_CONFIG``). One process per case, decay, kernel and
-    config, as many at once as there are cores; each failing one is printed as it ends."""
+    dots; bf16: its rounding), also at the head dims models use; at a K tile of 32 the dq/dk
+    kernel's set without the configs miscompiled there (``tuned_configs``). One process per
+    case, decay, kernel and config, as many at once as there are cores; each failing one is
+    printed as it ends."""
     _run("cuda", dtype, tol, False, parts=4 * len(CASES + GPU_CASES))
 
 
@@ -177,10 +179,26 @@ def test_no_k_tile_below_32():
     first case of ``_CHECK``) — and a ``block_k`` below 32, or not a power of two, raises before
     any launch, naming the fix."""
     assert MIN_BLOCK_K == 32
-    # below it the autotuner never runs: the config checked there on the GPU
-    assert SMALL_K_CONFIG in DQK_TUNED and DQK_CANDIDATES[SMALL_K_CONFIG].kwargs["DK_ROWS"]
+    assert block_k_of(16) == block_k_of(32) == 32 and block_k_of(64) == 64
+    assert block_k_of(256) == 128 and block_k_of(64, 32) == 32
     q = torch.zeros(1, 64, 1, 32)
     h = torch.zeros(1, 1, 1, 32, 32)
     for bad in (16, 48, 256):
         with pytest.raises(ValueError, match="power of two from 32 to 128"):
             chunk_dqkdg(q, q, q, q, h, h, torch.zeros(1, 64, 1), 1.0, 64, 0, bad)
+
+
+def test_tile_32_never_offers_the_miscompiled_configs():
+    """At a K tile of 32 the autotuner is offered the tuned set without the dsᵀ-dot 4-warp
+    configs (wrong dk / dg on Hopper there), pruned per launch; at 64 and 128 the whole set, so
+    the shipped autotune results of those keys stay valid."""
+    from sp_attention.linear.dqk_kernel import _dqkdg_tuned, _prune
+    bad = [i for i in DQK_TUNED if dsT_four_warps(DQK_CANDIDATES[i])]
+    assert bad == [11, 20]
+    assert tuned_configs(32) == [i for i in DQK_TUNED if i not in bad]
+    assert tuned_configs(64) == tuned_configs(128) == DQK_TUNED
+    configs = [DQK_CANDIDATES[i] for i in DQK_TUNED]
+    assert _prune(configs, {}, BK=32) == [DQK_CANDIDATES[i] for i in tuned_configs(32)]
+    assert _prune(configs, {}, BK=64) is configs and _prune(configs, {}, BK=128) is configs
+    assert _dqkdg_tuned.early_config_prune is _prune
+
