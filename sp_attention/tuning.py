@@ -228,8 +228,15 @@ class SoftmaxTuning:
             backward starts on it, the remote blocks travel the other way round the ring (with
             P = 2 none travel at all), and the last accumulator hop goes home while the own
             block — the largest call — computes. Exact either way (P = 2: the same bits).
-            ``"auto"``: ``"own_first"``. Other pairs, packed documents and the all-to-all
-            presets run the own block first.
+            Measured (4 × H100, Llama-3-8B attention, zigzag, fwd+bwd, each A/B timed in both
+            row orders, ``benchmarks/results/2026-11-27_h100x4_softmax_own_last.jsonl``): P = 4,
+            8K per GPU 17.16 → 16.92 ms (+1.4 %, both orders); P = 2 even within the noise
+            (8K 8.17 → 8.12 ms, 32K 118.3 → 118.4 ms, means of the two orders; the row timed
+            first read ~3 % faster either way). ``"auto"``: ``"own_first"`` — the kept block
+            costs ``2·T_local·Hkv·D`` elements per layer until the backward (at 256K per GPU,
+            the long-context runs' length, more than the gain is worth); opt in for short
+            sequences at P > 2. Other pairs, packed documents and the all-to-all presets run
+            the own block first.
     """
 
     min_query_heads_per_call: int = MIN_QUERY_HEADS_PER_CALL
