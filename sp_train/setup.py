@@ -159,7 +159,8 @@ def planned_softmax_preset(args: TrainArgs, layout: Layout, device: torch.device
         if per_node > 0 else None
     return softmax_preset_for_shape(device, shape, layout.cp, DEFAULT_LAYOUT, topology,
                                     heads_k_stride=s.heads_k_stride,
-                                    a2a_size=s.auto_a2a_size(layout.cp, heads)).name
+                                    a2a_size=s.auto_a2a_size(layout.cp, heads),
+                                    packed=args.packing == "documents").name
 
 
 def _a2a_group(args: TrainArgs, layout: Layout, preset: Optional[str]) -> int:

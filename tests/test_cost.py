@@ -670,3 +670,36 @@ def test_report_adds_the_gradient_accumulation_of_older_linear_rows():
     shape = LinearShape(1, 8192, 16, 128, 128)
     assert report.accumulated_grads_ms(old[0], "linear", shape, TRUTH) == pytest.approx(extra)
     assert report.accumulated_grads_ms(rows[0], "linear", shape, TRUTH) == 0.0
+
+
+def test_auto_with_packed_documents_runs_the_default_preset(monkeypatch, caplog):
+    """Packed documents: the softmax ``auto`` is the default preset on every device, not the
+    time model's pick (it prices one dense sequence: its pick ran 2.3 x slower with documents
+    on 4 x H100), logged with the reason; the op and train.py's planner pass the flag."""
+    import torch
+    from sp_attention.softmax import attention as att
+    ctx = SPContext(object(), 0, 4, (0, 1, 2, 3), "zigzag")
+    q = torch.zeros(1, 32768, 32, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, 32768, 8, 128, dtype=torch.bfloat16)
+    dense = auto.auto_softmax_preset(ctx, q, k, machine=H200)
+    assert dense.name != DEFAULT_PRESET             # the model picks another preset here
+    with caplog.at_level(logging.INFO, logger="sp_attention.cost"):
+        packed = auto.auto_softmax_preset(ctx, q, k, machine=H200, packed=True)
+    assert packed.name == DEFAULT_PRESET and not packed.predicted
+    assert any("packed documents" in r.getMessage() for r in caplog.records)
+    shape = SoftmaxShape(1, 32768, 32, 8, 128, 2, True)
+    assert auto.softmax_preset_for_shape(torch.device("cpu"), shape, 4, "zigzag", machine=H200,
+                                         packed=True).name == DEFAULT_PRESET
+    seen = []
+
+    def fake(*a, **kw):
+        seen.append(kw["packed"])
+        return dense
+    monkeypatch.setattr(att, "auto_softmax_preset", fake)
+    small = [torch.zeros(1, 8, 4, 8), torch.zeros(1, 8, 2, 8)]
+    for flag in (True, False):
+        att._config(small[0], small[1], small[1], ctx, att.SoftmaxTuning(), fwd=None, bwd=None,
+                    preset="auto", heads_k_stride=None, bwd_head_first_stride=None,
+                    bwd_head_last_stride=None, causal=True, softmax_scale=None, backend=None,
+                    return_lse=False, packed=flag)
+    assert seen == [True, False]

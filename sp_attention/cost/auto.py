@@ -23,7 +23,7 @@ import torch
 
 from ..context import SPContext
 from .choose import (choose_linear_scan, choose_softmax_preset, cpu_linear_scan,
-                     cpu_softmax_preset, log_choice)
+                     cpu_softmax_preset, log_choice, packed_softmax_preset)
 from .common import Choice, LinearShape, SoftmaxShape, Topology
 from .machine import Machine, calibration_path, load_machine
 
@@ -78,16 +78,17 @@ def auto_softmax_preset(ctx: SPContext, q: torch.Tensor, k: torch.Tensor, *, cau
                         heads_k_stride: Optional[int] = None,
                         memory_limit_bytes: Optional[float] = None,
                         machine: Optional[Machine] = None,
-                        a2a_size: Optional[int] = None) -> Choice:
+                        a2a_size: Optional[int] = None, packed: bool = False) -> Choice:
     """The softmax preset for ``q [B, T_local, H, D]``, ``k [.., Hkv, D]`` on ``ctx`` (logged
     once per shape, group size, layout and stride); ``machine`` overrides the device's;
-    ``a2a_size``: also consider ``a2a_ring`` with that all-to-all group size."""
+    ``a2a_size``: also consider ``a2a_ring`` with that all-to-all group size; ``packed``:
+    packed documents (:func:`~.choose.packed_softmax_preset`)."""
     B, T, H, D = q.shape
     shape = SoftmaxShape(B, T, H, k.shape[2], D, q.element_size(), bool(causal))
     return softmax_preset_for_shape(q.device, shape, ctx.world_size, ctx.layout,
                                     topology_for(ctx), heads_k_stride=heads_k_stride,
                                     memory_limit_bytes=memory_limit_bytes, machine=machine,
-                                    a2a_size=a2a_size)
+                                    a2a_size=a2a_size, packed=packed)
 
 
 def softmax_preset_for_shape(device: torch.device, shape: SoftmaxShape, world: int, layout: str,
@@ -95,17 +96,19 @@ def softmax_preset_for_shape(device: torch.device, shape: SoftmaxShape, world: i
                              heads_k_stride: Optional[int] = None,
                              memory_limit_bytes: Optional[float] = None,
                              machine: Optional[Machine] = None,
-                             a2a_size: Optional[int] = None) -> Choice:
+                             a2a_size: Optional[int] = None, packed: bool = False) -> Choice:
     """:func:`auto_softmax_preset` from sizes alone (no tensors, no group): what a launcher
     plans with before anything is allocated (train.py's memory estimate). ``topology`` None:
     the ``world`` ranks on one node."""
     m = machine or machine_for(device)
     topology = topology or Topology.single_node(world)
-    if m is None:
+    if packed:
+        choice = packed_softmax_preset()
+    elif m is None:
         choice = Choice(cpu_softmax_preset(), {})
     else:
         choice = _softmax_choice(shape, world, layout, m, topology, heads_k_stride,
                                  memory_limit_bytes, a2a_size=a2a_size)
-    log_choice("softmax preset", (shape, world, layout, heads_k_stride, a2a_size), choice,
-               m or "cpu")
+    log_choice("softmax preset", (shape, world, layout, heads_k_stride, a2a_size, packed),
+               choice, m or "cpu")
     return choice

@@ -13,6 +13,15 @@ structure instead:
   hops or a fold of L states);
 * softmax preset (:func:`cpu_softmax_preset`): the default preset
   (:data:`sp_attention.planning.schedules.DEFAULT_PRESET`).
+
+**Packed documents** (``cu_seqlens``), on every device: the softmax ``auto`` runs the default
+preset, ``ring`` (:func:`packed_softmax_preset`). The time model prices one dense causal
+sequence; documents change every preset's kernels (dense calls for large document pairs,
+varlen calls for the rest) in ways it does not model, and on 4 × H100 (Llama-3-8B attention,
+the log-normal document mix, P = 4, 2026-11-27,
+``benchmarks/results/2026-11-27_h100x4_softmax_packed.jsonl``) the model's pick ran 2.3 ×
+slower than the ring at 32K per GPU (``a2a`` 0.423 vs ``ring`` 0.911 of one GPU on the whole
+row; ``ring_ag`` 0.899) and the ring was fastest at 8K too.
 """
 from __future__ import annotations
 
@@ -48,6 +57,13 @@ def cpu_linear_scan(world: int, layout: str) -> str:
 def cpu_softmax_preset() -> str:
     """The softmax preset ``auto`` runs on CPU: the default preset (read now)."""
     return schedules.DEFAULT_PRESET
+
+
+def packed_softmax_preset() -> Choice:
+    """What the softmax ``auto`` runs with packed documents, on any device: the default preset
+    (read now), never a time model's pick (the module docstring says why)."""
+    return Choice(schedules.DEFAULT_PRESET, {},
+                  why="packed documents: the time model prices one dense sequence")
 
 
 def _pick(times: Mapping[str, StepTime], order: Sequence[str]) -> str:

@@ -125,10 +125,11 @@ class Choice:
     name: str
     predicted: Mapping[str, StepTime] = field(hash=False)
     excluded: Mapping[str, str] = field(default_factory=dict, hash=False)
+    why: str = ""       # a fixed rule's reason, when nothing was predicted
 
     def describe(self) -> str:
         if not self.predicted:
-            return f"{self.name} (the fixed CPU rule: no time model)"
+            return f"{self.name} ({self.why or 'the fixed CPU rule: no time model'})"
         ranked = sorted(self.predicted.items(), key=lambda kv: kv[1].total_ms)
         parts = [f"{n} {t.total_ms:.3g} (fwd {t.fwd_ms:.3g})" for n, t in ranked]
         out = f"{self.name}; predicted fwd+bwd ms: " + ", ".join(parts)

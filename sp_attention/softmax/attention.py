@@ -194,7 +194,7 @@ def context_parallel_attention(
             ``a2a_size`` consecutive ranks, ring across the groups (USP). ``"auto"``: the cost model's cheapest
             predicted pair for this call's shape, group and links
             (:func:`sp_attention.auto.auto_softmax_preset`, decided and logged once per layer
-            shape; one rank: the default).
+            shape; one rank, or packed documents: the default).
         return_lse: also return the global log-sum-exp ``[B, H, T_local]`` (not
             differentiable).
         tuning: :class:`~sp_attention.SoftmaxTuning` (None: the defaults); never changes the
@@ -240,8 +240,9 @@ def context_parallel_attention(
                    a2a_size=a2a_size)
     cfg, error, plan = None, None, None
     try:
-        cfg = _config(q, k, v, ctx, tuning, **options)
         plan = packed_plan_for(cu_seqlens, q, ctx, causal)
+        cfg = _config(q, k, v, ctx, tuning, packed=plan is not None and not plan.is_trivial,
+                      **options)
     except (TypeError, ValueError) as e:
         error = e
     signature = (("tensors", tuple((n, _shape(x), getattr(x, "dtype", None))
@@ -276,7 +277,7 @@ def _shape(x) -> object:
 
 def _config(q, k, v, ctx: SPContext, tuning, *, fwd, bwd, preset, heads_k_stride,
             bwd_head_first_stride, bwd_head_last_stride, causal, softmax_scale, backend,
-            return_lse, a2a_size=None) -> _Config:
+            return_lse, a2a_size=None, packed=False) -> _Config:
     """Every local check of the public function (the docstring's Raises), then its config."""
     if not isinstance(tuning, SoftmaxTuning):
         raise TypeError(f"tuning must be a SoftmaxTuning or None, got {type(tuning).__name__}")
@@ -291,7 +292,7 @@ def _config(q, k, v, ctx: SPContext, tuning, *, fwd, bwd, preset, heads_k_stride
         sched.local_stride(kv_heads, default_heads_k_stride(kv_heads, group, tuning))
         sched = sched.resolve(DEFAULT_PRESET if ctx.world_size == 1 else auto_softmax_preset(
             ctx, q, k, causal=causal, heads_k_stride=sched.heads_k_stride,
-            a2a_size=sched.auto_a2a_size(ctx.world_size, q.shape[2])).name)
+            a2a_size=sched.auto_a2a_size(ctx.world_size, q.shape[2]), packed=packed).name)
     size = sched.a2a_group_size(ctx.world_size, q.shape[2])
     chunks = 1 if size is None else head_chunks(q.shape[2], kv_heads, size,
                                                 tuning.a2a_head_chunks)
