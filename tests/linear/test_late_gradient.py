@@ -123,12 +123,30 @@ def _configs(part: int) -> int:
     return len(tuned_configs(block_k_of(K, bk)))
 
 
+# processes per GPU at once: 64 on one H100 ran out of GPU memory in fp32 (each holds a CUDA
+# context, the fp64-checked tensors and what its forced configs spill)
+PER_GPU = 12
+
+
+def _visible_gpus() -> list:
+    """The GPUs a job may take (``CUDA_VISIBLE_DEVICES``'s entries, else every device)."""
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if seen:
+        return [g.strip() for g in seen.split(",") if g.strip()]
+    return [str(i) for i in range(max(1, torch.cuda.device_count()))]
+
+
+def _on_gpu(env: dict, gpu) -> dict:
+    return env if gpu is None else dict(env, CUDA_VISIBLE_DEVICES=gpu)
+
+
 def _run(device: str, dtype: str, tol: float, interpret: bool, parts: int = 0) -> None:
     """The check in a fresh process; ``parts`` > 0: as processes, one per (case, decay,
     kernel) and config of that kernel's list (:func:`_configs`), as many at once as the
-    machine has cores (every config of every case compiles on the GPU: 16 processes of 12
-    compiles each did not finish in 330 s on 64 cores; one per config, 96 jobs, took 175 s on
-    one H200's 16)."""
+    machine has cores and :data:`PER_GPU` per GPU, spread over the GPUs (every config of every
+    case compiles on the GPU: 16 processes of 12 compiles each did not finish in 330 s on 64
+    cores; one per config took 175 s for 96 jobs on one H200's 16 cores, 259 s for 148 on
+    one H100 beside 64)."""
     pytest.importorskip("triton", reason="triton is in the `test` extra; install it to run this")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
@@ -140,12 +158,14 @@ def _run(device: str, dtype: str, tol: float, interpret: bool, parts: int = 0) -
         assert r.returncode == 0, f"relative errors {r.stdout.strip()}\n{r.stderr[-3000:]}"
         return
     jobs = [(i, c) for i in range(parts) for c in range(_configs(i))]
-    width = max(1, min(len(jobs), os.cpu_count() or 1))
+    gpus = _visible_gpus() if device == "cuda" else [None]
+    width = max(1, min(len(jobs), os.cpu_count() or 1, PER_GPU * len(gpus)))
     bad = []                    # every failing (part, config), not only the first
     for start in range(0, len(jobs), width):
         wave = jobs[start:start + width]
-        procs = [subprocess.Popen(cmd + [str(i), str(c)], env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for i, c in wave]
+        procs = [subprocess.Popen(cmd + [str(i), str(c)], env=_on_gpu(env, gpus[n % len(gpus)]),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for n, (i, c) in enumerate(wave)]
         for (i, c), p in zip(wave, procs):
             out, err = finish_process(p, 900)
             if p.returncode != 0:
