@@ -29,6 +29,12 @@ group's accumulator goes home behind the next group's kernels) was measured on 2
 (2026-11-23, `benchmarks/softmax_pieces.py`): the smaller calls cost 0.2–0.8 ms per step, more
 than the 16-bit hop they would hide, so the step runs whole.
 
+With ``kept`` (``SoftmaxTuning.ring_backward_order = "own_last"``) the order turns round: the
+backward starts on the block the forward held last (rank ``rank + 1``'s, steps ``P − 1 … 1``),
+blocks and accumulators travel from the next rank to the previous one, and the own block runs
+last, so the last accumulator hop home travels while the largest call computes. The hop
+tables take the order (:func:`visit_steps`); with P = 2 no K/V travels at all.
+
 dq stays local: with P = 2 every (row, head) gets exactly one more contribution, added in fp32
 arithmetic and rounded once into the input dtype; with P > 2 it accumulates in fp32. The kernel
 backward uses the forward's final ``out`` and global ``lse`` for every block, which makes each
@@ -71,19 +77,19 @@ def _acc_hops(world: int, layout: str, causal: bool,
     travel. ``chunks == 0``: nothing to send, both ends skip the hop. The block's previous
     visitor is the previous rank (own block first) or the next one (own block last)."""
     hops: dict = {}
-    before = 1 if own_last else -1            # the previous visitor: next / previous rank
     for i, s in enumerate(visit_steps(world, own_last)):
         for r in range(world):
             calls = ring_calls(r, ring_source(r, world, s), world, layout, causal)
             keys = max((c.keys for c in calls), default=0)
-            p_single, p_chunks = hops[(r + before) % world, i - 1] if i else (True, 0)
+            p_single, p_chunks = hops[_sender(r, world, own_last), i - 1] if i else (True, 0)
             single = (p_single and not calls) or (p_chunks == 0 and len(calls) <= 1)
             hops[r, i] = (single, max(p_chunks, keys))
     return tuple(tuple(hops[r, i] for i in range(world - 1)) for r in range(world))
 
 
 def _sender(rank: int, world: int, own_last: bool) -> int:
-    """The rank whose accumulators this rank receives."""
+    """The rank whose accumulators this rank receives: the previous visitor of every block it
+    visits."""
     prev_rank, next_rank = ring_neighbors(rank, world)
     return next_rank if own_last else prev_rank
 
