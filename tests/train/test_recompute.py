@@ -218,3 +218,25 @@ def test_the_estimate_follows_the_softmax_preset():
     assert planned_softmax_preset(hybrid, hybrid.layout(4), cpu, bf16=True) is None
     one = args_of("--context-parallel-size", "1")
     assert planned_softmax_preset(one, one.layout(1), cpu, bf16=True) is None
+
+
+def test_planned_softmax_preset_knows_packed_documents(monkeypatch):
+    """With ``--packing documents`` the planner asks for the packed rule (``auto`` runs the
+    default preset with documents, as the op does), without it the dense time model."""
+    import torch
+    import sp_train.setup as setup
+    from sp_attention.cost.common import Choice
+    from sp_train.args import parse_args
+    seen = []
+
+    def fake(*a, **kw):
+        seen.append(kw["packed"])
+        return Choice("ring", {})
+    monkeypatch.setattr(setup, "softmax_preset_for_shape", fake)
+    for packing in ("documents", "none"):
+        args = parse_args(["--preset", "1b", "--sp-model-kind", "softmax", "--seq-length",
+                           "32768", "--context-parallel-size", "4", "--global-batch-size", "1",
+                           "--packing", packing])
+        assert setup.planned_softmax_preset(args, args.layout(4), torch.device("cpu"),
+                                            bf16=True) == "ring"
+    assert seen == [True, False]
