@@ -186,6 +186,11 @@ def _parser():
                    help="also run every ring/ring row with SoftmaxTuning(ring_backward_order="
                         "'own_last') (rows '<pair> own_last': the backward starts on the block "
                         "the forward kept and runs the own block last)")
+    p.add_argument("--bracket", action="store_true",
+                   help="time the one-GPU global baseline again after every other row (row "
+                        "'single_global_end', 'drift': its throughput ÷ the first's): the "
+                        "GPUs' clocks fall as a sweep heats them, so the first baseline can "
+                        "flatter the ratio's denominator")
     p.add_argument("--reverse-rows", action="store_true",
                    help="time the CP rows in the reverse order (a row's place in the process "
                         "can move it by several %%: run an A/B both ways)")
@@ -365,6 +370,13 @@ def _sweep(a, T_local, world, rank, device, dtype, backend, groups, timer, mode)
     if world > 1:
         _anchors(a, world, rank, q, k, v, do, base, ref["single_global"], fl, timer, dev,
                  groups)
+    if a.bracket:       # the baseline again, as warm as the rows after it ran
+        tf, tfb = _single_gpu(backend, q, k, v, do, causal, timer)
+        emit(dict(base, impl="single_global_end", world=1, T_local=T, ms_fwd=tf, ms_fwd_bwd=tfb,
+                  tflops_per_gpu=flops(B, H, T, D, causal, True) / tfb / 1e9,
+                  baseline="single_global",
+                  drift=flops(B, H, T, D, causal, True) / tfb / 1e9 / ref["single_global"][1]),
+             a.out, rank)
 
 
 def _packed_sweep(a, T_local, world, rank, device, dtype, groups, timer, mode):
