@@ -134,6 +134,8 @@ def test_tuning_is_validated():
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match="a2a_head_chunks must be a positive int"):
             SoftmaxTuning(a2a_head_chunks=bad)
+    with pytest.raises(ValueError, match=r"ring_backward_order must be one of \('auto', "):
+        SoftmaxTuning(ring_backward_order="last")
     q = torch.zeros(1, 4, 2, 4, dtype=torch.float64)
     with pytest.raises(TypeError, match="LinearTuning"):
         lightning_attention(q, q, q, SLOPES, tuning=SoftmaxTuning())
