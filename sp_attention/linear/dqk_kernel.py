@@ -202,17 +202,19 @@ def dsT_four_warps(cfg: triton.Config) -> bool:
     return bool(cfg.kwargs.get("DK_ROWS")) and cfg.num_warps == 4
 
 
+def _offered(cfg: triton.Config, block_k: int) -> bool:
+    return block_k > MIN_BLOCK_K or not dsT_four_warps(cfg)
+
+
 def tuned_configs(block_k: int) -> list[int]:
     """The candidates (indices into :data:`DQK_CANDIDATES`) the autotuner may pick at a K tile
     of ``block_k``: :data:`DQK_TUNED`, at 32 without :func:`dsT_four_warps`."""
-    return [i for i in DQK_TUNED
-            if block_k > MIN_BLOCK_K or not dsT_four_warps(DQK_CANDIDATES[i])]
+    return [i for i in DQK_TUNED if _offered(DQK_CANDIDATES[i], block_k)]
 
 
 def _prune(configs: list, named_args: dict, **kwargs) -> list:
-    if kwargs.get("BK", named_args.get("BK")) > MIN_BLOCK_K:
-        return configs
-    return [c for c in configs if not dsT_four_warps(c)]
+    bk = kwargs.get("BK", named_args.get("BK"))
+    return configs if bk > MIN_BLOCK_K else [c for c in configs if _offered(c, bk)]
 
 
 def block_k_of(K: int, block_k: int | None = None) -> int:
