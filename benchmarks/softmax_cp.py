@@ -156,6 +156,9 @@ def _profile(step, out_dir: str, tag: str, rank: int) -> None:
         key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
         print(f"# profile {tag}\n" + prof.key_averages().table(sort_by=key, row_limit=12),
               file=sys.stderr, flush=True)
+        if torch.cuda.is_available():       # and where the host's time went
+            print(f"# profile {tag} (host)\n" + prof.key_averages().table(
+                sort_by="cpu_time_total", row_limit=15), file=sys.stderr, flush=True)
 
 
 def _parser():
@@ -430,6 +433,8 @@ def _packed_sweep(a, T_local, world, rank, device, dtype, groups, timer, mode):
         except (ValueError, RuntimeError) as e:
             emit(dict(base, impl=impl, comm=comm, error=str(e)[:300]), a.out, rank)
             continue
+        if a.profile and T_local == (a.t_local or [T_local])[0]:
+            _profile(step, a.profile, "packed_" + impl.replace("/", "-").replace(" ", "_"), rank)
         tp = fl / world / t / 1e9
         emit(dict(base, impl=impl, comm=comm, ms_fwd_bwd=t, tflops_per_gpu=tp, baseline=best,
                   ratio=tp / (fl / refs[best] / 1e9), local_len=plan.local_len), a.out, rank)
