@@ -171,8 +171,9 @@ def _parser():
     p.add_argument("--strides", nargs="+", default=["default", "1", "2", "2:1:1"],
                    help="all-gather backward stride patterns 'stride[:first:last]' (ring/"
                         "allgather rows; 'default' alone: none beyond the library's)")
-    p.add_argument("--pairs", nargs="+", default=None,
-                   help="fwd/bwd pairs to run, e.g. ring/ring ring/allgather (default: all)")
+    p.add_argument("--pairs", nargs="*", default=None,
+                   help="fwd/bwd pairs to run, e.g. ring/ring ring/allgather (default: all; "
+                        "none after the flag: presets only)")
     p.add_argument("--presets", nargs="*", default=list(PRESETS), choices=PRESETS,
                    help="the all-to-all presets and auto to run (default: all)")
     p.add_argument("--a2a-sizes", type=int, nargs="*", default=None,
@@ -199,6 +200,11 @@ def _parser():
                         "can move it by several %%: run an A/B both ways)")
     p.add_argument("--fwd-bwd-only", action="store_true",
                    help="time fwd+bwd only (the ratio's measure): a shorter sweep")
+    p.add_argument("--packed-dense-min", type=int, nargs="*", default=[], metavar="N",
+                   help="--packed: also run our one-GPU baseline and every ring/ring row with "
+                        "SoftmaxTuning(packed_dense_min=N) (rows '<impl> dense_min=N': fewer, "
+                        "larger varlen calls for a larger N; a huge N puts every pair in varlen "
+                        "calls)")
     p.add_argument("--packed", action="store_true",
                    help="packed documents (the log-normal mix) instead of one sequence; "
                         "baselines: torch's varlen kernel and our op on one GPU (batch 1)")
@@ -219,7 +225,7 @@ def _parser():
 
 def _runs(a, world, H):
     """(impl name, kwargs of context_parallel_attention, communication variant) to time."""
-    pairs = [tuple(x.split("/")) for x in a.pairs] if a.pairs else PAIRS
+    pairs = PAIRS if a.pairs is None else [tuple(x.split("/")) for x in a.pairs]
     runs = [(f"{f}/{b}" + ("" if c == "default" else f"+{c}"), dict(fwd=f, bwd=b), c)
             for c in a.comm_variants for f, b in pairs]
     if ("ring", "allgather") in pairs:
@@ -412,14 +418,22 @@ def _packed_sweep(a, T_local, world, rank, device, dtype, groups, timer, mode):
         refs["torch_varlen_single_global"] = timer(varlen)
     xs = [t.clone().requires_grad_(True) for t in (q, k, v)]
 
-    def single():
-        context_parallel_attention(*xs, ctx=None, causal=True, cu_seqlens=cu_t).backward(do)
+    def single(tuning=None):
+        context_parallel_attention(*xs, ctx=None, causal=True, cu_seqlens=cu_t,
+                                   tuning=tuning).backward(do)
     refs["single_global_packed"] = timer(single)
+    for n_min in a.packed_dense_min:      # the baseline is the fastest one-GPU way
+        refs[f"single_global_packed dense_min={n_min}"] = timer(
+            lambda n_min=n_min: single(SoftmaxTuning(packed_dense_min=n_min)))
     for name, t in refs.items():
         emit(dict(base, impl=name, world=1, T_local=T, ms_fwd_bwd=t,
                   tflops_per_gpu=fl / t / 1e9, baseline="self", ratio=1.0), a.out, rank)
     best = min(refs, key=refs.get)
-    for impl, kw, comm in _runs(a, world, H):
+    runs = _runs(a, world, H)
+    runs += [(f"{name} dense_min={n_min}", dict(kw, tuning=SoftmaxTuning(packed_dense_min=n_min)),
+              v) for n_min in a.packed_dense_min for name, kw, v in list(runs)
+             if kw.get("fwd") == "ring" == kw.get("bwd") and "tuning" not in kw]
+    for impl, kw, comm in runs:
         cctx = build_sp_context(groups[comm], layout="zigzag")
         plan = plan_packing(cu_t, cctx)
         ql, kl, vl, dol = (plan.shard(t, cctx.rank, 1).contiguous() for t in (q, k, v, do))
