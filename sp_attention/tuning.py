@@ -110,9 +110,9 @@ class LinearTuning:
             2026-11-27, with gates an earlier build whose output kernel skipped the zero
             state's loads): gated 32K better in 6 of 6 scans and layouts (+0.4–1.2 %, the
             forward 10–21 µs shorter), fixed rates 32K within ±0.6 % but for one row
-            (+1.8 %), 8K lower in 5 of 6 (−0.5 … −1.7 %). Not yet ``auto``'s pick for gates:
-            this build is not measured, and the added kernel is not in the shipped compiled
-            kernels (a fresh machine's first step would compile and autotune it). The A/B:
+            (+1.8 %), 8K lower in 5 of 6 (−0.5 … −1.7 %). This build, A/B'd on a fresh
+            4 × H200 (fifteenth session): no gain in any row (gated 32K −0.1 … −0.6 %, fixed
+            8K −0.2 … −0.8 %), so ``auto`` stays ``states_first`` for gates too. The A/B:
             ``benchmarks/linear_cp.py --ab forward``.
         row_splits: on the fla path, each leaf runs as this many rows of equal length (whole
             chunks), the rows' states combined on the rank before and after the cross-rank
@@ -189,8 +189,12 @@ class SoftmaxTuning:
             --pack-kv``.
         packed_dense_min: packed documents (``cu_seqlens``): a document pair of at least this
             many query × key tokens runs as a dense kernel call of its own (cuDNN on Hopper);
-            smaller ones are batched into varlen calls (:mod:`sp_attention.softmax.
-            packed_plan`).
+            smaller ones are batched into varlen calls (:mod:`sp_attention.planning.
+            softmax_packed`). None (default): 2^20 (a 1K-token document), or 2^24 (4K) when a
+            rank's share of the row's attention is small (under ~1 ms of kernels), where each
+            call's host time costs more than the dense kernel saves
+            (:func:`sp_attention.planning.softmax_packed.auto_dense_min`: at 8K tokens per GPU
+            on 4 x H200 the packed step went from 5.56 to 3.50 ms).
         packed_varlen_gaps: packed documents: one varlen call may skip query rows and keys
             between its document pairs (they become sequences without keys / queries, fewer
             calls); False starts a new call at every gap instead.
@@ -242,7 +246,7 @@ class SoftmaxTuning:
     min_query_heads_per_call: int = MIN_QUERY_HEADS_PER_CALL
     check_every_call: bool = False
     pack_kv: bool = False
-    packed_dense_min: int = 1 << 20
+    packed_dense_min: Optional[int] = None
     packed_varlen_gaps: bool = True
     a2a_head_chunks: Optional[int] = None
     a2a_direct: bool = False
@@ -262,6 +266,7 @@ class SoftmaxTuning:
         if not is_int(self.min_query_heads_per_call) or self.min_query_heads_per_call < 1:
             raise ValueError("SoftmaxTuning.min_query_heads_per_call must be a positive int, "
                              f"got {self.min_query_heads_per_call!r}")
-        if not is_int(self.packed_dense_min) or self.packed_dense_min < 1:
-            raise ValueError("SoftmaxTuning.packed_dense_min must be a positive int, got "
-                             f"{self.packed_dense_min!r}")
+        if self.packed_dense_min is not None and (not is_int(self.packed_dense_min)
+                                                  or self.packed_dense_min < 1):
+            raise ValueError("SoftmaxTuning.packed_dense_min must be a positive int or None "
+                             f"(auto), got {self.packed_dense_min!r}")

@@ -19,7 +19,8 @@ tensor and no process group, so every rule is unit-tested for any P:
   ``travel_len == 0``: no cross-rank work at all.
 
 Pairs become kernel **calls** (:func:`group_calls`): a pair of at least ``dense_min``
-(:attr:`SoftmaxTuning.packed_dense_min <sp_attention.SoftmaxTuning>`) query × key tokens is
+(:attr:`SoftmaxTuning.packed_dense_min <sp_attention.SoftmaxTuning>`, by default
+:func:`auto_dense_min`) query × key tokens is
 one dense call (the fast dense kernels take long documents); the other pairs
 are grouped into varlen calls whose query and key ranges ascend without overlap (what a varlen
 kernel's ``cu_seqlens_q/k`` can express; rows or keys between pairs are gaps the backend
@@ -33,7 +34,25 @@ from functools import lru_cache
 from .packing import PackingPlan
 
 __all__ = ["Pair", "PackedCall", "Travel", "CallPolicy", "travel", "own_pairs", "step_pairs",
-           "group_calls", "own_calls", "step_calls", "active_steps"]
+           "group_calls", "own_calls", "step_calls", "active_steps", "auto_dense_min",
+           "DENSE_MIN", "DENSE_MIN_SMALL_WORK", "SMALL_WORK_FLOP"]
+
+# packed_dense_min=None (auto, :func:`auto_dense_min`). A dense call (cuDNN on Hopper) runs a
+# long document ~1.2-1.6 x faster than FlashAttention-2's varlen kernel, but every call costs
+# host time (~0.1-0.3 ms for a forward and backward through torch); when a rank's attention
+# is small its calls' host time is the step. Measured on 4 x H200 (2026-11-27, Llama-3-8B
+# attention H 32 / Hkv 8 / D 128, the log-normal mix, ring, zigzag; `benchmarks/softmax_cp.py
+# --packed --packed-dense-min 16777216 1099511627776`): at T_local 8K pairs of >= 2^24 dense
+# took the step from 5.56 to 3.50 ms (queued) and 9.59 to 6.41 ms (eager); at 32K they cost 6 %
+# (12.31 -> 13.16 ms), and every pair in varlen calls 35 %.
+DENSE_MIN = 1 << 20              # pairs this large run dense when the rank's work is large
+DENSE_MIN_SMALL_WORK = 1 << 24   # ... and this large when it is small (4K x 4K tokens)
+# "Small": a rank's share of the row's causal forward FLOP (4 · q·k/2 · H · D per document,
+# divided by P) below this, about 1 ms of Hopper's attention kernels: the 8K row above has
+# 1.5e11, the 32K row 1.3e12, one GPU on the 32K-token row 5.9e11 (its eager step gained
+# from 2^24 too, its queued one lost 4 %: the line sits just below it).
+SMALL_WORK_FLOP = 5e11
+
 
 
 @dataclass(frozen=True)
@@ -198,12 +217,25 @@ def group_calls(pairs: tuple[Pair, ...], causal: bool, dense_min: int,
     return tuple(calls)
 
 
+def auto_dense_min(cu_seqlens: tuple, world: int, heads: int, head_dim: int) -> int:
+    """``packed_dense_min`` for ``packed_dense_min=None``: :data:`DENSE_MIN_SMALL_WORK` when
+    a rank's share of the row's causal attention forward (documents ``cu_seqlens``, ``heads``
+    query heads of ``head_dim``, over ``world`` ranks) is under :data:`SMALL_WORK_FLOP` — few,
+    large varlen calls, the host's time being the step — else :data:`DENSE_MIN`. Pure
+    arithmetic of the global row, so every rank and every schedule (ring, all-gather, a2a)
+    picks the same."""
+    work = sum((b - a) * (b - a) for a, b in zip(cu_seqlens, cu_seqlens[1:])) / 2
+    flop = 4.0 * work * heads * head_dim / max(world, 1)
+    return DENSE_MIN_SMALL_WORK if flop < SMALL_WORK_FLOP else DENSE_MIN
+
+
 @dataclass(frozen=True)
 class CallPolicy:
     """How pairs become kernel calls (:func:`group_calls`); from :class:`~sp_attention.
-    SoftmaxTuning` (``packed_dense_min``, ``packed_varlen_gaps``)."""
+    SoftmaxTuning` (``packed_dense_min`` resolved: :func:`auto_dense_min` for None,
+    ``packed_varlen_gaps``)."""
 
-    dense_min: int = 1 << 20
+    dense_min: int = DENSE_MIN
     gaps: bool = True
 
 

@@ -19,7 +19,7 @@ from ..call_check import agree_across_ranks
 from ..context import SPContext
 from ..cost.auto import auto_softmax_preset
 from ..planning.softmax_a2a import head_chunks
-from ..planning.softmax_packed import CallPolicy
+from ..planning.softmax_packed import DENSE_MIN, CallPolicy, auto_dense_min
 from ..tuning import SoftmaxTuning
 from ..validation import (autocast_inputs, autocast_off, check_local_length, check_tensors,
                           resolve_ctx)
@@ -260,15 +260,23 @@ def context_parallel_attention(
         if cfg.fwd in A2A_SCHEDULES:
             return A2AAttention.apply(q, k, v, A2AConfig(
                 cfg.ctx, cfg.a2a_size, cfg.causal, cfg.scale, cfg.backend, cfg.return_lse,
-                cfg.pack_kv, plan if packed else None,
-                CallPolicy(tuning.packed_dense_min, tuning.packed_varlen_gaps),
+                cfg.pack_kv, plan if packed else None, _call_policy(tuning, plan, q),
                 cfg.a2a_chunks, tuning.a2a_direct))
         if packed:
             return PackedAttention.apply(q, k, v, PackedConfig(
                 cfg.ctx, plan, cfg.fwd, cfg.bwd, cfg.scale, cfg.backend, cfg.stride, cfg.first,
-                cfg.last, cfg.return_lse, cfg.pack_kv,
-                CallPolicy(tuning.packed_dense_min, tuning.packed_varlen_gaps)))
+                cfg.last, cfg.return_lse, cfg.pack_kv, _call_policy(tuning, plan, q)))
         return _ContextParallelAttention.apply(q, k, v, cfg)
+
+
+def _call_policy(tuning: SoftmaxTuning, plan, q: torch.Tensor) -> CallPolicy:
+    """How this call's packed document pairs become kernel calls (``packed_dense_min`` None:
+    :func:`~sp_attention.planning.softmax_packed.auto_dense_min` of the row)."""
+    dense_min = tuning.packed_dense_min
+    if dense_min is None:
+        dense_min = DENSE_MIN if plan is None else auto_dense_min(
+            plan.cu_seqlens, plan.world_size, q.shape[2], q.shape[3])
+    return CallPolicy(dense_min, tuning.packed_varlen_gaps)
 
 
 def _shape(x) -> object:

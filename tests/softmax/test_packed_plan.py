@@ -8,7 +8,10 @@ import random
 import pytest
 
 from sp_attention import plan_packing
-from sp_attention.planning.softmax_packed import (CallPolicy, Pair, active_steps, group_calls,
+from sp_attention import SoftmaxTuning
+from sp_attention.planning.softmax_packed import (DENSE_MIN, DENSE_MIN_SMALL_WORK,
+                                                  SMALL_WORK_FLOP, CallPolicy, Pair,
+                                                  active_steps, auto_dense_min, group_calls,
                                                   own_calls, step_calls, step_pairs, travel)
 from tests.test_packing import _random_lengths, _cu
 
@@ -132,3 +135,31 @@ def test_group_calls():
     assert [len(c.pairs) for c in group_calls(gapped, False, 10 ** 9, gaps=False)] == [1, 1, 1]
     assert calls[0].relative()[1] == Pair(2, 40, 2, 40) and calls[1].relative() == (
         Pair(0, 1, 0, 2),)
+
+
+def test_auto_dense_min_follows_a_ranks_share_of_the_work():
+    """packed_dense_min=None: few large varlen calls when a rank's share of the row's causal
+    forward is small (its calls' host time is the step), dense calls from 1K documents when it
+    is large; the rule reads the global row only (every rank and schedule picks alike)."""
+    small = tuple(range(0, 32768 + 1, 1024))          # 32 documents of 1K, P = 4
+
+    assert auto_dense_min(small, 4, 32, 128) == DENSE_MIN_SMALL_WORK
+    big = tuple(range(0, 131072 + 1, 8192))          # 16 documents of 8K
+    assert auto_dense_min(big, 4, 32, 128) == DENSE_MIN
+    # the line: a rank's share of 4 · Σ len²/2 · H · D against SMALL_WORK_FLOP
+    n = 8192
+    flop_one = 4 * n * n / 2 * 32 * 128
+    docs = int(SMALL_WORK_FLOP // flop_one) + 1     # just over the line on one rank
+    row = tuple(i * n for i in range(docs + 1))
+    assert auto_dense_min(row, 1, 32, 128) == DENSE_MIN
+    assert auto_dense_min(row, 2, 32, 128) == DENSE_MIN_SMALL_WORK    # half each: under
+    assert auto_dense_min(row, 1, 16, 128) == DENSE_MIN_SMALL_WORK    # half the heads: under
+    assert DENSE_MIN < DENSE_MIN_SMALL_WORK
+
+
+def test_packed_dense_min_default_is_auto_and_checked():
+    assert SoftmaxTuning().packed_dense_min is None
+    assert SoftmaxTuning(packed_dense_min=7).packed_dense_min == 7
+    for bad in (0, -1, 2.5, "1"):
+        with pytest.raises(ValueError, match="packed_dense_min must be a positive int or None"):
+            SoftmaxTuning(packed_dense_min=bad)

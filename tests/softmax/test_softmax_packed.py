@@ -347,7 +347,8 @@ def _packed_multigpu_check(rank, world, T_local=1024, shape=(8, 2, 64), device_t
         ctx = build_sp_context(group, layout=layout)
         plan, plan1 = plan_packing(cu, ctx), plan_packing(cu, 1)
         for tuning in (SoftmaxTuning(packed_dense_min=T_local * T_local // 16),
-                       SoftmaxTuning(packed_dense_min=1 << 40, packed_varlen_gaps=False)):
+                       SoftmaxTuning(packed_dense_min=1 << 40, packed_varlen_gaps=False),
+                       SoftmaxTuning()):     # the default: auto_dense_min of the row
             for fwd, bwd in PAIRS:
                 errs = []
                 for p, c in ((plan1, None), (plan, ctx)):
