@@ -42,9 +42,10 @@ __all__ = ["Pair", "PackedCall", "Travel", "CallPolicy", "travel", "own_pairs", 
 # host time (~0.1-0.3 ms for a forward and backward through torch); when a rank's attention
 # is small its calls' host time is the step. Measured on 4 x H200 (2026-11-27, Llama-3-8B
 # attention H 32 / Hkv 8 / D 128, the log-normal mix, ring, zigzag; `benchmarks/softmax_cp.py
-# --packed --packed-dense-min 16777216 1099511627776`): at T_local 8K pairs of >= 2^24 dense
-# took the step from 5.56 to 3.50 ms (queued) and 9.59 to 6.41 ms (eager); at 32K they cost 6 %
-# (12.31 -> 13.16 ms), and every pair in varlen calls 35 %.
+# --packed --packed-dense-min 16777216 1099511627776`, and again with this rule in the op): at
+# T_local 8K dense calls only from pairs of 2^24 took the eager step from 9.59 / 10.36 to 6.41 /
+# 6.42 ms and the queued one from 3.62 to 3.46; at 32K they cost 6 % (12.31 -> 13.16 ms), and
+# every pair in varlen calls 35 %.
 DENSE_MIN = 1 << 20              # pairs this large run dense when the rank's work is large
 DENSE_MIN_SMALL_WORK = 1 << 24   # ... and this large when it is small (4K x 4K tokens)
 # "Small": a rank's share of the row's causal forward FLOP (4 · q·k/2 · H · D per document,
@@ -52,7 +53,6 @@ DENSE_MIN_SMALL_WORK = 1 << 24   # ... and this large when it is small (4K x 4K 
 # 1.5e11, the 32K row 1.3e12, one GPU on the 32K-token row 5.9e11 (its eager step gained
 # from 2^24 too, its queued one lost 4 %: the line sits just below it).
 SMALL_WORK_FLOP = 5e11
-
 
 
 @dataclass(frozen=True)
