@@ -374,3 +374,33 @@ def test_packed_two_gpus_bf16():
     res = run_distributed(_packed_multigpu_check, 2, timeout=600, backend="nccl")
     for key, (e1, e2) in sorted(res[0].items()):
         print(f"{key:<70} P=1 {e1:.2e}  P=2 {e2:.2e}")
+
+
+def test_default_tuning_runs_the_rows_auto_dense_min(monkeypatch):
+    """``packed_dense_min=None`` reaches the packed Function as the row's
+    :func:`~sp_attention.planning.softmax_packed.auto_dense_min` (small rows: 2^24, few large
+    varlen calls), an explicit value as itself; one GPU's (no group) packed call, fp64."""
+    import sp_attention.softmax.attention as attention
+    from sp_attention.planning.softmax_packed import DENSE_MIN_SMALL_WORK, auto_dense_min
+
+    seen = []
+    real = attention.PackedAttention
+
+    class Recording:
+        @staticmethod
+        def apply(q, k, v, cfg):
+            seen.append(cfg.policy.dense_min)
+            return real.apply(q, k, v, cfg)
+
+    monkeypatch.setattr(attention, "PackedAttention", Recording)
+    cu = [0, 5, 12, 30, 32]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 32, 4, 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(1, 32, 2, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    ref, _ = packed_attention_reference(q, k, v, cu)
+    for tuning, want in ((None, DENSE_MIN_SMALL_WORK), (SoftmaxTuning(packed_dense_min=30), 30)):
+        out = context_parallel_attention(q, k, v, ctx=None, causal=True,
+                                         cu_seqlens=torch.tensor(cu), tuning=tuning)
+        assert seen[-1] == want
+        assert_close(out, ref, 1e-10)
+    assert auto_dense_min(tuple(cu), 1, 4, 8) == DENSE_MIN_SMALL_WORK
