@@ -178,9 +178,11 @@ def kernel_table(fn: Callable[[], object], label: str, iters: int = 5, top: int 
         print(f"{e.device_time_total / iters:9.1f} us | {e.count / iters:5.1f} x | {e.key[:100]}")
 
 
-def host_profile(fn: Callable[[], object], label: str, iters: int = 10, top: int = 40) -> None:
+def host_profile(fn: Callable[[], object], label: str, iters: int = 10, top: int = 40,
+                 show: bool = True) -> None:
     """Print where the host's time goes in ``iters`` calls of ``fn`` after one warm-up
-    (cProfile, sorted by cumulative time; GPU syncs show as time in the call that waits)."""
+    (cProfile, sorted by cumulative time; GPU syncs show as time in the call that waits).
+    ``show=False``: make the same calls, print nothing (the other ranks of a collective op)."""
     import cProfile
     import io
     import pstats
@@ -191,6 +193,8 @@ def host_profile(fn: Callable[[], object], label: str, iters: int = 10, top: int
     for _ in range(iters):
         fn()
     prof.disable()
+    if not show:
+        return
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
     print(f"--- host profile of {label}, {iters} calls")

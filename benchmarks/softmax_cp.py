@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (COMM_VARIANTS, base_parser, cp_groups, device_name,  # noqa: E402
-                               emit, init_dist, time_ms)
+                               emit, host_profile, init_dist, time_ms)
 from benchmarks.packed_linear import lognormal_cu  # noqa: E402
 from sp_attention import (SoftmaxTuning, build_sp_context, plan_packing,  # noqa: E402
                           shard_sequence)
@@ -216,6 +216,10 @@ def _parser():
                         "dist.new_group), 'nccl-hp' (the CP group's NCCL kernels on a "
                         "high-priority stream: new_cp_group with CPGroupOptions("
                         "high_priority_stream=True)); impl suffix '+VARIANT'")
+    p.add_argument("--host-profile", type=int, default=0, metavar="N",
+                   help="--packed: also cProfile N eager fwd+bwd calls of every packed row at "
+                        "the first T_local (every rank runs them, rank 0 prints where Python's "
+                        "time goes, by cumulative time: the host side of a host-bound row)")
     p.add_argument("--profile", metavar="DIR",
                    help="also write a torch-profiler Chrome trace of one fwd+bwd step per run "
                         "(first T_local) to DIR and print its top kernels: the timeline that "
@@ -449,6 +453,9 @@ def _packed_sweep(a, T_local, world, rank, device, dtype, groups, timer, mode):
             continue
         if a.profile and T_local == (a.t_local or [T_local])[0]:
             _profile(step, a.profile, "packed_" + impl.replace("/", "-").replace(" ", "_"), rank)
+        if a.host_profile and T_local == (a.t_local or [T_local])[0]:
+            host_profile(step, f"packed {impl}, T_local {T_local}, rank {rank}",
+                         iters=a.host_profile, show=rank == 0)
         tp = fl / world / t / 1e9
         emit(dict(base, impl=impl, comm=comm, ms_fwd_bwd=t, tflops_per_gpu=tp, baseline=best,
                   ratio=tp / (fl / refs[best] / 1e9), local_len=plan.local_len), a.out, rank)
