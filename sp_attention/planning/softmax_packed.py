@@ -34,7 +34,7 @@ from functools import lru_cache
 from .packing import PackingPlan
 
 __all__ = ["Pair", "PackedCall", "Travel", "CallPolicy", "travel", "own_pairs", "step_pairs",
-           "group_calls", "own_calls", "step_calls", "active_steps", "auto_dense_min",
+           "group_calls", "own_calls", "step_calls", "active_steps", "cross_rows", "auto_dense_min",
            "DENSE_MIN", "DENSE_MIN_SMALL_WORK", "SMALL_WORK_FLOP"]
 
 # packed_dense_min=None (auto, :func:`auto_dense_min`). A dense call (cuDNN on Hopper) runs a
@@ -264,3 +264,19 @@ def active_steps(plan: PackingPlan) -> int:
         if any(step_pairs(plan, r, (r - s) % world) for r in range(world)):
             last = s
     return last
+
+
+@lru_cache(maxsize=256)
+def cross_rows(plan: PackingPlan, rank: int, policy: CallPolicy) -> tuple[int, int]:
+    """``(lo, hi)``: the rows of ``rank``'s shard that any cross-rank call takes as queries
+    (the bounding range; ``(0, 0)`` when there are none) — the only rows whose output and dq
+    take more than the own block's result, so the only ones the schedules accumulate in fp32.
+    Zigzag plans put crossing documents first: a short prefix of the shard."""
+    lo, hi = None, 0
+    for src in range(plan.world_size):
+        if src == rank:
+            continue
+        for c in step_calls(plan, rank, src, policy):
+            lo = c.q_start if lo is None else min(lo, c.q_start)
+            hi = max(hi, c.q_stop)
+    return (0, 0) if lo is None else (lo, hi)

@@ -23,12 +23,12 @@ import torch
 from ..comm import AsyncReduceScatter
 from ..context import SPContext
 from ..planning.packing import PackingPlan
-from ..planning.softmax_packed import CallPolicy, step_calls, travel
+from ..planning.softmax_packed import CallPolicy, cross_rows, step_calls, travel
 from ..planning.softmax_plan import stride_widths
 from ..precision import acc_dtype
 from .gather import KVGather, Unit, max_unit_numel
 from .merge import merge_blocks_
-from .packed_ring import accumulator_dtype, own_backward, own_forward
+from .packed_ring import RowWindow, accumulator_dtype, own_backward, own_forward
 from .varlen import call_backward, call_forward
 
 __all__ = ["packed_allgather_forward", "packed_allgather_backward"]
@@ -68,8 +68,9 @@ def packed_allgather_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       max_unit_numel(units, b, tr.length, d))
     sources = _sources(plan, rank, policy)
     gather.start(0, units[0])
-    out, lse = own_forward(q, k, v, plan, rank, backend, scale, policy,
-                           accumulator_dtype(q.dtype, ctx.world_size))
+    out, lse = own_forward(q, k, v, plan, rank, backend, scale, policy, q.dtype)
+    acc = RowWindow(out, *cross_rows(plan, rank, policy),
+                    accumulator_dtype(q.dtype, ctx.world_size))
     for i, u in enumerate(units):
         recv = gather.wait(i)                                   # [P, B, TL, 2, s, D]
         if i + 1 < len(units):
@@ -81,8 +82,9 @@ def packed_allgather_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 rows, keys = slice(c.q_start, c.q_stop), slice(c.k_start, c.k_stop)
                 o, l = call_forward(backend, q[:, rows, heads], kb[:, keys], vb[:, keys], c,
                                     scale)
-                merge_blocks_(out[:, rows, heads], lse[:, heads, rows], o, l)
-    return out.to(q.dtype), lse
+                merge_blocks_(acc.acc[:, acc.rows(c.q_start, c.q_stop), heads],
+                              lse[:, heads, rows], o, l)
+    return acc.done(), lse
 
 
 def packed_allgather_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -111,8 +113,9 @@ def packed_allgather_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     sources = _sources(plan, rank, policy)
     gather.start(0, units[0])
     dq, dk, dv = own_backward(dout, q, k, v, out, lse, plan, rank, backend, scale, policy,
-                              tuple(accumulator_dtype(x.dtype, ctx.world_size)
-                                    for x in (q, k, v)))
+                              (q.dtype, k.dtype, v.dtype))
+    dq_w = RowWindow(dq, *cross_rows(plan, rank, policy),
+                     accumulator_dtype(q.dtype, ctx.world_size))
     for i, u in enumerate(units):
         recv = gather.wait(i)
         if i + 1 < len(units):
@@ -128,11 +131,13 @@ def packed_allgather_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
                 g = call_backward(backend, dout[:, rows, heads], q[:, rows, heads],
                                   kb[:, keys], vb[:, keys], out[:, rows, heads],
                                   lse[:, heads, rows], c, scale)
-                dq[:, rows, heads].add_(g[0])
+                dq_w.acc[:, dq_w.rows(c.q_start, c.q_stop), heads].add_(g[0])
                 slot[src, :, keys, 0].add_(g[1])
                 slot[src, :, keys, 1].add_(g[2])
         rs.launch(i % 2, shape, q.device, dkv[:, :, :, u.h0:u.h1])
     rs.drain_all()
-    dk[:, ts:ts + tl].add_(dkv[:, :, 0])
-    dv[:, ts:ts + tl].add_(dkv[:, :, 1])
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    for x, i in ((dk, 0), (dv, 1)):     # the window's sum over ranks, added in fp32
+        w = RowWindow(x, ts, ts + tl, acc)
+        w.acc.add_(dkv[:, :, i])
+        w.done()
+    return dq_w.done(), dk, dv

@@ -404,3 +404,53 @@ def test_default_tuning_runs_the_rows_auto_dense_min(monkeypatch):
         assert seen[-1] == want
         assert_close(out, ref, 1e-10)
     assert auto_dense_min(tuple(cu), 1, 4, 8) == DENSE_MIN_SMALL_WORK
+
+
+def _compact_accumulators_worker(rank, world):
+    """bf16 at P = ``world`` (fp32 accumulators): the packed schedules' compact accumulators
+    (:class:`RowWindow` over the cross-rank rows / the travel window) against whole-shard ones
+    (every window widened to the shard, the schedules' accumulators before them): out, dq, dk,
+    dv bit-identical, every pair and layout."""
+    from sp_attention.softmax import packed_ring
+    group = dist.new_group(list(range(world)))
+    T_local, H, Hkv, D = 48, 4, 2, 8
+    T = world * T_local
+    rng = random.Random(11)
+    lengths = []
+    while sum(lengths) < T:
+        lengths.append(max(1, min(T - sum(lengths), int(rng.lognormvariate(math.log(T / 6),
+                                                                           1.0)))))
+    cu = _cu(lengths)
+    g = torch.Generator().manual_seed(5)
+    q, do = (torch.randn(1, T, H, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, T, Hkv, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    real_init = packed_ring.RowWindow.__init__
+
+    def whole(self, x, lo, hi, dtype):          # the window widened to the whole shard
+        real_init(self, x, 0, x.shape[1], dtype)
+    checked = 0
+    for layout in ("zigzag", "contiguous"):
+        ctx = build_sp_context(group, layout=layout)
+        plan = plan_packing(cu, ctx)
+        for fwd, bwd in PAIRS:
+            got = []
+            for widen in (False, True):
+                packed_ring.RowWindow.__init__ = whole if widen else real_init
+                try:
+                    loc = [plan.shard(t, ctx.rank).requires_grad_(True) for t in (q, k, v)]
+                    out = context_parallel_attention(*loc, ctx=ctx, fwd=fwd, bwd=bwd,
+                                                     cu_seqlens=plan)
+                    out.backward(plan.shard(do, ctx.rank))
+                    got.append([out.detach()] + [t.grad for t in loc])
+                finally:
+                    packed_ring.RowWindow.__init__ = real_init
+            for name, a, b in zip(("out", "dq", "dk", "dv"), *got):
+                assert a.dtype == torch.bfloat16 and torch.equal(a, b), (layout, fwd, bwd, name)
+            checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_compact_accumulators_are_whole_shard_ones(world):
+    assert run_distributed(_compact_accumulators_worker, world, timeout=300) == \
+        [2 * len(PAIRS)] * world
