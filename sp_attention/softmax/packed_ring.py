@@ -42,17 +42,33 @@ __all__ = ["packed_ring_forward", "packed_ring_backward", "own_forward", "own_ba
            "accumulator_dtype", "RowWindow"]
 
 
+def _whole(calls: tuple, t: int) -> bool:
+    """One call over the whole shard (no padding): its results are the own block's."""
+    return len(calls) == 1 and calls[0].q_start == 0 and calls[0].q_stop == t
+
+
+def _adopt(x: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A kernel's fresh result (never an input's storage) as a contiguous ``shape`` buffer of
+    ``dtype``: itself when it is one already, else converted."""
+    return x.reshape(shape).to(dtype).contiguous()
+
+
 def own_forward(q, k, v, plan: PackingPlan, rank: int, backend, scale, policy: CallPolicy,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The own block: fresh ``(out in dtype, lse fp32/fp64)``, padding rows 0 / −inf. The
-    own calls cover every other row exactly once (the document groups tile them)."""
+    own calls cover every other row exactly once (the document groups tile them); one call
+    over the whole shard hands over its results as they are (no copies)."""
     b, t, h, d = q.shape
+    calls = own_calls(plan, rank, policy)
+    if _whole(calls, t):
+        o, l = call_forward(backend, q, k, v, calls[0], scale)
+        return _adopt(o, (b, t, h, d), dtype), _adopt(l, (b, h, t), acc_dtype(q.dtype))
     out = torch.empty((b, t, h, d), dtype=dtype, device=q.device)
     lse = torch.empty((b, h, t), dtype=acc_dtype(q.dtype), device=q.device)
     n = plan.real_len(rank)
     out[:, n:].zero_()
     lse[:, :, n:].fill_(float("-inf"))
-    for c in own_calls(plan, rank, policy):
+    for c in calls:
         rows = slice(c.q_start, c.q_stop)
         o, l = call_forward(backend, q[:, rows], k[:, rows], v[:, rows], c, scale)
         out[:, rows].copy_(o)
@@ -63,14 +79,19 @@ def own_forward(q, k, v, plan: PackingPlan, rank: int, backend, scale, policy: C
 def own_backward(dout, q, k, v, out, lse, plan: PackingPlan, rank: int, backend, scale,
                  policy: CallPolicy, dtypes: tuple) -> tuple[torch.Tensor, ...]:
     """The own block's fresh ``(dq, dk, dv)`` in ``dtypes``, zero at padding (the own calls
-    cover every other query row and key exactly once)."""
+    cover every other query row and key exactly once; one call over the whole shard hands over
+    its results as they are)."""
+    calls = own_calls(plan, rank, policy)
+    if _whole(calls, q.shape[1]):
+        res = call_backward(backend, dout, q, k, v, out, lse, calls[0], scale)
+        return tuple(_adopt(r, x.shape, dt) for r, x, dt in zip(res, (q, k, v), dtypes))
     n = plan.real_len(rank)
     grads = []
     for x, dt in zip((q, k, v), dtypes):
         g = torch.empty(x.shape, dtype=dt, device=x.device)
         g[:, n:].zero_()
         grads.append(g)
-    for c in own_calls(plan, rank, policy):
+    for c in calls:
         rows = slice(c.q_start, c.q_stop)
         res = call_backward(backend, dout[:, rows], q[:, rows], k[:, rows], v[:, rows],
                             out[:, rows], lse[:, :, rows], c, scale)
