@@ -186,6 +186,10 @@ def _parser():
                    help="also run every all-to-all row with SoftmaxTuning(a2a_direct=True) "
                         "(rows '<preset> direct': each piece sent straight into its place, "
                         "no index gathers)")
+    p.add_argument("--pack-kv", action="store_true",
+                   help="also run every ring/ring row with SoftmaxTuning(pack_kv=True) (rows "
+                        "'<pair> pack_kv': K and V copied into one buffer and sent as one "
+                        "message per hop — fewer NCCL calls for a host-bound row, two copies more)")
     p.add_argument("--own-last", action="store_true",
                    help="also run every ring/ring row with SoftmaxTuning(ring_backward_order="
                         "'own_last') (rows '<pair> own_last': the backward starts on the block "
@@ -262,6 +266,10 @@ def _runs(a, world, H):
         runs += [(f"{name} direct", dict(kw, tuning=SoftmaxTuning(a2a_direct=True)), v)
                  for name, kw, v in list(runs)
                  if kw.get("preset") in ("a2a", "a2a_ring") and "tuning" not in kw]
+    if a.pack_kv:       # the ring pair with K and V as one message per hop, beside it
+        runs += [(f"{name} pack_kv", dict(kw, tuning=SoftmaxTuning(pack_kv=True)), v)
+                 for name, kw, v in list(runs)
+                 if kw.get("fwd") == "ring" == kw.get("bwd") and "tuning" not in kw]
     if a.own_last:      # the ring pair with the own block last in its backward, beside it
         runs += [(f"{name} own_last", dict(kw, tuning=SoftmaxTuning(
                      ring_backward_order="own_last")), v)

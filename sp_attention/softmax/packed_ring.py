@@ -18,8 +18,8 @@ way), without their passes: at 32K tokens per GPU with Llama-3-8B heads, ~2.5 Gi
 copies and casts a forward + backward.
 
 Backward: the same hops; at step ``s`` the rank's dK/dV for the block it holds (fp32, the
-window's rows) is sent directly to the block's owner ``r − s`` while it receives its own
-window's from ``r + s`` — one exchange per step, skipped on both ends when the plan says the
+window's rows, one ``[2, …]`` message) is sent directly to the block's owner ``r − s`` while it
+receives its own window's from ``r + s`` — one exchange per step, skipped on both ends when the plan says the
 sender has no pair with that block. dq accumulates locally in fp32.
 """
 from __future__ import annotations
@@ -199,9 +199,8 @@ def packed_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         src, dst = (rank - step) % world, (rank + step) % world
         send = None
         calls = step_calls(plan, rank, src, policy)
-        if calls:
-            send = (torch.zeros(shape, dtype=acc, device=k.device),
-                    torch.zeros(shape, dtype=acc, device=k.device))
+        if calls:                         # dK and dV of the held window as one message
+            send = torch.zeros((2,) + shape, dtype=acc, device=k.device)
         for c in calls:
             rows, keys = slice(c.q_start, c.q_stop), slice(c.k_start, c.k_stop)
             g = call_backward(backend, dout[:, rows], q[:, rows], kb[:, keys], vb[:, keys],
@@ -212,10 +211,9 @@ def packed_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         _land(pending, dk_w.acc, dv_w.acc)   # the previous step's arrivals, behind these kernels
         recv = None
         if step_pairs(plan, dst, rank):   # rank dst had work on our window at this step
-            recv = (torch.empty(shape, dtype=acc, device=k.device),
-                    torch.empty(shape, dtype=acc, device=k.device))
-        works = p2p_exchange([(t, src) for t in send or ()], [(t, dst) for t in recv or ()],
-                             ctx)
+            recv = torch.empty((2,) + shape, dtype=acc, device=k.device)
+        works = p2p_exchange([] if send is None else [(send, src)],
+                             [] if recv is None else [(recv, dst)], ctx)
         pending = [(works, recv, send)]   # send stays alive until its hop is done
         if step < steps:
             kv.wait()
