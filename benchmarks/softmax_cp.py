@@ -267,15 +267,17 @@ def _runs(a, world, H):
                  for name, kw, v in list(runs)
                  if kw.get("preset") in ("a2a", "a2a_ring") and "tuning" not in kw]
     if a.pack_kv:       # the ring pair with K and V as one message per hop, beside it
-        runs += [(f"{name} pack_kv", dict(kw, tuning=SoftmaxTuning(pack_kv=True)), v)
-                 for name, kw, v in list(runs)
-                 if kw.get("fwd") == "ring" == kw.get("bwd") and "tuning" not in kw]
+        runs += _ring_variants(runs, "pack_kv", SoftmaxTuning(pack_kv=True))
     if a.own_last:      # the ring pair with the own block last in its backward, beside it
-        runs += [(f"{name} own_last", dict(kw, tuning=SoftmaxTuning(
-                     ring_backward_order="own_last")), v)
-                 for name, kw, v in list(runs)
-                 if kw.get("fwd") == "ring" == kw.get("bwd") and "tuning" not in kw]
+        runs += _ring_variants(runs, "own_last", SoftmaxTuning(ring_backward_order="own_last"))
     return runs[::-1] if a.reverse_rows else runs
+
+
+def _ring_variants(runs: list, suffix: str, tuning: SoftmaxTuning) -> list:
+    """Rows ``'<name> <suffix>'``: every plain ring/ring row of ``runs`` (no tuning of its own)
+    again with ``tuning``."""
+    return [(f"{name} {suffix}", dict(kw, tuning=tuning), v) for name, kw, v in runs
+            if kw.get("fwd") == "ring" == kw.get("bwd") and "tuning" not in kw]
 
 
 def _resolved(kw, ctx, q, k, causal):
@@ -442,9 +444,9 @@ def _packed_sweep(a, T_local, world, rank, device, dtype, groups, timer, mode):
                   tflops_per_gpu=fl / t / 1e9, baseline="self", ratio=1.0), a.out, rank)
     best = min(refs, key=refs.get)
     runs = _runs(a, world, H)
-    runs += [(f"{name} dense_min={n_min}", dict(kw, tuning=SoftmaxTuning(packed_dense_min=n_min)),
-              v) for n_min in a.packed_dense_min for name, kw, v in list(runs)
-             if kw.get("fwd") == "ring" == kw.get("bwd") and "tuning" not in kw]
+    for n_min in a.packed_dense_min:
+        runs += _ring_variants(runs, f"dense_min={n_min}",
+                               SoftmaxTuning(packed_dense_min=n_min))
     for impl, kw, comm in runs:
         cctx = build_sp_context(groups[comm], layout="zigzag")
         plan = plan_packing(cu_t, cctx)
