@@ -45,11 +45,12 @@ from sp_attention.planning.schedules import LINEAR_SCANS  # noqa: E402
 
 # --ab NAME: (LinearTuning field, impl suffix when on, when off)
 AB = {"early": ("early_end_states", "-early", "-late"),
+      "fused": ("fused_scan", "-fused", "-unfused"),      # the allgather scan only
       "graphs": ("scan_graphs", "-graphs", "-eager"),
       "op_graphs": ("op_graphs", "-opgraphs", "-noopgraphs"),
       "serial": ("concurrent_recurrences", "-concurrent", "-serial"),
       "zero": ("static_zero_paths", "-zero", "-nozero")}
-GATED_AB = ("serial", "op_graphs")     # the flags that also apply with per-token gates
+GATED_AB = ("serial", "op_graphs", "fused")     # the flags that also apply with per-token gates
 # --ab NAME for a field with several values: (LinearTuning field, ((value, impl suffix), ...))
 AB_VALUES = {"backward": ("backward_schedule", (("recurrence_first", "-recfirst"),
                                                 ("scan_first", "-scanfirst"))),

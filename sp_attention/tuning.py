@@ -138,6 +138,12 @@ class LinearTuning:
             at 32K). So off by default; on for a layer whose step waits on the host. Inside
             a capture of the caller's own (``train.py --cuda-graphs``) the op is captured
             with it instead.
+        fused_scan: the ``allgather`` scan of a rank's leaf rows on CUDA as two Triton
+            kernels around the collective (:mod:`.linear.allgather_kernel`: the rows' fold and
+            the staging in one, the gathered rows' fold and the spread back over the rows in
+            the other) instead of ~12 small torch ops replayed from a CUDA graph; the same
+            math up to the order of fp32 sums. Packed documents and the other scans are
+            unaffected. The A/B: ``benchmarks/linear_cp.py --ab fused``.
     """
 
     static_zero_paths: bool = False
@@ -151,13 +157,15 @@ class LinearTuning:
     forward_schedule: str = "auto"
     row_splits: Optional[int] = None
     op_graphs: bool = False
+    fused_scan: bool = True
 
     BACKWARD_SCHEDULES = ("auto", "scan_first", "recurrence_first")
     FORWARD_SCHEDULES = ("auto", "states_first", "output_first")
 
     def __post_init__(self) -> None:
         _check_bools(self, "static_zero_paths", "concurrent_recurrences", "check_every_call",
-                     "check_gate_values", "early_end_states", "scan_graphs", "op_graphs")
+                     "check_gate_values", "early_end_states", "scan_graphs", "op_graphs",
+                     "fused_scan")
         if self.backward_schedule not in self.BACKWARD_SCHEDULES:
             raise ValueError(f"LinearTuning.backward_schedule must be one of "
                              f"{self.BACKWARD_SCHEDULES}, got {self.backward_schedule!r}")

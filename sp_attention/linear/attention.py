@@ -41,7 +41,7 @@ from .leaf import leaf_backward, leaf_output
 from .leaves import leaves_backward, leaves_output, sm_count, split_rows_scan
 from .op_graphs import OpGraphs
 from .packed import packed_grads, packed_output
-from .scan_allgather import allgather_rows, allgather_scan
+from .scan_allgather import allgather_rows, allgather_scan, fused_allgather_leaf_rows
 from .scan_blelloch import blelloch_rows, blelloch_scan
 from .scan_ring import ring_rows, ring_scan
 
@@ -197,9 +197,17 @@ def _rows_scan(ctx: SPContext, impl: str, reverse: bool, m: int, tuning: LinearT
     over the rows (:func:`.leaves.split_rows_scan`). With ``tuning.scan_graphs`` on CUDA the
     folds and the scan replay from one CUDA graph per signature (one launch instead of the
     folds' ~20 small ops around the scan's own graph); with one row per leaf the scan's own
-    graph is all there is."""
+    graph is all there is. The ``allgather`` scan of fp32 rows on CUDA with
+    ``tuning.fused_scan``: two Triton kernels around the collective instead
+    (:func:`.scan_allgather.fused_allgather_leaf_rows`)."""
     rows = split_rows_scan(lambda x, A: scan_rows(x, A, ctx, impl, reverse, tuning.scan_graphs),
                            m, reverse)
+    if impl == "allgather" and tuning.fused_scan:
+        def fused(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+            if x.is_cuda and x.dtype == A.dtype == torch.float32:
+                return fused_allgather_leaf_rows(x, A, ctx, reverse, m)
+            return rows(x, A)           # the torch ops: CPU, fp64
+        return fused
     if m == 1 or not tuning.scan_graphs:
         return rows
 

@@ -30,7 +30,7 @@ from ..caches import LRU
 from ..comm import all_gather_flat
 from ..context import SPContext
 from .gates import GATE_FLOOR
-from .scan_common import ScanMap, replayed, rows_to_list, scan_map
+from .scan_common import ScanMap, leaf_map, replayed, rows_to_list, scan_map
 
 
 @functools.lru_cache(maxsize=256)
@@ -94,7 +94,55 @@ class AllgatherRun:
         return torch.bmm(w.transpose(0, 1), self.g_b).transpose(0, 1)           # [n, n_a, kv]
 
 
-# bound scans: (ScanMap, world, n_a, kv, dtype, device); see scan_common._RUNS for the bound
+class FusedAllgatherRun:
+    """The all-gather scan over a rank's leaf rows in two Triton kernels around the collective
+    (:mod:`.allgather_kernel`): the rows folded into each leaf's element and staged as
+    ``[log A | b]``, then the gathered rows folded into each leaf's entering state and spread
+    back over its rows. Bound to one row shape, group size and direction (the send and
+    gathered buffers and the band matrices, made once); fp32 on CUDA."""
+
+    def __init__(self, leaves: ScanMap, world: int, n_a: int, kv: int, device: torch.device):
+        m = leaves.max_per_rank
+        self.n = len(leaves.local_positions)
+        self.reverse = leaves.reverse
+        self.send = torch.zeros(m, n_a * (1 + kv), dtype=torch.float32, device=device)
+        self.gathered = torch.empty(world * m, n_a * (1 + kv), dtype=torch.float32,
+                                    device=device)
+        between, before = host_plan(leaves, world)
+        self.between = between.to(device=device, dtype=torch.float32).contiguous()
+        self.before = before.to(device=device, dtype=torch.float32).contiguous()
+
+    def __call__(self, x: torch.Tensor, A: torch.Tensor, ctx: SPContext,
+                 rows_per_leaf: int) -> torch.Tensor:
+        from .allgather_kernel import fold_rows, stage_rows
+        xs = x.reshape(x.shape[0], A.shape[1], -1)
+        stage_rows(xs, A, self.send, rows_per_leaf, self.n, self.reverse,
+                   GATE_FLOOR[torch.float32])
+        all_gather_flat(self.gathered, self.send, ctx)
+        out = torch.empty_like(xs)
+        fold_rows(self.gathered, self.between, self.before, xs, A, out, rows_per_leaf, self.n,
+                  self.reverse)
+        return out.view(x.shape)
+
+
+def fused_allgather_leaf_rows(x: torch.Tensor, A: torch.Tensor, ctx: SPContext, reverse: bool,
+                              rows_per_leaf: int) -> torch.Tensor:
+    """The all-gather scan of a rank's leaf rows in two kernels (:class:`FusedAllgatherRun`):
+    ``x [R, H, K, V]`` the rows' states (``R = B · n · rows_per_leaf``: batch-major, then this
+    rank's ``n`` leaves, then each leaf's rows), ``A [R, H]`` their transitions, fp32, CUDA ->
+    the state entering each row (``reverse``: the gradient arriving at its end), shaped as
+    ``x``. The same result as :func:`~.leaves.split_rows_scan` over :func:`allgather_rows`,
+    up to the order of fp32 sums."""
+    leaves = leaf_map(ctx, reverse)
+    n_a = x.shape[0] // (rows_per_leaf * len(ctx.leaves)) * A.shape[1]
+    kv = x[0].numel() // A.shape[1]
+    run = _RUNS.get(("fused", leaves, ctx.world_size, n_a, kv, x.device),
+                    lambda: FusedAllgatherRun(leaves, ctx.world_size, n_a, kv, x.device))
+    return run(x.contiguous(), A.contiguous(), ctx, rows_per_leaf)
+
+
+# bound scans: (ScanMap, world, n_a, kv, dtype, device) and ("fused", ScanMap, world, n_a, kv,
+# device); see scan_common._RUNS for the bound
 _RUNS = LRU(32)
 
 

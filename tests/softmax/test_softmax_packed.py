@@ -376,6 +376,15 @@ def test_packed_two_gpus_bf16():
         print(f"{key:<70} P=1 {e1:.2e}  P=2 {e2:.2e}")
 
 
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs (device machine)")
+def test_packed_four_gpus_bf16():
+    """As the 2-GPU test at P = 4: documents cut across up to four ranks, every pair and layout."""
+    res = run_distributed(_packed_multigpu_check, 4, timeout=600, backend="nccl")
+    for key, (e1, e2) in sorted(res[0].items()):
+        print(f"{key:<70} P=1 {e1:.2e}  P=4 {e2:.2e}")
+
+
 def test_default_tuning_runs_the_rows_auto_dense_min(monkeypatch):
     """``packed_dense_min=None`` reaches the packed Function as the row's
     :func:`~sp_attention.planning.softmax_packed.auto_dense_min` (small rows: 2^24, few large
