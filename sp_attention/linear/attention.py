@@ -205,7 +205,7 @@ def _rows_scan(ctx: SPContext, impl: str, reverse: bool, m: int, tuning: LinearT
     if impl == "allgather" and tuning.fused_scan:
         def fused(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
             if x.is_cuda and x.dtype == A.dtype == torch.float32:
-                return fused_allgather_leaf_rows(x, A, ctx, reverse, m)
+                return fused_allgather_leaf_rows(x, A, ctx, reverse, m, tuning.scan_graphs)
             return rows(x, A)           # the torch ops: CPU, fp64
         return fused
     if m == 1 or not tuning.scan_graphs:

@@ -99,50 +99,65 @@ class FusedAllgatherRun:
     (:mod:`.allgather_kernel`): the rows folded into each leaf's element and staged as
     ``[log A | b]``, then the gathered rows folded into each leaf's entering state and spread
     back over its rows. Bound to one row shape, group size and direction (the send and
-    gathered buffers and the band matrices, made once); fp32 on CUDA."""
+    gathered buffers and the band matrices, made once); fp32 on CUDA.
 
-    def __init__(self, leaves: ScanMap, world: int, n_a: int, kv: int, device: torch.device):
-        m = leaves.max_per_rank
-        self.n = len(leaves.local_positions)
-        self.reverse = leaves.reverse
-        self.send = torch.zeros(m, n_a * (1 + kv), dtype=torch.float32, device=device)
-        self.gathered = torch.empty(world * m, n_a * (1 + kv), dtype=torch.float32,
-                                    device=device)
+    A call runs the kernels on the caller's rows. Replayed from a CUDA graph
+    (:class:`~.scan_common.GraphReplay`: on these hosts a Triton launch costs 0.1–0.4 ms of
+    Python), ``stage`` copies the rows and transitions into fixed buffers and ``compute`` runs
+    both kernels and the collective on them."""
+
+    def __init__(self, leaves: ScanMap, world: int, shape: tuple, rows_per_leaf: int,
+                 device: torch.device):
+        R, H, kv = shape
+        n_a = R // rows_per_leaf // max(len(leaves.local_positions), 1) * H
+        self.n, self.m, self.reverse = len(leaves.local_positions), rows_per_leaf, leaves.reverse
+        self.send = torch.zeros(leaves.max_per_rank, n_a * (1 + kv), dtype=torch.float32,
+                                device=device)
+        self.gathered = torch.empty(world * leaves.max_per_rank, n_a * (1 + kv),
+                                    dtype=torch.float32, device=device)
         between, before = host_plan(leaves, world)
         self.between = between.to(device=device, dtype=torch.float32).contiguous()
         self.before = before.to(device=device, dtype=torch.float32).contiguous()
+        self.x = torch.empty(shape, dtype=torch.float32, device=device)     # for replays
+        self.a = torch.empty(R, H, dtype=torch.float32, device=device)
 
-    def __call__(self, x: torch.Tensor, A: torch.Tensor, ctx: SPContext,
-                 rows_per_leaf: int) -> torch.Tensor:
+    def run(self, x: torch.Tensor, A: torch.Tensor, ctx: SPContext) -> torch.Tensor:
         from .allgather_kernel import fold_rows, stage_rows
-        xs = x.reshape(x.shape[0], A.shape[1], -1)
-        stage_rows(xs, A, self.send, rows_per_leaf, self.n, self.reverse,
-                   GATE_FLOOR[torch.float32])
+        stage_rows(x, A, self.send, self.m, self.n, self.reverse, GATE_FLOOR[torch.float32])
         all_gather_flat(self.gathered, self.send, ctx)
-        out = torch.empty_like(xs)
-        fold_rows(self.gathered, self.between, self.before, xs, A, out, rows_per_leaf, self.n,
-                  self.reverse)
-        return out.view(x.shape)
+        return fold_rows(self.gathered, self.between, self.before, x, A, torch.empty_like(x),
+                         self.m, self.n, self.reverse)
+
+    def __call__(self, A: torch.Tensor, x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
+        return self.run(x.view(self.x.shape), A, ctx)
+
+    def stage(self, A: torch.Tensor, x: torch.Tensor) -> None:
+        self.x.copy_(x.view(self.x.shape))
+        self.a.copy_(A)
+
+    def compute(self, ctx: SPContext) -> torch.Tensor:
+        return self.run(self.x, self.a, ctx)
 
 
 def fused_allgather_leaf_rows(x: torch.Tensor, A: torch.Tensor, ctx: SPContext, reverse: bool,
-                              rows_per_leaf: int) -> torch.Tensor:
+                              rows_per_leaf: int, graphs: bool = False) -> torch.Tensor:
     """The all-gather scan of a rank's leaf rows in two kernels (:class:`FusedAllgatherRun`):
     ``x [R, H, K, V]`` the rows' states (``R = B · n · rows_per_leaf``: batch-major, then this
     rank's ``n`` leaves, then each leaf's rows), ``A [R, H]`` their transitions, fp32, CUDA ->
     the state entering each row (``reverse``: the gradient arriving at its end), shaped as
     ``x``. The same result as :func:`~.leaves.split_rows_scan` over :func:`allgather_rows`,
-    up to the order of fp32 sums."""
+    up to the order of fp32 sums. ``graphs``: replayed from a CUDA graph on CUDA."""
     leaves = leaf_map(ctx, reverse)
-    n_a = x.shape[0] // (rows_per_leaf * len(ctx.leaves)) * A.shape[1]
-    kv = x[0].numel() // A.shape[1]
-    run = _RUNS.get(("fused", leaves, ctx.world_size, n_a, kv, x.device),
-                    lambda: FusedAllgatherRun(leaves, ctx.world_size, n_a, kv, x.device))
-    return run(x.contiguous(), A.contiguous(), ctx, rows_per_leaf)
+    shape = (x.shape[0], A.shape[1], x[0].numel() // A.shape[1])
+    run = _RUNS.get(("fused", leaves, ctx.world_size, shape, rows_per_leaf, x.device),
+                    lambda: FusedAllgatherRun(leaves, ctx.world_size, shape, rows_per_leaf,
+                                              x.device))
+    out = replayed(run, graphs, x.device)(A.contiguous(), x.contiguous(), ctx)
+    return out.view(x.shape)
 
 
-# bound scans: (ScanMap, world, n_a, kv, dtype, device) and ("fused", ScanMap, world, n_a, kv,
-# device); see scan_common._RUNS for the bound
+# bound scans: (ScanMap, world, n_a, kv, dtype, device) and ("fused", ScanMap, world, row
+# shape, rows per leaf, device); see scan_common._RUNS for the bound
 _RUNS = LRU(32)
 
 

@@ -6,13 +6,12 @@ whole sequence's rows and against the torch ops it replaces (``LinearTuning(fuse
 False)``). Transitions include exact zeros (a state that decays to nothing: log A clamped at
 the floor must still weigh it exactly 0) and ones."""
 import os
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from sp_attention.testing import run_distributed, run_process
+from sp_attention.testing import run_distributed
 
 CASES = [(B, m, reverse) for B in (1, 2) for m in (1, 2, 3) for reverse in (False, True)]
 
@@ -30,10 +29,14 @@ def _sequential(X: torch.Tensor, A: torch.Tensor, reverse: bool) -> torch.Tensor
     return out.reshape(X.shape)
 
 
-def _fused_worker(rank, world, device_type="cpu"):
+def _fused_worker(rank, world, device_type):
+    if device_type == "interpreter":    # chosen before the kernels' module is imported
+        os.environ["TRITON_INTERPRET"] = "1"
     from sp_attention import LinearTuning, build_sp_context
     from sp_attention.linear.attention import _rows_scan
+    from sp_attention.linear import scan_allgather as sa
     from sp_attention.linear.scan_allgather import fused_allgather_leaf_rows
+    from sp_attention.linear.scan_common import leaf_map
     group = dist.new_group(list(range(world)))
     dev = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else \
         torch.device("cpu")
@@ -54,6 +57,17 @@ def _fused_worker(rank, world, device_type="cpu"):
             x = mine[0].to(dev, torch.float32).reshape(B * n * m, H, K, V).contiguous()
             a = mine[1][..., 0].to(dev, torch.float32).contiguous()
             got = fused_allgather_leaf_rows(x, a, ctx, reverse, m)
+            # what a CUDA graph replays: the rows copied into the run's buffers, then the
+            # kernels and the collective on them (on GPUs also through GraphReplay itself)
+            run = next(r for k, r in sa._RUNS._data.items()
+                       if k[0] == "fused" and k[1] == leaf_map(ctx, reverse) and k[3] ==
+                       (B * n * m, H, K * V) and k[4] == m)
+            run.stage(a, x)
+            assert torch.equal(run.compute(ctx).view(x.shape), got)
+            if device_type == "cuda":
+                for _ in range(3):      # eager, capture, replay
+                    again = fused_allgather_leaf_rows(x, a, ctx, reverse, m, graphs=True)
+                assert torch.equal(again, got)
             torch_ops = _rows_scan(ctx, "allgather", reverse, m,
                                    LinearTuning(fused_scan=False))(x, a)
             ref = want.reshape(got.shape).to(dev, torch.float32)
@@ -66,25 +80,12 @@ def _fused_worker(rank, world, device_type="cpu"):
     return worst
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    # Collected only in test_fused_allgather_scan_in_interpreter's subprocess: the interpreter
-    # must be chosen before triton compiles anything (the gloo workers inherit it).
-    @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
-    def test_fused_allgather_scan_interpreted(world):
-        worst = run_distributed(_fused_worker, world, timeout=300)
-        assert all(w < 1e-3 for w in worst)
-
-
-def test_fused_allgather_scan_in_interpreter():
-    """Runs test_fused_allgather_scan_interpreted in a subprocess with TRITON_INTERPRET=1."""
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_fused_allgather_scan_interpreted(world):
+    """The kernels in Triton's interpreter at every rank of a gloo group."""
     pytest.importorskip("triton", reason="triton is in the `test` extra; install it to run this")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    r = run_process([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                     os.path.abspath(__file__), "-k", "fused_allgather_scan_interpreted"],
-                    env=env, timeout=900)
-    assert r.returncode == 0 and "5 passed" in r.stdout, r.stdout[-3000:]
+    worst = run_distributed(_fused_worker, world, "interpreter", timeout=300)
+    assert all(w < 1e-3 for w in worst)
 
 
 @pytest.mark.multigpu
