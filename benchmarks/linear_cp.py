@@ -234,7 +234,10 @@ class _Rows:
             variants.append((flipped, on if getattr(flipped, field) else off))
         refs = {}
         # the default rows first, every variant after them (a variant that fails or hangs
-        # costs only its own rows)
+        # costs only its own rows); --variants-first: the other way round, to tell a row's
+        # place in the run from the flag's effect
+        if a.variants_first:
+            variants = variants[1:] + variants[:1]
         for tuning, suffix in variants:
             for comm in a.comm_variants:
                 for layout in a.layouts:
@@ -299,6 +302,8 @@ def main() -> None:
                         + ", ".join(f"{k} ({v[0]})" for k, v in AB.items())
                         + "; or (fixed and gated cases) with its other values: "
                         + ", ".join(f"{k} ({v[0]})" for k, v in AB_VALUES.items()))
+    p.add_argument("--variants-first", action="store_true",
+                   help="run the --ab variants' rows before the default rows")
     p.add_argument("--comm-variants", nargs="+", default=["default"], choices=COMM_VARIANTS,
                    help="CP rows per communication setting: 'default' (a plain dist.new_group), "
                         "'nccl-hp' (the group's NCCL kernels on a high-priority stream), "

@@ -143,7 +143,14 @@ class LinearTuning:
             the staging in one, the gathered rows' fold and the spread back over the rows in
             the other) instead of ~12 small torch ops replayed from a CUDA graph; the same
             math up to the order of fp32 sums. Packed documents and the other scans are
-            unaffected. The A/B: ``benchmarks/linear_cp.py --ab fused``.
+            unaffected. With ``scan_graphs`` the rows are copied into the run's buffers and
+            the kernels and the collective replay from one CUDA graph (a Triton launch costs
+            0.1–0.4 ms of Python on the device hosts). On: 4 × H100, P = 4, queued, two runs
+            (2026-11-28): zigzag rows 2–8 % faster (8K 0.78–0.82 → 0.84–0.87 of fla, gated
+            32K 0.88–0.89 → 0.90–0.91), 32K contiguous 0.96–0.98 → 1.00–1.02; the 8K
+            contiguous row 0.82 → 0.73–0.76, but it was the first CP row of both runs (the
+            A/B with the variant first: ``--ab fused --variants-first``). The A/B:
+            ``benchmarks/linear_cp.py --ab fused``.
     """
 
     static_zero_paths: bool = False

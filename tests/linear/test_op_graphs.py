@@ -220,7 +220,8 @@ def _rows_check(rank, world):
                 xs = [t.clone().requires_grad_(True) for t in (q, k, v)]
                 out = lightning_attention_with_kernels(
                     *xs, orch.SLOPES, fake, ctx=ctx, impl=impl, scale=0.5,
-                    tuning=LinearTuning(row_splits=2, scan_graphs=graphs_on))
+                    tuning=LinearTuning(row_splits=2, scan_graphs=graphs_on,
+                                        fused_scan=False))      # the torch ops' graphs
                 (out * w).sum().backward()
                 return [out.detach()] + [x.grad for x in xs]
             before = graphs.graphs()
