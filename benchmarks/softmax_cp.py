@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -186,6 +187,11 @@ def _parser():
                    help="also run every all-to-all row with SoftmaxTuning(a2a_direct=True) "
                         "(rows '<preset> direct': each piece sent straight into its place, "
                         "no index gathers)")
+    p.add_argument("--copy-engine", action="store_true",
+                   help="also run every all-to-all row (the 'a2a C=n' rows too) with "
+                        "SoftmaxTuning(a2a_transport='copy_engine') (rows '<name> copy_engine': "
+                        "the blocks pulled from the peers' symmetric memory by copy engines, "
+                        "no NCCL kernels beside the attention kernels)")
     p.add_argument("--pack-kv", action="store_true",
                    help="also run every ring/ring row with SoftmaxTuning(pack_kv=True) (rows "
                         "'<pair> pack_kv': K and V copied into one buffer and sent as one "
@@ -266,6 +272,10 @@ def _runs(a, world, H):
         runs += [(f"{name} direct", dict(kw, tuning=SoftmaxTuning(a2a_direct=True)), v)
                  for name, kw, v in list(runs)
                  if kw.get("preset") in ("a2a", "a2a_ring") and "tuning" not in kw]
+    if a.copy_engine:   # every all-to-all row again, its blocks moved by copy engines
+        runs += [(f"{name} copy_engine", dict(kw, tuning=replace(
+                     kw.get("tuning", SoftmaxTuning()), a2a_transport="copy_engine")), v)
+                 for name, kw, v in list(runs) if kw.get("preset") in ("a2a", "a2a_ring")]
     if a.pack_kv:       # the ring pair with K and V as one message per hop, beside it
         runs += _ring_variants(runs, "pack_kv", SoftmaxTuning(pack_kv=True))
     if a.own_last:      # the ring pair with the own block last in its backward, beside it

@@ -239,6 +239,16 @@ class SoftmaxTuning:
             → 0.844, 32K 0.976 → 0.978 — the copies it saves are hidden behind the
             exchanges, and more, smaller messages cost what they save. Exact either way (the
             kernels see the same tensors); ``benchmarks/softmax_cp.py --a2a-direct``.
+        a2a_transport: how the all-to-all presets move their blocks. ``"nccl"``: NCCL's
+            all-to-all (or grouped sends and receives), kernels on the SMs. ``"copy_engine"``:
+            every rank writes its blocks into a symmetric-memory workspace and pulls its own
+            from each peer's by a copy between GPUs (:mod:`sp_attention.peer_copy`), which
+            runs on the copy engines and takes no SM from the attention kernels of the head
+            chunk beside it (``a2a_head_chunks``); CUDA devices with peer access (NVLink)
+            only, not inside a CUDA graph's first capture, and the direct exchange
+            (``a2a_direct``) is not used with it. The same numbers either way (the kernels see
+            the same tensors). Not yet measured on GPUs: ``"nccl"`` until it is
+            (``benchmarks/softmax_cp.py --a2a-transport copy_engine``).
         ring_backward_order: when the ring backward (``bwd="ring"`` after ``fwd="ring"``: the
             ``ring`` preset) runs the rank's own block. ``"own_first"``: first, while the first
             remote block travels, so the last remote block's dK/dV accumulator goes home after
@@ -265,12 +275,17 @@ class SoftmaxTuning:
     packed_varlen_gaps: bool = True
     a2a_head_chunks: Optional[int] = None
     a2a_direct: bool = False
+    a2a_transport: str = "nccl"
     ring_backward_order: str = "auto"
 
     RING_BACKWARD_ORDERS = ("auto", "own_first", "own_last")
+    A2A_TRANSPORTS = ("nccl", "copy_engine")
 
     def __post_init__(self) -> None:
         _check_bools(self, "check_every_call", "pack_kv", "packed_varlen_gaps", "a2a_direct")
+        if self.a2a_transport not in self.A2A_TRANSPORTS:
+            raise ValueError(f"SoftmaxTuning.a2a_transport must be one of "
+                             f"{self.A2A_TRANSPORTS}, got {self.a2a_transport!r}")
         if self.ring_backward_order not in self.RING_BACKWARD_ORDERS:
             raise ValueError(f"SoftmaxTuning.ring_backward_order must be one of "
                              f"{self.RING_BACKWARD_ORDERS}, got {self.ring_backward_order!r}")

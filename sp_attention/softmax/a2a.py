@@ -52,6 +52,7 @@ from torch import Tensor
 from ..caches import LRU
 from ..comm import all_to_all_flat, p2p_exchange
 from ..context import SPContext
+from ..peer_copy import peer_exchange
 from ..planning.packing import PackingPlan
 from ..precision import acc_dtype
 from ..validation import autocast_off
@@ -74,7 +75,9 @@ class A2AConfig:
     checks). ``size``: U (``ctx.world_size`` for ``a2a``); ``plan``: packed documents (a
     non-trivial plan) or None; ``chunks``: head chunks pipelined
     (:func:`sp_attention.planning.softmax_a2a.head_chunks`, checked by the public function);
-    ``direct``: ``SoftmaxTuning.a2a_direct`` (:func:`_direct_runs` says where it applies)."""
+    ``direct``: ``SoftmaxTuning.a2a_direct`` (:func:`_direct_runs` says where it applies);
+    ``transport``: ``SoftmaxTuning.a2a_transport`` (``"copy_engine"``:
+    :mod:`sp_attention.peer_copy`, the direct exchange not used)."""
 
     ctx: SPContext
     size: int
@@ -87,6 +90,7 @@ class A2AConfig:
     policy: Optional[CallPolicy] = None
     chunks: int = 1
     direct: bool = False
+    transport: str = "nccl"
 
 
 def a2a_split(ctx: SPContext, size: int) -> tuple[SPContext, SPContext]:
@@ -186,7 +190,7 @@ def _direct_runs(cfg: A2AConfig, B: int, L: int, runs: Optional[list]) -> Option
     order, one per run of consecutive tokens of one position (zigzag: two per position,
     contiguous: one). Only with one sequence per micro-batch (B = 1: a piece of ``[L, n, D]``
     is contiguous) and without packed documents (their runs can be many and short)."""
-    if not cfg.direct or B != 1 or cfg.plan is not None:
+    if not cfg.direct or B != 1 or cfg.plan is not None or cfg.transport != "nccl":
         return None
     U = cfg.size
     pieces, o = [], 0
@@ -388,8 +392,13 @@ class _Groups:
         self.intra, self.inter = a2a_split(cfg.ctx, cfg.size)
         self.whole = cfg.size == cfg.ctx.world_size
         self.split = head_split(heads // cfg.chunks, kv_heads // cfg.chunks, cfg.size)
+        self.cfg = cfg
 
     def exchange(self, send: Tensor):
+        if self.cfg.transport == "copy_engine":     # pulls from the peers' symmetric memory
+            recv, pending = peer_exchange(self.cfg.ctx, send.device).exchange(send,
+                                                                              self.cfg.size)
+            return recv, (send, [pending])
         return _exchange(send, self.intra, self.whole)
 
     def arrive(self, send: Tensor, order: "_Order"):

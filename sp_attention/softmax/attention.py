@@ -18,6 +18,7 @@ import torch
 from ..call_check import agree_across_ranks
 from ..context import SPContext
 from ..cost.auto import auto_softmax_preset
+from ..peer_copy import check_device as check_peer_device
 from ..planning.softmax_a2a import head_chunks
 from ..planning.softmax_packed import DENSE_MIN, CallPolicy, auto_dense_min
 from ..tuning import SoftmaxTuning
@@ -243,6 +244,8 @@ def context_parallel_attention(
         plan = packed_plan_for(cu_seqlens, q, ctx, causal)
         cfg = _config(q, k, v, ctx, tuning, packed=plan is not None and not plan.is_trivial,
                       **options)
+        if cfg.fwd in A2A_SCHEDULES and tuning.a2a_transport == "copy_engine":
+            check_peer_device(q.device)
     except (TypeError, ValueError) as e:
         error = e
     signature = (("tensors", tuple((n, _shape(x), getattr(x, "dtype", None))
@@ -261,7 +264,7 @@ def context_parallel_attention(
             return A2AAttention.apply(q, k, v, A2AConfig(
                 cfg.ctx, cfg.a2a_size, cfg.causal, cfg.scale, cfg.backend, cfg.return_lse,
                 cfg.pack_kv, plan if packed else None, _call_policy(tuning, plan, q),
-                cfg.a2a_chunks, tuning.a2a_direct))
+                cfg.a2a_chunks, tuning.a2a_direct, tuning.a2a_transport))
         if packed:
             return PackedAttention.apply(q, k, v, PackedConfig(
                 cfg.ctx, plan, cfg.fwd, cfg.bwd, cfg.scale, cfg.backend, cfg.stride, cfg.first,

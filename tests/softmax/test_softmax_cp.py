@@ -405,12 +405,19 @@ def _gpu_runs(world, shape):
     runs.append(("ring/ring own_last", dict(preset="ring", tuning=SoftmaxTuning(
         ring_backward_order="own_last"))))
     direct = SoftmaxTuning(a2a_direct=True)
+    copy = SoftmaxTuning(a2a_transport="copy_engine")
     if shape[2] % world == 0:
         runs.append(("a2a", dict(preset="a2a")))
         runs.append(("a2a direct", dict(preset="a2a", tuning=direct)))
+        runs.append(("a2a copy_engine", dict(preset="a2a", tuning=copy)))
+        if 2 in head_chunk_counts(shape[2], shape[3], world):
+            runs.append(("a2a copy_engine 2 chunks", dict(preset="a2a", tuning=SoftmaxTuning(
+                a2a_transport="copy_engine", a2a_head_chunks=2))))
     if world >= 4 and world % 2 == 0 and shape[2] % 2 == 0:
         runs.append(("a2a_ring U=2", dict(preset="a2a_ring", a2a_size=2)))
         runs.append(("a2a_ring U=2 direct", dict(preset="a2a_ring", a2a_size=2, tuning=direct)))
+        runs.append(("a2a_ring U=2 copy_engine", dict(preset="a2a_ring", a2a_size=2,
+                                                      tuning=copy)))
     return runs
 
 
@@ -515,6 +522,8 @@ def test_four_gpus_bf16_error_matches_single_gpu_bf16():
 
 
 def _multigpu_check_on_cpu(rank, world):
+    from sp_attention import peer_copy
+    peer_copy.CPU_MEMORY = peer_copy.EmulatedPeerMemory     # the copy-engine runs, on gloo
     return _multigpu_check(rank, world, shapes=[(1, 32, 4, 2, 16, dict(heads_k_stride=1))],
                            device_type="cpu")
 
