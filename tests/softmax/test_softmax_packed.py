@@ -369,20 +369,14 @@ def _packed_multigpu_check(rank, world, T_local=1024, shape=(8, 2, 64), device_t
 
 
 @pytest.mark.multigpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (device machine)")
-def test_packed_two_gpus_bf16():
-    res = run_distributed(_packed_multigpu_check, 2, timeout=600, backend="nccl")
+@pytest.mark.parametrize("world", [2, 4])
+def test_packed_gpus_bf16(world):
+    """Documents cut across two and four ranks over NCCL, every pair and layout."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs (device machine)")
+    res = run_distributed(_packed_multigpu_check, world, timeout=600, backend="nccl")
     for key, (e1, e2) in sorted(res[0].items()):
-        print(f"{key:<70} P=1 {e1:.2e}  P=2 {e2:.2e}")
-
-
-@pytest.mark.multigpu
-@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs (device machine)")
-def test_packed_four_gpus_bf16():
-    """As the 2-GPU test at P = 4: documents cut across up to four ranks, every pair and layout."""
-    res = run_distributed(_packed_multigpu_check, 4, timeout=600, backend="nccl")
-    for key, (e1, e2) in sorted(res[0].items()):
-        print(f"{key:<70} P=1 {e1:.2e}  P=4 {e2:.2e}")
+        print(f"{key:<70} P=1 {e1:.2e}  P={world} {e2:.2e}")
 
 
 def test_default_tuning_runs_the_rows_auto_dense_min(monkeypatch):
