@@ -22,6 +22,7 @@ a signature before capturing it in a CUDA graph (warm-up steps do this anyway).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Optional
 
@@ -46,8 +47,25 @@ def clear_checked_calls() -> None:
     _CHECKED.clear()
 
 
-def _describe(signature: tuple) -> str:
-    return ", ".join(f"{name}={value}" for name, value in signature)
+def _describe(signature: tuple, short: bool = False) -> str:
+    """The signature as text; ``short``: a dataclass value (the tunings) as only the fields
+    that differ from their defaults, so that what a rank changed stays inside the 500 bytes
+    a rank sends (the digest is of the full text)."""
+    return ", ".join(f"{name}={_short(value) if short else value}" for name, value in signature)
+
+
+def _short(value) -> str:
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return str(value)
+    changed = []
+    for f in dataclasses.fields(value):
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        got = getattr(value, f.name)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING \
+                or got != default:
+            changed.append(f"{f.name}={got!r}")
+    return f"{type(value).__name__}({', '.join(changed)})"
 
 
 def _encode(status: int, digest: bytes, text: str) -> torch.Tensor:
@@ -93,8 +111,8 @@ def agree_across_ranks(ctx: SPContext, op: str, signature: tuple,
     key = (ctx, op, signature)
     if local_error is None and not always and _CHECKED.touch(key):
         return
-    text = _describe(signature) if local_error is None else f"{type(local_error).__name__}: " \
-        f"{local_error}"
+    text = _describe(signature, short=True) if local_error is None else \
+        f"{type(local_error).__name__}: {local_error}"
     digest = hashlib.blake2b(_describe(signature).encode(), digest_size=8).digest()
     try:
         rows = _exchange(ctx, int(local_error is not None), digest, text)

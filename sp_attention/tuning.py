@@ -246,8 +246,9 @@ class SoftmaxTuning:
             runs on the copy engines and takes no SM from the attention kernels of the head
             chunk beside it (``a2a_head_chunks``); CUDA devices with peer access (NVLink)
             only, not inside a CUDA graph's first capture, and the direct exchange
-            (``a2a_direct``) is not used with it. The same numbers either way (the kernels see
-            the same tensors). Not yet measured on GPUs: ``"nccl"`` until it is
+            (``a2a_direct``) is not used with it. Its workspace stays allocated: four times
+            the largest exchange of a call (Q's blocks, rounded up to a power of two) per
+            GPU. The same numbers either way (the kernels see the same tensors). Not yet measured on GPUs: ``"nccl"`` until it is
             (``benchmarks/softmax_cp.py --a2a-transport copy_engine``).
         ring_backward_order: when the ring backward (``bwd="ring"`` after ``fwd="ring"``: the
             ``ring`` preset) runs the rank's own block. ``"own_first"``: first, while the first

@@ -91,7 +91,7 @@ def test_every_rank_raises_and_nothing_hangs():
                     "still_usable"):
             assert r[key] == "ok", (key, r[key])
         for key, what in (("t_local", "(1, 12, 2, 4)"), ("impl", "impl=ring"),
-                          ("tuning", "concurrent_recurrences=False"),
+                          ("tuning", "LinearTuning(concurrent_recurrences=True)"),
                           ("softmax_scale", "softmax_scale=0.5")):
             assert r[key].startswith("ValueError") and "different shapes or options" in r[key], \
                 (key, r[key])

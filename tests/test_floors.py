@@ -20,6 +20,7 @@ FLOORS = {
     "sp_attention.planning": 1,        # pure planning: layouts, packing, plans, names
     "sp_attention.context": 2,         # groups: the context, collectives, shared checks
     "sp_attention.comm": 2,
+    "sp_attention.peer_copy": 2,
     "sp_attention.sharding": 2,
     "sp_attention.validation": 2,
     "sp_attention.tuning": 2,
@@ -54,6 +55,7 @@ def deprecated(name: str) -> bool:
 LAZY_OK = {
     "sp_attention.linear.kernels": "Triton kernels: importing them needs triton",
     "sp_attention.linear.dqk_kernel": "a Triton kernel: importing it needs triton",
+    "sp_attention.linear.allgather_kernel": "Triton kernels: importing them needs triton",
     "sp_attention.linear.gate_kernel": "a Triton kernel: importing it needs triton",
     "sp_attention.softmax.merge_kernel": "a Triton kernel: importing it needs triton",
 }

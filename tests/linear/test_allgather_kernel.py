@@ -14,6 +14,8 @@ import torch.distributed as dist
 from sp_attention.testing import run_distributed
 
 CASES = [(B, m, reverse) for B in (1, 2) for m in (1, 2, 3) for reverse in (False, True)]
+# P = 8 (16 gathered rows with zigzag: another tile shape), fewer cases for CI's time
+CASES_WIDE = [(B, m, reverse) for B, m in ((1, 3), (2, 1)) for reverse in (False, True)]
 
 
 def _sequential(X: torch.Tensor, A: torch.Tensor, reverse: bool) -> torch.Tensor:
@@ -45,7 +47,7 @@ def _fused_worker(rank, world, device_type):
     for layout in ("contiguous", "zigzag"):
         ctx = build_sp_context(group, layout=layout)
         L, n = ctx.num_leaves, len(ctx.leaves)
-        for B, m, reverse in CASES:
+        for B, m, reverse in (CASES if world <= 4 else CASES_WIDE):
             g = torch.Generator().manual_seed(100 * B + 10 * m + reverse)
             X = torch.randn(B, L, m, H, K * V, dtype=torch.float64, generator=g)
             A = torch.rand(B, L, m, H, dtype=torch.float64, generator=g) ** 2
