@@ -145,7 +145,7 @@ class PeerExchange:
         at the same exchange, the shapes being the same on every rank)."""
         if nbytes <= self.region_bytes:
             return
-        size = 1 << max(20, (nbytes - 1).bit_length())         # ≥ 1 MiB, a power of two
+        size = 1 << max(16, (nbytes - 1).bit_length())         # ≥ 64 KiB, a power of two
         if self.memory is not None and self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
             torch.cuda.synchronize(self.device)                 # nothing reads the old one
