@@ -155,12 +155,17 @@ class PeerExchange:
     def exchange(self, send: torch.Tensor, group_size: int) -> tuple[torch.Tensor, Pending]:
         """Start the all-to-all of ``send [U, ...]`` (block ``j`` for the group's rank ``j``;
         the group: the ``U`` consecutive ranks holding this one) -> ``(recv [U, ...]
-        source-major, pending)``; ``recv`` is valid after ``pending.wait()``. The caller keeps
-        ``send`` referenced until then (the copy stream reads it; no ``record_stream``, as in
-        the linear op's streams)."""
+        source-major, pending)``; ``recv`` is valid after ``pending.wait()``, and the caller
+        keeps it referenced until then (it is written on the copy stream; no
+        ``record_stream``, as in the linear op's streams). ``send`` is read on the caller's
+        stream only."""
         U = group_size
         if send.shape[0] != U:
             raise ValueError(f"send has {send.shape[0]} blocks for a group of {U}")
+        if send.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the copy-engine exchange cannot run inside a CUDA graph "
+                               "capture (its barriers and stream events do not replay): pass "
+                               "SoftmaxTuning(a2a_transport='nccl') for captured steps")
         send = send.contiguous()
         self._room(send.numel() * send.element_size())
         r = self.next_region
@@ -172,7 +177,8 @@ class PeerExchange:
         main = torch.cuda.current_stream(self.device) if cuda else None
         if cuda and self.free[r] is not None:
             main.wait_event(self.free[r])                       # step 4 of its last use
-        self.memory.view(None, base, send.shape, send.dtype).copy_(send)
+        mine = self.memory.view(None, base, send.shape, send.dtype)
+        mine.copy_(send)
         recv = torch.empty_like(send)
         if cuda:
             self.stream.wait_stream(main)
@@ -180,7 +186,7 @@ class PeerExchange:
             self.memory.barrier(2 * r)
             for j in range(U):
                 if j == me:
-                    recv[j].copy_(send[j])
+                    recv[j].copy_(mine[j])
                 else:
                     recv[j].copy_(self.memory.view(g0 + j, base + me * block, send.shape[1:],
                                                    send.dtype))
