@@ -142,7 +142,8 @@ class LinearTuning:
             kernels around the collective (:mod:`.linear.allgather_kernel`: the rows' fold and
             the staging in one, the gathered rows' fold and the spread back over the rows in
             the other) instead of ~12 small torch ops replayed from a CUDA graph; the same
-            math up to the order of fp32 sums. Packed documents and the other scans are
+            math up to the order of fp32 sums, for up to 32 gathered rows (P ≤ 16 with
+            zigzag shards; beyond, the torch ops). Packed documents and the other scans are
             unaffected. With ``scan_graphs`` the rows are copied into the run's buffers and
             the kernels and the collective replay from one CUDA graph (a Triton launch costs
             0.1–0.4 ms of Python on the device hosts). On: 4 × H100, P = 4, queued, two runs

@@ -41,7 +41,8 @@ from .leaf import leaf_backward, leaf_output
 from .leaves import leaves_backward, leaves_output, sm_count, split_rows_scan
 from .op_graphs import OpGraphs
 from .packed import packed_grads, packed_output
-from .scan_allgather import allgather_rows, allgather_scan, fused_allgather_leaf_rows
+from .scan_allgather import (FUSED_MAX_ROWS, allgather_rows, allgather_scan,
+                             fused_allgather_leaf_rows)
 from .scan_blelloch import blelloch_rows, blelloch_scan
 from .scan_ring import ring_rows, ring_scan
 
@@ -202,7 +203,8 @@ def _rows_scan(ctx: SPContext, impl: str, reverse: bool, m: int, tuning: LinearT
     (:func:`.scan_allgather.fused_allgather_leaf_rows`)."""
     rows = split_rows_scan(lambda x, A: scan_rows(x, A, ctx, impl, reverse, tuning.scan_graphs),
                            m, reverse)
-    if impl == "allgather" and tuning.fused_scan:
+    if impl == "allgather" and tuning.fused_scan and \
+            ctx.world_size * len(ctx.leaves) <= FUSED_MAX_ROWS:
         def fused(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
             if x.is_cuda and x.dtype == A.dtype == torch.float32:
                 return fused_allgather_leaf_rows(x, A, ctx, reverse, m, tuning.scan_graphs)

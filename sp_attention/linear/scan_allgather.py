@@ -94,6 +94,12 @@ class AllgatherRun:
         return torch.bmm(w.transpose(0, 1), self.g_b).transpose(0, 1)           # [n, n_a, kv]
 
 
+# the fused fold holds every gathered row's weights and a tile of its state in one program:
+# up to this many rows (P ≤ 16 with zigzag's two leaves a rank, 32 with one); beyond, the
+# torch ops run the same math
+FUSED_MAX_ROWS = 32
+
+
 class FusedAllgatherRun:
     """The all-gather scan over a rank's leaf rows in two Triton kernels around the collective
     (:mod:`.allgather_kernel`): the rows folded into each leaf's element and staged as
