@@ -59,11 +59,15 @@ def _short(value) -> str:
         return str(value)
     changed = []
     for f in dataclasses.fields(value):
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         got = getattr(value, f.name)
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING \
-                or got != default:
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:                           # no default: always shown
+            changed.append(f"{f.name}={got!r}")
+            continue
+        if got != default:
             changed.append(f"{f.name}={got!r}")
     return f"{type(value).__name__}({', '.join(changed)})"
 

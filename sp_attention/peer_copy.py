@@ -31,6 +31,7 @@ schedules' use of it is tested on CPU; it is for tests only.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from typing import Optional
 
@@ -57,6 +58,14 @@ def check_device(device: torch.device) -> None:
                          "a2a_transport='nccl'")
 
 
+def _bytes_view(buf: torch.Tensor, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+    """``shape``/``dtype`` at byte ``offset`` of the byte tensor ``buf``."""
+    item = dtype.itemsize
+    if offset % item:
+        raise ValueError(f"offset {offset} is not a multiple of {dtype}'s size")
+    return buf[offset:offset + math.prod(shape) * item].view(dtype).view(shape)
+
+
 class CudaPeerMemory:
     """A symmetric workspace of ``nbytes`` on every rank of ``ctx``'s group (one CUDA device
     each): views of this rank's bytes and of a peer's, and the group barrier."""
@@ -79,15 +88,11 @@ class CudaPeerMemory:
     def view(self, rank: Optional[int], offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
         """``shape``/``dtype`` at byte ``offset`` of this rank's workspace (``rank`` None) or
         of group rank ``rank``'s (a tensor on this device whose storage is the peer's)."""
-        item = torch.empty((), dtype=dtype).element_size()
-        if offset % item:
-            raise ValueError(f"offset {offset} is not a multiple of {dtype}'s size")
         if rank is None:
-            n = 1
-            for s in shape:
-                n *= s
-            return self.local_bytes[offset:offset + n * item].view(dtype).view(shape)
-        return self.handle.get_buffer(rank, tuple(shape), dtype, offset // item)
+            return _bytes_view(self.local_bytes, offset, shape, dtype)
+        if offset % dtype.itemsize:
+            raise ValueError(f"offset {offset} is not a multiple of {dtype}'s size")
+        return self.handle.get_buffer(rank, tuple(shape), dtype, offset // dtype.itemsize)
 
     def barrier(self, channel: int) -> None:
         self.handle.barrier(channel=channel)
@@ -104,12 +109,8 @@ class EmulatedPeerMemory:
         self.snapshot = torch.zeros(ctx.world_size, nbytes, dtype=torch.uint8, device=device)
 
     def view(self, rank: Optional[int], offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
-        src = self.local_bytes if rank is None else self.snapshot[rank]
-        item = torch.empty((), dtype=dtype).element_size()
-        n = 1
-        for s in shape:
-            n *= s
-        return src[offset:offset + n * item].view(dtype).view(shape)
+        return _bytes_view(self.local_bytes if rank is None else self.snapshot[rank], offset,
+                           shape, dtype)
 
     def barrier(self, channel: int) -> None:
         dist.all_gather_into_tensor(self.snapshot.view(-1), self.local_bytes, group=self.ctx.group)

@@ -124,8 +124,8 @@ class FusedAllgatherRun:
         between, before = host_plan(leaves, world)
         self.between = between.to(device=device, dtype=torch.float32).contiguous()
         self.before = before.to(device=device, dtype=torch.float32).contiguous()
-        self.x = torch.empty(shape, dtype=torch.float32, device=device)     # for replays
-        self.a = torch.empty(R, H, dtype=torch.float32, device=device)
+        self.shape = shape
+        self.x = self.a = None          # the rows' buffers of a replay (made by ``stage``)
 
     def run(self, x: torch.Tensor, A: torch.Tensor, ctx: SPContext) -> torch.Tensor:
         from .allgather_kernel import fold_rows, stage_rows
@@ -135,10 +135,12 @@ class FusedAllgatherRun:
                          self.m, self.n, self.reverse)
 
     def __call__(self, A: torch.Tensor, x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
-        return self.run(x.view(self.x.shape), A, ctx)
+        return self.run(x.view(self.shape), A, ctx)
 
     def stage(self, A: torch.Tensor, x: torch.Tensor) -> None:
-        self.x.copy_(x.view(self.x.shape))
+        if self.x is None:
+            self.x, self.a = torch.empty_like(x.view(self.shape)), torch.empty_like(A)
+        self.x.copy_(x.view(self.shape))
         self.a.copy_(A)
 
     def compute(self, ctx: SPContext) -> torch.Tensor:
