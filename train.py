@@ -291,6 +291,9 @@ if __name__ == "__main__":
         local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
         if not isinstance(e, UsageError) or local == "0":
             print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        else:   # the first rank says it: exiting first, this rank could have the agent stop
+            # that one (still importing, before its signal handler) with the line unsaid
+            stop.wait(60)
         sys.exit(BAD_INPUT_EXIT_STATUS)
     finally:
         if dist.is_initialized():

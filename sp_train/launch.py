@@ -12,6 +12,7 @@ import re
 import signal
 import socket
 import subprocess
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
@@ -151,6 +152,15 @@ class StopSignals:
     @property
     def name(self) -> str:
         return signal.Signals(self.stopped_by).name if self.stopped_by else "no signal"
+
+    def wait(self, timeout: float, poll: float = 0.05) -> bool:
+        """Sleep until a SIGTERM/SIGINT arrives or ``timeout`` seconds pass; True if one
+        came. A worker that leaves an error for another rank to say waits here: that rank's
+        exit makes the agent stop this one, so the message is out before anything is killed."""
+        end = time.monotonic() + timeout
+        while not self.requested and time.monotonic() < end:
+            time.sleep(poll)
+        return self.requested
 
     @property
     def exit_status(self) -> int:

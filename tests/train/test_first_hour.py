@@ -2,7 +2,8 @@
 lines and exit status):
 
 - a bad command line under the launcher (``python -m sp_train.torchrun``, the Quickstart's):
-  one line from rank 0 — no traceback, no torchrun failure report — and exit status 2; a head
+  one line from rank 0 — no traceback, no torchrun failure report — and exit status 2, also
+  when rank 0 starts late; a head
   dim RoPE cannot rotate (``--hidden-size 100`` over 4 heads) is refused at the flag check;
 - ``--load DIR`` on a folder without a checkpoint: one line naming ``--load`` and what it
   looked for, exit 2;
@@ -37,6 +38,21 @@ def test_a_bad_flag_under_the_launcher_is_one_line():
     assert len(lines) == 1, lines
     assert lines[0].startswith("train.py: error: --hidden-size 100 / --num-attention-heads 4 "
                                "gives head dim 25: RoPE"), lines
+
+
+def test_the_bad_flag_line_survives_a_late_first_rank(tmp_path):
+    """The rank that says the line starts 5 s late (a loaded machine): the other rank, whose
+    own check fails first, waits instead of exiting, since its exit would have the agent stop
+    the first rank before that one installs its signal handler (the line was lost so)."""
+    late = tmp_path / "late_rank0.py"
+    late.write_text("import os, runpy, sys, time\n"
+                    "if os.environ.get('LOCAL_RANK') == '0':\n    time.sleep(5)\n"
+                    f"sys.argv[0] = 'train.py'\nrunpy.run_path({os.path.join(ROOT, 'train.py')!r},"
+                    " run_name='__main__')\n")
+    rc, lines = _run(["-m", "sp_train.torchrun", "--nproc-per-node", "2", str(late),
+                      "--hidden-size", "100"])
+    assert rc == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("train.py: error: --hidden-size 100"), lines
 
 
 def test_load_without_a_checkpoint_is_refused(tmp_path):

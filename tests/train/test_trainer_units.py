@@ -257,6 +257,24 @@ def test_stop_exit_statuses(monkeypatch):
     assert s.exit_status == 0
 
 
+def test_stop_wait_ends_at_a_signal_or_the_timeout():
+    """``StopSignals.wait``: a worker that leaves a bad-input line to its node's first rank
+    waits for the agent's SIGTERM (sent once that rank has said it and exited), bounded."""
+    import signal
+    import threading
+    import time
+    from sp_train.launch import StopSignals
+    s = StopSignals()
+    try:
+        t0 = time.monotonic()
+        assert not s.wait(0.2) and time.monotonic() - t0 >= 0.2
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        t0 = time.monotonic()
+        assert s.wait(30) and s.signum == signal.SIGTERM and time.monotonic() - t0 < 10
+    finally:
+        s.restore()
+
+
 def _fake_slurm(tmp_path, hostnames='echo nodeA\necho nodeB'):
     """Stand-in scontrol/srun that record their arguments; the environment to run with."""
     bindir = tmp_path / "bin"
