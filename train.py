@@ -37,7 +37,7 @@ from sp_train.args import TrainArgs, UsageError, parse_args  # noqa: E402
 from sp_train.cuda_graphs import LayerGraphs
 from sp_train.data import build_dataset, local_micro_batches
 from sp_train.launch import (BAD_INPUT_EXIT_STATUS, STOP_SIGNALS, StopSignals,
-                                             TrainHooks, init_distributed)
+                                             TrainHooks, init_distributed, say_bad_input)
 from sp_train.loss import check_loss_impl, micro_batch_loss, step_token_count
 from sp_train.manual_gc import ManualGC
 from sp_train.optim import lr_at
@@ -286,14 +286,7 @@ if __name__ == "__main__":
             print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         sys.exit(BAD_INPUT_EXIT_STATUS)
     except ValueError as e:              # bad input: the fix is in the message, on every rank
-        # a bad command line (or a tokenizer the machine lacks) reads the same on every rank of
-        # a node: its first rank says it, once; other errors may differ per rank
-        local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
-        if not isinstance(e, UsageError) or local == "0":
-            print(f"train.py: error: {e}", file=sys.stderr, flush=True)
-        else:   # the first rank says it: exiting first, this rank could have the agent stop
-            # that one (still importing, before its signal handler) with the line unsaid
-            stop.wait(60)
+        say_bad_input(e, isinstance(e, UsageError), stop)
         sys.exit(BAD_INPUT_EXIT_STATUS)
     finally:
         if dist.is_initialized():

@@ -12,6 +12,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["map_slurm_env", "first_host", "init_distributed", "StopSignals", "TrainHooks",
-           "STOP_SIGNALS",
+           "STOP_SIGNALS", "say_bad_input",
            "STOP_EXIT_STATUS", "BAD_INPUT_EXIT_STATUS"]
 
 # The signals that stop a run cleanly (agreed across ranks, checkpoint saved), in the order
@@ -122,6 +123,20 @@ class TrainHooks:
     after_step: Optional[Callable[[int], None]] = None
     after_checkpoint_write: Optional[Callable[[int, str], None]] = None
     on_model: Optional[Callable[[Any, int], None]] = None
+
+
+def say_bad_input(error: BaseException, same_on_every_rank: bool,
+                  stop: "StopSignals") -> None:
+    """``train.py: error: …`` on stderr, once per node where ``same_on_every_rank`` (a bad
+    command line, or a tokenizer the machine lacks): the node's first rank says it and the
+    others wait for the agent's stop (:meth:`StopSignals.wait`) — exiting first, they could
+    have the agent stop that rank while it is still importing, before its signal handler
+    exists, with the line unsaid. Other errors may differ per rank: every rank says its own."""
+    local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    if same_on_every_rank and local != "0":
+        stop.wait(60)
+    else:
+        print(f"train.py: error: {error}", file=sys.stderr, flush=True)
 
 
 class StopSignals:
