@@ -249,8 +249,10 @@ class SoftmaxTuning:
             only, not inside a CUDA graph's first capture, and the direct exchange
             (``a2a_direct``) is not used with it. Its workspace stays allocated: four times
             the largest exchange of a call (Q's blocks, rounded up to a power of two) per
-            GPU. The same numbers either way (the kernels see the same tensors). Not yet measured on GPUs: ``"nccl"`` until it is
-            (``benchmarks/softmax_cp.py --a2a-transport copy_engine``).
+            GPU. The same numbers either way (the kernels see the same tensors). Measured
+            slower (4 × H200, P = 4, ``a2a``: 8K per GPU 0.875 of one GPU against NCCL's
+            0.895, 32K 0.958 against 0.965; with 2 head chunks 0.870 and 0.957), so
+            ``"nccl"`` (``benchmarks/softmax_cp.py --copy-engine``).
         ring_backward_order: when the ring backward (``bwd="ring"`` after ``fwd="ring"``: the
             ``ring`` preset) runs the rank's own block. ``"own_first"``: first, while the first
             remote block travels, so the last remote block's dK/dV accumulator goes home after
