@@ -384,7 +384,7 @@ def run_one(a, P: int, T_local: int) -> list[str]:
     leaves = [plan1.shard(t, 0).requires_grad_(True) for t in (q, k, v)]
     do1 = plan1.shard(do, 0)
     for dm in a.dense_min:
-        tun = SoftmaxTuning(packed_dense_min=dm)
+        tun = SoftmaxTuning(packed_dense_min=dm, packed_dense_after=0)   # dense from call 1
 
         def op(tun=tun):
             return context_parallel_attention(*leaves, cu_seqlens=plan1, tuning=tun)

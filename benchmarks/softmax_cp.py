@@ -215,6 +215,11 @@ def _parser():
                         "SoftmaxTuning(packed_dense_min=N) (rows '<impl> dense_min=N': fewer, "
                         "larger varlen calls for a larger N; a huge N puts every pair in varlen "
                         "calls)")
+    p.add_argument("--packed-dense-after", type=int, default=0, metavar="N",
+                   help="--packed: SoftmaxTuning(packed_dense_after=N) in every packed row "
+                        "(default 0: dense calls from the first call, the steady state of a "
+                        "layout that recurs, as these rows' one layout does; a huge N: what "
+                        "training on varied documents runs, every pair varlen)")
     p.add_argument("--packed", action="store_true",
                    help="packed documents (the log-normal mix) instead of one sequence; "
                         "baselines: torch's varlen kernel and our op on one GPU (batch 1)")
@@ -429,7 +434,8 @@ def _packed_sweep(a, T_local, world, rank, device, dtype, groups, timer, mode):
             "doc_median": sorted(lens)[len(lens) // 2], "doc_max": max(lens), "world": world,
             "B": 1, "T_local": T_local, "H": H, "Hkv": Hkv, "K": D, "V": D,
             "dtype": str(dtype).replace("torch.", ""), "causal": True, "layout": "zigzag",
-            "device": device_name(dev), "timing": mode}
+            "device": device_name(dev), "timing": mode,
+            "packed_dense_after": a.packed_dense_after}
     refs = {}
     if dev == "cuda":                  # torch's varlen kernels on the whole packed row
         from sp_attention.softmax.backend_cuda import flash_varlen_bwd, flash_varlen_fwd
@@ -442,9 +448,12 @@ def _packed_sweep(a, T_local, world, rank, device, dtype, groups, timer, mode):
         refs["torch_varlen_single_global"] = timer(varlen)
     xs = [t.clone().requires_grad_(True) for t in (q, k, v)]
 
+    def after(tuning=None):             # every packed row: the layout's dense calls from call N
+        return replace(tuning or SoftmaxTuning(), packed_dense_after=a.packed_dense_after)
+
     def single(tuning=None):
         context_parallel_attention(*xs, ctx=None, causal=True, cu_seqlens=cu_t,
-                                   tuning=tuning).backward(do)
+                                   tuning=after(tuning)).backward(do)
     refs["single_global_packed"] = timer(single)
     for n_min in a.packed_dense_min:      # the baseline is the fastest one-GPU way
         refs[f"single_global_packed dense_min={n_min}"] = timer(
@@ -462,6 +471,8 @@ def _packed_sweep(a, T_local, world, rank, device, dtype, groups, timer, mode):
         plan = plan_packing(cu_t, cctx)
         ql, kl, vl, dol = (plan.shard(t, cctx.rank, 1).contiguous() for t in (q, k, v, do))
         ql, kl, vl = (t.requires_grad_(True) for t in (ql, kl, vl))
+
+        kw = dict(kw, tuning=after(kw.get("tuning")))
 
         def step():
             context_parallel_attention(ql, kl, vl, ctx=cctx, causal=True, cu_seqlens=plan,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .planning.schedules import MIN_QUERY_HEADS_PER_CALL
+from .planning.softmax_packed import PACKED_DENSE_AFTER
 from .validation import is_int
 
 __all__ = ["LinearTuning", "SoftmaxTuning"]
@@ -148,9 +149,9 @@ class LinearTuning:
             the kernels and the collective replay from one CUDA graph (a Triton launch costs
             0.1–0.4 ms of Python on the device hosts). On: 4 × H100, P = 4, queued, two runs
             (2026-11-28): zigzag rows 2–8 % faster (8K 0.78–0.82 → 0.84–0.87 of fla, gated
-            32K 0.88–0.89 → 0.90–0.91), 32K contiguous 0.96–0.98 → 1.00–1.02; the 8K
-            contiguous row 0.82 → 0.73–0.76, but it was the first CP row of both runs (the
-            A/B with the variant first: ``--ab fused --variants-first``). The A/B:
+            32K 0.88–0.89 → 0.90–0.91), 32K contiguous 0.96–0.98 → 1.00–1.02; 8K
+            contiguous 0.80 → 0.85 (4 × H200, the torch-ops row first: ``--ab fused
+            --variants-first``; run after them it had read 0.73–0.76). The A/B:
             ``benchmarks/linear_cp.py --ab fused``.
     """
 
@@ -211,6 +212,17 @@ class SoftmaxTuning:
             call's host time costs more than the dense kernel saves
             (:func:`sp_attention.planning.softmax_packed.auto_dense_min`: at 8K tokens per GPU
             on 4 x H200 the packed ring's eager step went from 10.36 to 6.42 ms).
+        packed_dense_after: packed documents: a layout of documents (its ``cu_seqlens`` over
+            the ranks) runs every pair in varlen calls for its first this many calls, dense
+            calls (``packed_dense_min``) only from the next one on; 0: from the first. A dense
+            call's cuDNN kernel builds an execution plan for each new shape (110-160 ms for
+            a forward + backward, H200), so training on varied documents, a new layout every
+            step, paid ~1 s a step (1B softmax at CP 4, 32K tokens of 12-24K-token documents,
+            4 x H200: 1.19 s a step against 0.33 s with every pair varlen, 2026-11-28). The
+            default, :data:`sp_attention.planning.softmax_packed.PACKED_DENSE_AFTER` (256),
+            keeps a model's calls of one step varlen (up to 128 layers with recompute); a
+            layout that recurs (fixed documents, benchmarks) turns dense after it, the plan
+            builds paid once. Same numbers either way up to the kernels' rounding.
         packed_varlen_gaps: packed documents: one varlen call may skip query rows and keys
             between its document pairs (they become sequences without keys / queries, fewer
             calls); False starts a new call at every gap instead.
@@ -276,6 +288,7 @@ class SoftmaxTuning:
     check_every_call: bool = False
     pack_kv: bool = False
     packed_dense_min: Optional[int] = None
+    packed_dense_after: int = PACKED_DENSE_AFTER
     packed_varlen_gaps: bool = True
     a2a_head_chunks: Optional[int] = None
     a2a_direct: bool = False
@@ -300,6 +313,9 @@ class SoftmaxTuning:
         if not is_int(self.min_query_heads_per_call) or self.min_query_heads_per_call < 1:
             raise ValueError("SoftmaxTuning.min_query_heads_per_call must be a positive int, "
                              f"got {self.min_query_heads_per_call!r}")
+        if not is_int(self.packed_dense_after) or self.packed_dense_after < 0:
+            raise ValueError("SoftmaxTuning.packed_dense_after must be an int >= 0 (0: dense "
+                             f"calls from a layout's first call), got {self.packed_dense_after!r}")
         if self.packed_dense_min is not None and (not is_int(self.packed_dense_min)
                                                   or self.packed_dense_min < 1):
             raise ValueError("SoftmaxTuning.packed_dense_min must be a positive int or None "

@@ -129,12 +129,14 @@ def say_bad_input(error: BaseException, same_on_every_rank: bool,
                   stop: "StopSignals") -> None:
     """``train.py: error: …`` on stderr, once per node where ``same_on_every_rank`` (a bad
     command line, or a tokenizer the machine lacks): the node's first rank says it and the
-    others wait for the agent's stop (:meth:`StopSignals.wait`) — exiting first, they could
-    have the agent stop that rank while it is still importing, before its signal handler
-    exists, with the line unsaid. Other errors may differ per rank: every rank says its own."""
+    others, under torchrun's agent, wait for its stop (:meth:`StopSignals.wait`) — exiting
+    first, they could have the agent stop that rank while it is still importing, before its
+    signal handler exists, with the line unsaid; without an agent (srun, a test) they exit
+    at once. Other errors may differ per rank: every rank says its own."""
     local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
     if same_on_every_rank and local != "0":
-        stop.wait(60)
+        if "TORCHELASTIC_RUN_ID" in os.environ:     # under torchrun's agent: it stops us
+            stop.wait(60)
     else:
         print(f"train.py: error: {error}", file=sys.stderr, flush=True)
 

@@ -35,7 +35,7 @@ from .packing import PackingPlan
 
 __all__ = ["Pair", "PackedCall", "Travel", "CallPolicy", "travel", "own_pairs", "step_pairs",
            "group_calls", "own_calls", "step_calls", "active_steps", "cross_rows", "auto_dense_min",
-           "DENSE_MIN", "DENSE_MIN_SMALL_WORK", "SMALL_WORK_FLOP"]
+           "DENSE_MIN", "DENSE_MIN_SMALL_WORK", "SMALL_WORK_FLOP", "NO_DENSE_CALLS", "PACKED_DENSE_AFTER"]
 
 # packed_dense_min=None (auto, :func:`auto_dense_min`). A dense call (cuDNN on Hopper) runs a
 # long document ~1.2-1.6 x faster than FlashAttention-2's varlen kernel, but every call costs
@@ -53,6 +53,16 @@ DENSE_MIN_SMALL_WORK = 1 << 24   # ... and this large when it is small (4K x 4K 
 # 1.5e11, the 32K row 1.3e12, one GPU on the 32K-token row 5.9e11 (its eager step gained
 # from 2^24 too, its queued one lost 4 %: the line sits just below it).
 SMALL_WORK_FLOP = 5e11
+# A dense_min no pair reaches: every pair in varlen calls (a packing plan's first calls, while
+# SoftmaxTuning.packed_dense_after has not passed).
+NO_DENSE_CALLS = 1 << 62
+# SoftmaxTuning.packed_dense_after's default: a layout of documents gets dense calls from its
+# 257th call on. Training on varied documents makes a new layout every step and ~L calls with it
+# (L layers; 2 L with recompute), so 256 keeps every call of models up to 128 layers varlen; a
+# layout that recurs (fixed documents, benchmarks) pays the dense calls' plan builds once
+# (~0.1-0.3 s a shape) and then runs cuDNN, ~1.5 x FlashAttention-2's varlen speed on long
+# documents (4 x H200: the packed ring at 32K per GPU 0.923 dense / 0.603 every pair varlen).
+PACKED_DENSE_AFTER = 256
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from ..context import SPContext
 from ..cost.auto import auto_softmax_preset
 from ..peer_copy import check_device as check_peer_device
 from ..planning.softmax_a2a import head_chunks
-from ..planning.softmax_packed import DENSE_MIN, CallPolicy, auto_dense_min
+from ..caches import LRU
+from ..planning.softmax_packed import DENSE_MIN, NO_DENSE_CALLS, CallPolicy, auto_dense_min
 from ..tuning import SoftmaxTuning
 from ..validation import (autocast_inputs, autocast_off, check_local_length, check_tensors,
                           resolve_ctx)
@@ -274,12 +275,31 @@ def context_parallel_attention(
 
 def _call_policy(tuning: SoftmaxTuning, plan, q: torch.Tensor) -> CallPolicy:
     """How this call's packed document pairs become kernel calls (``packed_dense_min`` None:
-    :func:`~sp_attention.planning.softmax_packed.auto_dense_min` of the row)."""
+    :func:`~sp_attention.planning.softmax_packed.auto_dense_min` of the row), counting the
+    call as one of its packing plan's: no dense call until the plan has had more than
+    ``tuning.packed_dense_after`` of them (:data:`_PLAN_CALLS`)."""
     dense_min = tuning.packed_dense_min
     if dense_min is None:
         dense_min = DENSE_MIN if plan is None else auto_dense_min(
             plan.cu_seqlens, plan.world_size, q.shape[2], q.shape[3])
+    if plan is not None and _count_plan_call(plan) <= tuning.packed_dense_after:
+        dense_min = NO_DENSE_CALLS
     return CallPolicy(dense_min, tuning.packed_varlen_gaps)
+
+
+# Calls (forwards) so far per packing plan, i.e. per layout of documents over the ranks. A dense
+# call's kernel (cuDNN) builds an execution plan for every new shape it meets (110-160 ms for a
+# forward + backward on H200, measured 2026-11-28), which pays only where a layout recurs (the
+# same documents step after step, a benchmark); training on varied documents meets new shapes
+# every step, so its calls stay varlen. Every rank makes the same calls with the same plans, so
+# every rank counts alike.
+_PLAN_CALLS = LRU(256)
+
+
+def _count_plan_call(plan) -> int:
+    n = _PLAN_CALLS.get(plan, lambda: 0) + 1
+    _PLAN_CALLS.put(plan, n)
+    return n
 
 
 def _shape(x) -> object:

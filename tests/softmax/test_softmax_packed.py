@@ -111,7 +111,8 @@ def _cases(P):
             if "allgather" in (fwd, bwd) and shape[2] == 4:
                 kw = dict(heads_k_stride=2, bwd_head_first_stride=1, bwd_head_last_stride=1) \
                     if bwd == "allgather" else dict(heads_k_stride=2)
-            kw["tuning"] = SoftmaxTuning(packed_dense_min=(1, 24, 1 << 20)[(i + j) % 3])
+            kw["tuning"] = SoftmaxTuning(packed_dense_min=(1, 24, 1 << 20)[(i + j) % 3],
+                                         packed_dense_after=0)
             out.append((shape, fwd, bwd, kw))
     return out
 
@@ -346,9 +347,11 @@ def _packed_multigpu_check(rank, world, T_local=1024, shape=(8, 2, 64), device_t
     for layout in ("zigzag", "contiguous"):
         ctx = build_sp_context(group, layout=layout)
         plan, plan1 = plan_packing(cu, ctx), plan_packing(cu, 1)
-        for tuning in (SoftmaxTuning(packed_dense_min=T_local * T_local // 16),
+        for tuning in (SoftmaxTuning(packed_dense_min=T_local * T_local // 16,
+                                     packed_dense_after=0),
                        SoftmaxTuning(packed_dense_min=1 << 40, packed_varlen_gaps=False),
-                       SoftmaxTuning()):     # the default: auto_dense_min of the row
+                       SoftmaxTuning(packed_dense_after=0),   # auto_dense_min of the row
+                       SoftmaxTuning()):     # the default: the layout's first calls varlen
             for fwd, bwd in PAIRS:
                 errs = []
                 for p, c in ((plan1, None), (plan, ctx)):
@@ -361,7 +364,8 @@ def _packed_multigpu_check(rank, world, T_local=1024, shape=(8, 2, 64), device_t
                     got = [out] + [t.grad for t in loc]
                     assert all(torch.isfinite(x).all() for x in got)
                     errs.append([rel_rms(x, p.shard(y, r)) for x, y in zip(got, ref)])
-                key = f"{layout} {fwd}/{bwd} dense_min={tuning.packed_dense_min}"
+                key = (f"{layout} {fwd}/{bwd} dense_min={tuning.packed_dense_min} "
+                       f"after={tuning.packed_dense_after}")
                 for n, e1, e2 in zip(("out", "dq", "dk", "dv"), *errs):
                     report[f"{key} {n}"] = (e1, e2)
                     assert e2 <= 1.5 * e1 + 2e-4 and e2 < 2e-2, (key, n, e1, e2)
@@ -382,9 +386,13 @@ def test_packed_gpus_bf16(world):
 def test_default_tuning_runs_the_rows_auto_dense_min(monkeypatch):
     """``packed_dense_min=None`` reaches the packed Function as the row's
     :func:`~sp_attention.planning.softmax_packed.auto_dense_min` (small rows: 2^24, few large
-    varlen calls), an explicit value as itself; one GPU's (no group) packed call, fp64."""
+    varlen calls), an explicit value as itself — once the layout has had more than
+    ``packed_dense_after`` calls; before, every pair is varlen (``NO_DENSE_CALLS``). Each
+    layout counts its own calls. One GPU's (no group) packed call, fp64."""
     import sp_attention.softmax.attention as attention
-    from sp_attention.planning.softmax_packed import DENSE_MIN_SMALL_WORK, auto_dense_min
+    from sp_attention.caches import LRU
+    from sp_attention.planning.softmax_packed import (DENSE_MIN_SMALL_WORK, NO_DENSE_CALLS,
+                                                      PACKED_DENSE_AFTER, auto_dense_min)
 
     seen = []
     real = attention.PackedAttention
@@ -396,17 +404,29 @@ def test_default_tuning_runs_the_rows_auto_dense_min(monkeypatch):
             return real.apply(q, k, v, cfg)
 
     monkeypatch.setattr(attention, "PackedAttention", Recording)
-    cu = [0, 5, 12, 30, 32]
+    monkeypatch.setattr(attention, "_PLAN_CALLS", LRU(256))     # this test's own counts
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 32, 4, 8, dtype=torch.float64, generator=g)
     k, v = (torch.randn(1, 32, 2, 8, dtype=torch.float64, generator=g) for _ in range(2))
-    ref, _ = packed_attention_reference(q, k, v, cu)
-    for tuning, want in ((None, DENSE_MIN_SMALL_WORK), (SoftmaxTuning(packed_dense_min=30), 30)):
+
+    def call(cu, tuning):
         out = context_parallel_attention(q, k, v, ctx=None, causal=True,
                                          cu_seqlens=torch.tensor(cu), tuning=tuning)
-        assert seen[-1] == want
-        assert_close(out, ref, 1e-10)
+        assert_close(out, packed_attention_reference(q, k, v, cu)[0], 1e-10)
+        return seen[-1]
+
+    cu, other = [0, 5, 12, 30, 32], [0, 16, 32]
+    assert SoftmaxTuning().packed_dense_after == PACKED_DENSE_AFTER
+    assert call(cu, SoftmaxTuning(packed_dense_after=0)) == DENSE_MIN_SMALL_WORK
+    assert call(cu, SoftmaxTuning(packed_dense_min=30, packed_dense_after=0)) == 30
+    # calls 3, 4 of this layout: varlen while the count is at most 4, dense from the 5th
+    assert [call(cu, SoftmaxTuning(packed_dense_after=4)) for _ in range(3)] == \
+        [NO_DENSE_CALLS, NO_DENSE_CALLS, DENSE_MIN_SMALL_WORK]
+    assert call(other, SoftmaxTuning(packed_dense_after=4)) == NO_DENSE_CALLS   # its 1st
+    assert call(other, None) == NO_DENSE_CALLS      # the default: varlen for 256 calls
     assert auto_dense_min(tuple(cu), 1, 4, 8) == DENSE_MIN_SMALL_WORK
+    with pytest.raises(ValueError, match="packed_dense_after must be an int >= 0"):
+        SoftmaxTuning(packed_dense_after=-1)
 
 
 def _compact_accumulators_worker(rank, world):
