@@ -35,7 +35,8 @@ from .packing import PackingPlan
 
 __all__ = ["Pair", "PackedCall", "Travel", "CallPolicy", "travel", "own_pairs", "step_pairs",
            "group_calls", "own_calls", "step_calls", "active_steps", "cross_rows", "auto_dense_min",
-           "DENSE_MIN", "DENSE_MIN_SMALL_WORK", "SMALL_WORK_FLOP", "NO_DENSE_CALLS", "PACKED_DENSE_AFTER"]
+           "DENSE_MIN", "DENSE_MIN_SMALL_WORK", "SMALL_WORK_FLOP", "NO_DENSE_CALLS",
+           "PACKED_DENSE_AFTER"]
 
 # packed_dense_min=None (auto, :func:`auto_dense_min`). A dense call (cuDNN on Hopper) runs a
 # long document ~1.2-1.6 x faster than FlashAttention-2's varlen kernel, but every call costs

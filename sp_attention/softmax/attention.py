@@ -15,12 +15,12 @@ from typing import Optional, Union
 
 import torch
 
+from ..caches import LRU
 from ..call_check import agree_across_ranks
 from ..context import SPContext
 from ..cost.auto import auto_softmax_preset
 from ..peer_copy import check_device as check_peer_device
 from ..planning.softmax_a2a import head_chunks
-from ..caches import LRU
 from ..planning.softmax_packed import DENSE_MIN, NO_DENSE_CALLS, CallPolicy, auto_dense_min
 from ..tuning import SoftmaxTuning
 from ..validation import (autocast_inputs, autocast_off, check_local_length, check_tensors,
@@ -264,7 +264,8 @@ def context_parallel_attention(
         if cfg.fwd in A2A_SCHEDULES:
             return A2AAttention.apply(q, k, v, A2AConfig(
                 cfg.ctx, cfg.a2a_size, cfg.causal, cfg.scale, cfg.backend, cfg.return_lse,
-                cfg.pack_kv, plan if packed else None, _call_policy(tuning, plan, q),
+                cfg.pack_kv, plan if packed else None,
+                _call_policy(tuning, plan if packed else None, q),
                 cfg.a2a_chunks, tuning.a2a_direct, tuning.a2a_transport))
         if packed:
             return PackedAttention.apply(q, k, v, PackedConfig(
