@@ -32,7 +32,8 @@
 #                 --recompute-num-layers 1") and --use-distributed-optimizer, 3 steps (the
 #                 estimate beside the measured peak in each row)
 # Knobs: KINDS (softmax hybrid gated), SEQ (32768), ITERS (10), SCALE_EXTRA (train.py flags for
-# every scaling run, after "--"), FIRST_KINDS (hybrid-packed gated softmax linear), HF_MODELS
+# every scaling run, after "--"), FIRST_KINDS (hybrid-packed gated softmax linear),
+# FIRST_LAYOUTS (cp<P>; e.g. "cp4 cp1": a CP 1 run compiles kernels a CP 4 run does not), HF_MODELS
 # (llama linear gated hybrid), STEP_TIMEOUT (seconds per run, 240; a fresh machine compiles
 # the HF example's linear kernels for ~70 s before its first step).
 set -uo pipefail
@@ -67,7 +68,7 @@ first_steps() {  # NAME: the first step of each FIRST_KIND at CP = P, each in an
   # cache /tmp/NAME/<kind> (the package installs its shipped archive there); rows -> NAME_step.jsonl
   for k in ${FIRST_KINDS:-hybrid-packed gated softmax linear}; do
     kind=${k%-packed}; extra=(); [ "$k" != "$kind" ] && extra=(-- --packing documents)
-    python3 benchmarks/train_scaling.py --kinds "$kind" --layouts "cp$P" --seq-length "$SEQ" \
+    python3 benchmarks/train_scaling.py --kinds "$kind" --layouts ${FIRST_LAYOUTS:-cp$P} --seq-length "$SEQ" \
       --train-iters 2 --timeout "$T" --fresh-triton-cache "/tmp/$1/$k" \
       --log-root "$OUT/$1_step_$k" --out "$OUT/$1_step.jsonl" "${extra[@]}" > /dev/null 2>&1
     python3 -c 'import json,sys; r=json.loads(open(sys.argv[1]).readlines()[-1]); print(sys.argv[2], r["status"], "first step", r.get("first_step_s"), "s", r.get("log_tail", "")[-300:])' \
