@@ -1,4 +1,6 @@
-"""The spawn harness proves its own failure modes: errors carry rank + traceback, hangs time out."""
+"""The process harness proves its own failure modes: errors carry rank + traceback, hangs time
+out; and its ranks, forked from a server that imported torch once, see the caller's
+environment as it is at the call."""
 import os
 import time
 
@@ -27,6 +29,24 @@ def _rank0_skips_collective(rank, world):
 
 def test_results_come_back_by_rank():
     assert run_distributed(_returns_rank, 3) == [0, 10, 20]
+
+
+def _env_and_pid(rank, world):
+    return os.environ.get("SP_HARNESS_PROBE"), os.getpid()
+
+
+def test_ranks_take_the_callers_environment_at_each_call(monkeypatch):
+    """The fork server started at some earlier call, with that moment's environment: a
+    variable set (or removed) since reaches every rank all the same (e.g. Triton's interpreter
+    switch, read when a rank first imports a kernel module), and each rank is its own
+    process."""
+    run_distributed(_returns_rank, 1)                   # the server is running now
+    monkeypatch.setenv("SP_HARNESS_PROBE", "first")
+    got = run_distributed(_env_and_pid, 3)
+    assert [g[0] for g in got] == ["first"] * 3
+    assert len({g[1] for g in got} | {os.getpid()}) == 4
+    monkeypatch.delenv("SP_HARNESS_PROBE")
+    assert [g[0] for g in run_distributed(_env_and_pid, 2)] == [None, None]
 
 
 def test_worker_exception_carries_rank_and_traceback():
