@@ -1,9 +1,9 @@
-"""Test helpers: a gloo spawn harness that never hangs, relative-RMS comparison, seeded
+"""Test helpers: a gloo process harness that never hangs, relative-RMS comparison, seeded
 factories, Megatron-style process-group layouts and rank gathers.
 
 Used by the test suite and by anyone validating a new schedule on CPU::
 
-    def check(rank, world):            # module-level so spawn can import it
+    def check(rank, world):            # module-level so a rank can import it
         group = dist.new_group(list(range(world)))
         ctx = build_sp_context(group, layout="zigzag")
         ...
@@ -34,7 +34,7 @@ __all__ = ["run_distributed", "WorkerError", "assert_close", "rel_rms", "seeded"
 
 
 class WorkerError(RuntimeError):
-    """A spawned rank raised; the message carries its rank and traceback."""
+    """A rank raised; the message carries its rank and traceback."""
 
 
 # ---------------------------------------------------------------------------- hang detection
@@ -214,8 +214,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    spawn = _processes()
-    results = spawn.Queue()
+    processes = _processes()
+    results = processes.Queue()
     with tempfile.TemporaryDirectory(prefix="sp_dist_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         got: dict[int, tuple] = {}
@@ -225,9 +225,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
         if backend == "nccl":
             stall.procfs = False            # wall-clock (see the docstring)
         pg_timeout = timeout if not stall.procfs else spin_cap(timeout)
-        procs += [spawn.Process(target=_worker, daemon=True,
-                                args=(fn, r, world_size, init_file, args, results, pg_timeout,
-                                      backend, dict(os.environ)))
+        procs += [processes.Process(target=_worker, daemon=True,
+                                    args=(fn, r, world_size, init_file, args, results,
+                                          pg_timeout, backend, dict(os.environ)))
                   for r in range(world_size)]
         for p in procs:
             p.start()
