@@ -164,6 +164,8 @@ def _processes():
     a CI core; hundreds of ranks a test suite). Nothing in it has touched CUDA, threads or
     the environment of a test: each rank takes the caller's environment as it is at the
     call (:func:`_worker`)."""
+    if "forkserver" not in mp.get_all_start_methods():      # not a POSIX system: spawn
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed"])   # read when it first starts
     return ctx
