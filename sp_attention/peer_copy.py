@@ -58,12 +58,17 @@ def check_device(device: torch.device) -> None:
                          "a2a_transport='nccl'")
 
 
+def _element_offset(offset: int, dtype: torch.dtype) -> int:
+    """Byte ``offset`` in elements of ``dtype`` (it must fall on one)."""
+    if offset % dtype.itemsize:
+        raise ValueError(f"offset {offset} is not a multiple of {dtype}'s size")
+    return offset // dtype.itemsize
+
+
 def _bytes_view(buf: torch.Tensor, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
     """``shape``/``dtype`` at byte ``offset`` of the byte tensor ``buf``."""
-    item = dtype.itemsize
-    if offset % item:
-        raise ValueError(f"offset {offset} is not a multiple of {dtype}'s size")
-    return buf[offset:offset + math.prod(shape) * item].view(dtype).view(shape)
+    _element_offset(offset, dtype)
+    return buf[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
 class CudaPeerMemory:
@@ -90,9 +95,7 @@ class CudaPeerMemory:
         of group rank ``rank``'s (a tensor on this device whose storage is the peer's)."""
         if rank is None:
             return _bytes_view(self.local_bytes, offset, shape, dtype)
-        if offset % dtype.itemsize:
-            raise ValueError(f"offset {offset} is not a multiple of {dtype}'s size")
-        return self.handle.get_buffer(rank, tuple(shape), dtype, offset // dtype.itemsize)
+        return self.handle.get_buffer(rank, tuple(shape), dtype, _element_offset(offset, dtype))
 
     def barrier(self, channel: int) -> None:
         self.handle.barrier(channel=channel)

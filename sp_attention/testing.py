@@ -12,6 +12,7 @@ Used by the test suite and by anyone validating a new schedule on CPU::
 from __future__ import annotations
 
 import datetime
+import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -158,6 +159,7 @@ def run_process(cmd, *, timeout: float, **kwargs) -> subprocess.CompletedProcess
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
+@functools.lru_cache(maxsize=1)
 def _processes():
     """The multiprocessing context of :func:`run_distributed`: a fork server that has imported
     torch once, so a rank starts in ~10 ms instead of importing torch anew (~1-2 s a rank on

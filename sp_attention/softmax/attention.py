@@ -279,12 +279,12 @@ def _call_policy(tuning: SoftmaxTuning, plan, q: torch.Tensor) -> CallPolicy:
     :func:`~sp_attention.planning.softmax_packed.auto_dense_min` of the row), counting the
     call as one of its packing plan's: no dense call until the plan has had more than
     ``tuning.packed_dense_after`` of them (:data:`_PLAN_CALLS`)."""
+    if plan is not None and _count_plan_call(plan) <= tuning.packed_dense_after:
+        return CallPolicy(NO_DENSE_CALLS, tuning.packed_varlen_gaps)
     dense_min = tuning.packed_dense_min
     if dense_min is None:
         dense_min = DENSE_MIN if plan is None else auto_dense_min(
             plan.cu_seqlens, plan.world_size, q.shape[2], q.shape[3])
-    if plan is not None and _count_plan_call(plan) <= tuning.packed_dense_after:
-        dense_min = NO_DENSE_CALLS
     return CallPolicy(dense_min, tuning.packed_varlen_gaps)
 
 
