@@ -34,15 +34,11 @@ fresh 4-GPU machines): per cache entry its metadata ``<name>.json``, its ``<name
 Triton's group file ``__grp__<name>.json``, whose paths name the machine it was made on — they
 are rewritten to this cache and to the files shipped (Triton loads a kernel from its metadata
 and binary alone). Content-addressed like the autotune results: a different Triton, kernel
-source, option or GPU target never reads them. Shipped since the tenth session of 2026-11-27:
-53 compiled kernels (fla's, ours, two of inductor's) from the first step of the 1B softmax,
-hybrid (with and without packed documents) and gated models at CP 2 and 32K on a fresh 2 ×
-H200 (``bash scripts/device_train.sh first_step``): the archive grew from 0.1 to 1.1 MiB, and
-the same first steps in new empty caches with it installed took 31.4–31.9 s instead of
-38.1–44.8 s (softmax, which compiles none of them, 21.8 vs 22.8 s; ``first_seeded``,
-``benchmarks/results/2026-11-27_h200x2_first_step.jsonl``). Since the eleventh session: 59
-kernels (1.2 MiB), the CP 4 first steps' harvest of a fresh 4 × H200 added (those first steps
-took 34.2–42.7 s, ``…_h200x4_first_step.jsonl``).
+source, option or GPU target never reads them. The shipped archive holds the kernels of
+the 1B models' first steps at CP 1, 2 and 4 (``bash scripts/device_train.sh first_step``
+harvests a run's cache): a fresh 4 × H200 reached every first step in 29–45 s with it
+(``benchmarks/results/2026-11-28_h200x4_first_step.jsonl``; without compiled kernels
+55–125 s).
 """
 from __future__ import annotations
 
