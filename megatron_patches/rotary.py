@@ -21,6 +21,7 @@ frequencies Megatron's ``apply_rotary_pos_emb`` expects (non-interleaved ``cat(f
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -87,7 +88,11 @@ class CPRotaryEmbedding(torch.nn.Module):
             raise ValueError("rotary_interleaved=True is not supported by CPRotaryEmbedding; "
                              "use the default (non-interleaved) RoPE")
         dim = int(kv_channels * rotary_percent) if rotary_percent < 1.0 else kv_channels
+        # fp32 on the host (a buffer would be cast to bf16 by Float16Module); one copy per device
+        # made at its first use (a host-to-device copy waits for the GPU's queue: not per call)
         self.inv_freq = rope_inv_freq(dim, rotary_base, rope_scaling)
+        self._inv_freq_on: dict = {}
+        self._cos_sin: Optional[tuple] = None   # rotate's last (positions, dtype) -> cos, sin
         self.interpolation = seq_len_interpolation_factor
         self.sp_ctx = build_sp_context(None) if sp_context is None else sp_context
         # tracks the model's device through .cuda()/.to(); a float tensor of size 0 is harmless
@@ -128,18 +133,34 @@ class CPRotaryEmbedding(torch.nn.Module):
         pos = pos.to(torch.float32) + offset
         if self.interpolation is not None:
             pos = pos / self.interpolation
-        freqs = pos[..., None] * self.inv_freq.to(pos.device)                   # [..., d/2]
+        inv = self._inv_freq_on.get(pos.device)
+        if inv is None:
+            inv = self._inv_freq_on[pos.device] = self.inv_freq.to(pos.device)
+        freqs = pos[..., None] * inv                                             # [..., d/2]
         return torch.cat((freqs, freqs), dim=-1)
+
+    def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """``cos, sin [t, 1, d]`` in ``dtype`` at ``position_ids [t]``. The last pair is kept
+        and returned again for the same positions tensor (unchanged since) and dtype: every
+        layer of a packed batch rotates q and k at its plan's one positions tensor."""
+        c = self._cos_sin
+        if c is not None and c[0]() is position_ids and c[1] == position_ids._version \
+                and c[2] == dtype:
+            return c[3], c[4]
+        freqs = self._freqs(position_ids)[:, None, :]                            # [t, 1, d]
+        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        self._cos_sin = (weakref.ref(position_ids), position_ids._version, dtype, cos, sin)
+        return cos, sin
 
     def rotate(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """``x [b, t, h, d']`` rotated at ``position_ids [t]`` (Megatron's non-interleaved
         formula, cos/sin in ``x``'s dtype); channels past the rotary dim pass through."""
-        freqs = self._freqs(position_ids)[:, None, :]                            # [t, 1, d]
-        rot = freqs.shape[-1]
-        x_rot, x_pass = x[..., :rot], x[..., rot:]
-        cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
+        cos, sin = self.cos_sin(position_ids, x.dtype)
+        rot = cos.shape[-1]
+        x_rot = x[..., :rot]
         x1, x2 = x_rot.chunk(2, dim=-1)
-        return torch.cat((x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin, x_pass), dim=-1)
+        out = x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+        return out if rot == x.shape[-1] else torch.cat((out, x[..., rot:]), dim=-1)
 
 
 def _capture_positions(rope: CPRotaryEmbedding):

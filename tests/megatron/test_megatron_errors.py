@@ -264,6 +264,38 @@ def test_rope_positions_match_megatron_and_follow_position_ids():
     assert torch.allclose(emb[:, 0, 0], torch.cat((f, f), -1)[[3, 4, 9]])
 
 
+def test_packed_rope_rotates_by_the_formula_and_reuses_cos_sin_per_positions():
+    """rotate (THD batches): Megatron's non-interleaved rotation at the given positions, with
+    and without channels past the rotary dim; cos/sin are made once per positions tensor and
+    dtype (every layer of a batch passes its plan's one tensor) and anew when the tensor, its
+    values or the dtype change; the frequencies are copied to a device once."""
+    from megatron_patches.rotary import CPRotaryEmbedding, rope_inv_freq
+
+    def want(x, pos, rot):
+        f = pos.float()[:, None] * rope_inv_freq(rot, 500.0)     # fp32 angles, as Megatron's
+        f = torch.cat((f, f), -1)[:, None, :].double()
+        xr = x[..., :rot].double()
+        x1, x2 = xr.chunk(2, -1)
+        out = xr * f.cos() + torch.cat((-x2, x1), -1) * f.sin()
+        return torch.cat((out, x[..., rot:].double()), -1)
+
+    g = torch.Generator().manual_seed(0)
+    pos = torch.tensor([0, 1, 2, 0, 1, 5, 6, 0])
+    for dim, rope in ((16, CPRotaryEmbedding(16, rotary_base=500)),
+                      (20, CPRotaryEmbedding(20, rotary_percent=0.8, rotary_base=500))):
+        x = torch.randn(1, 8, 3, dim, generator=g, dtype=torch.float64)
+        torch.testing.assert_close(rope.rotate(x, pos), want(x, pos, 16))
+        first = rope.cos_sin(pos, torch.float64)
+        assert all(a is b for a, b in zip(rope.cos_sin(pos, torch.float64), first))
+        assert rope.cos_sin(pos.clone(), torch.float64)[0] is not first[0]
+        other = pos.clone()
+        rope.cos_sin(other, torch.float64)
+        other[1] = 7                                       # same tensor, new values
+        torch.testing.assert_close(rope.rotate(x, other), want(x, other, 16))
+        assert rope.cos_sin(other, torch.float32)[0].dtype == torch.float32
+        assert list(rope._inv_freq_on) == [torch.device("cpu")]
+
+
 def test_tp_cut_honours_partition_stride():
     from megatron_patches.model import _tp_slice
     full = torch.arange(8.0)[:, None]                  # SwiGLU fc1: [gate 0..3; up 4..7]
