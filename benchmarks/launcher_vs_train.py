@@ -11,6 +11,10 @@ Both run the 1B shape (Llama-3.2-1B: 16 layers, d2048, 32 heads, 8 KV heads, FFN
 ``--transformer-impl local`` (TransformerEngine cannot be installed without compiling here);
 train.py on its default data. tokens/s: the mean over the steps after the first two (the
 launcher: from its ``elapsed time per iteration``); ``ratio`` = launcher ÷ train.py.
+The launcher runs with the Megatron flags of what train.py does by default (the gradient sum
+overlapped with the backward: ``--overlap-grad-reduce``; the fused SwiGLU);
+``--megatron-defaults`` runs it with Megatron's own defaults instead (the rows before the
+eighteenth session), ``--launcher-extra`` adds flags (recorded in each row).
 ``--resume-check``: the launcher saves Megatron's checkpoint on those GPUs and a second run
 resumes from it (``bench: "launcher_resume"``).
 """
@@ -20,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -34,9 +39,17 @@ SHAPE = dict(SHAPES["1b"], vocab_size=128256)       # train.py's --preset 1b, Ll
 HYBRID = ["--sp-hybrid-pattern", "LLLS", "--context-parallel-impl", "blelloch"]
 
 
+# Megatron's flags for what train.py does by default: the gradient sum overlapped with the
+# backward bucket by bucket, the SwiGLU fused (Megatron's defaults: after the backward; the
+# launcher's runs before the eighteenth session passed --no-bias-swiglu-fusion as well)
+MATCH_TRAIN = ["--overlap-grad-reduce"]
+
+
 def launcher_cmd(kind: str, lay: dict, seq: int, iters: int, port: int,
-                 layers: int = 0) -> list:
-    """The launcher's command line (``layers``: fewer layers than the 1B shape's, 0: all)."""
+                 layers: int = 0, match_train: bool = True, extra=()) -> list:
+    """The launcher's command line (``layers``: fewer layers than the 1B shape's, 0: all;
+    ``match_train``: :data:`MATCH_TRAIN` and the fused SwiGLU, else Megatron's defaults and
+    ``--no-bias-swiglu-fusion``; ``extra``: more Megatron flags, appended)."""
     world = lay["tp"] * lay["cp"] * lay["dp"]
     s = SHAPE
     cmd = ["torchrun", "--nproc-per-node", str(world), "--master-port", str(port),
@@ -56,14 +69,15 @@ def launcher_cmd(kind: str, lay: dict, seq: int, iters: int, port: int,
            "--vocab-size", str(s["vocab_size"]),
            "--transformer-impl", "local", "--no-persist-layer-norm", "--no-rope-fusion",
            "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
-           "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
+           "--no-bias-dropout-fusion",
            "--no-create-attention-mask-in-dataloader", "--attention-dropout", "0",
            "--hidden-dropout", "0", "--position-embedding-type", "rope",
            "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
            "--untie-embeddings-and-output-weights",
            "--sp-model-kind", kind, "--log-interval", "1", "--eval-iters", "0",
            "--eval-interval", "1000000"]
-    return cmd + (HYBRID if kind == "hybrid" else [])
+    cmd += MATCH_TRAIN if match_train else ["--no-bias-swiglu-fusion"]
+    return cmd + (HYBRID if kind == "hybrid" else []) + list(extra)
 
 
 def launcher_tokens_per_s(log: str, tokens_per_step: int, skip: int = 2) -> tuple:
@@ -146,7 +160,16 @@ def main() -> int:
                         "reach its first step in 110 s), so the timed runs start warm")
     p.add_argument("--log-root", help="keep every run's log here (default: a temporary "
                                       "folder; the resume check's checkpoint stays in one)")
+    p.add_argument("--megatron-defaults", action="store_true",
+                   help="run the launcher with Megatron's defaults where train.py's differ "
+                        "(the gradient sum after the backward, no fused SwiGLU), as the rows "
+                        "before the eighteenth session; default: train.py's settings")
+    p.add_argument("--launcher-extra", default="", metavar="FLAGS",
+                   help="more Megatron flags for the launcher's runs, one string, given "
+                        "with '=' (e.g. --launcher-extra=\"--use-distributed-optimizer "
+                        "--overlap-param-gather\")")
     a = p.parse_args()
+    extra = shlex.split(a.launcher_extra)
     tmp = a.log_root or tempfile.mkdtemp(prefix="launcher_vs_train_")
     os.makedirs(tmp, exist_ok=True)
     import torch
@@ -175,7 +198,8 @@ def main() -> int:
                     ] if os.path.exists(os.path.join(tmp, tag, "log.jsonl")) else []
             steady = recs[2:] or recs
             t_tps = (sum(r["tokens_per_s"] for r in steady) / len(steady)) if steady else None
-            l_cmd = launcher_cmd(kind, lay, a.seq_length, a.train_iters, 29622)
+            l_cmd = launcher_cmd(kind, lay, a.seq_length, a.train_iters, 29622,
+                                 match_train=not a.megatron_defaults, extra=extra)
             l_status, l_wall, l_log = run(l_cmd, os.path.join(tmp, tag + "_launcher.log"),
                                           a.timeout)
             l_tps, l_iters = launcher_tokens_per_s(l_log, tokens)
@@ -187,6 +211,8 @@ def main() -> int:
                    "ratio": (l_tps / t_tps) if (l_tps and t_tps) else None,
                    "launcher_iterations": l_iters, "train_wall_s": t_wall,
                    "launcher_wall_s": l_wall, "warm_run": warm, "device": device,
+                   "launcher_settings": "megatron_defaults" if a.megatron_defaults
+                   else "match_train", "launcher_extra": a.launcher_extra or None,
                    "date": time.strftime("%Y-%m-%d"),
                    "command": "python benchmarks/launcher_vs_train.py " + " ".join(sys.argv[1:])}
             for label, status, log in (("train", t_status, t_log), ("launcher", l_status, l_log)):
