@@ -1,5 +1,5 @@
 """Where a train.py step's GPU time goes: runs ``train.main(argv)`` under the torch profiler and
-prints the CUDA kernels by time per step, the time per kind of kernel (GEMM, attention,
+prints the CUDA kernels by time per step, the time per kind of kernel (NCCL, GEMM, attention,
 cross-entropy, norm, optimizer, copies, other element-wise), the summed kernel time and the
 wall time of the profiled steps. Only steady steps are recorded: ``--profile-skip`` steps
 (default 2: compilation, autotuning, allocator growth) run first, then ``--profile-steps``
@@ -7,8 +7,10 @@ wall time of the profiled steps. Only steady steps are recorded: ``--profile-ski
 names (Megatron's torch.compile'd fusions show as ``triton_*``: read the names). ``--trace
 FILE.json`` also writes the Chrome trace and splits each step's wall time on this rank's GPU
 into compute, NCCL that nothing hid, NCCL beside compute and idle (the GPU waiting for the host
-or for a peer): at CP > 1 run it under torchrun, every rank writes its own (``{rank}`` in the
-name is replaced by the rank).
+or for a peer), and counts the host's waits for the GPU per step (a stream sync: ``.item()``,
+a blocking copy; each one empties the GPU's queue) with the GPU idle right after them: at
+CP > 1 run it under torchrun, every rank writes its own (``{rank}`` in the name is replaced
+by the rank).
 
     python benchmarks/train_profile.py --preset 1b --train-iters 6 --micro-batch-size 4 \\
         --global-batch-size 16 --no-progress-bar --log-dir /tmp/prof
@@ -28,6 +30,7 @@ import train  # noqa: E402
 
 # first match wins; matched against the lower-cased kernel name
 KINDS = (
+    ("nccl", ("nccl",)),
     ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "matmul")),
     ("attention", ("flash", "fmha", "cudnn", "attn", "chunk_", "sp_attention")),
     ("cross_entropy", ("cross_entropy", "log_softmax", "logsumexp", "nll_loss", "softmax")),
@@ -90,6 +93,48 @@ def trace_kernels(path: str) -> list:
         events = json.load(f).get("traceEvents", [])
     return [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", ""))
             for e in events if e.get("cat") == "kernel" and "ts" in e]
+
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize")
+
+
+def host_syncs(path: str, steps: int, window_us: float = 1000.0) -> dict:
+    """The host's waits for the GPU inside the profiled steps, per step, from a Chrome trace's
+    CUDA runtime events: ``count`` (``cudaStreamSynchronize`` / ``cudaEventSynchronize`` —
+    ``.item()``, a copy to the host, a blocking copy from pageable host memory; the profiler's
+    own ``cudaDeviceSynchronize`` between steps is left out), ``idle_after_ms`` (GPU idle
+    within ``window_us`` after each wait returned: the host had lost its lead and the GPU
+    waited for its next launches) and ``by_op`` (the GPU op the host launched just before
+    each wait, e.g. ``Memcpy HtoD (Pageable -> Device) 128B``, and how often)."""
+    with open(path) as f:
+        events = json.load(f).get("traceEvents", [])
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+           and "ts" in e]
+    by_corr = {e.get("args", {}).get("correlation"): e for e in gpu}
+    busy = _union([(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in gpu])
+    runtime = sorted((e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                      and "ts" in e), key=lambda e: float(e["ts"]))
+    steps = max(1, steps)
+    count, windows, by_op = 0, [], {}
+    for i, e in enumerate(runtime):
+        if e.get("name") not in SYNC_CALLS:
+            continue
+        count += 1
+        before = "?"
+        for j in range(i - 1, max(-1, i - 8), -1):
+            op = by_corr.get(runtime[j].get("args", {}).get("correlation"))
+            if op is not None:
+                size = op.get("args", {}).get("bytes")
+                before = op.get("name", "?")[:60] + (f" {size}B" if size is not None else "")
+                break
+        by_op[before] = by_op.get(before, 0) + 1
+        a = float(e["ts"]) + float(e.get("dur", 0))
+        windows.append((a, a + window_us))
+    windows = _union(windows)                  # waits close together: their idle once
+    idle = _length(windows) - _intersect(windows, busy)
+    return {"count": round(count / steps, 1), "idle_after_ms": round(idle / 1e3 / steps, 2),
+            "by_op": {k: round(v / steps, 1) for k, v in
+                      sorted(by_op.items(), key=lambda x: -x[1])[:6]}}
 
 
 def kind_of(name: str) -> str:
@@ -156,6 +201,8 @@ def main() -> None:
         print(f"rank {rank} timeline per step (ms; compute + nccl_exposed + idle = wall "
               f"{wall * 1e3 / steps:.1f}): " + json.dumps(
                   timeline(trace_kernels(path), wall * 1e6, steps)))
+        print(f"rank {rank} host waits for the GPU per step (idle within 1 ms after them, by "
+              f"the op launched before): " + json.dumps(host_syncs(path, steps)))
 
 
 if __name__ == "__main__":

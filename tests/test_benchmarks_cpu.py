@@ -192,6 +192,32 @@ def test_train_profile_timeline_splits_the_wall(tmp_path):
     assert tp.timeline(kernels, wall_us=800.0, steps=2)["idle"] == 0.35     # per step
 
 
+def test_train_profile_counts_the_hosts_waits_and_the_idle_after_them(tmp_path):
+    """train_profile --trace: each stream/event sync of the host per step, named by the GPU op
+    launched just before it, and the GPU idle within the window after it returned (windows
+    that overlap counted once); the profiler's own device syncs are not counted."""
+    from benchmarks import train_profile as tp
+    rt = lambda name, ts, dur, corr=None: {"cat": "cuda_runtime", "name": name, "ts": ts,  # noqa
+                                            "dur": dur, "args": {"correlation": corr}}
+    trace = {"traceEvents": [
+        rt("cudaMemcpyAsync", 0, 5, corr=1),
+        {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pageable -> Device)", "ts": 100, "dur": 2,
+         "args": {"correlation": 1, "bytes": 128}},
+        rt("cudaStreamSynchronize", 6, 100),                      # returns at 106
+        rt("cudaLaunchKernel", 110, 5, corr=2),
+        {"cat": "kernel", "name": "gemm", "ts": 400, "dur": 1000, "args": {"correlation": 2}},
+        rt("cudaStreamSynchronize", 300, 10),                     # returns at 310
+        rt("cudaDeviceSynchronize", 2000, 10),                    # the profiler's: not counted
+        {"cat": "kernel", "name": "gemm", "ts": 5000, "dur": 10, "args": {"correlation": 9}}]}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(trace))
+    got = tp.host_syncs(str(path), steps=2, window_us=500.0)
+    # windows [106, 606] and [310, 810] -> [106, 810]; busy [400, 1400]: idle 294 us
+    assert got == {"count": 1.0, "idle_after_ms": 0.15,
+                   "by_op": {"Memcpy HtoD (Pageable -> Device) 128B": 0.5, "gemm": 0.5}}
+    assert tp.kind_of("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "nccl"
+
+
 def test_parity_corpus_is_the_checkout_text(tmp_path):
     """train_parity's default data: one JSON document per .py/.md file of the checkout, in a
     fixed order, none from hidden or result folders; train.py reads it."""
