@@ -296,6 +296,27 @@ def test_packed_rope_rotates_by_the_formula_and_reuses_cos_sin_per_positions():
         assert list(rope._inv_freq_on) == [torch.device("cpu")]
 
 
+@pytest.mark.gpu
+def test_packed_rope_on_a_gpu_waits_for_nothing_after_its_first_call():
+    """On CUDA a rotate after the first makes no host sync (the frequencies' copy to the GPU,
+    once per device, waited for the GPU's whole queue at every layer before): run under
+    torch's sync debug mode, which raises at any synchronizing call."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA is not available")
+    from megatron_patches.rotary import CPRotaryEmbedding
+    rope = CPRotaryEmbedding(64, rotary_base=500)
+    x = torch.randn(1, 256, 4, 64, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(256, device="cuda") % 100
+    first = rope.rotate(x, pos)
+    other = pos.flip(0)                        # new positions: cos/sin made anew, on the GPU
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again, flipped = rope.rotate(x, pos), rope.rotate(x, other)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(again, first) and not torch.equal(flipped, first)
+
+
 def test_tp_cut_honours_partition_stride():
     from megatron_patches.model import _tp_slice
     full = torch.arange(8.0)[:, None]                  # SwiGLU fc1: [gate 0..3; up 4..7]
