@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Hashable, TypeVar
 
-__all__ = ["LRU"]
+import torch
+
+__all__ = ["LRU", "to_device"]
 
 T = TypeVar("T")
 
@@ -61,3 +63,11 @@ class LRU:
 
     def clear(self) -> None:
         self._data.clear()
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` (a host tensor a cache builds: plan indices, boundaries, constants) on ``device``
+    without a stream sync: a copy from pageable host memory with ``non_blocking`` is staged at
+    once (the host tensor may go right after) and queued behind the stream's work, where a
+    blocking copy would first wait for everything queued — the GPU's whole lead on the host."""
+    return t.to(device, non_blocking=True)

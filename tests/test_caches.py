@@ -2,8 +2,9 @@
 used dropped first, never above its bound. The caches built on it are tested with their
 modules (``test_leaves.py``, ``test_scan_allgather.py``, ``test_slope_constants.py``)."""
 import pytest
+import torch
 
-from sp_attention.caches import LRU
+from sp_attention.caches import LRU, to_device
 
 
 def test_made_once_bounded_least_recently_used_dropped():
@@ -37,3 +38,26 @@ def test_a_failing_make_leaves_nothing():
 def test_bound_must_be_positive(bad):
     with pytest.raises(ValueError, match="positive int"):
         LRU(bad)
+
+
+def test_to_device_copies_the_values():
+    t = torch.arange(6, dtype=torch.int32).reshape(3, 2)
+    out = to_device(t, torch.device("cpu"))
+    assert torch.equal(out, t) and out.dtype == torch.int32
+
+
+@pytest.mark.gpu
+def test_to_device_does_not_wait_for_the_gpu():
+    """A cache's host tensor goes to the GPU without a stream sync (torch's sync debug mode
+    raises at any synchronizing call), and arrives whole though the host tensor is gone."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA is not available")
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):                       # a queue for a blocking copy to wait behind
+        busy = busy @ busy / 64
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = to_device(torch.arange(1 << 20, dtype=torch.int64), "cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out.cpu(), torch.arange(1 << 20, dtype=torch.int64))

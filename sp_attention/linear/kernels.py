@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..caches import to_device
 from .gates import GateSums, suffix_sums
 
 # Candidate configs (BK, BV, warps, stages); pass ``config=`` to force one. Measured on an H200
@@ -517,4 +518,4 @@ def decayed_state_sum(x: torch.Tensor, y: torch.Tensor, g_gamma: torch.Tensor | 
 def _piece_bounds(pieces: tuple, device: torch.device) -> torch.Tensor:
     """int32 ``[N, 2]`` (start, length) per piece on ``device`` (cached: one plan, many
     layers)."""
-    return torch.tensor(pieces, dtype=torch.int32).reshape(-1, 2).to(device)
+    return to_device(torch.tensor(pieces, dtype=torch.int32).reshape(-1, 2), device)

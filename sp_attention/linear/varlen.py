@@ -12,6 +12,8 @@ import functools
 
 import torch
 
+from ..caches import to_device
+
 __all__ = ["cu_seqlens_tensor", "chunk_indices", "chunk_offsets", "chunk_offsets_tensor"]
 
 
@@ -22,14 +24,14 @@ def _chunks(n: int, chunk: int) -> int:
 @functools.lru_cache(maxsize=128)
 def cu_seqlens_tensor(cu: tuple, device: torch.device) -> torch.Tensor:
     """``cu`` as an int32 tensor on ``device``."""
-    return torch.tensor(cu, dtype=torch.int32).to(device)
+    return to_device(torch.tensor(cu, dtype=torch.int32), device)
 
 
 @functools.lru_cache(maxsize=128)
 def chunk_indices(cu: tuple, chunk: int, device: torch.device) -> torch.Tensor:
     """int32 ``[NT, 2]``: (sequence, chunk within the sequence) of every chunk, in order."""
     rows = [(n, c) for n in range(len(cu) - 1) for c in range(_chunks(cu[n + 1] - cu[n], chunk))]
-    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 2).to(device)
+    return to_device(torch.tensor(rows, dtype=torch.int32).reshape(-1, 2), device)
 
 
 def chunk_offsets(cu: tuple, chunk: int) -> tuple:
@@ -45,4 +47,4 @@ def chunk_offsets_tensor(cu: tuple, chunk: int, device: torch.device) -> torch.T
     """:func:`chunk_offsets` as the int64 tensor fla's chunk-state kernels read
     (``split_offsets``: fla computes the same on the device and reads its last entry on the
     host, a device sync; :mod:`.fla_states` passes both from here)."""
-    return torch.tensor(chunk_offsets(cu, chunk), dtype=torch.int64).to(device)
+    return to_device(torch.tensor(chunk_offsets(cu, chunk), dtype=torch.int64), device)

@@ -62,7 +62,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..caches import LRU
+from ..caches import LRU, to_device
 from .layout import DEFAULT_LAYOUT, LAYOUTS, GroupLayout, shard_ranges
 
 __all__ = ["Segment", "PackingPlan", "plan_packing", "check_cu_seqlens", "resolve_plan",
@@ -538,7 +538,7 @@ class PackingPlan:
                     else:
                         parts.append(torch.full((s.length,), s.doc, dtype=torch.int64))
                 t = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-            t = t.to(device)
+            t = to_device(t, device)
             self._index_cache[key] = t
         return t
 

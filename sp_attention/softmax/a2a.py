@@ -49,7 +49,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..caches import LRU
+from ..caches import LRU, to_device
 from ..comm import all_to_all_flat, p2p_exchange
 from ..context import SPContext
 from ..peer_copy import peer_exchange
@@ -176,8 +176,8 @@ class _Order:
             return
 
         def make():
-            pos = None if runs is None else torch.cat(
-                [torch.arange(a, a + n) for a, n in runs]).to(device)
+            pos = None if runs is None else to_device(torch.cat(
+                [torch.arange(a, a + n) for a, n in runs]), device)
             rows = {s: [_rows(pos, self.U, L, B, s, i, device) for i in range(s)]
                     for s in (1, 2)}
             return rows, _return_rows(pos, self.U, L, B, device)
@@ -343,7 +343,7 @@ def _index(kind: str, split: HeadSplit, u: int, device) -> Tensor:
             return torch.tensor([w * split.kv_slots + j for w, j in real], dtype=torch.int64)
         return torch.tensor([split.kv_heads_of[w][j] for w, j in real], dtype=torch.int64)
     return _INDEX.get((kind, split, u, str(device)),
-                      lambda: make().to(device))
+                      lambda: to_device(make(), device))
 
 
 def _kv_into(dk: Tensor, dv: Tensor, recv: Tensor, split: HeadSplit) -> None:
