@@ -195,7 +195,8 @@ def layer_saved_bytes(m: ModelShape, kind: str, tp: int = 1, act_bytes: int = 2,
     calls) and its fp32 per-head output norm's input,
     normalised value and inverse RMS; a gated layer's q carries one more channel per head (the
     gate projection) and it saves the fp32 softplus input and output and the log-decay ``g``.
-    RoPE makes 16-bit cos/sin per call (q and k). Under an all-to-all preset the softmax core
+    RoPE makes 16-bit cos/sin per call (q and k; a packed batch's layers share one pair, so
+    there the count is high by that much per layer: ~1 % of the 1B model's peak). Under an all-to-all preset the softmax core
     attention saves the exchanged copies instead — q, the output and the LSE in head shards
     (the same bytes per token), and k and v as tensors of their own, ``max(Hkv, U)`` heads'
     worth per token (a KV head is replicated when the group has more ranks than KV heads) —
