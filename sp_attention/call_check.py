@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .caches import LRU
+from .caches import LRU, to_device
 from .comm import all_gather_flat
 from .context import SPContext
 
@@ -92,7 +92,7 @@ def _device(ctx: SPContext) -> torch.device:
 
 def _exchange(ctx: SPContext, status: int, digest: bytes, text: str) -> list:
     dev = _device(ctx)
-    mine = _encode(status, digest, text).to(dev)
+    mine = to_device(_encode(status, digest, text), dev)    # the read below is the one sync
     out = torch.empty(ctx.world_size * _WIDTH, dtype=torch.uint8, device=dev)
     all_gather_flat(out, mine, ctx)
     flat = bytes(out.cpu().numpy())
