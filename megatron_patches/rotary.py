@@ -143,13 +143,16 @@ class CPRotaryEmbedding(torch.nn.Module):
         """``cos, sin [t, 1, d]`` in ``dtype`` at ``position_ids [t]``. The last pair is kept
         and returned again for the same positions tensor (unchanged since) and dtype: every
         layer of a packed batch rotates q and k at its plan's one positions tensor."""
+        # an inference tensor keeps no version counter: never kept
+        version = None if position_ids.is_inference() else position_ids._version
         c = self._cos_sin
-        if c is not None and c[0]() is position_ids and c[1] == position_ids._version \
-                and c[2] == dtype:
+        if c is not None and version is not None and c[0]() is position_ids \
+                and c[1] == version and c[2] == dtype:
             return c[3], c[4]
         freqs = self._freqs(position_ids)[:, None, :]                            # [t, 1, d]
         cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
-        self._cos_sin = (weakref.ref(position_ids), position_ids._version, dtype, cos, sin)
+        if version is not None:
+            self._cos_sin = (weakref.ref(position_ids), version, dtype, cos, sin)
         return cos, sin
 
     def rotate(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

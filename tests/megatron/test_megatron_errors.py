@@ -294,6 +294,12 @@ def test_packed_rope_rotates_by_the_formula_and_reuses_cos_sin_per_positions():
         torch.testing.assert_close(rope.rotate(x, other), want(x, other, 16))
         assert rope.cos_sin(other, torch.float32)[0].dtype == torch.float32
         assert list(rope._inv_freq_on) == [torch.device("cpu")]
+    with torch.inference_mode():                          # no version counter: made anew
+        frozen = pos.clone()
+        a = rope.cos_sin(frozen, torch.float64)
+        frozen[1] = 9
+        torch.testing.assert_close(rope.rotate(x, frozen), want(x, frozen, 16))
+        assert rope.cos_sin(frozen, torch.float64)[0] is not a[0]
 
 
 @pytest.mark.gpu
