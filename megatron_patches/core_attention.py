@@ -41,6 +41,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from sp_attention import (SoftmaxSchedule, SPContext, build_sp_context,
                           context_parallel_attention, lightning_attention)
+from sp_attention.caches import to_device
 from sp_attention.planning.packing import packing_context
 
 from models.linear_core import decay_kwargs, layer_slopes, out_norm
@@ -282,7 +283,7 @@ class LinearCoreAttention(_CPCoreAttention):
     def _slopes_for(self, device) -> torch.Tensor:
         key = str(device)
         if key not in self._slopes_on:
-            self._slopes_on[key] = self._slopes.to(device)
+            self._slopes_on[key] = to_device(self._slopes, device)
         return self._slopes_on[key]
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from sp_attention import SPContext, build_sp_context, shard_position_ids
+from sp_attention.caches import to_device
 
 __all__ = ["CPRotaryEmbedding", "install_cp_rope", "link_packed_rope", "rope_inv_freq",
            "check_rope_scaling"]
@@ -89,7 +90,6 @@ class CPRotaryEmbedding(torch.nn.Module):
                              "use the default (non-interleaved) RoPE")
         dim = int(kv_channels * rotary_percent) if rotary_percent < 1.0 else kv_channels
         # fp32 on the host (a buffer would be cast to bf16 by Float16Module); one copy per device
-        # made at its first use (a host-to-device copy waits for the GPU's queue: not per call)
         self.inv_freq = rope_inv_freq(dim, rotary_base, rope_scaling)
         self._inv_freq_on: dict = {}
         self._cos_sin: Optional[tuple] = None   # rotate's last (positions, dtype) -> cos, sin
@@ -135,7 +135,7 @@ class CPRotaryEmbedding(torch.nn.Module):
             pos = pos / self.interpolation
         inv = self._inv_freq_on.get(pos.device)
         if inv is None:
-            inv = self._inv_freq_on[pos.device] = self.inv_freq.to(pos.device)
+            inv = self._inv_freq_on[pos.device] = to_device(self.inv_freq, pos.device)
         freqs = pos[..., None] * inv                                             # [..., d/2]
         return torch.cat((freqs, freqs), dim=-1)
 
