@@ -10,7 +10,9 @@ into compute, NCCL that nothing hid, NCCL beside compute and idle (the GPU waiti
 or for a peer), and counts the host's waits for the GPU per step (a stream sync: ``.item()``,
 a blocking copy; each one empties the GPU's queue) with the GPU idle right after them: at
 CP > 1 run it under torchrun, every rank writes its own (``{rank}`` in the name is replaced
-by the rank).
+by the rank). ``--analyze TRACE.json[.gz] --steps N`` reads a trace another program wrote
+(Megatron's ``--profile --use-pytorch-profiler`` writes ``torch_profile/rank-R.json.gz`` beside
+its ``--tensorboard-dir``) and prints the same tables, so the launcher and train.py compare.
 
     python benchmarks/train_profile.py --preset 1b --train-iters 6 --micro-batch-size 4 \\
         --global-batch-size 16 --no-progress-bar --log-dir /tmp/prof
@@ -18,6 +20,7 @@ by the rank).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import sys
@@ -86,11 +89,16 @@ def timeline(kernels: list, wall_us: float, steps: int) -> dict:
     return {k: round(v / 1e3 / steps, 2) for k, v in out.items()}
 
 
+def trace_events(path: str) -> list:
+    """The ``traceEvents`` of a Chrome trace the profiler wrote (``.gz``: compressed)."""
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        return json.load(f).get("traceEvents", [])
+
+
 def trace_kernels(path: str) -> list:
     """``[(start_us, end_us, name)]`` of the GPU kernels in a Chrome trace the profiler wrote
     (``cat: kernel``; one process's GPU)."""
-    with open(path) as f:
-        events = json.load(f).get("traceEvents", [])
+    events = trace_events(path)
     return [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", ""))
             for e in events if e.get("cat") == "kernel" and "ts" in e]
 
@@ -106,8 +114,7 @@ def host_syncs(path: str, steps: int, window_us: float = 1000.0) -> dict:
     within ``window_us`` after each wait returned: the host had lost its lead and the GPU
     waited for its next launches) and ``by_op`` (the GPU op the host launched just before
     each wait, e.g. ``Memcpy HtoD (Pageable -> Device) 128B``, and how often)."""
-    with open(path) as f:
-        events = json.load(f).get("traceEvents", [])
+    events = trace_events(path)
     gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
            and "ts" in e]
     by_corr = {e.get("args", {}).get("correlation"): e for e in gpu}
@@ -145,7 +152,50 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def print_kinds(per_kernel: dict, steps: int, top: int = 50) -> None:
+    """The kernel table and the per-kind sums, per step, from ``{name: (us, calls)}``."""
+    steps = max(1, steps)
+    by_kind: dict = {}
+    for name, (us, _) in per_kernel.items():
+        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + us
+    print("kernel time per step (ms) | calls per step | kind | kernel")
+    for name, (us, n) in sorted(per_kernel.items(), key=lambda x: -x[1][0])[:top]:
+        print(f"{us / 1e3 / steps:9.2f} | {n / steps:7.1f} | {kind_of(name):13s} | {name[:110]}")
+    print("per step (ms) by kind: " + json.dumps(
+        {k: round(v / 1e3 / steps, 1) for k, v in sorted(by_kind.items(), key=lambda x: -x[1])}))
+
+
+def analyze(path: str, steps: int) -> dict:
+    """The tables of a trace written elsewhere, over its profiled ``steps`` (the wall: from
+    the first to the last ``ProfilerStep#`` event's end, else the kernels' span); returns
+    the timeline."""
+    kernels = trace_kernels(path)
+    per_kernel: dict = {}
+    for a, b, name in kernels:
+        us, n = per_kernel.get(name, (0.0, 0))
+        per_kernel[name] = (us + b - a, n + 1)
+    marks = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+             for e in trace_events(path)
+             if str(e.get("name", "")).startswith("ProfilerStep#") and "ts" in e]
+    span = marks or [(a, b) for a, b, _ in kernels] or [(0.0, 0.0)]
+    wall_us = max(b for _, b in span) - min(a for a, _ in span)
+    print_kinds(per_kernel, steps)
+    line = timeline(kernels, wall_us, steps)
+    print(f"{path}: timeline per step (ms; compute + nccl_exposed + idle = wall "
+          f"{wall_us / 1e3 / max(1, steps):.1f}): " + json.dumps(line))
+    print(f"{path}: host waits for the GPU per step: " + json.dumps(host_syncs(path, steps)))
+    return line
+
+
 def main() -> None:
+    if "--analyze" in sys.argv[1:]:
+        q = argparse.ArgumentParser(description="the tables of traces written elsewhere")
+        q.add_argument("--analyze", nargs="+", required=True, metavar="TRACE")
+        q.add_argument("--steps", type=int, required=True, help="profiled steps in each trace")
+        a = q.parse_args()
+        for path in a.analyze:
+            analyze(path, a.steps)
+        return
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)   # the rest: train.py
     p.add_argument("--profile-skip", type=int, default=2)
     p.add_argument("--profile-steps", type=int, default=3)
@@ -181,19 +231,10 @@ def main() -> None:
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"
               and not e.key.startswith("ProfilerStep")]      # the profiler's step marker
     total_us = sum(e.device_time_total for e in events)
-    by_kind: dict = {}
-    for e in events:
-        k = kind_of(e.key)
-        by_kind[k] = by_kind.get(k, 0.0) + e.device_time_total
     steps = max(1, len(records))
-    print("kernel time per step (ms) | calls per step | kind | kernel")
-    for e in sorted(events, key=lambda e: -e.device_time_total)[:50]:
-        print(f"{e.device_time_total / 1e3 / steps:9.2f} | {e.count / steps:7.1f} | "
-              f"{kind_of(e.key):13s} | {e.key[:110]}")
+    print_kinds({e.key: (e.device_time_total, e.count) for e in events}, steps)
     print(f"profiled steps {len(records)} | wall {wall:.2f} s | CUDA kernel time "
           f"{total_us / 1e6:.2f} s (the gap: the GPU waiting on the host)")
-    print("per step (ms) by kind: " + json.dumps(
-        {k: round(v / 1e3 / steps, 1) for k, v in sorted(by_kind.items(), key=lambda x: -x[1])}))
     if ours.trace:
         rank = os.environ.get("RANK", "0")
         path = ours.trace.replace("{rank}", rank)

@@ -218,6 +218,27 @@ def test_train_profile_counts_the_hosts_waits_and_the_idle_after_them(tmp_path):
     assert tp.kind_of("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "nccl"
 
 
+def test_train_profile_analyzes_a_trace_written_elsewhere(tmp_path, capsys):
+    """train_profile --analyze: a gzipped trace (Megatron's profiler writes rank-R.json.gz)
+    read like its own; the wall spans the ProfilerStep marks, the tables are per step."""
+    import gzip
+    from benchmarks import train_profile as tp
+    trace = {"traceEvents": [
+        {"cat": "user_annotation", "name": "ProfilerStep#6", "ts": 0, "dur": 500},
+        {"cat": "user_annotation", "name": "ProfilerStep#7", "ts": 500, "dur": 500},
+        {"cat": "kernel", "name": "sm90_xmma_gemm", "ts": 0, "dur": 300},
+        {"cat": "kernel", "name": "ncclDevKernel_AllReduce", "ts": 200, "dur": 200},
+        {"cat": "kernel", "name": "sm90_xmma_gemm", "ts": 500, "dur": 300}]}
+    path = tmp_path / "rank-0.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(trace, f)
+    got = tp.analyze(str(path), steps=2)
+    # wall 1000 us over 2 steps; compute 600, NCCL 200 of which 100 hidden, idle 300
+    assert got == {"compute": 0.3, "nccl_exposed": 0.05, "nccl_hidden": 0.05, "idle": 0.15}
+    out = capsys.readouterr().out
+    assert '"gemm": 0.3' in out and '"nccl": 0.1' in out and "wall 0.5" in out
+
+
 def test_parity_corpus_is_the_checkout_text(tmp_path):
     """train_parity's default data: one JSON document per .py/.md file of the checkout, in a
     fixed order, none from hidden or result folders; train.py reads it."""
