@@ -34,8 +34,9 @@ import train  # noqa: E402
 # first match wins; matched against the lower-cased kernel name
 KINDS = (
     ("nccl", ("nccl",)),
-    ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "matmul")),
+    # before GEMMs: FlashAttention's kernels carry cutlass' names in their template arguments
     ("attention", ("flash", "fmha", "cudnn", "attn", "chunk_", "sp_attention")),
+    ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "matmul")),
     ("cross_entropy", ("cross_entropy", "log_softmax", "logsumexp", "nll_loss", "softmax")),
     ("norm", ("rms", "norm")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),

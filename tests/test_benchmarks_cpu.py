@@ -216,6 +216,9 @@ def test_train_profile_counts_the_hosts_waits_and_the_idle_after_them(tmp_path):
     assert got == {"count": 1.0, "idle_after_ms": 0.15,
                    "by_op": {"Memcpy HtoD (Pageable -> Device) 128B": 0.5, "gemm": 0.5}}
     assert tp.kind_of("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "nccl"
+    assert tp.kind_of("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<"
+                      "Flash_bwd_kernel_traits<64, 128, 128, 8, 4, 4, cutlass::bfloat16_t>>") \
+        == "attention"
 
 
 def test_train_profile_analyzes_a_trace_written_elsewhere(tmp_path, capsys):
