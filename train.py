@@ -140,6 +140,7 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
     if not auto_recompute:
         args.recompute().check_device(device.type == "cuda")
     args.check_graph_flags(device.type == "cuda")
+    args.resolve_optimizer(device.type == "cuda")
     check_loss_impl(args.loss_impl, layout.tp, device)
     resume_from = checked_resume_point(args, layout)
     if device.type != "cuda" or rank != 0:

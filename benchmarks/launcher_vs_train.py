@@ -11,8 +11,10 @@ Both run the 1B shape (Llama-3.2-1B: 16 layers, d2048, 32 heads, 8 KV heads, FFN
 ``--transformer-impl local`` (TransformerEngine cannot be installed without compiling here);
 train.py on its default data. tokens/s: the mean over the steps after the first two (the
 launcher: from its ``elapsed time per iteration``); ``ratio`` = launcher ÷ train.py.
-The launcher runs with the Megatron flags of what train.py does by default (the gradient sum
-overlapped with the backward: ``--overlap-grad-reduce``; the fused SwiGLU);
+The launcher runs with the Megatron flags of what train.py does by default on GPUs (the
+gradient sum overlapped with the backward: ``--overlap-grad-reduce``; the distributed optimizer
+with its gather overlapped: ``--use-distributed-optimizer --overlap-param-gather``; the fused
+SwiGLU);
 ``--megatron-defaults`` runs it with Megatron's own defaults instead (the rows before the
 eighteenth session), ``--launcher-extra`` adds flags (recorded in each row).
 ``--resume-check``: the launcher saves Megatron's checkpoint on those GPUs and a second run
@@ -39,10 +41,11 @@ SHAPE = dict(SHAPES["1b"], vocab_size=128256)       # train.py's --preset 1b, Ll
 HYBRID = ["--sp-hybrid-pattern", "LLLS", "--context-parallel-impl", "blelloch"]
 
 
-# Megatron's flags for what train.py does by default: the gradient sum overlapped with the
-# backward bucket by bucket, the SwiGLU fused (Megatron's defaults: after the backward; the
+# Megatron's flags for what train.py does by default on GPUs: the gradient sum overlapped with
+# the backward bucket by bucket, the distributed optimizer with its parameter gather overlapped
+# with the next forward (nineteenth session), the SwiGLU fused (Megatron's defaults: after the backward; the
 # launcher's runs before the eighteenth session passed --no-bias-swiglu-fusion as well)
-MATCH_TRAIN = ["--overlap-grad-reduce"]
+MATCH_TRAIN = ["--overlap-grad-reduce", "--use-distributed-optimizer", "--overlap-param-gather"]
 
 
 def launcher_cmd(kind: str, lay: dict, seq: int, iters: int, port: int,

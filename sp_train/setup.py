@@ -189,8 +189,8 @@ def memory_estimate(args: TrainArgs, layout: Layout, vocab_size: int, *, bf16: b
                      recompute_modules=rc.modules or ("core_attn",), loss=args.loss_impl,
                      loss_chunk_tokens=default_chunk_tokens(vocab_size // layout.tp),
                      grad_reduce_overlap=not args.no_overlap_grad_reduce,
-                     distributed_optimizer=args.use_distributed_optimizer,
-                     overlap_param_gather=args.overlap_param_gather,
+                     distributed_optimizer=bool(args.use_distributed_optimizer),
+                     overlap_param_gather=bool(args.overlap_param_gather),
                      softmax_a2a_group=_a2a_group(args, layout, softmax_preset))
     return model, step, estimate_memory(model, step)
 
@@ -382,12 +382,12 @@ def build_optimizer(model: torch.nn.Module, args, groups):
     named = list(model.named_parameters())
     kw = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
               weight_decay=args.weight_decay, tp_group=groups.tp, tp_rank=groups.tp_rank)
-    shard = args.use_distributed_optimizer and group_size(groups.dp_cp) > 1
+    shard = bool(args.use_distributed_optimizer) and group_size(groups.dp_cp) > 1
     reducer = GradientReducer([p for _, p in named], groups.dp_cp, write_back=False,
                               overlap=not args.no_overlap_grad_reduce, shard=shard)
     if shard:
         optimizer = ShardedAdamW(named, reducer.buckets, groups.dp_cp, **kw,
-                                 overlap_param_gather=args.overlap_param_gather)
+                                 overlap_param_gather=bool(args.overlap_param_gather))
         optimizer.attach(model)          # --overlap-param-gather: the forward waits per bucket
     else:
         optimizer = MasterAdamW(named, **kw)

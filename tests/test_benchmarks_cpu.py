@@ -279,8 +279,10 @@ def test_launcher_vs_train_warm_run_comes_first(monkeypatch, tmp_path):
     assert t_warm == 77 and warm[warm.index("--train-iters") + 1] == "2"
     assert timed[timed.index("--train-iters") + 1] == "12" and "train.py" in " ".join(timed)
     assert "megatron_patches.pretrain_gpt" in launcher
-    # train.py's settings by default: the overlapped gradient sum, the fused SwiGLU
+    # train.py's settings on GPUs by default: the overlapped gradient sum, the distributed
+    # optimizer with its gather overlapped, the fused SwiGLU
     assert "--overlap-grad-reduce" in launcher and "--no-bias-swiglu-fusion" not in launcher
+    assert "--use-distributed-optimizer" in launcher and "--overlap-param-gather" in launcher
     rec = json.loads(out.read_text().splitlines()[-1])
     assert rec["warm_run"] == {"status": "ok", "wall_s": 1.0} and rec["tp"] == 2
     assert rec["launcher_settings"] == "match_train" and rec["launcher_extra"] is None
@@ -292,6 +294,7 @@ def test_launcher_vs_train_warm_run_comes_first(monkeypatch, tmp_path):
     assert lvt.main() == 0
     launcher = calls[-1][0]
     assert "--overlap-grad-reduce" not in launcher and "--no-bias-swiglu-fusion" in launcher
+    assert launcher.count("--use-distributed-optimizer") == 1     # only the extra flag's
     assert launcher[-2:] == ["--use-distributed-optimizer", "--overlap-param-gather"]
     rec = json.loads(out.read_text().splitlines()[-1])
     assert rec["launcher_settings"] == "megatron_defaults"

@@ -225,4 +225,29 @@ def test_one_rank_keeps_the_replicated_optimizer():
     opt, red = build_optimizer(SimpleNamespace(named_parameters=lambda: list(
         _Model(torch.float32).named_parameters())), args, groups)
     assert isinstance(opt, MasterAdamW) and not red.shard and not red.reduce
-    assert args.use_distributed_optimizer and not parse_args([]).use_distributed_optimizer
+    assert args.use_distributed_optimizer
+
+
+def test_the_distributed_optimizer_is_the_default_on_gpus_only():
+    """Unset, the optimizer flags follow the device (``TrainArgs.resolve_optimizer``): sharded
+    with the overlapped gather on GPUs, replicated on CPU; a flag given wins, and the overlap
+    without the distributed optimizer is refused naming the fix."""
+    from sp_train.args import UsageError, parse_args
+
+    def resolved(argv, cuda):
+        a = parse_args(argv)
+        a.resolve_optimizer(cuda)
+        return a.use_distributed_optimizer, a.overlap_param_gather
+
+    assert parse_args([]).use_distributed_optimizer is None
+    assert resolved([], cuda=True) == (True, True)
+    assert resolved([], cuda=False) == (False, False)
+    assert resolved(["--no-distributed-optimizer"], cuda=True) == (False, False)
+    assert resolved(["--no-overlap-param-gather"], cuda=True) == (True, False)
+    assert resolved(["--use-distributed-optimizer"], cuda=False) == (True, True)
+    assert resolved(["--use-distributed-optimizer", "--no-overlap-param-gather"],
+                    cuda=False) == (True, False)
+    with pytest.raises(UsageError, match="drop --no-distributed-optimizer"):
+        parse_args(["--overlap-param-gather", "--no-distributed-optimizer"])
+    with pytest.raises(UsageError, match="add --use-distributed-optimizer"):
+        resolved(["--overlap-param-gather"], cuda=False)

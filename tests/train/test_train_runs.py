@@ -103,7 +103,9 @@ def _extra_checks(rank, tmp):
     _expect_error(base + ["--context-parallel-impl", "blelloch"], "does not fit")
     _expect_error(base + ["--recompute-granularity", "full"], "needs a GPU")
     _expect_error(base + ["--loss-impl", "liger"], "CUDA only")
-    _expect_error(base + ["--overlap-param-gather"], "add --use-distributed-optimizer")
+    _expect_error(base + ["--overlap-param-gather"], "add --use-distributed-optimizer")   # CPU
+    _expect_error(base + ["--overlap-param-gather", "--no-distributed-optimizer"],
+                  "drop --no-distributed-optimizer")
     _expect_error(base + ["--recompute-granularity", "selective", "--recompute-num-layers",
                           "2"], "full only")
     ck = f"{tmp}/ck"
