@@ -7,8 +7,9 @@
   under another CP/DP layout and is refused under another TP layout.
 - In the world-4 spawn also: a checkpoint with a flipped byte is refused on every rank with
   the same error (checksums verified across ranks); ``--ckpt-step`` picks a step; the
-  distributed optimizer (its parameter gather overlapped with the next forward) trains the
-  same losses and its checkpoint resumes without it under another layout.
+  distributed optimizer (its parameter gather overlapped with the next forward; the default
+  on GPUs) trains the same losses at CP 2 · DP 2 and TP 2 · CP 2, and its checkpoint resumes
+  without it under another layout.
 - Real launches (torchrun): two ``--nnodes 2`` launches rendezvous on localhost (c10d) and
   train; a SLURM-like preemption through scripts/slurm/train.sbatch (stand-in srun/scontrol,
   our torchrun launcher, a real SIGTERM to the job's processes) saves, writes the plot and
@@ -139,7 +140,12 @@ def _extra_checks(rank, tmp):
         "--save-interval", "2"])))
     moved = _losses(train.main(_argv("hybrid", 1, 4, f"{tmp}/zr",
                                      extra=["--load", zck, "--ckpt-step", "2"])))
-    return {"resumed": resumed, "msg": msg, "damaged": damaged, "zero": zero, "moved": moved}
+    # the GPUs' default (the distributed optimizer, its gather overlapped: the overlap follows
+    # the flag) under TP 2 · CP 2
+    tp_zero = _losses(train.main(_argv("hybrid", 2, 2, f"{tmp}/tz",
+                                       extra=["--use-distributed-optimizer"])))
+    return {"resumed": resumed, "msg": msg, "damaged": damaged, "zero": zero, "moved": moved,
+            "tp_zero": tp_zero}
 
 
 def _rel(a, b):
@@ -169,6 +175,7 @@ def test_parallelism_invariance_errors_and_layout_changes(tmp_path):
     assert len(resumed) == 1 and _rel(resumed[0], ref[("softmax", 1, 1, "none")][STEPS - 1]) < 1e-5
     hybrid = ref[("hybrid", 1, 1, "none")]
     assert max(_rel(a, b) for a, b in zip(extra[0]["zero"], hybrid)) < 1e-5
+    assert max(_rel(a, b) for a, b in zip(extra[0]["tp_zero"], hybrid)) < 1e-5
     assert len(extra[0]["moved"]) == STEPS - 2
     assert max(_rel(a, b) for a, b in zip(extra[0]["moved"], hybrid[2:])) < 1e-5
 
