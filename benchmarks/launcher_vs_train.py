@@ -216,6 +216,8 @@ def main() -> int:
                    "launcher_wall_s": l_wall, "warm_run": warm, "device": device,
                    "launcher_settings": "megatron_defaults" if a.megatron_defaults
                    else "match_train", "launcher_extra": a.launcher_extra or None,
+                   "launcher_flags": (["--no-bias-swiglu-fusion"] if a.megatron_defaults
+                                      else MATCH_TRAIN),
                    "date": time.strftime("%Y-%m-%d"),
                    "command": "python benchmarks/launcher_vs_train.py " + " ".join(sys.argv[1:])}
             for label, status, log in (("train", t_status, t_log), ("launcher", l_status, l_log)):

@@ -286,6 +286,7 @@ def test_launcher_vs_train_warm_run_comes_first(monkeypatch, tmp_path):
     rec = json.loads(out.read_text().splitlines()[-1])
     assert rec["warm_run"] == {"status": "ok", "wall_s": 1.0} and rec["tp"] == 2
     assert rec["launcher_settings"] == "match_train" and rec["launcher_extra"] is None
+    assert rec["launcher_flags"] == lvt.MATCH_TRAIN
     calls.clear()
     monkeypatch.setattr(sys, "argv", ["launcher_vs_train.py", "--kinds", "hybrid", "--layouts",
                                       "cp4", "--megatron-defaults", "--launcher-extra",
