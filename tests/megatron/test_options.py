@@ -14,7 +14,7 @@ from megatron_patches.args import add_arguments
 from megatron_patches.options import (DEFAULT_SLOPE_SCHEDULE, SP_OPTIONS, SPOptions,
                                       default_hybrid_pattern, expand_pattern, model_pattern)
 from sp_attention import SoftmaxSchedule
-from sp_train.args import RENAMED, TrainArgs, build_parser, parse_args
+from sp_train.args import NEGATABLE, RENAMED, TrainArgs, build_parser, parse_args
 from sp_attention.testing import run_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,7 +46,9 @@ def test_every_train_flag_has_help_choices_and_default():
     hidden = {s for a in parser._actions if a.help == argparse.SUPPRESS for s in a.option_strings}
     assert hidden == set(RENAMED)                          # only the old spellings are hidden
     for a in shown:
-        assert a.help and "(default: " in a.help or a.option_strings == ["--fp32"], a
+        # the flags that turn another off (--fp32, --no-distributed-optimizer, ...) point to it
+        off = a.option_strings == ["--fp32"] or a.option_strings[0] in NEGATABLE.values()
+        assert a.help and "(default: " in a.help or off, a
         assert not a.help.startswith(" ("), a.option_strings  # a description before the default
     text = parser.format_help()
     for flag, values in (("--context-parallel-impl", "blelloch,allgather,ring,auto"),
