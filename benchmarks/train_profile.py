@@ -13,6 +13,9 @@ CP > 1 run it under torchrun, every rank writes its own (``{rank}`` in the name 
 by the rank). ``--analyze TRACE.json[.gz] --steps N`` reads a trace another program wrote
 (Megatron's ``--profile --use-pytorch-profiler`` writes ``torch_profile/rank-R.json.gz`` beside
 its ``--tensorboard-dir``) and prints the same tables, so the launcher and train.py compare.
+``--out FILE.jsonl`` (both modes) appends each rank's tables as one JSON line (the per-kind
+sums, the top kernels, the timeline and host waits): what a device call brings back instead of
+the traces.
 
     python benchmarks/train_profile.py --preset 1b --train-iters 6 --micro-batch-size 4 \\
         --global-batch-size 16 --no-progress-bar --log-dir /tmp/prof
@@ -25,6 +28,7 @@ import json
 import os
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -153,8 +157,9 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def print_kinds(per_kernel: dict, steps: int, top: int = 50) -> None:
-    """The kernel table and the per-kind sums, per step, from ``{name: (us, calls)}``."""
+def print_kinds(per_kernel: dict, steps: int, top: int = 50) -> dict:
+    """The kernel table and the per-kind sums, per step, from ``{name: (us, calls)}``;
+    returns the sums ``{kind: ms per step}``."""
     steps = max(1, steps)
     by_kind: dict = {}
     for name, (us, _) in per_kernel.items():
@@ -162,11 +167,30 @@ def print_kinds(per_kernel: dict, steps: int, top: int = 50) -> None:
     print("kernel time per step (ms) | calls per step | kind | kernel")
     for name, (us, n) in sorted(per_kernel.items(), key=lambda x: -x[1][0])[:top]:
         print(f"{us / 1e3 / steps:9.2f} | {n / steps:7.1f} | {kind_of(name):13s} | {name[:110]}")
-    print("per step (ms) by kind: " + json.dumps(
-        {k: round(v / 1e3 / steps, 1) for k, v in sorted(by_kind.items(), key=lambda x: -x[1])}))
+    kinds = {k: round(v / 1e3 / steps, 1) for k, v in sorted(by_kind.items(), key=lambda x: -x[1])}
+    print("per step (ms) by kind: " + json.dumps(kinds))
+    return kinds
 
 
-def analyze(path: str, steps: int) -> dict:
+def profile_row(per_kernel: dict, steps: int, kinds: dict, top: int = 25, **extra) -> dict:
+    """One JSON line of a profile (``bench: "train_profile"``): the per-kind sums, the ``top``
+    kernels ``[ms per step, calls per step, kind, name]`` and ``extra`` (rank, timeline, host
+    waits, command ...) — what a device call brings back instead of the traces."""
+    steps = max(1, steps)
+    kernels = [[round(us / 1e3 / steps, 3), round(n / steps, 1), kind_of(name), name[:160]]
+               for name, (us, n) in sorted(per_kernel.items(), key=lambda x: -x[1][0])[:top]]
+    return {"bench": "train_profile", "steps": steps, "by_kind_ms": kinds,
+            "top_kernels": kernels, "date": time.strftime("%Y-%m-%d"), **extra}
+
+
+def append_row(path: Optional[str], row: dict) -> None:
+    """Append ``row`` to ``path`` (``{rank}`` in it: this rank's file), when given."""
+    if path:
+        with open(path.replace("{rank}", str(row.get("rank", 0))), "a") as f:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+
+
+def analyze(path: str, steps: int, out: Optional[str] = None) -> dict:
     """The tables of a trace written elsewhere, over its profiled ``steps`` (the wall: from
     the first to the last ``ProfilerStep#`` event's end, else the kernels' span); returns
     the timeline."""
@@ -180,11 +204,15 @@ def analyze(path: str, steps: int) -> dict:
              if str(e.get("name", "")).startswith("ProfilerStep#") and "ts" in e]
     span = marks or [(a, b) for a, b, _ in kernels] or [(0.0, 0.0)]
     wall_us = max(b for _, b in span) - min(a for a, _ in span)
-    print_kinds(per_kernel, steps)
+    kinds = print_kinds(per_kernel, steps)
     line = timeline(kernels, wall_us, steps)
+    waits = host_syncs(path, steps)
     print(f"{path}: timeline per step (ms; compute + nccl_exposed + idle = wall "
           f"{wall_us / 1e3 / max(1, steps):.1f}): " + json.dumps(line))
-    print(f"{path}: host waits for the GPU per step: " + json.dumps(host_syncs(path, steps)))
+    print(f"{path}: host waits for the GPU per step: " + json.dumps(waits))
+    append_row(out, profile_row(per_kernel, steps, kinds, trace=path, timeline_ms=line,
+                                wall_ms=round(wall_us / 1e3 / max(1, steps), 2),
+                                host_waits=waits))
     return line
 
 
@@ -193,9 +221,10 @@ def main() -> None:
         q = argparse.ArgumentParser(description="the tables of traces written elsewhere")
         q.add_argument("--analyze", nargs="+", required=True, metavar="TRACE")
         q.add_argument("--steps", type=int, required=True, help="profiled steps in each trace")
+        q.add_argument("--out", metavar="FILE.jsonl", help="append a JSON line per trace")
         a = q.parse_args()
         for path in a.analyze:
-            analyze(path, a.steps)
+            analyze(path, a.steps, a.out)
         return
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)   # the rest: train.py
     p.add_argument("--profile-skip", type=int, default=2)
@@ -203,6 +232,10 @@ def main() -> None:
     p.add_argument("--trace", metavar="FILE.json",
                    help="write the Chrome trace there and print where each step's wall time "
                         "went on this GPU: compute, NCCL alone, NCCL beside compute, idle")
+    p.add_argument("--out", metavar="FILE.jsonl",
+                   help="append this rank's profile as a JSON line (per-kind sums, the top "
+                        "kernels, the timeline and host waits with --trace; {rank} in the "
+                        "name: a file per rank)")
     p.add_argument("--cuda-only", action="store_true",
                    help="profile GPU activity only (no host-side op events: the profiler's "
                         "own host cost, which makes small steps host-bound, mostly goes)")
@@ -233,18 +266,24 @@ def main() -> None:
               and not e.key.startswith("ProfilerStep")]      # the profiler's step marker
     total_us = sum(e.device_time_total for e in events)
     steps = max(1, len(records))
-    print_kinds({e.key: (e.device_time_total, e.count) for e in events}, steps)
+    per_kernel = {e.key: (e.device_time_total, e.count) for e in events}
+    kinds = print_kinds(per_kernel, steps)
     print(f"profiled steps {len(records)} | wall {wall:.2f} s | CUDA kernel time "
           f"{total_us / 1e6:.2f} s (the gap: the GPU waiting on the host)")
+    rank = os.environ.get("RANK", "0")
+    extra = dict(rank=int(rank), world=int(os.environ.get("WORLD_SIZE", "1")),
+                 wall_ms=round(wall * 1e3 / steps, 2), device=torch.cuda.get_device_name(),
+                 command="benchmarks/train_profile.py " + " ".join(sys.argv[1:]))
     if ours.trace:
-        rank = os.environ.get("RANK", "0")
         path = ours.trace.replace("{rank}", rank)
         prof.export_chrome_trace(path)
+        extra["timeline_ms"] = timeline(trace_kernels(path), wall * 1e6, steps)
+        extra["host_waits"] = host_syncs(path, steps)
         print(f"rank {rank} timeline per step (ms; compute + nccl_exposed + idle = wall "
-              f"{wall * 1e3 / steps:.1f}): " + json.dumps(
-                  timeline(trace_kernels(path), wall * 1e6, steps)))
+              f"{wall * 1e3 / steps:.1f}): " + json.dumps(extra["timeline_ms"]))
         print(f"rank {rank} host waits for the GPU per step (idle within 1 ms after them, by "
-              f"the op launched before): " + json.dumps(host_syncs(path, steps)))
+              f"the op launched before): " + json.dumps(extra["host_waits"]))
+    append_row(ours.out, profile_row(per_kernel, steps, kinds, **extra))
 
 
 if __name__ == "__main__":

@@ -235,11 +235,17 @@ def test_train_profile_analyzes_a_trace_written_elsewhere(tmp_path, capsys):
     path = tmp_path / "rank-0.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump(trace, f)
-    got = tp.analyze(str(path), steps=2)
+    rows = tmp_path / "rows.jsonl"
+    got = tp.analyze(str(path), steps=2, out=str(rows))
     # wall 1000 us over 2 steps; compute 600, NCCL 200 of which 100 hidden, idle 300
     assert got == {"compute": 0.3, "nccl_exposed": 0.05, "nccl_hidden": 0.05, "idle": 0.15}
     out = capsys.readouterr().out
     assert '"gemm": 0.3' in out and '"nccl": 0.1' in out and "wall 0.5" in out
+    # --out: one JSON line with what the tables printed (a device call brings it back)
+    row = json.loads(rows.read_text())
+    assert row["bench"] == "train_profile" and row["by_kind_ms"] == {"gemm": 0.3, "nccl": 0.1}
+    assert row["top_kernels"][0] == [0.3, 1.0, "gemm", "sm90_xmma_gemm"]
+    assert row["timeline_ms"] == got and row["wall_ms"] == 0.5 and row["steps"] == 2
 
 
 def test_parity_corpus_is_the_checkout_text(tmp_path):
