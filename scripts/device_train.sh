@@ -23,9 +23,10 @@
 #                 this machine
 #     distopt     KINDS at CP = P three ways in one call: the replicated optimizer,
 #                 --use-distributed-optimizer, and with --overlap-param-gather too
-#     profile     train_profile.py at CP = P (PROFILE_KINDS: hybrid softmax), the distributed
-#                 optimizer + overlapped gather: each rank's step split into compute, NCCL
-#                 alone, NCCL hidden and idle; the traces (gzip) beside
+#     profile     train_profile.py at CP = P (PROFILE_KINDS: hybrid softmax; PROFILE_EXTRA: more
+#                 train.py flags), train.py's defaults: each rank's step split into compute,
+#                 NCCL alone, NCCL hidden and idle, its host waits, the top kernels, as JSON
+#                 lines in profile.jsonl (the traces too with PROFILE_TRACES=1)
 #     long        the longest context at CP = P: LONG_KINDS (hybrid softmax) at LONG_SEQS
 #                 (524288 1048576) with --recompute-granularity LONG_RECOMPUTE (auto: the
 #                 least recompute that fits; e.g. "full --recompute-method uniform
@@ -188,17 +189,19 @@ for l in open(sys.argv[1]):
     r = json.loads(l)
     print(r["model_kind"], r["status"], "mfu", round(100 * (r.get("mfu") or 0), 1), "step", r.get("step_time_s"), " ".join(f for f in r["command"].split() if "graphs" in f) or "eager")' "$OUT/train_graphs.jsonl" ;;
     profile)
-      # where a CP = P step goes on each GPU (compute / NCCL alone / NCCL hidden / idle),
-      # PROFILE_KINDS at SEQ with the distributed optimizer and the overlapped gather
+      # where a CP = P step goes on each GPU (compute / NCCL alone / NCCL hidden / idle, the host's
+      # waits), PROFILE_KINDS at SEQ with train.py's defaults (+ PROFILE_EXTRA, e.g. "--packing
+      # documents"): each rank's tables as a JSON line in profile.jsonl; the traces (gzip) only
+      # with PROFILE_TRACES=1 (they are large: the device tool brings back 8 files)
       for kind in ${PROFILE_KINDS:-hybrid softmax}; do
         timeout "$T" torchrun --nproc-per-node "$P" --master-port 29641 benchmarks/train_profile.py \
-          --profile-skip 3 --profile-steps 2 --cuda-only --trace "$OUT/profile_${kind}_rank{rank}.json" \
+          --profile-skip 3 --profile-steps 2 --cuda-only --trace "/tmp/profile_${kind}_rank{rank}.json" \
+          --out "$OUT/profile.jsonl" \
           --preset 1b --sp-model-kind "$kind" --context-parallel-size "$P" --seq-length "$SEQ" \
           --train-iters 5 --micro-batch-size 1 --global-batch-size 1 --vocab-size 128256 \
-          --no-progress-bar --log-dir "/tmp/profile_$kind" \
-          --use-distributed-optimizer --overlap-param-gather > "$OUT/profile_$kind.log" 2>&1
+          --no-progress-bar --log-dir "/tmp/profile_$kind" ${PROFILE_EXTRA:-} > "$OUT/profile_$kind.log" 2>&1
         echo "profile $kind exit $?"; grep -h "timeline per step\|per step (ms) by kind" "$OUT/profile_$kind.log" | cut -c1-300
-        gzip -f "$OUT"/profile_"$kind"_rank*.json 2>/dev/null
+        if [ "${PROFILE_TRACES:-0}" = 1 ]; then gzip -f /tmp/profile_"$kind"_rank*.json && mv /tmp/profile_"$kind"_rank*.json.gz "$OUT/"; fi
       done ;;
     long)
       for seq in ${LONG_SEQS:-524288 1048576}; do
