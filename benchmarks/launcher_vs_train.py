@@ -43,8 +43,9 @@ HYBRID = ["--sp-hybrid-pattern", "LLLS", "--context-parallel-impl", "blelloch"]
 
 # Megatron's flags for what train.py does by default on GPUs: the gradient sum overlapped with
 # the backward bucket by bucket, the distributed optimizer with its parameter gather overlapped
-# with the next forward (nineteenth session), the SwiGLU fused (Megatron's defaults: after the backward; the
-# launcher's runs before the eighteenth session passed --no-bias-swiglu-fusion as well)
+# with the next forward (since the nineteenth session), the SwiGLU fused (Megatron's defaults:
+# the sum after the backward, no distributed optimizer; the launcher's runs before the
+# eighteenth session passed --no-bias-swiglu-fusion as well)
 MATCH_TRAIN = ["--overlap-grad-reduce", "--use-distributed-optimizer", "--overlap-param-gather"]
 
 
