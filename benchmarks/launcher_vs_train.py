@@ -49,6 +49,12 @@ HYBRID = ["--sp-hybrid-pattern", "LLLS", "--context-parallel-impl", "blelloch"]
 MATCH_TRAIN = ["--overlap-grad-reduce", "--use-distributed-optimizer", "--overlap-param-gather"]
 
 
+def settings_flags(match_train: bool) -> list:
+    """The launcher's flags for the pairing: :data:`MATCH_TRAIN`, or Megatron's defaults with
+    the unfused SwiGLU of the runs before the eighteenth session."""
+    return MATCH_TRAIN if match_train else ["--no-bias-swiglu-fusion"]
+
+
 def launcher_cmd(kind: str, lay: dict, seq: int, iters: int, port: int,
                  layers: int = 0, match_train: bool = True, extra=()) -> list:
     """The launcher's command line (``layers``: fewer layers than the 1B shape's, 0: all;
@@ -80,7 +86,7 @@ def launcher_cmd(kind: str, lay: dict, seq: int, iters: int, port: int,
            "--untie-embeddings-and-output-weights",
            "--sp-model-kind", kind, "--log-interval", "1", "--eval-iters", "0",
            "--eval-interval", "1000000"]
-    cmd += MATCH_TRAIN if match_train else ["--no-bias-swiglu-fusion"]
+    cmd += settings_flags(match_train)
     return cmd + (HYBRID if kind == "hybrid" else []) + list(extra)
 
 
@@ -217,8 +223,7 @@ def main() -> int:
                    "launcher_wall_s": l_wall, "warm_run": warm, "device": device,
                    "launcher_settings": "megatron_defaults" if a.megatron_defaults
                    else "match_train", "launcher_extra": a.launcher_extra or None,
-                   "launcher_flags": (["--no-bias-swiglu-fusion"] if a.megatron_defaults
-                                      else MATCH_TRAIN),
+                   "launcher_flags": settings_flags(not a.megatron_defaults),
                    "date": time.strftime("%Y-%m-%d"),
                    "command": "python benchmarks/launcher_vs_train.py " + " ".join(sys.argv[1:])}
             for label, status, log in (("train", t_status, t_log), ("launcher", l_status, l_log)):

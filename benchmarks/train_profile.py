@@ -94,15 +94,18 @@ def timeline(kernels: list, wall_us: float, steps: int) -> dict:
     return {k: round(v / 1e3 / steps, 2) for k, v in out.items()}
 
 
-def trace_events(path: str) -> list:
-    """The ``traceEvents`` of a Chrome trace the profiler wrote (``.gz``: compressed)."""
+def trace_events(path) -> list:
+    """The ``traceEvents`` of a Chrome trace the profiler wrote (``.gz``: compressed); a list
+    (events read before) is returned as it is, so one trace is parsed once."""
+    if isinstance(path, list):
+        return path
     with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
         return json.load(f).get("traceEvents", [])
 
 
-def trace_kernels(path: str) -> list:
+def trace_kernels(path) -> list:
     """``[(start_us, end_us, name)]`` of the GPU kernels in a Chrome trace the profiler wrote
-    (``cat: kernel``; one process's GPU)."""
+    (``cat: kernel``; one process's GPU; ``path`` or its :func:`trace_events`)."""
     events = trace_events(path)
     return [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", ""))
             for e in events if e.get("cat") == "kernel" and "ts" in e]
@@ -111,7 +114,7 @@ def trace_kernels(path: str) -> list:
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize")
 
 
-def host_syncs(path: str, steps: int, window_us: float = 1000.0) -> dict:
+def host_syncs(path, steps: int, window_us: float = 1000.0) -> dict:
     """The host's waits for the GPU inside the profiled steps, per step, from a Chrome trace's
     CUDA runtime events: ``count`` (``cudaStreamSynchronize`` / ``cudaEventSynchronize`` —
     ``.item()``, a copy to the host, a blocking copy from pageable host memory; the profiler's
@@ -163,7 +166,8 @@ def print_kinds(per_kernel: dict, steps: int, top: int = 50) -> dict:
     steps = max(1, steps)
     by_kind: dict = {}
     for name, (us, _) in per_kernel.items():
-        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + us
+        kind = kind_of(name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + us
     print("kernel time per step (ms) | calls per step | kind | kernel")
     for name, (us, n) in sorted(per_kernel.items(), key=lambda x: -x[1][0])[:top]:
         print(f"{us / 1e3 / steps:9.2f} | {n / steps:7.1f} | {kind_of(name):13s} | {name[:110]}")
@@ -194,19 +198,19 @@ def analyze(path: str, steps: int, out: Optional[str] = None) -> dict:
     """The tables of a trace written elsewhere, over its profiled ``steps`` (the wall: from
     the first to the last ``ProfilerStep#`` event's end, else the kernels' span); returns
     the timeline."""
-    kernels = trace_kernels(path)
+    events = trace_events(path)                 # parsed once: traces run to 100s of MB
+    kernels = trace_kernels(events)
     per_kernel: dict = {}
     for a, b, name in kernels:
         us, n = per_kernel.get(name, (0.0, 0))
         per_kernel[name] = (us + b - a, n + 1)
-    marks = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
-             for e in trace_events(path)
+    marks = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
              if str(e.get("name", "")).startswith("ProfilerStep#") and "ts" in e]
     span = marks or [(a, b) for a, b, _ in kernels] or [(0.0, 0.0)]
     wall_us = max(b for _, b in span) - min(a for a, _ in span)
     kinds = print_kinds(per_kernel, steps)
     line = timeline(kernels, wall_us, steps)
-    waits = host_syncs(path, steps)
+    waits = host_syncs(events, steps)
     print(f"{path}: timeline per step (ms; compute + nccl_exposed + idle = wall "
           f"{wall_us / 1e3 / max(1, steps):.1f}): " + json.dumps(line))
     print(f"{path}: host waits for the GPU per step: " + json.dumps(waits))
@@ -277,8 +281,9 @@ def main() -> None:
     if ours.trace:
         path = ours.trace.replace("{rank}", rank)
         prof.export_chrome_trace(path)
-        extra["timeline_ms"] = timeline(trace_kernels(path), wall * 1e6, steps)
-        extra["host_waits"] = host_syncs(path, steps)
+        events = trace_events(path)
+        extra["timeline_ms"] = timeline(trace_kernels(events), wall * 1e6, steps)
+        extra["host_waits"] = host_syncs(events, steps)
         print(f"rank {rank} timeline per step (ms; compute + nccl_exposed + idle = wall "
               f"{wall * 1e3 / steps:.1f}): " + json.dumps(extra["timeline_ms"]))
         print(f"rank {rank} host waits for the GPU per step (idle within 1 ms after them, by "
