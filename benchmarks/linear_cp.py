@@ -24,6 +24,7 @@ stream's idle time inside the step) and a text timeline on stderr.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import sys
@@ -42,6 +43,7 @@ from sp_attention.linear import lightning_attention  # noqa: E402
 from sp_attention.linear.fla_ops import resolve_backend  # noqa: E402
 from sp_attention.linear.leaves import backward_schedule, forward_schedule  # noqa: E402
 from sp_attention.planning.schedules import LINEAR_SCANS  # noqa: E402
+from sp_attention.triton_launch import plain_launches  # noqa: E402
 
 # --ab NAME: (LinearTuning field, impl suffix when on, when off)
 AB = {"early": ("early_end_states", "-early", "-late"),
@@ -51,6 +53,9 @@ AB = {"early": ("early_end_states", "-early", "-late"),
       "serial": ("concurrent_recurrences", "-concurrent", "-serial"),
       "zero": ("static_zero_paths", "-zero", "-nozero")}
 GATED_AB = ("serial", "op_graphs", "fused")     # the flags that also apply with per-token gates
+# --ab launch: the default tuning with every Triton launch through Triton's own per-call path
+# (sp_attention.triton_launch.plain_launches) instead of the remembered launches
+PLAIN_LAUNCH = "-plainlaunch"
 # --ab NAME for a field with several values: (LinearTuning field, ((value, impl suffix), ...))
 AB_VALUES = {"backward": ("backward_schedule", (("recurrence_first", "-recfirst"),
                                                 ("scan_first", "-scanfirst"))),
@@ -221,6 +226,9 @@ class _Rows:
         default = LinearTuning()
         variants = [(default, "")]
         for name in (a.ab if self.case in ("fixed", "gated") else ()):
+            if name == "launch":
+                variants.append((default, PLAIN_LAUNCH))
+                continue
             if name in AB_VALUES:       # every value but the one the default runs
                 field, values = AB_VALUES[name]
                 runs = RESOLVED[field](default)
@@ -239,22 +247,29 @@ class _Rows:
         if a.variants_first:
             variants = variants[1:] + variants[:1]
         for tuning, suffix in variants:
-            for comm in a.comm_variants:
-                for layout in a.layouts:
-                    ctx = build_sp_context(self.groups[comm], layout=layout)
-                    plan = None if self.cu is None else plan_packing(self.cu, ctx)
-                    if (comm, layout) not in refs:
-                        refs[comm, layout] = ref = self.baseline(self.timer(mode), plan)
-                        emit(dict(base, impl=ref[0], layout=layout, world=1, ms_fwd=ref[1],
-                                  ms_fwd_bwd=ref[2], ms_host_fwd_bwd=ref[3], ratio=1.0), a.out,
-                             self.rank)
-                    for impl in a.impls:
-                        t = replace(tuning, side_stream_priority=0) if comm == "side0" \
-                            else tuning
-                        self.cp_row(base, mode, ctx, plan, impl, t,
-                                    suffix + ("" if comm == "default" else f"+{comm}"),
-                                    refs[comm, layout],
-                                    profile and not suffix and comm == "default")
+            plain = plain_launches() if suffix == PLAIN_LAUNCH else contextlib.nullcontext()
+            with plain:
+                self.variant_rows(base, mode, profile, tuning, suffix, refs)
+
+    def variant_rows(self, base, mode, profile, tuning, suffix, refs) -> None:
+        """One variant's CP rows: every communication setting, layout and scan."""
+        a = self.a
+        for comm in a.comm_variants:
+            for layout in a.layouts:
+                ctx = build_sp_context(self.groups[comm], layout=layout)
+                plan = None if self.cu is None else plan_packing(self.cu, ctx)
+                if (comm, layout) not in refs:
+                    refs[comm, layout] = ref = self.baseline(self.timer(mode), plan)
+                    emit(dict(base, impl=ref[0], layout=layout, world=1, ms_fwd=ref[1],
+                              ms_fwd_bwd=ref[2], ms_host_fwd_bwd=ref[3], ratio=1.0), a.out,
+                         self.rank)
+                for impl in a.impls:
+                    t = replace(tuning, side_stream_priority=0) if comm == "side0" \
+                        else tuning
+                    self.cp_row(base, mode, ctx, plan, impl, t,
+                                suffix + ("" if comm == "default" else f"+{comm}"),
+                                refs[comm, layout],
+                                profile and not suffix and comm == "default")
 
     def cp_row(self, base, mode, ctx, plan, impl, tuning, suffix, ref, profile) -> None:
         a, T, world = self.a, self.T, self.world
@@ -296,12 +311,15 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--ab", nargs="*", default=[], choices=sorted(AB) + sorted(AB_VALUES),
+    p.add_argument("--ab", nargs="*", default=[],
+                   choices=sorted(AB) + sorted(AB_VALUES) + ["launch"],
                    help="also run every CP row of the fixed case with this LinearTuning field "
                         "flipped: "
                         + ", ".join(f"{k} ({v[0]})" for k, v in AB.items())
                         + "; or (fixed and gated cases) with its other values: "
-                        + ", ".join(f"{k} ({v[0]})" for k, v in AB_VALUES.items()))
+                        + ", ".join(f"{k} ({v[0]})" for k, v in AB_VALUES.items())
+                        + "; launch: every Triton launch through Triton's own path (impl "
+                        f"suffix {PLAIN_LAUNCH}) beside the remembered launches")
     p.add_argument("--variants-first", action="store_true",
                    help="run the --ab variants' rows before the default rows")
     p.add_argument("--comm-variants", nargs="+", default=["default"], choices=COMM_VARIANTS,

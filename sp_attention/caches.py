@@ -40,6 +40,13 @@ class LRU:
         while len(self._data) > self.maxsize:
             self._data.popitem(last=False)
 
+    def lookup(self, key: Hashable):
+        """The entry of ``key`` (now the most recently used), or None."""
+        value = self._data.get(key)
+        if value is not None:
+            self._data.move_to_end(key)
+        return value
+
     def touch(self, key: Hashable) -> bool:
         """Whether ``key`` is held; if so it becomes the most recently used."""
         if key not in self._data:

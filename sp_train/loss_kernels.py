@@ -27,6 +27,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from sp_attention.triton_launch import launch
+
 # Columns per loop step / per program: 4096 bf16 values = 8 KB (one row of a 128256
 # vocabulary in 32 steps). The CPU interpreter gets smaller blocks (tests use small V).
 BLOCK_V = 4096
@@ -80,8 +82,8 @@ def chunk_triton(hc: torch.Tensor, weight: torch.Tensor, yc: torch.Tensor, cfg,
     yc = yc.contiguous().to(torch.int64)
     stats = torch.empty(3, c, dtype=torch.float32, device=z.device)      # m, s, t
     bv = min(BLOCK_V, triton.next_power_of_2(V))
-    _stats_kernel[(c,)](z, z.stride(0), yc, stats[0], stats[1], stats[2], V, cfg.vocab_start,
-                        BV=bv, num_warps=8 if bv >= 2048 else 4)
+    launch(_stats_kernel, (c,), z, z.stride(0), yc, stats[0], stats[1], stats[2], V,
+           cfg.vocab_start, BV=bv, num_warps=8 if bv >= 2048 else 4)
     m = stats[0]
     if cfg.tp_size > 1:
         M = m.clone()
@@ -97,7 +99,6 @@ def chunk_triton(hc: torch.Tensor, weight: torch.Tensor, yc: torch.Tensor, cfg,
     if not want_grad:
         return loss, None
     lse = lse.contiguous()
-    _grad_kernel[(c, triton.cdiv(V, bv))](z, z.stride(0), yc, lse, V, cfg.vocab_start,
-                                          cfg.ignore_index, BV=bv,
-                                          num_warps=8 if bv >= 2048 else 4)
+    launch(_grad_kernel, (c, triton.cdiv(V, bv)), z, z.stride(0), yc, lse, V, cfg.vocab_start,
+           cfg.ignore_index, BV=bv, num_warps=8 if bv >= 2048 else 4)
     return loss, z

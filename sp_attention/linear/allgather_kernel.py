@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_launch import launch
+
 __all__ = ["stage_rows", "fold_rows"]
 
 
@@ -127,8 +129,8 @@ def stage_rows(x: torch.Tensor, a: torch.Tensor, send: torch.Tensor, rows_per_le
                          f"{na * (1 + kv)}")
     block = _block(kv, 1)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _stage_kernel[(n_leaves * na, triton.cdiv(kv, block))](
-            x, a, send, float(log_floor), rows_per_leaf, n_leaves, na, kv, width, H=H,
+        launch(
+            _stage_kernel, (n_leaves * na, triton.cdiv(kv, block)), x, a, send, float(log_floor), rows_per_leaf, n_leaves, na, kv, width, H=H,
             REVERSE=int(bool(reverse)), BLOCK=block)
 
 
@@ -145,8 +147,8 @@ def fold_rows(gathered: torch.Tensor, between: torch.Tensor, before: torch.Tenso
         raise ValueError("fold_rows: the band matrices, gathered rows and out do not match")
     block = _block(kv, rows)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _fold_kernel[(n_leaves * na, triton.cdiv(kv, block))](
-            gathered, between, before, x, a, out, rows_per_leaf, n_leaves, na, kv,
+        launch(
+            _fold_kernel, (n_leaves * na, triton.cdiv(kv, block)), gathered, between, before, x, a, out, rows_per_leaf, n_leaves, na, kv,
             gathered.shape[1], rows, H=H, REVERSE=int(bool(reverse)),
             RB=max(2, triton.next_power_of_2(rows)), BLOCK=block)
     return out

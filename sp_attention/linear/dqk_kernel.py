@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_launch import launch
+
 __all__ = ["chunk_dqkdg", "DQK_CANDIDATES", "DQK_TUNED", "MIN_BLOCK_K", "tuned_configs", "block_k_of"]
 
 
@@ -306,7 +308,7 @@ def chunk_dqkdg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
             _dqkdg_kernel[(nk, N, B * H)](*args, **kw, num_warps=cfg.num_warps,
                                           num_stages=cfg.num_stages, **cfg.kwargs)
         else:
-            _dqkdg_tuned[(nk, N, B * H)](*args, **kw)
+            launch(_dqkdg_tuned, (nk, N, B * H), *args, **kw)
     if not gated:
         return dq, dk, None
     return dq, dk, (dg[0] if nk == 1 else dg.sum(0))

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_launch import launch
+
 __all__ = ["chunk_dv", "DV_CANDIDATES"]
 
 
@@ -163,5 +165,5 @@ def chunk_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dh: torch.Tenso
             _dv_kernel[grid(cfg.kwargs)](*args, **kw, num_warps=cfg.num_warps,
                                          num_stages=cfg.num_stages, **cfg.kwargs)
         else:
-            _dv_tuned[grid](*args, **kw)
+            launch(_dv_tuned, grid, *args, **kw)
     return dv

@@ -102,6 +102,7 @@ def chunk_local_sums(g: torch.Tensor, chunk: int = 64, cu_seqlens: Optional[tupl
         return torch.cat([p[0] for p in parts] + [pad], 1), torch.cat([p[1] for p in parts], 1)
     import triton
 
+    from ..triton_launch import launch
     from .gate_kernel import _chunk_local_sums_kernel
     g = g.contiguous()
     R, T, H = g.shape
@@ -120,9 +121,8 @@ def chunk_local_sums(g: torch.Tensor, chunk: int = 64, cu_seqlens: Optional[tupl
     tot = torch.empty(R, NT, H, device=g.device, dtype=torch.float32)
     guard = torch.cuda.device(g.device) if g.is_cuda else _null()
     with guard:
-        _chunk_local_sums_kernel[grid](g, gc, tot, cu_t, ci, GATE_FLOOR[torch.float32], RCP_LN2,
-                                       T, NT, H=H, BT=chunk, NB=nb,
-                                       IS_VARLEN=cu_seqlens is not None)
+        launch(_chunk_local_sums_kernel, grid, g, gc, tot, cu_t, ci, GATE_FLOOR[torch.float32],
+               RCP_LN2, T, NT, H=H, BT=chunk, NB=nb, IS_VARLEN=cu_seqlens is not None)
     return gc, tot
 
 

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from ..caches import to_device
+from ..triton_launch import launch
 from .gates import GateSums, suffix_sums
 
 # Candidate configs (BK, BV, warps, stages); pass ``config=`` to force one. Measured on an H200
@@ -207,7 +208,7 @@ def _launch(kernel, tuned, first: triton.Config, candidates: list, config: int |
             kernel[grid(cfg.kwargs)](*args, **kw, num_warps=cfg.num_warps,
                                      num_stages=cfg.num_stages, **cfg.kwargs)
         else:
-            tuned[grid](*args, **kw)
+            launch(tuned, grid, *args, **kw)
 
 
 @triton.jit(do_not_specialize=["T", "NT"])

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_launch import launch
+
 
 @triton.jit(do_not_specialize=["Tq", "H", "so_b", "so_t", "so_h", "sb_b", "sb_t", "sb_h",
                                "sl_b", "sl_h", "sl_t", "slb_b", "slb_h", "slb_t"])
@@ -95,8 +97,8 @@ def merge_blocks_triton(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tenso
     grid = (triton.cdiv(Tq, BT), B * triton.cdiv(H, BH))
     guard = torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext()
     with guard:
-        _merge_kernel[grid](
-            out, lse, out_b, lse_b, Tq, H,
+        launch(
+            _merge_kernel, grid, out, lse, out_b, lse_b, Tq, H,
             out.stride(0), out.stride(1), out.stride(2),
             out_b.stride(0), out_b.stride(1), out_b.stride(2),
             lse.stride(0), lse.stride(1), lse.stride(2),

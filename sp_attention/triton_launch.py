@@ -1,0 +1,202 @@
+"""Triton launches remembered per call signature: the host cost of a launch without Triton's
+per-call Python.
+
+``kernel[grid](*args, **kwargs)`` on a ``triton.autotune`` / ``triton.heuristics`` /
+``triton.jit`` stack runs, per call, the autotuner's key (a ``str`` of every tensor's dtype),
+each heuristic, the JIT's argument binding and specialization, its cache key and the launch
+metadata: 50–400 µs of host per launch on the device VMs, several times the CUDA launch itself.
+A linear layer's forward + backward makes ~6 such launches, so on an eager layer (the host
+enqueues while the GPU runs) they are a large part of the step (``sp_attention/linear/README.md``,
+"Where the host time goes").
+
+:func:`launch` runs the first call of a *signature* through Triton as usual and remembers what
+Triton resolved: the compiled kernel, the autotuner's chosen config and the heuristics' values.
+Later calls with the same signature launch that compiled kernel directly with the new argument
+values. The signature is everything Triton's choices can depend on, strictly: per tensor its
+dtype, shape and whether its address is 16-byte aligned (Triton specializes pointers on that);
+every other argument by type and exact value (Triton specializes ints on divisibility by 16 and
+on 1, heuristics may read any value); the current device. So a remembered launch runs the very
+kernel binary, config and constants Triton's own path would choose — the same bits (the GPU
+tests compare the two bit for bit). Not remembered (every call through Triton): stacks whose
+chosen config has a ``pre_hook``, arguments that cannot be keyed (unhashable), Triton's CPU
+interpreter (``TRITON_INTERPRET=1``) and while a Triton launch hook is installed (profilers
+such as proton read the launch metadata Triton builds).
+
+:func:`plain_launches` turns the memory off for a block (A/B runs, tests).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator, Optional
+
+import torch
+
+from .caches import LRU
+
+__all__ = ["launch", "plain_launches", "remembered", "forget", "signature_key"]
+
+_ENTRIES = LRU(4096)
+_state = {"on": True}
+_UNKEYED = object()      # a call whose arguments cannot be keyed: Triton's own path
+
+
+def signature_key(args: tuple, kwargs: dict) -> Any:
+    """The part of a launch's key its arguments give (see the module doc); ``_UNKEYED`` when
+    an argument cannot be hashed. Pure: tested on CPU."""
+    key = []
+    for a in args:
+        key.append(_arg_key(a))
+    for name, a in kwargs.items():
+        key.append(name)
+        key.append(_arg_key(a))
+    out = tuple(key)
+    try:
+        hash(out)
+    except TypeError:
+        return _UNKEYED
+    return out
+
+
+def _arg_key(a):
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.shape, a.data_ptr() % 16 == 0)
+    return (type(a), a)
+
+
+class _Entry:
+    """A compiled kernel and the full argument set (parameter order) its first call bound."""
+
+    __slots__ = ("kernel", "template", "names", "keywords")
+
+    def __init__(self, kernel, template: dict, names: tuple, keywords: tuple):
+        # keywords: the call's keyword names that are kernel parameters (the others, such as
+        # num_warps, are compile options: part of the key, baked into the binary)
+        self.kernel, self.template, self.names, self.keywords = kernel, template, names, keywords
+
+    def __call__(self, grid, args: tuple, kwargs: dict, stream: int) -> None:
+        values = dict(self.template)
+        values.update(zip(self.names, args))
+        for name in self.keywords:
+            values[name] = kwargs[name]
+        g = grid(values) if callable(grid) else grid
+        self.kernel[(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)](
+            *values.values(), stream=stream)
+
+
+def _jit_of(fn):
+    """The ``triton.jit`` function under autotune / heuristics wrappers."""
+    while not hasattr(fn, "add_pre_run_hook") and hasattr(fn, "fn"):
+        fn = fn.fn
+    return fn if hasattr(fn, "add_pre_run_hook") else None
+
+
+def _config_hooks(fn) -> bool:
+    """Whether a wrapper of ``fn`` runs a config ``pre_hook`` (run per call: not remembered)."""
+    while fn is not None and not hasattr(fn, "add_pre_run_hook"):
+        cfg = getattr(fn, "best_config", None)
+        if cfg is not None and getattr(cfg, "pre_hook", None) is not None:
+            return True
+        fn = getattr(fn, "fn", None)
+    return False
+
+
+def _launch_hooked() -> bool:
+    from triton import knobs
+    return knobs.runtime.launch_enter_hook is not None or \
+        knobs.runtime.launch_exit_hook is not None
+
+
+def _first_call(fn, grid, args: tuple, kwargs: dict) -> Optional[_Entry]:
+    """Launch through Triton and capture what its JIT function was finally called with (the
+    last call: an autotuner's benchmark runs come first)."""
+    jit = _jit_of(fn)
+    if jit is None:
+        fn[grid](*args, **kwargs)
+        return None
+    seen: list = []
+
+    def hook(*a, **kw):
+        seen[:] = [(a, kw)]
+    jit.add_pre_run_hook(hook)
+    try:
+        kernel = fn[grid](*args, **kwargs)
+    finally:
+        jit.pre_run_hooks.remove(hook)
+    if not seen or kernel is None or not hasattr(kernel, "function") or _config_hooks(fn):
+        return None
+    a, kw = seen[0]
+    names = tuple(jit.arg_names)
+    params = jit.signature.parameters
+    keywords = tuple(k for k in kwargs if k in params)
+    given = set(names[:len(args)]) | set(keywords)
+    template = {}
+    caller = dict(zip(names, args), **kwargs)
+    for i, name in enumerate(names):
+        if name in given:
+            # the caller's value, per call (no tensor of this call is held) — unless a
+            # heuristic replaced it, which a later call's value must not undo
+            seen_value = a[i] if i < len(a) else kw.get(name)
+            if seen_value is not caller[name] and (isinstance(seen_value, torch.Tensor)
+                                                   or seen_value != caller[name]):
+                return None
+            template[name] = None
+        elif i < len(a):
+            template[name] = a[i]
+        elif name in kw:
+            template[name] = kw[name]
+        elif params[name].default is not params[name].empty:
+            template[name] = params[name].default
+        else:                       # Triton would have refused the call: do not remember it
+            return None
+    return _Entry(kernel, template, names, keywords)
+
+
+def launch(fn, grid, /, *args, **kwargs) -> None:
+    """``fn[grid](*args, **kwargs)``: through Triton the first time per call signature, then
+    the remembered compiled kernel (module doc). ``fn``: a ``triton.jit`` function, possibly
+    under ``triton.autotune`` / ``triton.heuristics``; ``grid``: a tuple, or a callable of the
+    bound arguments (constexprs included) as Triton takes it."""
+    if not _state["on"] or not torch.cuda.is_available() or _interpreted():
+        fn[grid](*args, **kwargs)
+        return
+    sig = signature_key(args, kwargs)
+    if sig is _UNKEYED:
+        fn[grid](*args, **kwargs)
+        return
+    device = torch.cuda.current_device()
+    key = (id(fn), device, sig)
+    entry = _ENTRIES.lookup(key)
+    if entry is None or _launch_hooked():
+        made = _first_call(fn, grid, args, kwargs)
+        if made is not None and not _launch_hooked():
+            _ENTRIES.put(key, (fn, made))      # fn held: its id stays unique while remembered
+        return
+    entry[1](grid, args, kwargs, torch._C._cuda_getCurrentRawStream(device))
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def remembered() -> int:
+    """How many launch signatures are remembered (tests, diagnostics)."""
+    return len(_ENTRIES)
+
+
+@contextlib.contextmanager
+def plain_launches() -> Iterator[None]:
+    """Every :func:`launch` in the block goes through Triton's own path (nothing remembered
+    is used or added): the A/B baseline, and the reference the GPU tests compare against."""
+    before = _state["on"]
+    _state["on"] = False
+    try:
+        yield
+    finally:
+        _state["on"] = before
+
+
+def forget() -> None:
+    """Drop every remembered launch (tests)."""
+    _ENTRIES.clear()
+
