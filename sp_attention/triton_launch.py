@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from typing import Any, Iterator, Optional
 
 import torch
@@ -101,10 +102,15 @@ def _config_hooks(fn) -> bool:
     return False
 
 
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is installed: None or, from Triton 3.5, an empty
+    ``HookChain`` (``knobs.runtime``'s default) is none."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _launch_hooked() -> bool:
     from triton import knobs
-    return knobs.runtime.launch_enter_hook is not None or \
-        knobs.runtime.launch_exit_hook is not None
+    return _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
 
 
 def _first_call(fn, grid, args: tuple, kwargs: dict) -> Optional[_Entry]:
@@ -115,9 +121,11 @@ def _first_call(fn, grid, args: tuple, kwargs: dict) -> Optional[_Entry]:
         fn[grid](*args, **kwargs)
         return None
     seen: list = []
+    me = threading.get_ident()
 
-    def hook(*a, **kw):
-        seen[:] = [(a, kw)]
+    def hook(*a, **kw):             # this thread's call only (autograd runs on its own thread)
+        if threading.get_ident() == me:
+            seen[:] = [(a, kw)]
     jit.add_pre_run_hook(hook)
     try:
         kernel = fn[grid](*args, **kwargs)

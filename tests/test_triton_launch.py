@@ -34,6 +34,14 @@ def test_signature_key_separates_what_triton_specializes_on():
     assert signature_key((x, [1, 2]), {}) is tl_launch._UNKEYED          # unhashable
 
 
+def test_an_empty_hook_chain_is_no_launch_hook():
+    class Chain:                    # Triton >= 3.5's knobs.runtime.launch_enter_hook default
+        def __init__(self, calls):
+            self.calls = calls
+    assert not tl_launch._hooked(None) and not tl_launch._hooked(Chain([]))
+    assert tl_launch._hooked(Chain([print])) and tl_launch._hooked(print)
+
+
 class _Compiled:
     """A compiled kernel stand-in: ``kernel[grid](*args, stream=)`` records the launch."""
 
