@@ -35,7 +35,7 @@ import torch
 
 from .caches import LRU
 
-__all__ = ["launch", "plain_launches", "remembered", "forget", "signature_key"]
+__all__ = ["launch", "device_guard", "plain_launches", "remembered", "forget", "signature_key"]
 
 _ENTRIES = LRU(4096)
 _state = {"on": True}
@@ -45,24 +45,37 @@ _UNKEYED = object()      # a call whose arguments cannot be keyed: Triton's own 
 def signature_key(args: tuple, kwargs: dict) -> Any:
     """The part of a launch's key its arguments give (see the module doc); ``_UNKEYED`` when
     an argument cannot be hashed. Pure: tested on CPU."""
-    key = []
-    for a in args:
-        key.append(_arg_key(a))
-    for name, a in kwargs.items():
-        key.append(name)
-        key.append(_arg_key(a))
-    out = tuple(key)
+    key = _key(args, kwargs)
     try:
-        hash(out)
+        hash(key)
     except TypeError:
         return _UNKEYED
-    return out
+    return key
 
 
-def _arg_key(a):
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.shape, a.data_ptr() % 16 == 0)
-    return (type(a), a)
+def _key(args: tuple, kwargs: dict) -> tuple:
+    tensor = torch.Tensor
+    return (tuple((a.dtype, a.shape, a.data_ptr() % 16 == 0) if isinstance(a, tensor)
+                  else (type(a), a) for a in args),
+            tuple((n, (a.dtype, a.shape, a.data_ptr() % 16 == 0) if isinstance(a, tensor)
+                   else (type(a), a)) for n, a in kwargs.items()))
+
+
+_NULL = contextlib.nullcontext()
+
+
+def device_guard(where) -> contextlib.AbstractContextManager:
+    """The context a launch on ``where`` (a tensor or a ``torch.device``) runs in: its CUDA
+    device made current, or nothing to do (a shared null context) when it already is or
+    ``where`` is on the CPU — the common case, without ``torch.cuda.device``'s per-call
+    Python."""
+    if isinstance(where, torch.Tensor):
+        idx = where.get_device()
+    else:
+        idx = -1 if where.type != "cuda" else where.index
+    if idx is None or idx < 0 or idx == torch.cuda.current_device():
+        return _NULL
+    return torch.cuda.device(idx)
 
 
 class _Entry:
@@ -168,13 +181,13 @@ def launch(fn, grid, /, *args, **kwargs) -> None:
     if not _state["on"] or not torch.cuda.is_available() or _interpreted():
         fn[grid](*args, **kwargs)
         return
-    sig = signature_key(args, kwargs)
-    if sig is _UNKEYED:
+    device = torch.cuda.current_device()
+    key = (id(fn), device, _key(args, kwargs))
+    try:
+        entry = _ENTRIES.lookup(key)
+    except TypeError:                   # an argument that cannot be keyed
         fn[grid](*args, **kwargs)
         return
-    device = torch.cuda.current_device()
-    key = (id(fn), device, sig)
-    entry = _ENTRIES.lookup(key)
     if entry is None or _launch_hooked():
         made = _first_call(fn, grid, args, kwargs)
         if made is not None and not _launch_hooked():

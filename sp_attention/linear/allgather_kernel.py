@@ -32,13 +32,12 @@ Layers: these kernels → :func:`stage_rows` / :func:`fold_rows` (launchers) →
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import triton
 import triton.language as tl
 
-from ..triton_launch import launch
+from ..triton_launch import device_guard, launch
 
 __all__ = ["stage_rows", "fold_rows"]
 
@@ -128,7 +127,7 @@ def stage_rows(x: torch.Tensor, a: torch.Tensor, send: torch.Tensor, rows_per_le
         raise ValueError(f"send {tuple(send.shape)} cannot take {n_leaves} rows of "
                          f"{na * (1 + kv)}")
     block = _block(kv, 1)
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+    with device_guard(x):
         launch(
             _stage_kernel, (n_leaves * na, triton.cdiv(kv, block)), x, a, send, float(log_floor), rows_per_leaf, n_leaves, na, kv, width, H=H,
             REVERSE=int(bool(reverse)), BLOCK=block)
@@ -146,7 +145,7 @@ def fold_rows(gathered: torch.Tensor, between: torch.Tensor, before: torch.Tenso
             or gathered.shape[1] != na * (1 + kv) or out.shape != x.shape:
         raise ValueError("fold_rows: the band matrices, gathered rows and out do not match")
     block = _block(kv, rows)
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+    with device_guard(x):
         launch(
             _fold_kernel, (n_leaves * na, triton.cdiv(kv, block)), gathered, between, before, x, a, out, rows_per_leaf, n_leaves, na, kv,
             gathered.shape[1], rows, H=H, REVERSE=int(bool(reverse)),

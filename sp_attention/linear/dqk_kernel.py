@@ -24,14 +24,13 @@ partial ``dg`` rows that the launcher adds. Reference: :func:`.gated_naive.dqkdg
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ..triton_launch import launch
+from ..triton_launch import device_guard, launch
 
 __all__ = ["chunk_dqkdg", "DQK_CANDIDATES", "DQK_TUNED", "MIN_BLOCK_K", "tuned_configs", "block_k_of"]
 
@@ -297,7 +296,7 @@ def chunk_dqkdg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty(nk, B, T, H, device=q.device, dtype=torch.float32) if gated else None
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
+    guard = device_guard(q)
     args = (q, k, v, do, h, dh, gc, dq, dk, dg, cu_seqlens, chunk_indices, float(scale), T, N,
             B * T * H, G, g_gamma, suffix)
     kw = dict(H=H, K=K, V=V, BT=chunk_size, BK=BK, PRECISION=prec, IS_VARLEN=varlen,

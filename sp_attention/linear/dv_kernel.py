@@ -26,14 +26,13 @@ under ``TRITON_INTERPRET=1`` on CPU for tests.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ..triton_launch import launch
+from ..triton_launch import device_guard, launch
 
 __all__ = ["chunk_dv", "DV_CANDIDATES"]
 
@@ -158,7 +157,7 @@ def chunk_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dh: torch.Tenso
 
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), N, B * H)
-    guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
+    guard = device_guard(q)
     with guard:
         if config is not None or os.environ.get("TRITON_INTERPRET") == "1":
             cfg = DV_CANDIDATES[config or 0]

@@ -102,7 +102,7 @@ def chunk_local_sums(g: torch.Tensor, chunk: int = 64, cu_seqlens: Optional[tupl
         return torch.cat([p[0] for p in parts] + [pad], 1), torch.cat([p[1] for p in parts], 1)
     import triton
 
-    from ..triton_launch import launch
+    from ..triton_launch import device_guard, launch
     from .gate_kernel import _chunk_local_sums_kernel
     g = g.contiguous()
     R, T, H = g.shape
@@ -119,7 +119,7 @@ def chunk_local_sums(g: torch.Tensor, chunk: int = 64, cu_seqlens: Optional[tupl
         grid, ci, cu_t = (triton.cdiv(NT, nb), R * H), None, None
         gc = torch.empty(R, T, H, device=g.device, dtype=torch.float32)
     tot = torch.empty(R, NT, H, device=g.device, dtype=torch.float32)
-    guard = torch.cuda.device(g.device) if g.is_cuda else _null()
+    guard = device_guard(g)
     with guard:
         launch(_chunk_local_sums_kernel, grid, g, gc, tot, cu_t, ci, GATE_FLOOR[torch.float32],
                RCP_LN2, T, NT, H=H, BT=chunk, NB=nb, IS_VARLEN=cu_seqlens is not None)
@@ -142,10 +142,3 @@ def sums_from_local(gc: torch.Tensor, tot: torch.Tensor) -> GateSums:
     prefix = tot.cumsum(1)
     return GateSums(gc, prefix, prefix[:, -1], tot)
 
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

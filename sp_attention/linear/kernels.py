@@ -34,7 +34,6 @@ Needs triton (the ``gpu`` extra); runs under ``TRITON_INTERPRET=1`` on CPU for t
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
@@ -43,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ..caches import to_device
-from ..triton_launch import launch
+from ..triton_launch import device_guard, launch
 from .gates import GateSums, suffix_sums
 
 # Candidate configs (BK, BV, warps, stages); pass ``config=`` to force one. Measured on an H200
@@ -201,7 +200,7 @@ def _launch(kernel, tuned, first: triton.Config, candidates: list, config: int |
             grid, args: tuple, kw: dict, device: torch.device) -> None:
     """Launch ``kernel`` with candidate ``config`` (tests), or ``first`` in Triton's CPU
     interpreter (no benchmarker there), else through its autotuner ``tuned``."""
-    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    guard = device_guard(device)
     with guard:
         if config is not None or os.environ.get("TRITON_INTERPRET") == "1":
             cfg = first if config is None else candidates[config]

@@ -34,6 +34,7 @@ import torch
 
 from ..planning.schedules import CHUNK
 from ..precision import acc_dtype
+from ..triton_launch import device_guard
 from ..validation import autocast_off
 from .decay import Decay, as_decay
 from .kernel_set import resolve_kernels
@@ -75,7 +76,7 @@ def leaf_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: Decay
     q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, pad, 0)).contiguous() if pad
                else x.contiguous() for x in (q, k, v))
     fkw = decay.fla_kw(q.device)
-    with torch.cuda.device(q.device):
+    with device_guard(q):
         h, b = chunk_states(kern, k, v, fkw, None, final=True)
         o = kern.chunk_fwd_o(q=q, k=k, v=v, h=h, scale=float(scale), chunk_size=CHUNK, **fkw)
     return o[:, pad:], b
@@ -131,7 +132,7 @@ def leaf_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: DecayL
     if kern is not None:
         # No final state is requested, so fla's partial-last-chunk final-state bug (see
         # leaf_forward) cannot reach the output; no padding needed here.
-        with torch.cuda.device(q.device):
+        with device_guard(q):
             return local_output(kern, q.contiguous(), k.contiguous(), v.contiguous(),
                                 decay.fla_kw(q.device), scale, _state_or_none(S_in))
     with autocast_off(q.device):
@@ -183,7 +184,7 @@ def leaf_backward(
     kern = resolve_kernels(backend, q, k, v)
     if kern is None:
         return torch_leaf_backward(q, k, v, decay, scale, S_in, do, G)
-    with torch.cuda.device(q.device):
+    with device_guard(q):
         dq, dk, dv, dg = local_backward(
             kern, q.contiguous(), k.contiguous(), v.contiguous(), do.to(v.dtype).contiguous(),
             decay.fla_kw(q.device), scale, _state_or_none(S_in), _state_or_none(G))

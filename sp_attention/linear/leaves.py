@@ -25,6 +25,7 @@ import torch
 from ..caches import LRU
 from ..planning.schedules import CHUNK
 from ..precision import acc_dtype
+from ..triton_launch import device_guard
 from ..tuning import LinearTuning
 from .kernel_set import FlaKernels, resolve_kernels
 from .decay import Decay, as_decay
@@ -108,7 +109,7 @@ def leaves_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
         return scan(x, decay.fla_transition(N, C, x.dtype, q.device))
     main = torch.cuda.current_stream(q.device)
     prio = tuning.side_stream_priority
-    with torch.cuda.device(q.device):
+    with device_guard(q):
         # fla 0.6.0 turns the final state of a partial last chunk into NaN for fast fixed
         # rates (see leaf.leaf_forward; gates read g = 0 there, exactly), so only whole chunks
         # or gates take the final state from the recurrence.
@@ -273,7 +274,7 @@ def leaves_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay,
     if backward_schedule(tuning) == "recurrence_first":
         return _late_leaves_backward(kern, q, k, v, do, decay, fkw, scale, S_in, scan,
                                      zero_grad, tuning)
-    with torch.cuda.device(q.device):
+    with device_guard(q):
         # d and the scan first, on the side stream: the peers' gradients wait on them.
         G, side = _scan_on_side_stream(grads_scanned, None, q.device,
                                        tuning.side_stream_priority)
@@ -312,7 +313,7 @@ def _late_leaves_backward(kern, q, k, v, do, decay: Decay, fkw: dict, scale: flo
         got["G"], got["side"] = _scan_on_side_stream(
             lambda x: scan(x, decay.fla_transition(N, C, x.dtype, q.device)), d, q.device,
             tuning.side_stream_priority)
-    with torch.cuda.device(q.device):
+    with device_guard(q):
         suffix = suffix_sums(decay.sums.tot).contiguous() if decay.gated and not zero_grad \
             else None
         rec = _stream(q.device, "recurrence") if tuning.concurrent_recurrences else None

@@ -22,6 +22,7 @@ import torch
 from ..planning.linear_packed import LinearPacking
 from ..planning.schedules import CHUNK
 from ..precision import acc_dtype
+from ..triton_launch import device_guard
 from .decay import Decay
 from .gates import chunk_local_sums
 from .local import Sequences, local_backward, local_output
@@ -202,7 +203,7 @@ def _fla_output(q, k, v, decay, scale, lp, entering, kern) -> torch.Tensor:
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
     h0 = _states(entering, lp, B, len(cu) - 1, qf.new_zeros(1, q.shape[2], q.shape[3],
                                                           v.shape[3]))
-    with torch.cuda.device(q.device) if q.is_cuda else _null():
+    with device_guard(q):
         o = local_output(kern, qf, kf, vf, gates, scale, h0, seqs)
     o = o.view(B, T, *o.shape[2:])
     _zero_padding(lp, o)
@@ -216,17 +217,10 @@ def _fla_grads(q, k, v, decay, scale, lp, entering, arriving, do, kern) -> tuple
     like = qf.new_zeros(1, q.shape[2], q.shape[3], v.shape[3])
     h0 = _states(entering, lp, B, len(cu) - 1, like)
     dht = _states(arriving, lp, B, len(cu) - 1, like)
-    with torch.cuda.device(q.device) if q.is_cuda else _null():
+    with device_guard(q):
         dq, dk, dv, dg = local_backward(kern, qf, kf, vf, dof, gates, scale, h0, dht, seqs)
     dq, dk, dv = (x.view(B, T, *x.shape[2:]) for x in (dq, dk, dv))
     dg = None if dg is None else dg.view(B, T, -1)
     _zero_padding(lp, dq, dk, dv, dg)
     return dq, dk, dv, dg
 
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

@@ -20,13 +20,12 @@ runtime values. Layers: this kernel â†’ :func:`merge_blocks_triton` (launcher) â
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import triton
 import triton.language as tl
 
-from ..triton_launch import launch
+from ..triton_launch import device_guard, launch
 
 
 @triton.jit(do_not_specialize=["Tq", "H", "so_b", "so_t", "so_h", "sb_b", "sb_t", "sb_h",
@@ -95,7 +94,7 @@ def merge_blocks_triton(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tenso
             raise ValueError(f"merge_blocks_triton: {name} must be a power of two, got {n}")
     BT, BH = block_t, min(block_h, triton.next_power_of_2(H))
     grid = (triton.cdiv(Tq, BT), B * triton.cdiv(H, BH))
-    guard = torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext()
+    guard = device_guard(out)
     with guard:
         launch(
             _merge_kernel, grid, out, lse, out_b, lse_b, Tq, H,
