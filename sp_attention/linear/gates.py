@@ -28,6 +28,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..precision import acc_dtype
+from ..triton_launch import device_guard, launch
 from .varlen import chunk_indices, cu_seqlens_tensor
 
 __all__ = ["GateSums", "chunk_local_sums", "gate_sums", "gate_sums_torch", "RCP_LN2",
@@ -102,7 +103,6 @@ def chunk_local_sums(g: torch.Tensor, chunk: int = 64, cu_seqlens: Optional[tupl
         return torch.cat([p[0] for p in parts] + [pad], 1), torch.cat([p[1] for p in parts], 1)
     import triton
 
-    from ..triton_launch import device_guard, launch
     from .gate_kernel import _chunk_local_sums_kernel
     g = g.contiguous()
     R, T, H = g.shape
