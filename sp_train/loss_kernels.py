@@ -28,9 +28,7 @@ import triton
 import triton.language as tl
 
 from sp_attention.triton_launch import launch
-
-# Columns per loop step / per program: 4096 bf16 values = 8 KB (one row of a 128256
-# vocabulary in 32 steps). The CPU interpreter gets smaller blocks (tests use small V).
+# Columns per loop step / program: 4096 bf16 values = 8 KB (smaller in the CPU interpreter).
 BLOCK_V = 4096
 
 

@@ -32,7 +32,6 @@ Layers: these kernels → :func:`stage_rows` / :func:`fold_rows` (launchers) →
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -128,9 +127,9 @@ def stage_rows(x: torch.Tensor, a: torch.Tensor, send: torch.Tensor, rows_per_le
                          f"{na * (1 + kv)}")
     block = _block(kv, 1)
     with device_guard(x):
-        launch(
-            _stage_kernel, (n_leaves * na, triton.cdiv(kv, block)), x, a, send, float(log_floor), rows_per_leaf, n_leaves, na, kv, width, H=H,
-            REVERSE=int(bool(reverse)), BLOCK=block)
+        launch(_stage_kernel, (n_leaves * na, triton.cdiv(kv, block)), x, a, send,
+               float(log_floor), rows_per_leaf, n_leaves, na, kv, width, H=H,
+               REVERSE=int(bool(reverse)), BLOCK=block)
 
 
 def fold_rows(gathered: torch.Tensor, between: torch.Tensor, before: torch.Tensor,
@@ -146,8 +145,7 @@ def fold_rows(gathered: torch.Tensor, between: torch.Tensor, before: torch.Tenso
         raise ValueError("fold_rows: the band matrices, gathered rows and out do not match")
     block = _block(kv, rows)
     with device_guard(x):
-        launch(
-            _fold_kernel, (n_leaves * na, triton.cdiv(kv, block)), gathered, between, before, x, a, out, rows_per_leaf, n_leaves, na, kv,
-            gathered.shape[1], rows, H=H, REVERSE=int(bool(reverse)),
-            RB=max(2, triton.next_power_of_2(rows)), BLOCK=block)
+        launch(_fold_kernel, (n_leaves * na, triton.cdiv(kv, block)), gathered, between,
+               before, x, a, out, rows_per_leaf, n_leaves, na, kv, gathered.shape[1], rows, H=H,
+               REVERSE=int(bool(reverse)), RB=max(2, triton.next_power_of_2(rows)), BLOCK=block)
     return out

@@ -31,7 +31,6 @@ import triton
 import triton.language as tl
 
 from ..triton_launch import device_guard, launch
-
 __all__ = ["chunk_dqkdg", "DQK_CANDIDATES", "DQK_TUNED", "MIN_BLOCK_K", "tuned_configs", "block_k_of"]
 
 

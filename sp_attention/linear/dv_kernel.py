@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 from ..triton_launch import device_guard, launch
-
 __all__ = ["chunk_dv", "DV_CANDIDATES"]
 
 

@@ -20,7 +20,6 @@ runtime values. Layers: this kernel â†’ :func:`merge_blocks_triton` (launcher) â
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
