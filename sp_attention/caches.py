@@ -44,7 +44,10 @@ class LRU:
         """The entry of ``key`` (now the most recently used), or None."""
         value = self._data.get(key)
         if value is not None:
-            self._data.move_to_end(key)
+            try:
+                self._data.move_to_end(key)
+            except KeyError:        # dropped by another thread in between: still a valid entry
+                pass
         return value
 
     def touch(self, key: Hashable) -> bool:

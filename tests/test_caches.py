@@ -20,6 +20,8 @@ def test_made_once_bounded_least_recently_used_dropped():
     assert cache.touch(3) and not cache.touch(2) and cache.keys() == [1, 4, 3]
     get(2)
     assert made == [1, 2, 3, 4, 2] and cache.keys() == [4, 3, 2]
+    assert cache.lookup(3) == "value 3" and cache.keys() == [4, 2, 3]   # lookup: now recent
+    assert cache.lookup(99) is None and cache.keys() == [4, 2, 3]
     for key in range(100):
         cache.put(key, key)
     assert len(cache) == 3
