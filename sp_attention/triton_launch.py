@@ -20,7 +20,9 @@ kernel binary, config and constants Triton's own path would choose — the same 
 tests compare the two bit for bit). Not remembered (every call through Triton): stacks whose
 chosen config has a ``pre_hook``, arguments that cannot be keyed (unhashable), Triton's CPU
 interpreter (``TRITON_INTERPRET=1``) and while a Triton launch hook is installed (profilers
-such as proton read the launch metadata Triton builds).
+such as proton read the launch metadata Triton builds). Triton's check that the module globals a
+kernel reads have not changed since it was compiled runs on a signature's first call only (the
+library's kernels read constants).
 
 :func:`plain_launches` turns the memory off for a block (A/B runs, tests).
 """
@@ -157,9 +159,10 @@ def _first_call(fn, grid, args: tuple, kwargs: dict) -> Optional[_Entry]:
         if name in given:
             # the caller's value, per call (no tensor of this call is held) — unless a
             # heuristic replaced it, which a later call's value must not undo
-            seen_value = a[i] if i < len(a) else kw.get(name)
-            if seen_value is not caller[name] and (isinstance(seen_value, torch.Tensor)
-                                                   or seen_value != caller[name]):
+            seen_value, value = (a[i] if i < len(a) else kw.get(name)), caller[name]
+            if seen_value is not value and (isinstance(seen_value, torch.Tensor)
+                                            or isinstance(value, torch.Tensor)
+                                            or seen_value != value):
                 return None
             template[name] = None
         elif i < len(a):

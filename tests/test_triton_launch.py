@@ -129,6 +129,9 @@ def test_a_call_a_heuristic_rewrites_is_not_remembered():
     entry = tl_launch._first_call(stack, (1,), (torch.zeros(2), torch.zeros(2)),
                                   dict(n=8, scale=1.0, BLOCK=16))
     assert entry is None
+    stack = _Heuristics(jit, {"out": lambda a: 0})             # a tensor replaced by an int
+    assert tl_launch._first_call(stack, (1,), (torch.zeros(2),),
+                                 dict(out=torch.zeros(2), n=8, scale=1.0)) is None
 
 
 def test_launch_goes_through_triton_where_nothing_can_be_remembered(monkeypatch):
