@@ -31,13 +31,27 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
+import warnings
 from typing import Any, Iterator, Optional
 
 import torch
 
 from .caches import LRU
 
-__all__ = ["launch", "device_guard", "plain_launches", "remembered", "forget", "signature_key"]
+__all__ = ["launch", "device_guard", "plain_launches", "remembered", "forget", "signature_key",
+           "SlowLaunchWarning", "SLOW_FIRST_LAUNCH_S"]
+
+# A first launch that holds the host this long (compiling, autotuning) is reported once: on a
+# fresh machine it is what a slow first step is made of, and the key names what to ship.
+SLOW_FIRST_LAUNCH_S = 5.0
+
+
+class SlowLaunchWarning(UserWarning):
+    """A kernel's first launch of a signature compiled or autotuned for longer than
+    :data:`SLOW_FIRST_LAUNCH_S`; the message names the kernel, the time, and the autotune keys
+    it tuned (keys without a result in Triton's cache, e.g. not among the shipped ones of
+    ``sp_attention/linear/tuned/``)."""
 
 _ENTRIES = LRU(4096)
 _state = {"on": True}
@@ -107,6 +121,31 @@ def _jit_of(fn):
     return fn if hasattr(fn, "add_pre_run_hook") else None
 
 
+def _clock() -> float:
+    return time.perf_counter()
+
+
+def _autotuners(fn) -> list:
+    """The ``triton.autotune`` wrappers around the JIT function (their ``cache``: key → config)."""
+    out = []
+    while fn is not None and not hasattr(fn, "add_pre_run_hook"):
+        if isinstance(getattr(fn, "cache", None), dict) and hasattr(fn, "configs"):
+            out.append(fn)
+        fn = getattr(fn, "fn", None)
+    return out
+
+
+def _report_slow(jit, took: float, runs: int, tuned: list) -> None:
+    name = getattr(getattr(jit, "fn", None), "__name__", None) or repr(jit)
+    what = (f"autotuned ({runs} runs) for key {', '.join(map(str, tuned))}, which had no "
+            "result in Triton's cache (the package ships results for its benchmarks' and 1B "
+            "models' shapes; scripts/harvest_triton_cache.py adds a run's)"
+            if tuned else "compiled")
+    warnings.warn(f"sp_attention: the first launch of Triton kernel {name} held the host "
+                  f"{took:.1f} s: {what}; later launches reuse it (Triton's cache)",
+                  SlowLaunchWarning, stacklevel=4)
+
+
 def _config_hooks(fn) -> bool:
     """Whether a wrapper of ``fn`` runs a config ``pre_hook`` (run per call: not remembered)."""
     while fn is not None and not hasattr(fn, "add_pre_run_hook"):
@@ -136,16 +175,25 @@ def _first_call(fn, grid, args: tuple, kwargs: dict) -> Optional[_Entry]:
         fn[grid](*args, **kwargs)
         return None
     seen: list = []
+    runs = [0]
     me = threading.get_ident()
 
     def hook(*a, **kw):             # this thread's call only (autograd runs on its own thread)
         if threading.get_ident() == me:
             seen[:] = [(a, kw)]
+            runs[0] += 1
+    tuners = _autotuners(fn)
+    known = [set(t.cache) for t in tuners]
     jit.add_pre_run_hook(hook)
+    start = _clock()
     try:
         kernel = fn[grid](*args, **kwargs)
     finally:
         jit.pre_run_hooks.remove(hook)
+    took = _clock() - start
+    if took >= SLOW_FIRST_LAUNCH_S:
+        _report_slow(jit, took, runs[0], [k for t, old in zip(tuners, known)
+                                          for k in t.cache if k not in old])
     if not seen or kernel is None or not hasattr(kernel, "function") or _config_hooks(fn):
         return None
     a, kw = seen[0]

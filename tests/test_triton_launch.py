@@ -66,6 +66,7 @@ class _Jit:
     """``triton.jit``'s protocol: pre-run hooks see the final arguments; returns the kernel."""
 
     def __init__(self, py):
+        self.fn = py
         self.signature = inspect.signature(py)
         self.arg_names = list(self.signature.parameters)
         self.pre_run_hooks = []
@@ -121,6 +122,40 @@ def test_a_first_call_becomes_a_launch_of_its_kernel_with_later_values():
     grid, args, stream = jit.compiled.launches[-1]
     assert grid == (2, 1, 1) and stream == 7
     assert args[0] is x2 and args[1] is out2 and args[2:] == (32, 0.25, 16, True)
+
+
+class _Autotuner:
+    """``triton.autotune``'s protocol: a ``cache`` of key → config, benchmark runs on a miss."""
+
+    def __init__(self, fn, key, n_configs):
+        self.fn, self.arg_names, self.key = fn, fn.arg_names, key
+        self.configs, self.cache = [None] * n_configs, {}
+
+    def run(self, *args, **kwargs):
+        k = tuple(dict(zip(self.arg_names, args), **kwargs)[name] for name in self.key)
+        if k not in self.cache:
+            for _ in self.configs:                       # the benchmark runs
+                self.fn.run(*args, **kwargs)
+            self.cache[k] = "best"
+        return self.fn.run(*args, **kwargs)
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.run(*a, grid=grid, warmup=False, **kw)
+
+
+def test_a_slow_first_launch_names_the_kernel_and_the_key_it_tuned(monkeypatch):
+    jit = _Jit(_kernel)
+    tuner = _Autotuner(jit, ["n"], n_configs=3)
+    ticks = iter([0.0, 42.0, 100.0, 100.5])                # 42 s, then 0.5 s
+    monkeypatch.setattr(tl_launch, "_clock", lambda: next(ticks))
+    x = torch.zeros(2)
+    with pytest.warns(tl_launch.SlowLaunchWarning, match=r"_kernel held the host 42\.0 s: "
+                      r"autotuned \(4 runs\) for key \(8,\)"):
+        assert tl_launch._first_call(tuner, (1,), (x, x, 8, 1.0), {}) is not None
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                   # a quick first launch says nothing
+        tl_launch._first_call(tuner, (1,), (x, x, 16, 1.0), {})
 
 
 def test_a_call_a_heuristic_rewrites_is_not_remembered():
