@@ -24,7 +24,9 @@ such as proton read the launch metadata Triton builds). Triton's check that the 
 kernel reads have not changed since it was compiled runs on a signature's first call only (the
 library's kernels read constants).
 
-:func:`plain_launches` turns the memory off for a block (A/B runs, tests).
+:func:`plain_launches` turns the memory off for a block (A/B runs, tests);
+``SP_ATTENTION_PLAIN_LAUNCHES=1`` in the environment turns it off for a whole process (an A/B of
+a program such as train.py).
 """
 from __future__ import annotations
 
@@ -54,7 +56,14 @@ class SlowLaunchWarning(UserWarning):
     ``sp_attention/linear/tuned/``)."""
 
 _ENTRIES = LRU(4096)
-_state = {"on": True}
+
+
+def _on_by_environment() -> bool:
+    """Remembered launches unless ``SP_ATTENTION_PLAIN_LAUNCHES=1``."""
+    return os.environ.get("SP_ATTENTION_PLAIN_LAUNCHES", "0") != "1"
+
+
+_state = {"on": _on_by_environment()}
 _UNKEYED = object()      # a call whose arguments cannot be keyed: Triton's own path
 
 

@@ -40,6 +40,13 @@ def test_a_launch_on_the_cpu_or_the_current_device_needs_no_guard():
     assert tl_launch.device_guard(torch.device("cuda")) is tl_launch._NULL   # the current one
 
 
+def test_the_environment_can_turn_the_memory_off_for_a_process(monkeypatch):
+    monkeypatch.delenv("SP_ATTENTION_PLAIN_LAUNCHES", raising=False)
+    assert tl_launch._on_by_environment()
+    monkeypatch.setenv("SP_ATTENTION_PLAIN_LAUNCHES", "1")
+    assert not tl_launch._on_by_environment()
+
+
 def test_an_empty_hook_chain_is_no_launch_hook():
     class Chain:                    # Triton >= 3.5's knobs.runtime.launch_enter_hook default
         def __init__(self, calls):
