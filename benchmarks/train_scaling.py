@@ -164,6 +164,8 @@ def main() -> int:
                                        ).replace(ROOT + "/", ""), **summarize(log_json, t0)}
             if a.torchrun_args:
                 rec["torchrun_args"] = a.torchrun_args
+            if os.environ.get("SP_ATTENTION_PLAIN_LAUNCHES") == "1":
+                rec["launches"] = "triton"      # Triton's own path (sp_attention.triton_launch)
             rec.update(_estimate(log, rec.get("mem_gb")))
             if status != "ok":
                 failed += 1
