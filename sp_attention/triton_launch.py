@@ -31,6 +31,7 @@ a program such as train.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -123,25 +124,24 @@ class _Entry:
             *values.values(), stream=stream)
 
 
-def _jit_of(fn):
-    """The ``triton.jit`` function under autotune / heuristics wrappers."""
-    while not hasattr(fn, "add_pre_run_hook") and hasattr(fn, "fn"):
-        fn = fn.fn
-    return fn if hasattr(fn, "add_pre_run_hook") else None
+def _chain(fn) -> tuple:
+    """``(wrappers, jit)``: the ``triton.autotune`` / ``triton.heuristics`` wrappers from the
+    outside in, and the ``triton.jit`` function under them (None if there is none)."""
+    wrappers = []
+    while fn is not None and not hasattr(fn, "add_pre_run_hook"):
+        wrappers.append(fn)
+        fn = getattr(fn, "fn", None)
+    return wrappers, fn
 
 
 def _clock() -> float:
     return time.perf_counter()
 
 
-def _autotuners(fn) -> list:
-    """The ``triton.autotune`` wrappers around the JIT function (their ``cache``: key → config)."""
-    out = []
-    while fn is not None and not hasattr(fn, "add_pre_run_hook"):
-        if isinstance(getattr(fn, "cache", None), dict) and hasattr(fn, "configs"):
-            out.append(fn)
-        fn = getattr(fn, "fn", None)
-    return out
+def _autotuners(wrappers: list) -> list:
+    """The autotune wrappers (their ``cache``: key → config)."""
+    return [w for w in wrappers if isinstance(getattr(w, "cache", None), dict)
+            and hasattr(w, "configs")]
 
 
 def _report_slow(jit, took: float, runs: int, tuned: list) -> None:
@@ -155,14 +155,10 @@ def _report_slow(jit, took: float, runs: int, tuned: list) -> None:
                   SlowLaunchWarning, stacklevel=4)
 
 
-def _config_hooks(fn) -> bool:
-    """Whether a wrapper of ``fn`` runs a config ``pre_hook`` (run per call: not remembered)."""
-    while fn is not None and not hasattr(fn, "add_pre_run_hook"):
-        cfg = getattr(fn, "best_config", None)
-        if cfg is not None and getattr(cfg, "pre_hook", None) is not None:
-            return True
-        fn = getattr(fn, "fn", None)
-    return False
+def _config_hooks(wrappers: list) -> bool:
+    """Whether a wrapper runs a config ``pre_hook`` (run per call: not remembered)."""
+    return any(getattr(getattr(w, "best_config", None), "pre_hook", None) is not None
+               for w in wrappers)
 
 
 def _hooked(hook) -> bool:
@@ -171,15 +167,21 @@ def _hooked(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _launch_hooked() -> bool:
+@functools.lru_cache(maxsize=1)
+def _runtime_knobs():
     from triton import knobs
-    return _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
+    return knobs.runtime
+
+
+def _launch_hooked() -> bool:
+    runtime = _runtime_knobs()
+    return _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
 
 
 def _first_call(fn, grid, args: tuple, kwargs: dict) -> Optional[_Entry]:
     """Launch through Triton and capture what its JIT function was finally called with (the
     last call: an autotuner's benchmark runs come first)."""
-    jit = _jit_of(fn)
+    wrappers, jit = _chain(fn)
     if jit is None:
         fn[grid](*args, **kwargs)
         return None
@@ -191,7 +193,7 @@ def _first_call(fn, grid, args: tuple, kwargs: dict) -> Optional[_Entry]:
         if threading.get_ident() == me:
             seen[:] = [(a, kw)]
             runs[0] += 1
-    tuners = _autotuners(fn)
+    tuners = _autotuners(wrappers)
     known = [set(t.cache) for t in tuners]
     jit.add_pre_run_hook(hook)
     start = _clock()
@@ -203,7 +205,8 @@ def _first_call(fn, grid, args: tuple, kwargs: dict) -> Optional[_Entry]:
     if took >= SLOW_FIRST_LAUNCH_S:
         _report_slow(jit, took, runs[0], [k for t, old in zip(tuners, known)
                                           for k in t.cache if k not in old])
-    if not seen or kernel is None or not hasattr(kernel, "function") or _config_hooks(fn):
+    if not seen or kernel is None or not hasattr(kernel, "function") \
+            or _config_hooks(wrappers):
         return None
     a, kw = seen[0]
     names = tuple(jit.arg_names)
