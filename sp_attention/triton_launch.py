@@ -43,7 +43,7 @@ import torch
 from .caches import LRU
 
 __all__ = ["launch", "device_guard", "plain_launches", "remembered", "forget", "signature_key",
-           "SlowLaunchWarning", "SLOW_FIRST_LAUNCH_S"]
+           "SlowLaunchWarning", "SLOW_FIRST_LAUNCH_S", "disk_cached"]
 
 # A first launch that holds the host this long (compiling, autotuning) is reported once: on a
 # fresh machine it is what a slow first step is made of, and the key names what to ship.
@@ -57,6 +57,19 @@ class SlowLaunchWarning(UserWarning):
     ``sp_attention/linear/tuned/``)."""
 
 _ENTRIES = LRU(4096)
+
+
+def disk_cached() -> dict:
+    """``triton.autotune`` keywords that keep a kernel's tuning results in Triton's on-disk
+    cache, as fla's kernels do (``cache_results=True``; ``{}`` on a Triton without the
+    option). Without them Triton reads and writes that cache only under
+    ``TRITON_CACHE_AUTOTUNING=1``: every process autotuned our kernels again, and the results
+    the package ships (``sp_attention/linear/tuned/``) were never read."""
+    import inspect
+
+    import triton
+    return ({"cache_results": True}
+            if "cache_results" in inspect.signature(triton.autotune).parameters else {})
 
 
 def _on_by_environment() -> bool:

@@ -238,3 +238,15 @@ def test_remembered_launches_give_tritons_bits_gpu():
     for name, r, a, b, c in zip(("h", "ht", "o", "dh"), ref, first, again, off):
         for what, t in (("first", a), ("remembered", b), ("misaligned", c)):
             assert torch.equal(t, r), f"{name} {what}: not Triton's bits"
+
+
+def test_our_autotuners_keep_results_on_disk():
+    """Every autotuned kernel of the package reads and writes Triton's on-disk cache (where the
+    shipped results are installed) without ``TRITON_CACHE_AUTOTUNING=1``, as fla's do."""
+    pytest.importorskip("triton")
+    from sp_attention.linear import dqk_kernel, dv_kernel, kernels
+    from sp_attention.triton_launch import disk_cached
+    assert disk_cached() == {"cache_results": True}
+    tuners = [dv_kernel._dv_tuned, dqk_kernel._dqkdg_tuned, kernels._output_from_states_tuned,
+              kernels._entering_state_tuned, kernels._decayed_state_sum_tuned]
+    assert all(t.cache_results for t in tuners)

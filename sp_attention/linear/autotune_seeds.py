@@ -81,6 +81,25 @@ def _cache_dir() -> Path:
         return Path.home() / ".triton" / "cache"
 
 
+def _cache_dirs() -> list[Path]:
+    """Every Triton cache this process may read from: Triton's (``TRITON_CACHE_DIR``, or its
+    default), and, while ``TRITON_CACHE_DIR`` is unset, the per-device folder torch's Inductor
+    sets it to when the process loads its first compiled kernel (e.g. Megatron's
+    ``torch.compile``'d fusions; ``/tmp/torchinductor_<user>/triton/<device>``): from then on
+    fla's and our kernels look their results up there. Measured on a fresh 4 × H200 (call 75):
+    with the results installed only in Triton's default folder, train.py's first step autotuned
+    fla's chunk-state kernels for ~37 s each and missed the shipped kernels."""
+    dirs = [_cache_dir()]
+    if not os.environ.get("TRITON_CACHE_DIR"):
+        try:
+            from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+            index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+            dirs.append(Path(triton_cache_dir(index)))
+        except (ImportError, AttributeError, RuntimeError):
+            pass
+    return list(dict.fromkeys(dirs))
+
+
 @functools.lru_cache(maxsize=1)
 def install_once() -> int:
     """:func:`install_autotune_seeds` for this machine, once per process (the fla path calls
@@ -114,13 +133,17 @@ def _group(data: bytes, entry: Path, present: set) -> bytes:
 def install_autotune_seeds(archive: Optional[Path] = None,
                            cache_dir: Optional[Path] = None) -> int:
     """Unpack ``archive`` (default: the shipped one matching this GPU, Triton and fla) into
-    ``cache_dir`` (default: Triton's cache); returns the number of files written (0 when
-    nothing matches this machine or every file was present). Group files of compiled kernels
-    are written last, pointing into ``cache_dir``."""
+    ``cache_dir`` (default: every cache of :func:`_cache_dirs`); returns the number of files
+    written (0 when nothing matches this machine or every file was present). Group files of
+    compiled kernels are written last, pointing into the cache they are in."""
     path = _seed_file() if archive is None else Path(archive)
     if path is None:
         return 0
-    root = _cache_dir() if cache_dir is None else Path(cache_dir)
+    roots = _cache_dirs() if cache_dir is None else [Path(cache_dir)]
+    return sum(_install(path, root) for root in roots)
+
+
+def _install(path: Path, root: Path) -> int:
     written = 0
     try:
         with tarfile.open(path) as tar:

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_launch import device_guard, launch
+from ..triton_launch import device_guard, disk_cached, launch
 __all__ = ["chunk_dqkdg", "DQK_CANDIDATES", "DQK_TUNED", "MIN_BLOCK_K", "tuned_configs", "block_k_of"]
 
 
@@ -224,7 +224,8 @@ def block_k_of(K: int, block_k: int | None = None) -> int:
 
 _KEY = ["H", "K", "V", "BT", "BK", "PRECISION", "IS_VARLEN", "GATED", "ARRIVING"]
 _dqkdg_tuned = triton.autotune(configs=[DQK_CANDIDATES[i] for i in DQK_TUNED], key=_KEY,
-                               prune_configs_by={"early_config_prune": _prune})(_dqkdg_kernel)
+                               prune_configs_by={"early_config_prune": _prune},
+                               **disk_cached())(_dqkdg_kernel)
 
 
 def chunk_dqkdg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,

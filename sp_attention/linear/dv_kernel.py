@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_launch import device_guard, launch
+from ..triton_launch import device_guard, disk_cached, launch
 __all__ = ["chunk_dv", "DV_CANDIDATES"]
 
 
@@ -110,8 +110,8 @@ DV_CANDIDATES = [
 ]
 DV_TUNED = [1, 2, 3, 4, 5, 7]
 _dv_tuned = triton.autotune(configs=[DV_CANDIDATES[i] for i in DV_TUNED],
-                            key=["H", "K", "V", "BT", "PRECISION", "GATED", "ARRIVING"])(
-    _dv_kernel)
+                            key=["H", "K", "V", "BT", "PRECISION", "GATED", "ARRIVING"],
+                            **disk_cached())(_dv_kernel)
 
 
 def chunk_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dh: torch.Tensor,

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ..caches import to_device
-from ..triton_launch import device_guard, launch
+from ..triton_launch import device_guard, disk_cached, launch
 from .gates import GateSums, suffix_sums
 
 # Candidate configs (BK, BV, warps, stages); pass ``config=`` to force one. Measured on an H200
@@ -141,7 +141,7 @@ def _output_from_states_kernel(q, k, v, h, s_in, g_gamma, gc, prefix, o, scale, 
 
 # Autotuned on the GPU; Triton's CPU interpreter has no benchmarker, so there the first config
 # is used as it is.
-_output_from_states_tuned = triton.autotune(configs=_CONFIGS,
+_output_from_states_tuned = triton.autotune(configs=_CONFIGS, **disk_cached(),
                                            key=["H", "K", "V", "BT", "PRECISION", "USE_G"])(
     _output_from_states_kernel)
 
@@ -256,7 +256,7 @@ ENTERING_CANDIDATES = [
     triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=st)
     for bk, bv, w, st in ((64, 64, 4, 2), (128, 64, 4, 1), (128, 128, 8, 1), (64, 128, 4, 2))
 ]
-_entering_state_tuned = triton.autotune(configs=ENTERING_CANDIDATES,
+_entering_state_tuned = triton.autotune(configs=ENTERING_CANDIDATES, **disk_cached(),
                                         key=["H", "K", "V", "BT", "PRECISION", "USE_G"],
                                         restore_value=["o"])(_entering_state_kernel)
 
@@ -428,7 +428,7 @@ STATE_CANDIDATES = [
 # gradient 0.159 ms (candidate 5: 0.241), gated end state 0.166 (0.238), fixed slopes 0.137
 # (0.160); 4 and 5 stay for other shapes, 0 is what Triton's CPU interpreter runs.
 _STATE_CONFIGS = [STATE_CANDIDATES[i] for i in (19, 0, 4, 5)]
-_decayed_state_sum_tuned = triton.autotune(configs=_STATE_CONFIGS,
+_decayed_state_sum_tuned = triton.autotune(configs=_STATE_CONFIGS, **disk_cached(),
                                            key=["H", "K", "V", "USE_G", "PIECES"])(
     _decayed_state_sum_kernel)
 

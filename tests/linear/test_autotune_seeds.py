@@ -158,3 +158,25 @@ def test_shipped_kernels_keep_their_cache_keys():
     assert not moved, ("these kernels no longer match the shipped archive's compiled binaries "
                        "and autotune results (fresh machines compile and tune them again):\n"
                        + "\n".join(moved))
+
+
+def test_installs_where_inductor_moves_tritons_cache(tmp_path, monkeypatch):
+    """With ``TRITON_CACHE_DIR`` unset, torch's Inductor points it at its own per-device folder
+    when a process loads its first compiled kernel (Megatron's fusions in train.py); the
+    results and kernels go to Triton's default folder and to that one, so the lookups after the
+    switch find them too. With it set, only there."""
+    pytest = __import__("pytest")
+    pytest.importorskip("triton")
+    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    dirs = autotune_seeds._cache_dirs()
+    assert dirs == [tmp_path / "home" / ".triton" / "cache", Path(triton_cache_dir(0))]
+    assert dirs[1].is_relative_to(tmp_path / "inductor")
+    arch = _archive(tmp_path / "a.tgz", {"ABC/k.autotune.json": b"{}"})
+    assert autotune_seeds.install_autotune_seeds(arch) == 2
+    assert all((d / "ABC" / "k.autotune.json").is_file() for d in dirs)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    assert autotune_seeds._cache_dirs() == [tmp_path / "mine"]
+    assert autotune_seeds.install_autotune_seeds(arch) == 1
