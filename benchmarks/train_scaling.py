@@ -14,7 +14,7 @@ after the other). ``mfu``, ``tokens_per_s``: means over the steps after the firs
 ``mem_gb``: the largest peak of any step (``mem_estimate_gb``: train.py's estimate printed
 before the run, ``estimate_over_measured``); ``first_step_s``: from the launch to the end of the
 first step (imports, model, the kernels' first compilation; ``--fresh-triton-cache`` gives
-each run an empty Triton cache, as on a fresh machine); ``command``: what ran. A run that
+each run empty Triton and Inductor caches, as on a fresh machine); ``command``: what ran. A run that
 fails or outlasts ``--timeout`` is recorded with its ``status`` and train.py's error.
 """
 from __future__ import annotations
@@ -66,6 +66,19 @@ def train_command(kind: str, lay: dict, *, preset: str, seq_length: int, train_i
     return cmd + list(extra)
 
 
+def fresh_caches(root: str) -> dict:
+    """The environment of a fresh machine's caches under ``root`` (created empty): Triton's
+    default folder ``root/home/.triton/cache`` (through ``TRITON_HOME``; ``TRITON_CACHE_DIR``
+    stays unset, as a user has it, so torch's Inductor moves it to its own per-device folder
+    on its first compiled kernel, as it does there) and Inductor's ``root/inductor``."""
+    os.makedirs(root, exist_ok=False)
+    env = {"TRITON_HOME": os.path.join(root, "home"),
+           "TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor")}
+    for d in env.values():
+        os.makedirs(d)
+    return env
+
+
 def summarize(log_json: str, t0: float = 0.0) -> dict:
     recs = [json.loads(line) for line in open(log_json) if line.strip()] \
         if os.path.exists(log_json) else []
@@ -97,9 +110,12 @@ def main() -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--no-side-by-side", action="store_true")
     p.add_argument("--fresh-triton-cache", nargs="?", const="", default=None, metavar="DIR",
-                   help="each run gets its own empty TRITON_CACHE_DIR, DIR/<kind>_<layout> "
-                        "(default: a temporary folder): a fresh machine's first step; the "
-                        "package still installs its shipped autotune results")
+                   help="each run gets its own empty caches under DIR/<kind>_<layout> "
+                        "(default: a temporary folder) as on a fresh machine: Triton's "
+                        "default folder (TRITON_HOME=…/home, TRITON_CACHE_DIR unset, as a "
+                        "user has it) and Inductor's (TORCHINDUCTOR_CACHE_DIR=…/inductor, "
+                        "where Inductor moves Triton's cache on its first compiled kernel); "
+                        "the package still installs its shipped autotune results")
     p.add_argument("--out", help="append the JSON lines to this file too")
     p.add_argument("--torchrun-args", default="", metavar="'FLAGS'",
                    help="more torchrun flags for every run, one string (e.g. '--numa-binding "
@@ -137,9 +153,9 @@ def main() -> int:
                                 launcher=a.torchrun_args.split())
             env = dict(os.environ)
             if a.fresh_triton_cache is not None:
-                cache = os.path.join(a.fresh_triton_cache or os.path.join(tmp, "triton"), tag)
-                os.makedirs(cache, exist_ok=False)
-                env["TRITON_CACHE_DIR"] = cache
+                env.update(fresh_caches(os.path.join(
+                    a.fresh_triton_cache or os.path.join(tmp, "triton"), tag)))
+                env.pop("TRITON_CACHE_DIR", None)
             if len(batch) > 1:
                 env["CUDA_VISIBLE_DEVICES"] = str(slot)
             if a.device == "cpu":

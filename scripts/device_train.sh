@@ -90,19 +90,21 @@ for step in ${*:-first_step scaling}; do
       # to sp_attention/linear/tuned/ after checking its size)
       seeds=$(ls sp_attention/linear/tuned/sm90_*.tgz | head -1)
       cp "$seeds" "$OUT/seeds_with_kernels.tgz"
-      for d in /tmp/first/*/*/; do     # /tmp/first/<kind>/<kind>_cp<P>: one run's cache
-        python3 scripts/harvest_triton_cache.py "$d" --into "$OUT/seeds_with_kernels.tgz"
+      # /tmp/first/<kind>/<kind>_cp<P>/: one run's Triton folder (home/.triton/cache) and the
+      # one Inductor moved it to (inductor/triton/<device>)
+      for d in /tmp/first/*/*/home/.triton/cache /tmp/first/*/*/inductor/triton/*; do
+        [ -d "$d" ] && python3 scripts/harvest_triton_cache.py "$d" --into "$OUT/seeds_with_kernels.tgz"
       done
       # later steps start from these kernels (as a second run on this machine would)
       mkdir -p "$HOME/.triton/cache"
-      for d in /tmp/first/*/*/; do cp -rn "$d". "$HOME/.triton/cache/" 2>/dev/null; done ;;
+      for d in /tmp/first/*/*/home/.triton/cache; do cp -rn "$d"/. "$HOME/.triton/cache/" 2>/dev/null; done ;;
     first_seeded)
-      # the first steps again in empty Triton and inductor caches with the package shipping
+      # the first steps again in empty Triton and Inductor caches with the package shipping
       # this machine's harvest (first_step's seeds_with_kernels.tgz): a fresh machine's first
       # step once those kernels are in the tree
       seeds=$(ls sp_attention/linear/tuned/sm90_*.tgz | head -1)
       cp "$OUT/seeds_with_kernels.tgz" "$seeds"
-      TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_seeded first_steps seeded ;;
+      first_steps seeded ;;
     scaling)
       python3 benchmarks/train_scaling.py --kinds $KINDS --layouts $(layouts) --seq-length "$SEQ" \
         --train-iters "$ITERS" --timeout "$T" --out "$OUT/train_scaling.jsonl" \

@@ -124,6 +124,23 @@ def test_training_benchmark_helpers():
     assert train_scaling.parse_layout("tp2cp2") == {"tp": 2, "cp": 2, "dp": 1}
 
 
+def test_fresh_caches_are_a_users_defaults(tmp_path, monkeypatch):
+    """--fresh-triton-cache: empty Triton and Inductor folders, TRITON_CACHE_DIR unset (as a
+    user has it), so Triton's default folder is the fresh one until Inductor moves it."""
+    pytest.importorskip("triton")
+    from benchmarks import train_scaling
+    env = train_scaling.fresh_caches(str(tmp_path / "run"))
+    assert sorted(env) == ["TORCHINDUCTOR_CACHE_DIR", "TRITON_HOME"]
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    import triton
+    assert triton.knobs.cache.dir == str(tmp_path / "run" / "home" / ".triton" / "cache")
+    assert not any((tmp_path / "run" / "inductor").iterdir())
+    with pytest.raises(FileExistsError):
+        train_scaling.fresh_caches(str(tmp_path / "run"))
+
+
 def test_train_scaling_reads_the_estimate_of_a_run_cut_short(tmp_path):
     """The memory estimate beside the measured peak: from the ``summary:`` line of a finished
     run, else from the line train.py prints before building the model (a run stopped at its
