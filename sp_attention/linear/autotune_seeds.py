@@ -26,7 +26,10 @@ Triton names each cache entry by a hash of its own version, the
 GPU target, the kernel source and the tuning key, so an entry can only ever be read by the
 exact Triton + fla + GPU it was made on; we still unpack only when those match. Existing files
 are never overwritten (a cache the user already tuned wins). Set
-``SP_ATTENTION_AUTOTUNE_SEEDS=0`` to skip it.
+``SP_ATTENTION_AUTOTUNE_SEEDS=0`` to skip it. Where: Triton's cache folder, and while
+``TRITON_CACHE_DIR`` is unset also the per-device folder torch's Inductor switches the process
+to on its first compiled kernel (:func:`_cache_dirs`; without it a fresh 4 × H200's first
+train.py step autotuned ~90 s of shipped keys).
 
 An archive may also hold **compiled kernels** (the first step's other cost on a fresh machine
 is compiling: ptxas on every rank at once; 55–125 s to the first training step measured on
