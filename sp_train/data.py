@@ -27,7 +27,7 @@ from megatron_patches.packing import pack_batch, packed_seq_params, rows_cu_seql
 from sp_attention import plan_packing, shard_position_ids, shard_sequence
 
 __all__ = ["Rows", "CopyTask", "TokenFile", "build_dataset", "packed_micro_batch",
-           "local_micro_batches", "pad_vocab",
+           "local_micro_batches", "check_labels", "pad_vocab",
            "dp_rows", "ENCODINGS", "PACKINGS", "load_tokenizer"]
 
 # How a --data-path file is read: "utf-8" (text; bytes that are not UTF-8 are an error naming
@@ -323,12 +323,25 @@ def build_dataset(args, tp: int):
                      args.data_encoding, packed)
 
 
+def check_labels(labels: torch.Tensor, tokens_used: int) -> None:
+    """Refuse label ids outside ``[0, tokens_used)`` (other than IGNORE; the model's vocabulary
+    holds at least the data's ``tokens_used``, ``setup.model_vocab``) while they are on the
+    host: the loss then need not read a check back from the GPU mid-step
+    (``loss.linear_cross_entropy(check_labels=False)``)."""
+    bad = (labels != IGNORE) & ((labels < 0) | (labels >= tokens_used))
+    if bool(bad.any()):
+        raise ValueError(f"labels outside the data's token ids [0, {tokens_used}) that are "
+                         f"not the ignore index ({IGNORE}): e.g. {int(labels[bad][0])}; the "
+                         "data reader produced ids its vocabulary does not hold")
+
+
 def local_micro_batches(data, step: int, args, layout, groups, cp_ctx, device):
     """train.py's micro-batches of ``step`` on this rank (``args``: its TrainArgs): rows of its
-    DP rank, tokens of its CP shard.
+    DP rank, tokens of its CP shard, their labels checked on the host (:func:`check_labels`).
     Packed documents: a micro-batch's rows end to end as one row, cut by its packing plan,
     with Megatron's THD parameters for the model (None otherwise)."""
     rows = data.batch(step, args.global_batch_size, groups.dp_rank, layout.dp)
+    check_labels(rows.labels, data.tokens_used)
     position_ids = shard_position_ids(args.seq_length, cp_ctx).unsqueeze(0)
     out = []
     for i in range(layout.num_micro_batches):

@@ -154,23 +154,27 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if need_h:
             _tp_all_reduce(dh, cfg)                    # sum of the vocabulary shares
         fctx.save_for_backward(dh, None if dW is None else dW.to(weight.dtype))
+        fctx.on_gpu = cfg.use_triton
         fctx.mark_non_differentiable(losses)
         return losses.sum(), losses
 
     @staticmethod
     def backward(fctx, grad_sum, _grad_losses):
         dh, dW = fctx.saved_tensors
-        # a Python float: the kernels scale in fp32 (a 16-bit copy of the scale would put a
-        # ~0.3 % error on every gradient); one host sync per call
+        # the scale in fp32 (a 16-bit copy of it would put a ~0.3 % error on every gradient):
+        # on CUDA read on the device (no host sync between the forward and the backward);
+        # elsewhere a Python float
+        if fctx.on_gpu:
+            from .loss_kernels import scaled
+            return (None if dh is None else scaled(dh, grad_sum),
+                    None if dW is None else scaled(dW, grad_sum), None, None)
         scale = float(grad_sum)
-        if dh is not None:
-            dh = dh * scale
-        if dW is not None:
-            dW = dW * scale
-        return dh, dW, None, None
+        return (None if dh is None else dh * scale, None if dW is None else dW * scale,
+                None, None)
 
 
-def _check(hidden, weight, labels, ignore_index, chunk_tokens, tp_size) -> None:
+def _check(hidden, weight, labels, ignore_index, chunk_tokens, tp_size,
+           check_labels: bool = True) -> None:
     if hidden.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"hidden must be [T, h] and weight [V/TP, h]; got "
                          f"{tuple(hidden.shape)} and {tuple(weight.shape)} (flatten the "
@@ -187,6 +191,8 @@ def _check(hidden, weight, labels, ignore_index, chunk_tokens, tp_size) -> None:
                          "cast one (the output layer runs in the model's dtype)")
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1 (or None: by memory)")
+    if not check_labels:
+        return
     vocab = weight.shape[0] * tp_size
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
     if bool(bad.any()):
@@ -198,7 +204,8 @@ def _check(hidden, weight, labels, ignore_index, chunk_tokens, tp_size) -> None:
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                          ignore_index: int = -100, tp_group: Optional[dist.ProcessGroup] = None,
                          chunk_tokens: Optional[int] = None,
-                         use_triton: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         use_triton: Optional[bool] = None,
+                         check_labels: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token cross entropies of ``hidden @ weight.T`` against ``labels``, chunked.
 
     Args:
@@ -212,6 +219,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
             ≤ 2^30 values).
         use_triton: the fused row kernels of :mod:`.loss_kernels` (CUDA, 16-bit/fp32);
             None: on CUDA tensors. The torch path computes in fp32 (fp64 for fp64 inputs).
+        check_labels: raise for labels outside ``[0, V)`` (not ``ignore_index``); reading that
+            on the host syncs with a CUDA device in the middle of the step — pass False when
+            the labels were checked before they were copied there (train.py checks its
+            batches on the host: :func:`sp_train.data.check_labels`).
 
     Returns:
         ``(loss_sum, token_losses)``: the differentiable 0-d sum over kept tokens (fp32; fp64
@@ -221,7 +232,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         under TP ``hidden``'s gradient is already summed over the group.
     """
     tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
-    _check(hidden, weight, labels, ignore_index, chunk_tokens, tp_size)
+    _check(hidden, weight, labels, ignore_index, chunk_tokens, tp_size, check_labels)
     tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
     if use_triton is None:
         use_triton = hidden.is_cuda and hidden.dtype != torch.float64
@@ -282,7 +293,8 @@ def step_token_count(micro_batches, dp_cp_group) -> float:
 
 def micro_batch_loss(model, tokens, positions, labels, mask, *, impl: str, tp_group,
                      dp_cp_group, token_count: Optional[float] = None,
-                     chunk_tokens: Optional[int] = None, packed_seq_params=None) -> torch.Tensor:
+                     chunk_tokens: Optional[int] = None, packed_seq_params=None,
+                     check_labels: bool = True) -> torch.Tensor:
     """This rank's share of the step's global mean loss from one micro-batch
     (``[b, s/cp]`` tensors): ``Σ masked token losses / token_count``, ``token_count`` the
     step's loss tokens over all micro-batches and DP × CP ranks (:func:`step_token_count`;
@@ -295,6 +307,7 @@ def micro_batch_loss(model, tokens, positions, labels, mask, *, impl: str, tp_gr
     and :func:`linear_cross_entropy` / Liger-Kernel's fused linear cross entropy applies the
     output layer chunk by chunk. ``packed_seq_params``: Megatron's THD parameters of a packed
     micro-batch (``[1, L]`` tensors; ``megatron_patches.packing.pack_batch``), or None.
+    ``check_labels``: :func:`linear_cross_entropy`'s (False: checked on the host already).
     """
     keep = kept_tokens(labels, mask)
     if token_count is None:
@@ -317,5 +330,6 @@ def micro_batch_loss(model, tokens, positions, labels, mask, *, impl: str, tp_gr
                                                     ignore_index=IGNORE_INDEX, reduction="sum")
     else:
         loss_sum, _ = linear_cross_entropy(hidden, weight, target, ignore_index=IGNORE_INDEX,
-                                           tp_group=tp_group, chunk_tokens=chunk_tokens)
+                                           tp_group=tp_group, chunk_tokens=chunk_tokens,
+                                           check_labels=check_labels)
     return loss_sum.float() / token_count

@@ -100,3 +100,27 @@ def chunk_triton(hc: torch.Tensor, weight: torch.Tensor, yc: torch.Tensor, cfg,
     launch(_grad_kernel, (c, triton.cdiv(V, bv)), z, z.stride(0), yc, lse, V, cfg.vocab_start,
            cfg.ignore_index, BV=bv, num_warps=8 if bv >= 2048 else 4)
     return loss, z
+
+
+# Below the row kernels, so that their lines (part of Triton's cache keys) stay put.
+@triton.jit
+def _scaled_kernel(x, s, out, n, BLOCK: tl.constexpr):
+    """``out = x · s`` in fp32, rounded once to ``out``'s dtype; ``s`` read on the device."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    v = tl.load(x + offs, mask=mask).to(tl.float32) * tl.load(s)
+    tl.store(out + offs, v.to(out.dtype.element_ty), mask=mask)
+
+
+def scaled(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``x * s`` for a 0-d fp32 tensor ``s`` on ``x``'s device, without reading ``s`` on the
+    host: each element in fp32, rounded once to ``x``'s dtype — what ``x * float(s)`` gives
+    (torch rounds a 0-d tensor operand to a 16-bit ``x``'s dtype first), minus the device
+    sync of ``float(s)``."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    n = x.numel()
+    block = 4096
+    launch(_scaled_kernel, (triton.cdiv(n, block),), x, s.reshape(1).to(torch.float32), out,
+           n, BLOCK=block)
+    return out

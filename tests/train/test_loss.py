@@ -164,3 +164,76 @@ def test_triton_kernels_on_gpu_bf16(vocab, chunk):
         for g, r in ((dh, hh.grad), (dw, ww.grad)):
             rms = float((g.float() - r).pow(2).mean().sqrt() / r.pow(2).mean().sqrt())
             assert rms < 1e-2, (name, rms)
+
+
+def _scaled_worker():
+    os.environ["TRITON_INTERPRET"] = "1"
+    from sp_train.loss_kernels import scaled
+    g = torch.Generator().manual_seed(5)
+    out = {}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = (torch.randn(5003, generator=g) * 3).to(dtype)
+        s = torch.tensor(1 / 3072.0 / 7, dtype=torch.float32)
+        got, want = scaled(x, s), x * float(s)
+        if dtype == torch.bfloat16:     # the interpreter rounds fp32 -> bf16 toward zero
+            ulp = want.float().abs() * 2.0 ** -7
+            out[str(dtype)] = bool(((got.float() - want.float()).abs() <= ulp).all())
+        else:
+            out[str(dtype)] = bool(torch.equal(got, want))
+    return out
+
+
+def test_gradient_scale_read_on_the_device_is_exact():
+    """The loss's backward scales by the incoming gradient without a host sync
+    (``loss_kernels.scaled``): what ``x * float(s)`` gives — bit for bit in fp16 and fp32 here,
+    within the last bf16 bit (Triton's CPU interpreter truncates to bf16 where the GPU rounds;
+    ``-m gpu`` below checks bf16 bit for bit on a GPU). A separate process: the interpreter is
+    chosen when Triton's kernels are imported."""
+    pytest.importorskip("triton", reason="triton is in the `test` extra; install it to run this")
+    import multiprocessing as mp
+    with mp.get_context("spawn").Pool(1) as pool:
+        got = pool.apply(_scaled_worker)
+    assert got and all(got.values()), got
+
+
+def test_train_checks_labels_on_the_host():
+    """train.py's batches are checked before they reach the device, so its loss skips the
+    device-side check (a host sync mid-step); a bad id is refused with the fix named."""
+    from sp_train.data import IGNORE, check_labels
+    check_labels(torch.tensor([[0, 5, IGNORE, 9]]), 10)
+    with pytest.raises(ValueError, match=r"\[0, 10\).*e\.g\. 10"):
+        check_labels(torch.tensor([[0, 10, IGNORE]]), 10)
+    with pytest.raises(ValueError, match="e.g. -3"):
+        check_labels(torch.tensor([[-3]]), 10)
+    from sp_train.loss import linear_cross_entropy
+    hidden, weight = torch.randn(3, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="outside"):
+        linear_cross_entropy(hidden, weight, torch.tensor([0, 6, 1]))
+    linear_cross_entropy(hidden, weight, torch.tensor([0, 1, 1]), check_labels=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+def test_gpu_backward_scale_matches_the_host_scale():
+    """On a GPU the loss's backward reads the incoming gradient on the device: bit for bit what
+    the scale read on the host gives (``x * float(s)``), and the loss's gradients through it
+    equal those of the torch path's host scale."""
+    from sp_train.loss_kernels import scaled
+    torch.manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(1 << 20, device="cuda").to(dtype)
+        s = torch.tensor(1 / 32768.0 / 3, device="cuda")
+        assert torch.equal(scaled(x, s), x * float(s))
+    from sp_train.loss import linear_cross_entropy
+    hidden = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16)
+    weight = (0.05 * torch.randn(1000, 256, device="cuda")).to(torch.bfloat16)
+    labels = torch.randint(0, 1000, (4096,), device="cuda")
+    grads = []
+    for scale in (1.0, 1 / 3000.0):         # the incoming gradient: 1, then a mean's 1/n
+        hh, ww = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        loss, _ = linear_cross_entropy(hh, ww, labels, check_labels=False)
+        (loss * scale).backward()
+        grads.append((hh.grad, ww.grad))
+    (dh1, dw1), (dh, dw) = grads
+    dh2, dw2 = dh1 * (1 / 3000.0), dw1 * (1 / 3000.0)      # the scale read on the host
+    assert torch.equal(dh, dh2) and torch.equal(dw, dw2)
