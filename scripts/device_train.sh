@@ -3,7 +3,7 @@
 # rows and logs under $OUT (the device tool's output folder; ./device-out elsewhere), packed
 # into $OUT/all.tgz after every step. Usage on a GPU machine:
 #   bash scripts/device_train.sh [first_step [first_seeded]] [scaling] [launcher] [hf] [parity] [slurm]
-#     first_step  the first step of each model kind at CP = P in an empty Triton cache (a fresh
+#     first_step  the first step of each model kind at CP = P in empty Triton + Inductor caches (a fresh
 #                 machine; the package installs its shipped autotune results), the hybrid with
 #                 packed documents first; what Triton autotuned anyway -> autotune_new.tgz,
 #                 the shipped archive plus the compiled kernels -> seeds_with_kernels.tgz
