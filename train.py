@@ -48,6 +48,7 @@ from sp_train.setup import (build_model, build_optimizer, check_memory, count_pa
                             load_hf, memory_capacity, memory_margin_warning, model_vocab,
                             planned_softmax_preset, resolve_auto_recompute, schedule_picks)
 from sp_attention import build_sp_context, release_cuda_graphs
+from sp_attention.linear.autotune_seeds import install_once
 
 
 def rank0_print(*a) -> None:
@@ -136,6 +137,10 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
     hooks = TrainHooks() if hooks is None else hooks
     args = parse_args(argv)                       # bad flags fail here, on every rank
     rank, world, device = init_distributed(args.distributed_timeout_minutes)
+    if device.type == "cuda":
+        # the shipped Triton results and kernels (the softmax merge's and the loss's too, which
+        # a model without linear layers would otherwise compile) before anything compiles
+        install_once()
     layout = args.layout(world)                   # world-size checks, still before collectives
     auto_recompute = args.recompute_granularity == "auto"
     if not auto_recompute:
