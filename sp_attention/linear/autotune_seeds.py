@@ -106,7 +106,7 @@ def _cache_dirs() -> list[Path]:
 @functools.lru_cache(maxsize=1)
 def install_once() -> int:
     """:func:`install_autotune_seeds` for this machine, once per process (the fla path calls
-    it before its first kernel)."""
+    it before its first kernel; train.py at its start on GPUs)."""
     return install_autotune_seeds()
 
 
