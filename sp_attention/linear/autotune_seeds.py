@@ -94,12 +94,16 @@ def _cache_dirs() -> list[Path]:
     fla's chunk-state kernels for ~37 s each and missed the shipped kernels."""
     dirs = [_cache_dir()]
     if not os.environ.get("TRITON_CACHE_DIR"):
+        before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
         try:
             from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
             index = torch.cuda.current_device() if torch.cuda.is_available() else 0
             dirs.append(Path(triton_cache_dir(index)))
         except (ImportError, AttributeError, RuntimeError):
             pass
+        finally:        # torch's lookup also sets the variable: leave the environment as it was
+            if before is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
     return list(dict.fromkeys(dirs))
 
 

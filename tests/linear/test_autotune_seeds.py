@@ -174,6 +174,11 @@ def test_installs_where_inductor_moves_tritons_cache(tmp_path, monkeypatch):
     dirs = autotune_seeds._cache_dirs()
     assert dirs == [tmp_path / "home" / ".triton" / "cache", Path(triton_cache_dir(0))]
     assert dirs[1].is_relative_to(tmp_path / "inductor")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    default = autotune_seeds._cache_dirs()[1]
+    assert "TORCHINDUCTOR_CACHE_DIR" not in __import__("os").environ     # left as it was
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    assert default != dirs[1]
     arch = _archive(tmp_path / "a.tgz", {"ABC/k.autotune.json": b"{}"})
     assert autotune_seeds.install_autotune_seeds(arch) == 2
     assert all((d / "ABC" / "k.autotune.json").is_file() for d in dirs)
