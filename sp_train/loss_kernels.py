@@ -106,7 +106,7 @@ def chunk_triton(hc: torch.Tensor, weight: torch.Tensor, yc: torch.Tensor, cfg,
 @triton.jit
 def _scaled_kernel(x, s, out, n, BLOCK: tl.constexpr):
     """``out = x · s`` in fp32, rounded once to ``out``'s dtype; ``s`` read on the device."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)   # > 2^31 elements too
     mask = offs < n
     v = tl.load(x + offs, mask=mask).to(tl.float32) * tl.load(s)
     tl.store(out + offs, v.to(out.dtype.element_ty), mask=mask)
