@@ -45,10 +45,10 @@ from sp_train.progress import (Progress, claim_log_dir, describe_attention, flop
                                log_dir_refusal, peak_flops, plot_losses, read_log,
                                release_log_dir)
 from sp_train.setup import (build_model, build_optimizer, check_memory, count_params, init_groups,
-                            load_hf, memory_capacity, memory_margin_warning, model_vocab,
-                            planned_softmax_preset, resolve_auto_recompute, schedule_picks)
+                            install_shipped_kernels, load_hf, memory_capacity,
+                            memory_margin_warning, model_vocab, planned_softmax_preset,
+                            resolve_auto_recompute, schedule_picks)
 from sp_attention import build_sp_context, release_cuda_graphs
-from sp_attention.linear.autotune_seeds import install_once
 
 
 def rank0_print(*a) -> None:
@@ -83,7 +83,7 @@ def train_step(model, optimizer, reducer, micro_batches, groups, args, lr, clip:
         loss = micro_batch_loss(model, tok, pos, lab, msk, impl=args.loss_impl,
                                 tp_group=groups.tp, dp_cp_group=groups.dp_cp,
                                 token_count=count, packed_seq_params=packed,
-                                check_labels=False)    # local_micro_batches checked them
+                                check_labels=False)     # checked on the host (data.py)
         if i == len(micro_batches) - 1:
             reducer.arm()                   # these gradients are final: buckets travel now
         loss.backward()
@@ -137,10 +137,7 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
     hooks = TrainHooks() if hooks is None else hooks
     args = parse_args(argv)                       # bad flags fail here, on every rank
     rank, world, device = init_distributed(args.distributed_timeout_minutes)
-    if device.type == "cuda":
-        # the shipped Triton results and kernels (the softmax merge's and the loss's too, which
-        # a model without linear layers would otherwise compile) before anything compiles
-        install_once()
+    install_shipped_kernels(device)               # before anything compiles
     layout = args.layout(world)                   # world-size checks, still before collectives
     auto_recompute = args.recompute_granularity == "auto"
     if not auto_recompute:

@@ -14,6 +14,7 @@ from megatron_patches.weights import load_hf_into, padded_vocab
 from sp_attention import DEFAULT_LAYOUT
 from sp_attention.cost.auto import softmax_preset_for_shape
 from sp_attention.cost.common import SoftmaxShape, Topology
+from sp_attention.linear.autotune_seeds import install_once
 
 from .args import Layout, TrainArgs, UsageError
 from .loss import default_chunk_tokens
@@ -217,6 +218,15 @@ def memory_capacity(device: torch.device) -> tuple[Optional[float], str]:
         return None, "RAM (unknown: no /proc/meminfo, no psutil; not checked)"
     share = f" / {ranks} ranks on this node" if ranks > 1 else ""
     return avail / ranks, f"available RAM per rank (MemAvailable {avail / GIB:.1f} GiB{share})"
+
+
+def install_shipped_kernels(device: torch.device) -> None:
+    """On GPUs, the package's shipped Triton autotune results and compiled kernels into this
+    process's Triton caches before anything compiles (``sp_attention.linear.autotune_seeds``):
+    the softmax merge's and the loss's kernels too, which a model without linear layers — the
+    only other caller is the linear path's first call — would otherwise compile anew."""
+    if device.type == "cuda":
+        install_once()
 
 
 def model_vocab(args: TrainArgs, data, tp: int) -> int:

@@ -546,3 +546,15 @@ def test_progress_tells_of_allocator_retries(monkeypatch, capsys):
                    peak=None, device=torch.device("cpu"), log_interval=1, log_json=None,
                    tensorboard_dir=None, bar=False)
     assert "alloc_retries" not in cpu.step(1, 1.0, 1.0, 1e-3)
+
+
+def test_train_installs_the_shipped_kernels_on_gpus_only(monkeypatch):
+    """train.py installs the package's shipped Triton results and kernels at its start on GPUs
+    (a softmax-only model has no linear call that would), nothing on CPU."""
+    from sp_train import setup
+    calls = []
+    monkeypatch.setattr(setup, "install_once", lambda: calls.append(1))
+    setup.install_shipped_kernels(torch.device("cpu"))
+    assert calls == []
+    setup.install_shipped_kernels(torch.device("cuda", 0))
+    assert calls == [1]
