@@ -26,6 +26,8 @@ from megatron_patches.options import UsageError
 from megatron_patches.packing import pack_batch, packed_seq_params, rows_cu_seqlens
 from sp_attention import plan_packing, shard_position_ids, shard_sequence
 
+from .loss import IGNORE_INDEX, check_label_ids
+
 __all__ = ["Rows", "CopyTask", "TokenFile", "build_dataset", "packed_micro_batch",
            "local_micro_batches", "check_labels", "pad_vocab",
            "dp_rows", "ENCODINGS", "PACKINGS", "load_tokenizer"]
@@ -35,7 +37,7 @@ __all__ = ["Rows", "CopyTask", "TokenFile", "build_dataset", "packed_micro_batch
 ENCODINGS = ("utf-8", "bytes")
 # --packing: rows of several documents with their boundaries, or rows of one sequence
 PACKINGS = ("documents", "none")
-IGNORE = -100
+IGNORE = IGNORE_INDEX             # the loss's ignore index
 
 
 class Rows(NamedTuple):
@@ -328,11 +330,7 @@ def check_labels(labels: torch.Tensor, tokens_used: int) -> None:
     holds at least the data's ``tokens_used``, ``setup.model_vocab``) while they are on the
     host: the loss then need not read a check back from the GPU mid-step
     (``loss.linear_cross_entropy(check_labels=False)``)."""
-    bad = (labels != IGNORE) & ((labels < 0) | (labels >= tokens_used))
-    if bool(bad.any()):
-        raise ValueError(f"labels outside the data's token ids [0, {tokens_used}) that are "
-                         f"not the ignore index ({IGNORE}): e.g. {int(labels[bad][0])}; the "
-                         "data reader produced ids its vocabulary does not hold")
+    check_label_ids(labels, tokens_used, IGNORE)
 
 
 def local_micro_batches(data, step: int, args, layout, groups, cp_ctx, device):

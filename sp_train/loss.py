@@ -154,7 +154,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if need_h:
             _tp_all_reduce(dh, cfg)                    # sum of the vocabulary shares
         fctx.save_for_backward(dh, None if dW is None else dW.to(weight.dtype))
-        fctx.on_gpu = cfg.use_triton
+        fctx.use_triton = cfg.use_triton
         fctx.mark_non_differentiable(losses)
         return losses.sum(), losses
 
@@ -164,7 +164,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # the scale in fp32 (a 16-bit copy of it would put a ~0.3 % error on every gradient):
         # on CUDA read on the device (no host sync between the forward and the backward);
         # elsewhere a Python float
-        if fctx.on_gpu:
+        if fctx.use_triton:
             from .loss_kernels import scaled
             return (None if dh is None else scaled(dh, grad_sum),
                     None if dW is None else scaled(dW, grad_sum), None, None)
@@ -191,9 +191,13 @@ def _check(hidden, weight, labels, ignore_index, chunk_tokens, tp_size,
                          "cast one (the output layer runs in the model's dtype)")
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1 (or None: by memory)")
-    if not check_labels:
-        return
-    vocab = weight.shape[0] * tp_size
+    if check_labels:
+        check_label_ids(labels, weight.shape[0] * tp_size, ignore_index)
+
+
+def check_label_ids(labels: torch.Tensor, vocab: int, ignore_index: int = -100) -> None:
+    """Raise for label ids outside ``[0, vocab)`` that are not ``ignore_index`` (one read of the
+    result on the host: a device sync for CUDA labels)."""
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
     if bool(bad.any()):
         raise ValueError(f"labels outside [0, {vocab}) that are not ignore_index "
