@@ -35,10 +35,12 @@ import torch.distributed as dist  # noqa: E402
 from sp_train import checkpoint as ckpt  # noqa: E402
 from sp_train.args import TrainArgs, UsageError, parse_args  # noqa: E402
 from sp_train.cuda_graphs import LayerGraphs
-from sp_train.data import build_dataset, local_micro_batches
-from sp_train.launch import (BAD_INPUT_EXIT_STATUS, STOP_SIGNALS, StopSignals,
-                                             TrainHooks, init_distributed, say_bad_input)
-from sp_train.loss import check_loss_impl, micro_batch_loss, step_token_count
+from sp_train.data import (build_dataset, host_micro_batches, local_micro_batches,
+                           upload_micro_batches)
+from sp_train.launch import (BAD_INPUT_EXIT_STATUS, StopSignals, TrainHooks, agree_step,
+                             init_distributed, say_bad_input)
+from sp_train.loss import (check_loss_impl, local_token_count, micro_batch_loss,
+                           step_token_count)
 from sp_train.manual_gc import ManualGC
 from sp_train.optim import lr_at
 from sp_train.progress import (Progress, claim_log_dir, describe_attention, flops_per_token,
@@ -49,6 +51,7 @@ from sp_train.setup import (build_model, build_optimizer, check_memory, count_pa
                             memory_margin_warning, model_vocab, planned_softmax_preset,
                             resolve_auto_recompute, schedule_picks)
 from sp_attention import build_sp_context, release_cuda_graphs
+from sp_attention.tokens import require_real_tokens
 
 
 def rank0_print(*a) -> None:
@@ -71,13 +74,14 @@ def checked_resume_point(args: TrainArgs, layout) -> Optional[str]:
     return path
 
 
-def train_step(model, optimizer, reducer, micro_batches, groups, args, lr, clip: float,
-               graphs: Optional[LayerGraphs] = None):
-    """Forward/backward over the micro-batches, gradient sum over DP × CP (``reducer``: in the
-    last backward), optimizer step. Returns (this rank's loss share, gradient norm).
-    ``graphs``: the layers replayed from CUDA graphs (``--cuda-graphs``), if any."""
+def train_step(model, optimizer, reducer, micro_batches, count: float, groups, args, lr,
+               clip: float, graphs: Optional[LayerGraphs] = None):
+    """Forward/backward over the micro-batches (``count``: the step's loss tokens over all
+    ranks), gradient sum over DP × CP (``reducer``: in the last backward), optimizer step.
+    Returns (this rank's loss share, gradient norm). ``graphs``: the layers replayed from CUDA
+    graphs (``--cuda-graphs``), if any."""
+    require_real_tokens(count)              # refused before any of the step's work
     share = torch.zeros((), dtype=torch.float64, device=micro_batches[0][0].device)
-    count = step_token_count(micro_batches, groups.dp_cp)   # the step's loss tokens, all ranks
     for i, (tok, pos, lab, msk, packed) in enumerate(micro_batches):
         # this rank's share of the step's global token mean (--loss-impl picks the loss)
         loss = micro_batch_loss(model, tok, pos, lab, msk, impl=args.loss_impl,
@@ -89,19 +93,8 @@ def train_step(model, optimizer, reducer, micro_batches, groups, args, lr, clip:
         loss.backward()
         if graphs is not None and i < len(micro_batches) - 1:
             graphs.own_grads()              # the next replay would write over these
-        share += loss.detach().double()     # stays on the device: agree() syncs once a step
+        share += loss.detach().double()     # stays on the device: agree_step() reads it
     return share, optimizer.step(lr, clip, reducer.finish())   # fp32 sums, or None: .grad
-
-
-def agree(share: torch.Tensor, signum: Optional[int], tp: int) -> tuple[float, Optional[int]]:
-    """One all-reduce over all ranks: the global mean loss (each DP×CP share is held by all TP
-    ranks) and the signal that stops the run if any rank got one (SIGTERM before SIGINT)."""
-    device = share.device if dist.get_backend() == "nccl" else torch.device("cpu")
-    flags = [float(signum == s) for s in STOP_SIGNALS]
-    v = torch.cat([(share.to(device) / tp).view(1),
-                   torch.tensor(flags, dtype=torch.float64, device=device)])
-    dist.all_reduce(v)
-    return float(v[0]), next((s for s, n in zip(STOP_SIGNALS, v[1:]) if n > 0), None)
 
 
 def claim_logs(args: TrainArgs, data, fresh: bool) -> None:
@@ -227,15 +220,23 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
     model.train()
     try:
         with ManualGC(args.manual_gc, args.manual_gc_interval) as collector:
+            if step < args.train_iters:     # the first step's data and loss tokens, all ranks
+                batches = local_micro_batches(data, step, args, layout, groups, cp_ctx, device)
+                count = step_token_count(batches, groups.dp_cp)
             while step < args.train_iters and not stopped:
                 lr = lr_at(step, args.lr, args.min_lr, args.lr_warmup_iters, args.train_iters)
-                batches = local_micro_batches(data, step, args, layout, groups, cp_ctx, device)
-                share, gnorm = train_step(model, optimizer, reducer, batches, groups, args, lr,
-                                          args.clip_grad, graphs)
+                share, gnorm = train_step(model, optimizer, reducer, batches, count, groups,
+                                          args, lr, args.clip_grad, graphs)
                 step += 1
                 if hooks.after_step is not None:
                     hooks.after_step(step)
-                loss, signals.stopped_by = agree(share, signals.signum, layout.tp)
+                # the next step's data made while the GPU finishes this one, its token count
+                # with the loss, uploaded after (no host work of its own between the steps)
+                nxt = (host_micro_batches(data, step, args, layout, groups, cp_ctx)
+                       if step < args.train_iters else batches)
+                loss, count, signals.stopped_by = agree_step(share, signals.signum, layout.tp,
+                                                             local_token_count(nxt))
+                batches = upload_micro_batches(nxt, device)
                 stopped = signals.stopped_by is not None
                 progress.step(step, loss, gnorm, lr)
                 collector.after_step(step)

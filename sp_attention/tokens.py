@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["global_token_mean", "global_token_count", "group_size"]
+__all__ = ["global_token_mean", "global_token_count", "require_real_tokens", "group_size"]
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -68,7 +68,12 @@ def global_token_count(mask: torch.Tensor, group: Optional[dist.ProcessGroup] = 
     if group_size(group) > 1:
         count = count.clone()
         dist.all_reduce(count, group=group)
-    total = float(count.item())
+    return require_real_tokens(float(count.item()))
+
+
+def require_real_tokens(total: float) -> float:
+    """``total`` (a global count of real tokens), refused when it is not positive: a loss mean
+    over no token. The same on every rank when ``total`` is an all-reduced count."""
     if total <= 0:
         raise ValueError("no real token in the global batch (every label is masked); check the "
                          "labels, the padding mask and ignore_index")

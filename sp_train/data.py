@@ -25,11 +25,13 @@ import torch
 from megatron_patches.options import UsageError
 from megatron_patches.packing import pack_batch, packed_seq_params, rows_cu_seqlens
 from sp_attention import plan_packing, shard_position_ids, shard_sequence
+from sp_attention.caches import to_device
 
 from .loss import IGNORE_INDEX, check_label_ids
 
 __all__ = ["Rows", "CopyTask", "TokenFile", "build_dataset", "packed_micro_batch",
-           "local_micro_batches", "check_labels", "pad_vocab",
+           "local_micro_batches", "host_micro_batches", "upload_micro_batches",
+           "check_labels", "pad_vocab",
            "dp_rows", "ENCODINGS", "PACKINGS", "load_tokenizer"]
 
 # How a --data-path file is read: "utf-8" (text; bytes that are not UTF-8 are an error naming
@@ -333,11 +335,13 @@ def check_labels(labels: torch.Tensor, tokens_used: int) -> None:
     check_label_ids(labels, tokens_used, IGNORE)
 
 
-def local_micro_batches(data, step: int, args, layout, groups, cp_ctx, device):
-    """train.py's micro-batches of ``step`` on this rank (``args``: its TrainArgs): rows of its
-    DP rank, tokens of its CP shard, their labels checked on the host (:func:`check_labels`).
-    Packed documents: a micro-batch's rows end to end as one row, cut by its packing plan,
-    with Megatron's THD parameters for the model (None otherwise)."""
+def host_micro_batches(data, step: int, args, layout, groups, cp_ctx) -> list:
+    """train.py's micro-batches of ``step`` on this rank, on the host (``args``: its
+    TrainArgs): ``(tokens, position_ids, labels, loss_mask, packed_seq_params)`` per
+    micro-batch, rows of its DP rank, tokens of its CP shard, their labels checked
+    (:func:`check_labels`). Packed documents: a micro-batch's rows end to end, cut by its
+    packing plan, with Megatron's THD parameters for the model (None otherwise). Built while
+    the GPU still runs the step before; :func:`upload_micro_batches` moves them."""
     rows = data.batch(step, args.global_batch_size, groups.dp_rank, layout.dp)
     check_labels(rows.labels, data.tokens_used)
     position_ids = shard_position_ids(args.seq_length, cp_ctx).unsqueeze(0)
@@ -345,10 +349,21 @@ def local_micro_batches(data, step: int, args, layout, groups, cp_ctx, device):
     for i in range(layout.num_micro_batches):
         mb = slice(i * layout.micro_batch_size, (i + 1) * layout.micro_batch_size)
         if rows.cu_seqlens is not None:
-            out.append(packed_micro_batch(rows, mb, cp_ctx, device,
+            out.append(packed_micro_batch(rows, mb, cp_ctx, None,
                                           local_only=args.local_attention_only))
             continue
-        tok, lab, msk = (shard_sequence(x[mb], cp_ctx, dim=1).to(device) for x in rows[:3])
-        pos = position_ids.expand(tok.shape[0], -1).to(device)
-        out.append((tok, pos, lab, msk, None))
+        tok, lab, msk = (shard_sequence(x[mb], cp_ctx, dim=1) for x in rows[:3])
+        out.append((tok, position_ids.expand(tok.shape[0], -1), lab, msk, None))
     return out
+
+
+def upload_micro_batches(micro_batches: list, device) -> list:
+    """:func:`host_micro_batches`' tensors on ``device`` (the packing parameters' boundaries
+    stay on the host, where the attention reads them)."""
+    return [tuple(to_device(x, device) for x in mb[:4]) + (mb[4],) for mb in micro_batches]
+
+
+def local_micro_batches(data, step: int, args, layout, groups, cp_ctx, device):
+    """:func:`host_micro_batches` on ``device``."""
+    return upload_micro_batches(host_micro_batches(data, step, args, layout, groups, cp_ctx),
+                                device)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["map_slurm_env", "first_host", "init_distributed", "StopSignals", "TrainHooks",
-           "STOP_SIGNALS", "say_bad_input",
+           "STOP_SIGNALS", "say_bad_input", "agree_step",
            "STOP_EXIT_STATUS", "BAD_INPUT_EXIT_STATUS"]
 
 # The signals that stop a run cleanly (agreed across ranks, checkpoint saved), in the order
@@ -102,6 +102,23 @@ def init_distributed(timeout_minutes: int = 10) -> tuple[int, int, torch.device]
     else:
         device = torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def agree_step(share: torch.Tensor, signum: Optional[int], tp: int,
+               next_tokens: torch.Tensor) -> tuple[float, float, Optional[int]]:
+    """After a step, one all-reduce over all ranks — the step's one wait for the GPU: the
+    global mean loss (``share``: this rank's part; each DP × CP share is held by all TP
+    ranks), the next step's loss tokens over DP × CP (``next_tokens``: this rank's count, the
+    same on every TP rank) and the signal that stops the run if any rank got one (SIGTERM
+    before SIGINT). Returns ``(loss, tokens, signal or None)``, the same on every rank."""
+    device = share.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    flags = [float(signum == s) for s in STOP_SIGNALS]
+    v = torch.cat([(share.to(device) / tp).view(1), (next_tokens.to(device) / tp).view(1),
+                   torch.tensor(flags, dtype=torch.float64, device=device)])
+    dist.all_reduce(v)
+    loss, tokens, *got = v.tolist()          # a count of whole tokens: exact once rounded
+    return loss, float(round(tokens)), next((s for s, n in zip(STOP_SIGNALS, got) if n > 0),
+                                            None)
 
 
 @dataclass

@@ -41,7 +41,7 @@ from sp_attention.tokens import global_token_count
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_ref", "default_chunk_tokens",
            "LOSS_IMPLS", "CHUNK_ELEMENTS", "check_loss_impl", "micro_batch_loss",
-           "step_token_count", "kept_tokens"]
+           "step_token_count", "local_token_count", "kept_tokens"]
 
 # Budget of one chunk's logits: 2^30 elements (at V = 128256: 8192 tokens, 2 GiB in bf16 on
 # the Triton path; 4 GiB fp32 + 2 GiB bf16 on the torch path). Each chunk adds its dW into
@@ -286,13 +286,18 @@ def kept_tokens(labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return mask * (labels != IGNORE_INDEX).to(mask.dtype)
 
 
+def local_token_count(micro_batches) -> torch.Tensor:
+    """This rank's loss tokens over a step's micro-batches, a 0-d fp64 tensor where they are
+    (nothing read back): summed over DP × CP it is :func:`step_token_count`."""
+    return torch.stack([kept_tokens(mb[2], mb[3]).sum() for mb in micro_batches]).double().sum()
+
+
 def step_token_count(micro_batches, dp_cp_group) -> float:
     """The step's loss tokens over all its micro-batches and the DP × CP ranks (one
     all-reduce): what every micro-batch's loss sum is divided by, so the shares add up to the
     step's global token mean however many loss tokens each micro-batch holds (packed rows
     differ)."""
-    keep = torch.stack([kept_tokens(mb[2], mb[3]).sum() for mb in micro_batches])
-    return global_token_count(keep, dp_cp_group)
+    return global_token_count(local_token_count(micro_batches).view(1), dp_cp_group)
 
 
 def micro_batch_loss(model, tokens, positions, labels, mask, *, impl: str, tp_group,

@@ -177,6 +177,32 @@ def test_packed_text_data_and_micro_batches(tmp_path):
     assert isinstance(rows, Rows)
 
 
+@pytest.mark.parametrize("packing", ["none", "documents"])
+def test_host_micro_batches_then_upload_are_the_step_s_batches(packing):
+    """train.py makes the next step's micro-batches on the host while the GPU runs the step
+    before and counts their loss tokens there: the same tensors, and the same count, as the
+    uploaded batches give; packing parameters stay on the host."""
+    from types import SimpleNamespace
+    from sp_attention import build_sp_context
+    from sp_train.data import host_micro_batches, local_micro_batches, upload_micro_batches
+    from sp_train.loss import local_token_count
+    args = parse_args(["--seq-length", "64", "--global-batch-size", "4", "--micro-batch-size",
+                       "2", "--packing", packing])
+    data = CopyTask(64, args.copy_vocab, 0, 1, None, packing == "documents")
+    layout = SimpleNamespace(dp=1, micro_batch_size=2, num_micro_batches=2)
+    groups = SimpleNamespace(dp_rank=0)
+    ctx = build_sp_context(None)
+    host = host_micro_batches(data, 3, args, layout, groups, ctx)
+    up = upload_micro_batches(host, torch.device("cpu"))
+    ref = local_micro_batches(data, 3, args, layout, groups, ctx, torch.device("cpu"))
+    assert len(host) == len(ref) == 2
+    for h, u, r in zip(host, up, ref):
+        for a, b, c in zip(h[:4], u[:4], r[:4]):
+            assert a.device.type == "cpu" and torch.equal(a, b) and torch.equal(b, c)
+        assert (h[4] is None) == (packing == "none") and u[4] is h[4]
+    assert float(local_token_count(host)) == float(local_token_count(ref)) > 0
+
+
 def test_text_and_jsonl_data(tmp_path):
     txt = tmp_path / "a.txt"
     txt.write_text("hello world, " * 50)
@@ -558,3 +584,27 @@ def test_train_installs_the_shipped_kernels_on_gpus_only(monkeypatch):
     assert calls == []
     setup.install_shipped_kernels(torch.device("cuda", 0))
     assert calls == [1]
+
+
+def _agree_worker(rank, world, tp):
+    import signal
+    from sp_train.launch import agree_step
+    share = torch.tensor(0.1 * (rank + 1), dtype=torch.float64)
+    tokens = torch.tensor(1000003.0 + rank // tp, dtype=torch.float64)   # alike in a TP group
+    signum = signal.SIGINT if rank == world - 1 else None
+    return agree_step(share, signum, tp, tokens)
+
+
+@pytest.mark.parametrize("world,tp", [(2, 1), (3, 3)])
+def test_agree_step_loss_next_tokens_and_stop(world, tp):
+    """The step's one all-reduce: the loss (each share counted once per TP group), the next
+    step's loss tokens summed over DP × CP — a whole count, exact at TP 3 where the per-rank
+    thirds round — and a stop signal any one rank got, the same on every rank."""
+    import signal
+    from sp_attention.testing import run_distributed
+    got = run_distributed(_agree_worker, world, tp)
+    want_tokens = sum(1000003.0 + r // tp for r in range(world)) / tp
+    for loss, tokens, stop in got:
+        assert loss == pytest.approx(sum(0.1 * (r + 1) for r in range(world)) / tp)
+        assert tokens == want_tokens
+        assert stop == signal.SIGINT
