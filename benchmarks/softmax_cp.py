@@ -200,6 +200,10 @@ def _parser():
                    help="also run every ring/ring row with SoftmaxTuning(ring_backward_order="
                         "'own_last') (rows '<pair> own_last': the backward starts on the block "
                         "the forward kept and runs the own block last)")
+    p.add_argument("--layouts", nargs="+", default=["zigzag"], choices=["zigzag", "contiguous"],
+                   help="the CP rows' sequence layouts, each row once per layout (default: "
+                        "zigzag; the all-to-all presets reorder zigzag shards on every "
+                        "exchange, contiguous ones arrive in order)")
     p.add_argument("--bracket", action="store_true",
                    help="time the one-GPU global baseline again after every other row (row "
                         "'single_global_end', 'drift': its throughput ÷ the first's): the "
@@ -373,8 +377,8 @@ def _sweep(a, T_local, world, rank, device, dtype, backend, groups, timer, mode)
                   tflops_per_gpu=ref[name][1], tflops_fwd=ref[name][0], baseline="self",
                   ratio=1.0), a.out, rank)
     fl = (flops(B, H, T, D, causal, False) / world, flops(B, H, T, D, causal, True) / world)
-    for impl, kw, comm in _runs(a, world, H):
-        cctx = build_sp_context(groups[comm], layout="zigzag")
+    for layout, (impl, kw, comm) in ((lay, r) for lay in a.layouts for r in _runs(a, world, H)):
+        cctx = build_sp_context(groups[comm], layout=layout)
         ql, kl, vl, dol = (shard_sequence(t, cctx, 1).contiguous() for t in (q, k, v, do))
         ql, kl, vl = (t.requires_grad_(True) for t in (ql, kl, vl))
 
@@ -386,13 +390,14 @@ def _sweep(a, T_local, world, rank, device, dtype, backend, groups, timer, mode)
             tf, tfb = timer(lambda: step(False), fwd=True), timer(lambda: step(True))
             resolved = _resolved(kw, cctx, ql, kl, causal)
         except (ValueError, RuntimeError) as e:  # e.g. a stride the head count cannot take
-            emit(dict(base, impl=impl, comm=comm, error=str(e)[:300]), a.out, rank)
+            emit(dict(base, impl=impl, comm=comm, layout=layout, error=str(e)[:300]), a.out,
+                 rank)
             continue
         if a.profile and T_local == (a.t_local or [T_local])[0]:
             _profile(lambda: step(True), a.profile, impl.replace("/", "-").replace(" ", "_"),
                      rank)
         tp_fb = fl[1] / tfb / 1e9
-        row = dict(base, impl=impl, comm=comm, ms_fwd=tf, ms_fwd_bwd=tfb,
+        row = dict(base, impl=impl, comm=comm, layout=layout, ms_fwd=tf, ms_fwd_bwd=tfb,
                    tflops_per_gpu=tp_fb, baseline="single_global",
                    ratio=tp_fb / ref["single_global"][1],
                    ratio_vs_t_local=tp_fb / ref["single_t_local"][1])

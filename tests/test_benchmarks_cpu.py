@@ -338,3 +338,18 @@ def test_softmax_cp_packed_rows(capsys, monkeypatch):
     assert all(r["packed"] and r["docs"] > 1 and "error" not in r for r in rows)
     assert all(math.isfinite(r[c]) and r[c] > 0 for r in rows for c in ("ms_fwd_bwd", "ratio"))
     assert {r["baseline"] for r in rows[1:]} == {"single_global_packed"}
+
+
+def test_softmax_cp_rows_per_layout(capsys, monkeypatch):
+    """``softmax_cp.py --layouts zigzag contiguous`` on one CPU rank: the baselines once, then
+    each CP row once per layout, the layout in the row."""
+    from benchmarks import softmax_cp
+    rows = _rows(softmax_cp, ["--t-local", "64", "--heads", "4", "--kv-heads", "2",
+                              "--head-dim", "8", "--pairs", "ring/ring", "--presets", "a2a",
+                              "--strides", "default", "--layouts", "zigzag", "contiguous",
+                              "--fwd-bwd-only", "--no-torch-cp", "--no-yunchang"],
+                 capsys, monkeypatch)
+    cp = [(r["impl"], r["layout"]) for r in rows if not r["impl"].startswith("single")]
+    assert cp == [("ring/ring", "zigzag"), ("a2a", "zigzag"), ("ring/ring", "contiguous"),
+                  ("a2a", "contiguous")], cp
+    assert all("error" not in r and math.isfinite(r["ratio"]) for r in rows)
