@@ -10,7 +10,9 @@ A layout is ``[tpN][cpN][dpN]`` (missing factors 1); each run is ``torchrun --st
 --nproc-per-node tp·cp·dp train.py --preset … --context-parallel-size … --micro-batch-size 1
 --global-batch-size dp``, so every layout of one ``--seq-length`` trains the same sequences per
 step. Runs on one GPU go side by side, one per GPU (``--no-side-by-side`` to run them one
-after the other). ``mfu``, ``tokens_per_s``: means over the steps after the first;
+after the other). ``mfu``, ``tokens_per_s``, ``step_time_s``: means over the steps after the
+first (``step_time_median_s`` beside: a step that compiled a kernel moves the mean, not the
+median; ``step_times_ms``: every step's time, the first included);
 ``mem_gb``: the largest peak of any step (``mem_estimate_gb``: train.py's estimate printed
 before the run, ``estimate_over_measured``); ``first_step_s``: from the launch to the end of the
 first step (imports, model, the kernels' first compilation; ``--fresh-triton-cache`` gives
@@ -94,6 +96,11 @@ def summarize(log_json: str, t0: float = 0.0) -> dict:
         vals = [r[key] for r in steady if key in r]
         if vals:
             out[key] = sum(vals) / len(vals)
+    times = [r["step_time_s"] for r in recs if "step_time_s" in r]
+    if times:
+        out["step_times_ms"] = [round(1000 * t, 1) for t in times]
+        later = sorted(times[1:] or times)
+        out["step_time_median_s"] = (later[(len(later) - 1) // 2] + later[len(later) // 2]) / 2
     return out
 
 

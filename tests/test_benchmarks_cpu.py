@@ -158,6 +158,22 @@ def test_train_scaling_reads_the_estimate_of_a_run_cut_short(tmp_path):
     assert train_scaling._estimate(str(tmp_path / "missing.log"), 1.0) == {}
 
 
+def test_train_scaling_summary_keeps_every_step(tmp_path):
+    """A run's row: means over the steps after the first, the median beside them (one slow
+    step — a kernel compiled mid-run — moves the mean only) and every step's time."""
+    from benchmarks import train_scaling
+    log = tmp_path / "log.jsonl"
+    times = [5.0, 0.21, 0.20, 0.65, 0.20]
+    log.write_text("".join(json.dumps({"step": i + 1, "loss": 9.0 - i, "tokens_per_s": 1.0,
+                                       "mfu": 0.3, "step_time_s": t, "mem_gb": 20.0}) + "\n"
+                           for i, t in enumerate(times)))
+    row = train_scaling.summarize(str(log))
+    assert row["step_times_ms"] == [5000.0, 210.0, 200.0, 650.0, 200.0]
+    assert row["step_time_s"] == pytest.approx(0.315)
+    assert row["step_time_median_s"] == pytest.approx(0.205)
+    assert row["steps"] == 5 and row["first_loss"] == 9.0 and row["last_loss"] == 5.0
+
+
 def test_launcher_resume_check_reads_megatrons_logs(tmp_path, monkeypatch):
     """launcher_vs_train --resume-check: the second run's command loads the first run's
     checkpoint; the record says where it started (Megatron's load line) and the losses."""
