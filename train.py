@@ -36,21 +36,21 @@ from sp_train import checkpoint as ckpt  # noqa: E402
 from sp_train.args import TrainArgs, UsageError, parse_args  # noqa: E402
 from sp_train.cuda_graphs import LayerGraphs
 from sp_train.data import (build_dataset, host_micro_batches, local_micro_batches,
-                           upload_micro_batches)
+                           plan_digests, upload_micro_batches)
 from sp_train.launch import (BAD_INPUT_EXIT_STATUS, StopSignals, TrainHooks, agree_step,
                              init_distributed, say_bad_input)
 from sp_train.loss import (check_loss_impl, local_token_count, micro_batch_loss,
                            step_token_count)
 from sp_train.manual_gc import ManualGC
 from sp_train.optim import lr_at
-from sp_train.progress import (Progress, claim_log_dir, describe_attention, flops_per_token,
-                               log_dir_refusal, peak_flops, plot_losses, read_log,
-                               release_log_dir)
+from sp_train.progress import (Progress, claim_logs, describe_attention, flops_per_token,
+                               peak_flops, plot_losses, read_log, release_log_dir)
 from sp_train.setup import (build_model, build_optimizer, check_memory, count_params, init_groups,
                             install_shipped_kernels, load_hf, memory_capacity,
                             memory_margin_warning, model_vocab, planned_softmax_preset,
                             resolve_auto_recompute, schedule_picks)
 from sp_attention import build_sp_context, release_cuda_graphs
+from sp_attention.call_check import note_agreed_plans
 from sp_attention.tokens import require_real_tokens
 
 
@@ -95,21 +95,6 @@ def train_step(model, optimizer, reducer, micro_batches, count: float, groups, a
             graphs.own_grads()              # the next replay would write over these
         share += loss.detach().double()     # stays on the device: agree_step() reads it
     return share, optimizer.step(lr, clip, reducer.finish())   # fp32 sums, or None: .grad
-
-
-def claim_logs(args: TrainArgs, data, fresh: bool) -> None:
-    """Rank 0 checks that ``--log-dir`` is this run's (or free) and claims it; every rank
-    raises the same error if not (one broadcast)."""
-    identity = {"model": args.model_signature(), "data": data.description,
-                "local_attention_only": args.local_attention_only,
-                "save": os.path.abspath(args.save) if args.save else None}
-    msg = [log_dir_refusal(args.log_json, identity, resumed=not fresh)
-           if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(msg, src=0)
-    if msg[0]:
-        raise UsageError(msg[0])
-    if dist.get_rank() == 0:
-        claim_log_dir(args.log_json, identity, fresh)
 
 
 def save(args, step, model, optimizer, groups, layout, hooks: TrainHooks, vocab: int) -> None:
@@ -164,7 +149,10 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
         margin = memory_margin_warning(args, layout, vocab, estimate, capacity=capacity, **mem)
         if margin:
             rank0_print(margin)
-    claim_logs(args, data, fresh=resume_from is None)
+    claim_logs(args.log_json, {"model": args.model_signature(), "data": data.description,
+                               "local_attention_only": args.local_attention_only,
+                               "save": os.path.abspath(args.save) if args.save else None},
+               fresh=resume_from is None)
 
     groups = init_groups(layout, local_attention_only=args.local_attention_only)
     model = build_model(args, layout, groups, vocab, bf16=bf16, device=device)
@@ -231,11 +219,15 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
                 if hooks.after_step is not None:
                     hooks.after_step(step)
                 # the next step's data made while the GPU finishes this one, its token count
-                # with the loss, uploaded after (no host work of its own between the steps)
+                # and packing plans agreed with the loss, uploaded after (no host work of its
+                # own between the steps, no check of its plans in the layers)
                 nxt = (host_micro_batches(data, step, args, layout, groups, cp_ctx)
                        if step < args.train_iters else batches)
-                loss, count, signals.stopped_by = agree_step(share, signals.signum, layout.tp,
-                                                             local_token_count(nxt))
+                plans = plan_digests(nxt, args.local_attention_only)
+                loss, count, signals.stopped_by = agree_step(
+                    share, signals.signum, layout.tp, local_token_count(nxt), plans,
+                    groups.dp_rank, layout.dp)
+                note_agreed_plans(cp_ctx, plans or ())
                 batches = upload_micro_batches(nxt, device)
                 stopped = signals.stopped_by is not None
                 progress.step(step, loss, gnorm, lr)

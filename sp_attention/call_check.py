@@ -19,6 +19,12 @@ collective on every call. ``LinearTuning(check_every_call=True)`` /
 ``SoftmaxTuning(check_every_call=True)`` pay that collective on every call (debugging).
 The exchange reads its result on the host (a device sync on NCCL), so make one eager call of
 a signature before capturing it in a CUDA graph (warm-up steps do this anyway).
+
+Packed documents bring a new packing plan, so a new signature, with every batch. A caller that
+has checked on its own that every rank of a group holds the same plans (train.py does, in the
+step's one all-reduce: ``sp_train.launch.agree_step``) says so with
+:func:`note_agreed_plans`; calls with such a plan record it as :data:`AGREED_PLAN` instead of
+its digest (:func:`plan_identity`), share one signature, and run no exchange.
 """
 from __future__ import annotations
 
@@ -33,7 +39,8 @@ from .caches import LRU, to_device
 from .comm import all_gather_flat
 from .context import SPContext
 
-__all__ = ["agree_across_ranks", "clear_checked_calls"]
+__all__ = ["agree_across_ranks", "clear_checked_calls", "note_agreed_plans", "plan_identity",
+           "AGREED_PLAN"]
 
 _WIDTH = 512            # bytes per rank: status, digest, text length, text
 _HEAD = 1 + 8 + 2
@@ -41,10 +48,39 @@ _HEAD = 1 + 8 + 2
 _CHECKED = LRU(1024)
 
 
+# packing plans (group, digest) a caller agreed on across the group, least recently used dropped
+_AGREED = LRU(4096)
+AGREED_PLAN = "agreed by the caller"
+
+
 def clear_checked_calls() -> None:
-    """Forget every checked signature (the next call of each checks again; call it on every
-    rank alike)."""
+    """Forget every checked signature and agreed plan (the next call of each checks again; call
+    it on every rank alike)."""
     _CHECKED.clear()
+    _AGREED.clear()
+
+
+def _group_key(ctx: SPContext) -> tuple:
+    return (ctx.global_ranks, ctx.layout)
+
+
+def note_agreed_plans(ctx: SPContext, digests) -> None:
+    """Record that every rank of ``ctx``'s group holds the packing plans of ``digests``
+    (``PackingPlan.digest``), as the caller has checked. Call it on every rank of the group
+    alike — the same digests in the same order — and only after that check: ranks that record
+    differently would disagree on when to exchange (one would wait in an all-gather the other
+    skips)."""
+    for d in digests:
+        _AGREED.put((_group_key(ctx), d), True)
+
+
+def plan_identity(ctx: SPContext, plan) -> Optional[str]:
+    """What a call signature records of a packing plan (None: no plan): :data:`AGREED_PLAN` for
+    a plan agreed on beforehand (:func:`note_agreed_plans`), else its digest."""
+    digest = getattr(plan, "digest", None)
+    if digest is None:
+        return None
+    return AGREED_PLAN if _AGREED.lookup((_group_key(ctx), digest)) else digest
 
 
 def _describe(signature: tuple, short: bool = False) -> str:

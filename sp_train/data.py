@@ -23,14 +23,15 @@ from typing import NamedTuple, Optional
 import torch
 
 from megatron_patches.options import UsageError
-from megatron_patches.packing import pack_batch, packed_seq_params, rows_cu_seqlens
+from megatron_patches.packing import (PLAN_ATTRIBUTE, pack_batch, packed_seq_params,
+                                      rows_cu_seqlens)
 from sp_attention import plan_packing, shard_position_ids, shard_sequence
 from sp_attention.caches import to_device
 
 from .loss import IGNORE_INDEX, check_label_ids
 
 __all__ = ["Rows", "CopyTask", "TokenFile", "build_dataset", "packed_micro_batch",
-           "local_micro_batches", "host_micro_batches", "upload_micro_batches",
+           "local_micro_batches", "host_micro_batches", "upload_micro_batches", "plan_digests",
            "check_labels", "pad_vocab",
            "dp_rows", "ENCODINGS", "PACKINGS", "load_tokenizer"]
 
@@ -355,6 +356,17 @@ def host_micro_batches(data, step: int, args, layout, groups, cp_ctx) -> list:
         tok, lab, msk = (shard_sequence(x[mb], cp_ctx, dim=1) for x in rows[:3])
         out.append((tok, position_ids.expand(tok.shape[0], -1), lab, msk, None))
     return out
+
+
+def plan_digests(micro_batches: list, local_only: bool = False) -> Optional[list]:
+    """The packing plans' digests of :func:`host_micro_batches`' packed micro-batches, which
+    every rank holding the same rows must share (train.py checks it in the step's agreement,
+    ``sp_train.launch.agree_step``, and tells the layers, ``call_check.note_agreed_plans``);
+    None without packed documents or with ``local_only`` (each rank's own pieces)."""
+    plans = [getattr(mb[4], PLAN_ATTRIBUTE, None) for mb in micro_batches]
+    if local_only or not plans or any(p is None for p in plans):
+        return None
+    return [p.digest for p in plans]
 
 
 def upload_micro_batches(micro_batches: list, device) -> list:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -104,21 +104,61 @@ def init_distributed(timeout_minutes: int = 10) -> tuple[int, int, torch.device]
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def agree_step(share: torch.Tensor, signum: Optional[int], tp: int,
-               next_tokens: torch.Tensor) -> tuple[float, float, Optional[int]]:
+def agree_step(share: torch.Tensor, signum: Optional[int], tp: int, next_tokens: torch.Tensor,
+               plans: Optional[Sequence[str]] = None, dp_rank: int = 0,
+               dp: int = 1) -> tuple[float, float, Optional[int]]:
     """After a step, one all-reduce over all ranks — the step's one wait for the GPU: the
     global mean loss (``share``: this rank's part; each DP × CP share is held by all TP
     ranks), the next step's loss tokens over DP × CP (``next_tokens``: this rank's count, the
-    same on every TP rank) and the signal that stops the run if any rank got one (SIGTERM
-    before SIGINT). Returns ``(loss, tokens, signal or None)``, the same on every rank."""
+    same on every TP rank), the signal that stops the run if any rank got one (SIGTERM before
+    SIGINT) and, with packed documents, that every rank holding DP rank ``dp_rank``'s rows (of
+    ``dp``) made the same packing plans for the next step (``plans``: their digests, one per
+    micro-batch, the same count on every rank; checked for every DP rank on every rank, so a
+    disagreement raises on all of them before the next step's first collective). Returns
+    ``(loss, tokens, signal or None)``, the same on every rank."""
     device = share.device if dist.get_backend() == "nccl" else torch.device("cpu")
     flags = [float(signum == s) for s in STOP_SIGNALS]
+    pieces = _plan_pieces(plans, dp_rank, dp)
     v = torch.cat([(share.to(device) / tp).view(1), (next_tokens.to(device) / tp).view(1),
-                   torch.tensor(flags, dtype=torch.float64, device=device)])
+                   torch.tensor(flags + pieces, dtype=torch.float64, device=device)])
     dist.all_reduce(v)
     loss, tokens, *got = v.tolist()          # a count of whole tokens: exact once rounded
+    if plans is not None:
+        _check_plans(got[len(STOP_SIGNALS):], len(plans), dp, dist.get_world_size() // dp)
     return loss, float(round(tokens)), next((s for s, n in zip(STOP_SIGNALS, got) if n > 0),
                                             None)
+
+
+_PIECES = 4             # a plan digest's 64 bits as four 16-bit numbers
+
+
+def _plan_pieces(plans: Optional[Sequence[str]], dp_rank: int, dp: int) -> list:
+    """This rank's part of the plan check: for every DP rank, micro-batch and 16-bit piece of
+    the digest, ``(p, p²)`` (zero outside its own DP rank): summed over ranks, exact in fp64."""
+    if plans is None:
+        return []
+    out = [0.0] * (dp * len(plans) * _PIECES * 2)
+    for i, digest in enumerate(plans):
+        value = int(digest, 16)
+        for j in range(_PIECES):
+            p = (value >> (16 * j)) & 0xFFFF
+            at = ((dp_rank * len(plans) + i) * _PIECES + j) * 2
+            out[at], out[at + 1] = float(p), float(p * p)
+    return out
+
+
+def _check_plans(sums: list, micro_batches: int, dp: int, holders: int) -> None:
+    """Raise unless every DP rank's ``holders`` ranks sent the same pieces: ``Σp² · n = (Σp)²``
+    holds for n integers only when they are equal."""
+    bad = sorted({(b, i) for b in range(dp) for i in range(micro_batches) for j in range(_PIECES)
+                  if holders * round(sums[((b * micro_batches + i) * _PIECES + j) * 2 + 1])
+                  != round(sums[((b * micro_batches + i) * _PIECES + j) * 2]) ** 2})
+    if bad:
+        where = ", ".join(f"DP rank {b} micro-batch {i}" for b, i in bad[:8])
+        raise ValueError(f"the ranks that read the same rows made different packing plans for "
+                         f"the next step ({where}): every rank of a CP and TP group must read "
+                         "the same rows with the same document boundaries — make the data a "
+                         "function of (seed, step, DP rank) only")
 
 
 @dataclass

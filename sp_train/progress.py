@@ -11,13 +11,15 @@ import time
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 import sp_attention.linear.attention as _linear
+from megatron_patches.options import UsageError
 from sp_attention.linear.attention import resolve_impl
 
 __all__ = ["flops_per_token", "peak_flops", "memory_gb", "allocator_retries", "Progress",
            "plot_losses", "read_log", "describe_attention", "log_dir_refusal", "claim_log_dir",
-           "release_log_dir"]
+           "release_log_dir", "claim_logs"]
 
 # Dense bf16 tensor-core peak (no sparsity), FLOP/s.
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "GH200": 989e12, "B200": 2250e12,
@@ -248,6 +250,19 @@ def claim_log_dir(log_json: str, identity: dict, fresh: bool) -> None:
     with open(_owner_file(log_json), "w") as f:
         json.dump(dict(identity, host=socket.gethostname(), pid=os.getpid(), finished=False),
                   f, indent=1)
+
+
+def claim_logs(log_json: str, identity: dict, fresh: bool) -> None:
+    """Rank 0 checks that ``log_json``'s folder is this run's (``identity``; or free) and
+    claims it (:func:`log_dir_refusal`, :func:`claim_log_dir`); every rank raises the same
+    error if not (one broadcast)."""
+    msg = [log_dir_refusal(log_json, identity, resumed=not fresh)
+           if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(msg, src=0)
+    if msg[0]:
+        raise UsageError(msg[0])
+    if dist.get_rank() == 0:
+        claim_log_dir(log_json, identity, fresh)
 
 
 def release_log_dir(log_json: str) -> None:

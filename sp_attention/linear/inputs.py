@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from ..call_check import plan_identity
 from ..context import SPContext
 from ..tuning import LinearTuning
 from ..validation import check_local_length, check_tensors, sdpa_hint
@@ -112,4 +113,4 @@ def call_signature(q, k, v, slopes, g, impl, scale, backend, kernels, tuning,
         kind = f"kernels {type(kernels).__name__}"
     return (("tensors", tensors), ("device", dev), ("layout", ctx.layout), ("impl", impl),
             ("scale", scale), ("backend", kind), ("tuning", tuning),
-            ("packing", getattr(plan, "digest", None)))
+            ("packing", plan_identity(ctx, plan)))

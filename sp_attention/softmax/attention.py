@@ -16,7 +16,7 @@ from typing import Optional, Union
 import torch
 
 from ..caches import LRU
-from ..call_check import agree_across_ranks
+from ..call_check import agree_across_ranks, plan_identity
 from ..context import SPContext
 from ..cost.auto import auto_softmax_preset
 from ..peer_copy import check_device as check_peer_device
@@ -256,7 +256,8 @@ def context_parallel_attention(
     if cfg is not None:     # "auto" resolved per rank: ranks that picked differently raise
         signature += (("schedule", (cfg.fwd, cfg.bwd, cfg.a2a_size)),)
     if cu_seqlens is not None:      # ranks disagreeing on the boundaries all raise
-        signature += (("cu_seqlens", plan.digest if plan is not None else "invalid"),)
+        signature += (("cu_seqlens", plan_identity(ctx, plan) if plan is not None
+                       else "invalid"),)
     agree_across_ranks(ctx, "context_parallel_attention", signature, error,
                        isinstance(tuning, SoftmaxTuning) and tuning.check_every_call)
     with autocast_off(q.device):
