@@ -223,7 +223,7 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
                 # own between the steps, no check of its plans in the layers)
                 nxt = (host_micro_batches(data, step, args, layout, groups, cp_ctx)
                        if step < args.train_iters else batches)
-                plans = plan_digests(nxt, args.local_attention_only)
+                plans = plan_digests(nxt, args.local_attention_only, layout.dp)
                 loss, count, signals.stopped_by = agree_step(
                     share, signals.signum, layout.tp, local_token_count(nxt), plans,
                     groups.dp_rank, layout.dp)

@@ -358,13 +358,20 @@ def host_micro_batches(data, step: int, args, layout, groups, cp_ctx) -> list:
     return out
 
 
-def plan_digests(micro_batches: list, local_only: bool = False) -> Optional[list]:
+# DP ranks × micro-batches whose packing plans the step's agreement carries (8 numbers each:
+# 256 KiB at most); beyond it each layer's call check agrees on its plan itself
+PLAN_AGREEMENT_LIMIT = 4096
+
+
+def plan_digests(micro_batches: list, local_only: bool = False, dp: int = 1) -> Optional[list]:
     """The packing plans' digests of :func:`host_micro_batches`' packed micro-batches, which
     every rank holding the same rows must share (train.py checks it in the step's agreement,
     ``sp_train.launch.agree_step``, and tells the layers, ``call_check.note_agreed_plans``);
-    None without packed documents or with ``local_only`` (each rank's own pieces)."""
+    None without packed documents, with ``local_only`` (each rank's own pieces) or past
+    :data:`PLAN_AGREEMENT_LIMIT` (``dp`` DP ranks of these many micro-batches)."""
     plans = [getattr(mb[4], PLAN_ATTRIBUTE, None) for mb in micro_batches]
-    if local_only or not plans or any(p is None for p in plans):
+    if local_only or not plans or any(p is None for p in plans) \
+            or dp * len(plans) > PLAN_AGREEMENT_LIMIT:
         return None
     return [p.digest for p in plans]
 

@@ -128,3 +128,18 @@ def test_train_py_packed_steps_agree_on_their_plans_once(tmp_path):
     per_step = got[0][0]
     assert per_step[0] >= 2 and per_step[1] == 2 and per_step[2:] == [0, 0], per_step
     assert got[1][0] == per_step
+
+
+def test_plan_digests_of_the_next_step():
+    """train.py's plans to agree on: one digest per packed micro-batch; none for unpacked rows,
+    the local-attention baseline (each rank's own pieces) or past the agreement's limit."""
+    from types import SimpleNamespace
+    from sp_attention import plan_packing
+    from sp_train.data import PLAN_AGREEMENT_LIMIT, plan_digests
+    plans = [plan_packing(_docs(s, 16), None) for s in (1, 2)]
+    mbs = [(None,) * 4 + (SimpleNamespace(packing_plan=p),) for p in plans]
+    assert plan_digests(mbs) == [p.digest for p in plans]
+    assert plan_digests(mbs, local_only=True) is None
+    assert plan_digests([(None,) * 5]) is None
+    assert plan_digests(mbs, dp=PLAN_AGREEMENT_LIMIT // 2) is not None
+    assert plan_digests(mbs, dp=PLAN_AGREEMENT_LIMIT // 2 + 1) is None
