@@ -221,12 +221,16 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
                 # the next step's data made while the GPU finishes this one, its token count
                 # and packing plans agreed with the loss, uploaded after (no host work of its
                 # own between the steps, no check of its plans in the layers)
-                nxt = (host_micro_batches(data, step, args, layout, groups, cp_ctx)
-                       if step < args.train_iters else batches)
+                nxt, error = batches, None
+                try:                                # a data error stops every rank, below
+                    if step < args.train_iters:
+                        nxt = host_micro_batches(data, step, args, layout, groups, cp_ctx)
+                except ValueError as e:
+                    error = e
                 plans = plan_digests(nxt, args.local_attention_only, layout.dp)
                 loss, count, signals.stopped_by = agree_step(
                     share, signals.signum, layout.tp, local_token_count(nxt), plans,
-                    groups.dp_rank, layout.dp)
+                    groups.dp_rank, layout.dp, error)
                 note_agreed_plans(cp_ctx, plans or ())
                 batches = upload_micro_batches(nxt, device)
                 stopped = signals.stopped_by is not None

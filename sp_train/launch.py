@@ -105,8 +105,8 @@ def init_distributed(timeout_minutes: int = 10) -> tuple[int, int, torch.device]
 
 
 def agree_step(share: torch.Tensor, signum: Optional[int], tp: int, next_tokens: torch.Tensor,
-               plans: Optional[Sequence[str]] = None, dp_rank: int = 0,
-               dp: int = 1) -> tuple[float, float, Optional[int]]:
+               plans: Optional[Sequence[str]] = None, dp_rank: int = 0, dp: int = 1,
+               data_error: Optional[Exception] = None) -> tuple[float, float, Optional[int]]:
     """After a step, one all-reduce over all ranks — the step's one wait for the GPU: the
     global mean loss (``share``: this rank's part; each DP × CP share is held by all TP
     ranks), the next step's loss tokens over DP × CP (``next_tokens``: this rank's count, the
@@ -114,15 +114,24 @@ def agree_step(share: torch.Tensor, signum: Optional[int], tp: int, next_tokens:
     SIGINT) and, with packed documents, that every rank holding DP rank ``dp_rank``'s rows (of
     ``dp``) made the same packing plans for the next step (``plans``: their digests, one per
     micro-batch, the same count on every rank; checked for every DP rank on every rank, so a
-    disagreement raises on all of them before the next step's first collective). Returns
-    ``(loss, tokens, signal or None)``, the same on every rank."""
+    disagreement raises on all of them before the next step's first collective).
+    ``data_error``: this rank could not make the next step's data (``next_tokens`` and
+    ``plans`` are then anything of the right size): it raises that error and every other rank
+    a ``ValueError`` saying so, instead of waiting for it. Returns ``(loss, tokens, signal or
+    None)``, the same on every rank."""
     device = share.device if dist.get_backend() == "nccl" else torch.device("cpu")
     flags = [float(signum == s) for s in STOP_SIGNALS]
     pieces = _plan_pieces(plans, dp_rank, dp)
     v = torch.cat([(share.to(device) / tp).view(1), (next_tokens.to(device) / tp).view(1),
-                   torch.tensor(flags + pieces, dtype=torch.float64, device=device)])
+                   torch.tensor([float(data_error is not None)] + flags + pieces,
+                                dtype=torch.float64, device=device)])
     dist.all_reduce(v)
-    loss, tokens, *got = v.tolist()          # a count of whole tokens: exact once rounded
+    loss, tokens, failed, *got = v.tolist()  # a count of whole tokens: exact once rounded
+    if data_error is not None:
+        raise data_error
+    if failed:
+        raise ValueError(f"{round(failed)} rank(s) could not make the next step's data (the "
+                         "error is in their output): every rank stops here")
     if plans is not None:
         _check_plans(got[len(STOP_SIGNALS):], len(plans), dp, dist.get_world_size() // dp)
     return loss, float(round(tokens)), next((s for s, n in zip(STOP_SIGNALS, got) if n > 0),

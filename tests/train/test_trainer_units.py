@@ -608,3 +608,23 @@ def test_agree_step_loss_next_tokens_and_stop(world, tp):
         assert loss == pytest.approx(sum(0.1 * (r + 1) for r in range(world)) / tp)
         assert tokens == want_tokens
         assert stop == signal.SIGINT
+
+
+def _data_error_worker(rank, world):
+    from sp_train.launch import agree_step
+    error = ValueError("label id 300 at row 0 is outside the vocabulary") if rank == 1 else None
+    try:
+        agree_step(torch.zeros((), dtype=torch.float64), None, 1,
+                   torch.tensor(3.0, dtype=torch.float64), data_error=error)
+    except ValueError as e:
+        return str(e)
+    return "went on"
+
+
+def test_agree_step_stops_every_rank_when_one_could_not_make_its_data():
+    """A rank whose next step's data failed its checks raises its own error in the step's
+    agreement and every other rank a ValueError saying so — nobody waits for it."""
+    from sp_attention.testing import run_distributed
+    got = run_distributed(_data_error_worker, 3)
+    assert got[1] == "label id 300 at row 0 is outside the vocabulary"
+    assert got[0] == got[2] and "1 rank(s) could not make the next step's data" in got[0]
