@@ -18,6 +18,8 @@ before the run, ``estimate_over_measured``); ``first_step_s``: from the launch t
 first step (imports, model, the kernels' first compilation; ``--fresh-triton-cache`` gives
 each run empty Triton and Inductor caches, as on a fresh machine); ``command``: what ran. A run that
 fails or outlasts ``--timeout`` is recorded with its ``status`` and train.py's error.
+``--against TREE --repeats N``: every configuration also with another checkout's train.py, the
+two trees alternately (A B B A …), rows marked ``tree`` (an A/B of a change on one machine).
 """
 from __future__ import annotations
 
@@ -46,16 +48,18 @@ def parse_layout(name: str) -> dict:
 
 def train_command(kind: str, lay: dict, *, preset: str, seq_length: int, train_iters: int,
                   log_dir: str, log_json: Optional[str] = None, vocab_size: Optional[int] = None,
-                  port: Optional[int] = None, extra=(), launcher=()) -> list:
+                  port: Optional[int] = None, extra=(), launcher=(), tree: str = ROOT) -> list:
     """``torchrun … train.py`` at layout ``lay`` with one sequence per DP rank per step (so
     every layout of one ``seq_length`` trains the same sequences); ``port``: a rendezvous port
     of its own (runs side by side), else ``--standalone``; ``launcher``: more torchrun flags
-    (e.g. ``--numa-binding node``). The training benchmarks' one train.py command line."""
+    (e.g. ``--numa-binding node``); ``tree``: the checkout whose train.py runs (its packages
+    first on the path: a script's folder is). The training benchmarks' one train.py command
+    line."""
     world = lay["tp"] * lay["cp"] * lay["dp"]
     launch = ["torchrun", "--nproc-per-node", str(world)]
     launch += ["--master-port", str(port)] if port else ["--standalone"]
     launch += list(launcher)
-    cmd = launch + [os.path.join(ROOT, "train.py"), "--preset", preset,
+    cmd = launch + [os.path.join(tree, "train.py"), "--preset", preset,
                     "--sp-model-kind", kind, "--seq-length", str(seq_length),
                     "--tensor-model-parallel-size", str(lay["tp"]),
                     "--context-parallel-size", str(lay["cp"]), "--micro-batch-size", "1",
@@ -104,6 +108,15 @@ def summarize(log_json: str, t0: float = 0.0) -> dict:
     return out
 
 
+def ab_order(trees: list, repeats: int) -> list:
+    """``(repeat, tree)`` in run order: the trees in turn, reversed every other repeat (A B B
+    A …), so a drift of the machine over the sweep falls on both alike."""
+    out = []
+    for r in range(repeats):
+        out += [(r, t) for t in (trees if r % 2 == 0 else trees[::-1])]
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kinds", nargs="+", default=["softmax", "hybrid"],
@@ -129,6 +142,13 @@ def main() -> int:
                         "node': each rank's threads on the CPUs near its GPU); rows record them")
     p.add_argument("--log-root", help="keep each run's log and log folder here (default: a "
                                       "temporary folder)")
+    p.add_argument("--against", metavar="TREE",
+                   help="another checkout (e.g. `git worktree add /tmp/old HEAD~1`): every run "
+                        "also with its train.py, the two alternately (this tree first, then "
+                        "A B B A … over --repeats), rows marked `tree: this | against`; one run "
+                        "at a time")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each configuration (with --against: of each tree)")
     p.add_argument("extra", nargs=argparse.REMAINDER,
                    help="after --: more train.py flags for every run (e.g. --recompute-...)")
     a = p.parse_args()
@@ -138,26 +158,33 @@ def main() -> int:
     if a.device == "cuda":
         import torch
         ngpu = torch.cuda.device_count()
-    runs = [(kind, name, lay) for kind in a.kinds for name, lay in lays]
+    if a.repeats < 1:
+        p.error("--repeats must be >= 1")
+    if a.against and not os.path.exists(os.path.join(a.against, "train.py")):
+        p.error(f"--against {a.against}: no train.py there (give a checkout of this project)")
+    trees = [("this", ROOT)] + ([("against", os.path.abspath(a.against))] if a.against else [])
+    runs = [(kind, name, lay, tree, r) for kind in a.kinds for name, lay in lays
+            for r, tree in ab_order(trees, a.repeats)]
     tmp = a.log_root or tempfile.mkdtemp(prefix="train_scaling_")
     os.makedirs(tmp, exist_ok=True)
     batches, single = [], [r for r in runs if r[2]["tp"] * r[2]["cp"] * r[2]["dp"] == 1]
-    if single and ngpu > 1 and not a.no_side_by_side:
+    if single and ngpu > 1 and not a.no_side_by_side and len(trees) == 1:
         for i in range(0, len(single), ngpu):
             batches.append(single[i:i + ngpu])
         runs = [r for r in runs if r not in single]
     batches += [[r] for r in runs]
-    failed = 0
+    failed, done = 0, []
     for batch in batches:
         procs = []
-        for slot, (kind, name, lay) in enumerate(batch):
-            tag = f"{kind}_{name}"
+        for slot, (kind, name, lay, (which, tree), r) in enumerate(batch):
+            tag = f"{kind}_{name}" + (f"_{which}" if a.against else "") + \
+                (f"_{r + 1}" if a.repeats > 1 else "")
             log_json, log = os.path.join(tmp, tag + ".jsonl"), os.path.join(tmp, tag + ".log")
             cmd = train_command(kind, lay, preset=a.preset, seq_length=a.seq_length,
                                 train_iters=a.train_iters, log_dir=os.path.join(tmp, tag),
                                 log_json=log_json, vocab_size=a.vocab_size, extra=a.extra,
                                 port=29600 + slot if len(batch) > 1 else None,
-                                launcher=a.torchrun_args.split())
+                                launcher=a.torchrun_args.split(), tree=tree)
             env = dict(os.environ)
             if a.fresh_triton_cache is not None:
                 env.update(fresh_caches(os.path.join(
@@ -167,10 +194,10 @@ def main() -> int:
                 env["CUDA_VISIBLE_DEVICES"] = str(slot)
             if a.device == "cpu":
                 env["CUDA_VISIBLE_DEVICES"] = ""
-            procs.append((kind, name, lay, cmd, log_json, log, time.time(),
+            procs.append((kind, name, lay, which, tree, cmd, log_json, log, time.time(),
                           subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                           env=env, cwd=ROOT)))
-        for kind, name, lay, cmd, log_json, log, t0, proc in procs:
+                                           env=env, cwd=tree)))
+        for kind, name, lay, which, tree, cmd, log_json, log, t0, proc in procs:
             try:
                 rc = proc.wait(timeout=max(1.0, a.timeout - (time.time() - t0)))
                 status = "ok" if rc == 0 else f"exit {rc}"
@@ -183,8 +210,11 @@ def main() -> int:
                    "seq_length": a.seq_length, "preset": a.preset, "vocab_size": a.vocab_size,
                    "status": status, "wall_s": round(time.time() - t0, 1),
                    "device": _device(a.device), "date": time.strftime("%Y-%m-%d"),
-                   "command": " ".join(cmd[cmd.index(os.path.join(ROOT, "train.py")):]
-                                       ).replace(ROOT + "/", ""), **summarize(log_json, t0)}
+                   "command": " ".join(cmd[cmd.index(os.path.join(tree, "train.py")):]
+                                       ).replace(tree + "/", ""), **summarize(log_json, t0)}
+            if a.against:
+                rec.update(tree=which, tree_path=tree, order=len(done))
+            done.append(tag)
             if a.torchrun_args:
                 rec["torchrun_args"] = a.torchrun_args
             if os.environ.get("SP_ATTENTION_PLAIN_LAUNCHES") == "1":

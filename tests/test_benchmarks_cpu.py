@@ -2,6 +2,7 @@
 they time compute what the library computes (so a timing is of the right work)."""
 import json
 import math
+import os
 import sys
 
 import pytest
@@ -172,6 +173,48 @@ def test_train_scaling_summary_keeps_every_step(tmp_path):
     assert row["step_time_s"] == pytest.approx(0.315)
     assert row["step_time_median_s"] == pytest.approx(0.205)
     assert row["steps"] == 5 and row["first_loss"] == 9.0 and row["last_loss"] == 5.0
+
+
+def test_train_scaling_against_another_tree_alternates(tmp_path, monkeypatch):
+    """--against TREE --repeats 2: each configuration runs this tree's train.py and the other's
+    in the order A B B A, one at a time, each in its tree, its rows marked with the tree."""
+    from benchmarks import train_scaling
+    other = tmp_path / "old"
+    other.mkdir()
+    (other / "train.py").write_text("# the other checkout's train.py\n")
+    ran = []
+
+    class FakeRun:
+        def __init__(self, cmd, stdout, stderr, env, cwd):
+            ran.append((cmd[cmd.index("--nproc-per-node") + 3], cwd))
+            log_json = cmd[cmd.index("--log-json") + 1]
+            with open(log_json, "w") as f:
+                for i in range(3):
+                    f.write(json.dumps({"step": i + 1, "loss": 1.0, "tokens_per_s": 1.0,
+                                        "mfu": 0.1, "step_time_s": 0.1}) + "\n")
+
+        def wait(self, timeout=None):
+            return 0
+    monkeypatch.setattr(train_scaling.subprocess, "Popen", FakeRun)
+    out = tmp_path / "rows.jsonl"
+    monkeypatch.setattr(sys, "argv", ["train_scaling.py", "--device", "cpu", "--kinds", "hybrid",
+                                      "--layouts", "cp1", "cp2", "--against", str(other),
+                                      "--repeats", "2", "--out", str(out), "--log-root",
+                                      str(tmp_path / "logs")])
+    assert train_scaling.main() == 0
+    root = train_scaling.ROOT
+    want = [root, str(other), str(other), root]
+    assert [cwd for _, cwd in ran] == want * 2
+    assert [script for script, _ in ran] == [os.path.join(d, "train.py") for d in want * 2]
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(r["layout"], r["tree"]) for r in rows] == [
+        (lay, t) for lay in ("cp1", "cp2") for t in ("this", "against", "against", "this")]
+    assert [r["order"] for r in rows] == list(range(8))
+    assert all(r["status"] == "ok" and r["command"].startswith("train.py") for r in rows)
+    monkeypatch.setattr(sys, "argv", ["train_scaling.py", "--device", "cpu", "--against",
+                                      str(tmp_path)])
+    with pytest.raises(SystemExit):
+        train_scaling.main()
 
 
 def test_launcher_resume_check_reads_megatrons_logs(tmp_path, monkeypatch):
