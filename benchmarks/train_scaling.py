@@ -173,7 +173,7 @@ def main() -> int:
             batches.append(single[i:i + ngpu])
         runs = [r for r in runs if r not in single]
     batches += [[r] for r in runs]
-    failed, done = 0, []
+    failed, order = 0, 0
     for batch in batches:
         procs = []
         for slot, (kind, name, lay, (which, tree), r) in enumerate(batch):
@@ -213,8 +213,8 @@ def main() -> int:
                    "command": " ".join(cmd[cmd.index(os.path.join(tree, "train.py")):]
                                        ).replace(tree + "/", ""), **summarize(log_json, t0)}
             if a.against:
-                rec.update(tree=which, tree_path=tree, order=len(done))
-            done.append(tag)
+                rec.update(tree=which, tree_path=tree, order=order)
+            order += 1
             if a.torchrun_args:
                 rec["torchrun_args"] = a.torchrun_args
             if os.environ.get("SP_ATTENTION_PLAIN_LAUNCHES") == "1":

@@ -141,6 +141,12 @@ def agree_step(share: torch.Tensor, signum: Optional[int], tp: int, next_tokens:
 _PIECES = 4             # a plan digest's 64 bits as four 16-bit numbers
 
 
+def _slot(b: int, i: int, j: int, micro_batches: int) -> int:
+    """Where piece ``j`` of DP rank ``b``'s micro-batch ``i`` lies in the plan check: ``p`` at
+    the index returned, ``p²`` after it."""
+    return ((b * micro_batches + i) * _PIECES + j) * 2
+
+
 def _plan_pieces(plans: Optional[Sequence[str]], dp_rank: int, dp: int) -> list:
     """This rank's part of the plan check: for every DP rank, micro-batch and 16-bit piece of
     the digest, ``(p, p²)`` (zero outside its own DP rank): summed over ranks, exact in fp64."""
@@ -151,7 +157,7 @@ def _plan_pieces(plans: Optional[Sequence[str]], dp_rank: int, dp: int) -> list:
         value = int(digest, 16)
         for j in range(_PIECES):
             p = (value >> (16 * j)) & 0xFFFF
-            at = ((dp_rank * len(plans) + i) * _PIECES + j) * 2
+            at = _slot(dp_rank, i, j, len(plans))
             out[at], out[at + 1] = float(p), float(p * p)
     return out
 
@@ -159,9 +165,9 @@ def _plan_pieces(plans: Optional[Sequence[str]], dp_rank: int, dp: int) -> list:
 def _check_plans(sums: list, micro_batches: int, dp: int, holders: int) -> None:
     """Raise unless every DP rank's ``holders`` ranks sent the same pieces: ``Σp² · n = (Σp)²``
     holds for n integers only when they are equal."""
-    bad = sorted({(b, i) for b in range(dp) for i in range(micro_batches) for j in range(_PIECES)
-                  if holders * round(sums[((b * micro_batches + i) * _PIECES + j) * 2 + 1])
-                  != round(sums[((b * micro_batches + i) * _PIECES + j) * 2]) ** 2})
+    at = [(b, i, _slot(b, i, j, micro_batches)) for b in range(dp)
+          for i in range(micro_batches) for j in range(_PIECES)]
+    bad = sorted({(b, i) for b, i, k in at if holders * round(sums[k + 1]) != round(sums[k]) ** 2})
     if bad:
         where = ", ".join(f"DP rank {b} micro-batch {i}" for b, i in bad[:8])
         raise ValueError(f"the ranks that read the same rows made different packing plans for "
