@@ -141,6 +141,7 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
             capacity = float(smallest)
         rank0_print(resolve_auto_recompute(args, layout, vocab, capacity=capacity,
                                            on_gpu=device.type == "cuda", **mem))
+    args.resolve_cuda_graphs(device.type == "cuda", layout.cp)    # recompute is known now
     estimate = check_memory(args, layout, vocab, capacity=capacity, where=where,
                             on_gpu=device.type == "cuda", **mem)
     rank0_print(f"memory estimate per rank (the model's tensors): "

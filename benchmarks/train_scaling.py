@@ -220,6 +220,8 @@ def main() -> int:
             if os.environ.get("SP_ATTENTION_PLAIN_LAUNCHES") == "1":
                 rec["launches"] = "triton"      # Triton's own path (sp_attention.triton_launch)
             rec.update(_estimate(log, rec.get("mem_gb")))
+            if os.path.exists(log):      # --cuda-graphs is on by default for some runs: say so
+                rec["cuda_graphs"] = "layers replayed from CUDA graphs" in open(log).read()
             if status != "ok":
                 failed += 1
                 rec["log_tail"] = error_tail(open(log).read())

@@ -193,12 +193,16 @@ class TrainArgs:
                          "flag; no gain measured at CP 4 with 32K tokens on 4 × H200)")
     manual_gc_interval: int = _f(100, "with --manual-gc: collect every N steps (0: never "
                                  "during training)")
-    cuda_graphs: bool = _f(False, "replay every transformer layer's forward and backward from "
-                           "CUDA graphs captured at the first step (torch's "
-                           "make_graphed_callables): the host issues one launch per layer "
-                           "instead of ~150, for steps whose hosts fall behind their GPUs (CP "
-                           "> 1); same numbers; fixed shapes only (no --packing documents, no "
-                           "recompute); measured at CP 4, 32K: hybrid 32.8 -> 35.7 %% MFU")
+    cuda_graphs: Optional[bool] = _f(
+        help="replay every transformer layer's forward and backward from CUDA graphs captured "
+             "at the first step (torch's make_graphed_callables): the host issues one launch "
+             "per layer instead of ~150, for steps whose hosts fall behind their GPUs (CP > "
+             "1); same numbers; fixed shapes only (no --packing documents, no recompute); "
+             "measured at CP 4, 32K: hybrid 32.8 -> 35.7 %% MFU; --no-cuda-graphs: the layers "
+             "run eagerly",
+        default_help="on for CP > 1 on GPUs when the model has linear or gated layers, the "
+                     "shapes are fixed (--packing none) and nothing is recomputed; off "
+                     "otherwise")
     no_memory_check: bool = _f(False, "start even when the memory estimate printed before the "
                                "model is built exceeds the GPU")
     global_batch_size: int = _f(16, "sequences per step over all DP ranks")
@@ -453,6 +457,19 @@ class TrainArgs:
                              "parameter all-gather, which is off on CPU: add "
                              "--use-distributed-optimizer")
 
+    def resolve_cuda_graphs(self, cuda: bool, cp: int) -> None:
+        """``--cuda-graphs`` unset: on where it was measured to pay and can replay (the one
+        home of that rule) — CP > 1 on GPUs, a model with linear or gated layers (their
+        steps wait on the host: hybrid 229 -> 210 ms, gated 220 -> 200 ms a step at CP 4,
+        32K; softmax's 313 -> 311 ms is not its host), fixed shapes (no packed documents),
+        no activation recompute (call after ``--recompute-granularity auto`` is resolved)
+        and no --linear-op-graphs. A flag given wins."""
+        if self.cuda_graphs is None:
+            self.cuda_graphs = (cuda and cp > 1 and self.packing == "none"
+                                and set(self.layer_kinds()) != {"S"}
+                                and not self.linear_op_graphs
+                                and self.recompute().granularity is None)
+
     def check_graph_flags(self, cuda: bool) -> None:
         """The flags that replay CUDA graphs need GPUs: raise naming the flag off CUDA."""
         for flag in ("cuda_graphs", "linear_op_graphs"):
@@ -638,7 +655,8 @@ def _python_type(f) -> Any:
 
 # tri-state flags (unset: the rule in their help) and the flag that turns each off
 NEGATABLE = {"use_distributed_optimizer": "--no-distributed-optimizer",
-             "overlap_param_gather": "--no-overlap-param-gather"}
+             "overlap_param_gather": "--no-overlap-param-gather",
+             "cuda_graphs": "--no-cuda-graphs"}
 
 
 def build_parser() -> argparse.ArgumentParser:

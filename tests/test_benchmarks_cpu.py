@@ -211,6 +211,7 @@ def test_train_scaling_against_another_tree_alternates(tmp_path, monkeypatch):
         (lay, t) for lay in ("cp1", "cp2") for t in ("this", "against", "against", "this")]
     assert [r["order"] for r in rows] == list(range(8))
     assert all(r["status"] == "ok" and r["command"].startswith("train.py") for r in rows)
+    assert all(r["cuda_graphs"] is False for r in rows)     # read off each run's log
     monkeypatch.setattr(sys, "argv", ["train_scaling.py", "--device", "cpu", "--against",
                                       str(tmp_path)])
     with pytest.raises(SystemExit):

@@ -136,6 +136,26 @@ def test_refusals_name_the_fix():
         args.check_graph_flags(cuda=True)
 
 
+@pytest.mark.parametrize("flags, cuda, cp, on", [
+    ([], True, 2, True),                                  # the rule: CP > 1, linear layers
+    ([], False, 2, False),                                # CPU
+    ([], True, 1, False),                                 # one CP rank: its host keeps ahead
+    (["--sp-model-kind", "softmax"], True, 2, False),     # no linear layers: no gain measured
+    (["--sp-model-kind", "gated"], True, 2, True),
+    (["--packing", "documents"], True, 2, False),         # shapes change every batch
+    (["--recompute-granularity", "full"], True, 2, False),
+    (["--linear-op-graphs"], True, 2, False),             # the op's own graphs were asked for
+    (["--no-cuda-graphs"], True, 2, False),               # a flag given wins
+    (["--sp-model-kind", "softmax", "--cuda-graphs"], True, 2, True),
+])
+def test_cuda_graphs_default_rule(flags, cuda, cp, on):
+    """``--cuda-graphs`` unset: on for CP > 1 on GPUs of models with linear or gated layers
+    and fixed shapes without recompute (``TrainArgs.resolve_cuda_graphs``); given: as given."""
+    args = parse_args(ARGV + flags)
+    args.resolve_cuda_graphs(cuda=cuda, cp=cp)
+    assert args.cuda_graphs is on
+
+
 def _train_worker(rank, world, tmp, flags):
     import train
     torch.cuda.set_device(rank)
@@ -143,7 +163,8 @@ def _train_worker(rank, world, tmp, flags):
             "--seq-length", "4096", "--global-batch-size", "2", "--micro-batch-size", "1",
             "--train-iters", "4",
             "--num-layers", "4", "--no-progress-bar", "--log-interval", "1", *flags]
-    plain = [r["loss"] for r in train.main(argv + ["--log-dir", f"{tmp}/plain"])]
+    plain = [r["loss"] for r in train.main(argv + ["--log-dir", f"{tmp}/plain",
+                                                   "--no-cuda-graphs"])]
     graphed = [r["loss"] for r in train.main(argv + ["--log-dir", f"{tmp}/graphs",
                                                      "--cuda-graphs"])]
     return plain, graphed
