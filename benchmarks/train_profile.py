@@ -26,6 +26,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import sys
 import time
 from typing import Optional
@@ -92,6 +93,31 @@ def timeline(kernels: list, wall_us: float, steps: int) -> dict:
     out = {"compute": _length(comp), "nccl_exposed": _length(comm) - hidden,
            "nccl_hidden": hidden, "idle": max(0.0, wall_us - busy)}
     return {k: round(v / 1e3 / steps, 2) for k, v in out.items()}
+
+
+def nccl_op(name: str, dur_us: float) -> str:
+    """An NCCL kernel's collective from its name (``ncclDevKernel_AllGather_RING_LL`` ->
+    ``AllGather``), with `` long`` for one of 1 ms or more (the bulk transfers: gradient
+    reduce-scatters, parameter gathers) against the short ones (the attention's exchanges)."""
+    m = re.search(r"nccl(?:DevKernel|Kernel)_([A-Za-z]+)", name)
+    return (m.group(1) if m else "other") + (" long" if dur_us >= 1000.0 else "")
+
+
+def nccl_exposed_by_op(kernels: list, steps: int) -> dict:
+    """``nccl_exposed`` of :func:`timeline` split by collective (:func:`nccl_op`), ms per
+    step: the time each one's kernels ran with no compute kernel beside them (two
+    collectives running at once both count)."""
+    comp = _union([(a, b) for a, b, n in kernels if "nccl" not in n.lower()])
+    ops: dict = {}
+    for a, b, n in kernels:
+        if "nccl" in n.lower():
+            ops.setdefault(nccl_op(n, b - a), []).append((a, b))
+    steps = max(1, steps)
+    out = {}
+    for op, spans in ops.items():
+        mine = _union(spans)
+        out[op] = round((_length(mine) - _intersect(mine, comp)) / 1e3 / steps, 2)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def trace_events(path) -> list:
@@ -210,11 +236,14 @@ def analyze(path: str, steps: int, out: Optional[str] = None) -> dict:
     wall_us = max(b for _, b in span) - min(a for a, _ in span)
     kinds = print_kinds(per_kernel, steps)
     line = timeline(kernels, wall_us, steps)
+    by_op = nccl_exposed_by_op(kernels, steps)
     waits = host_syncs(events, steps)
     print(f"{path}: timeline per step (ms; compute + nccl_exposed + idle = wall "
           f"{wall_us / 1e3 / max(1, steps):.1f}): " + json.dumps(line))
+    print(f"{path}: NCCL nothing hid, by collective, per step (ms): " + json.dumps(by_op))
     print(f"{path}: host waits for the GPU per step: " + json.dumps(waits))
     append_row(out, profile_row(per_kernel, steps, kinds, trace=path, timeline_ms=line,
+                                nccl_exposed_by_op_ms=by_op,
                                 wall_ms=round(wall_us / 1e3 / max(1, steps), 2),
                                 host_waits=waits))
     return line
@@ -282,10 +311,14 @@ def main() -> None:
         path = ours.trace.replace("{rank}", rank)
         prof.export_chrome_trace(path)
         events = trace_events(path)
-        extra["timeline_ms"] = timeline(trace_kernels(events), wall * 1e6, steps)
+        kernels = trace_kernels(events)
+        extra["timeline_ms"] = timeline(kernels, wall * 1e6, steps)
+        extra["nccl_exposed_by_op_ms"] = nccl_exposed_by_op(kernels, steps)
         extra["host_waits"] = host_syncs(events, steps)
         print(f"rank {rank} timeline per step (ms; compute + nccl_exposed + idle = wall "
               f"{wall * 1e3 / steps:.1f}): " + json.dumps(extra["timeline_ms"]))
+        print(f"rank {rank} NCCL nothing hid, by collective, per step (ms): "
+              + json.dumps(extra["nccl_exposed_by_op_ms"]))
         print(f"rank {rank} host waits for the GPU per step (idle within 1 ms after them, by "
               f"the op launched before): " + json.dumps(extra["host_waits"]))
     append_row(ours.out, profile_row(per_kernel, steps, kinds, **extra))

@@ -267,6 +267,10 @@ def test_train_profile_timeline_splits_the_wall(tmp_path):
     # compute [0, 60]; NCCL [50, 80] + [150, 170]: hidden 10, exposed 40; busy 100
     assert got == {"compute": 0.06, "nccl_exposed": 0.04, "nccl_hidden": 0.01, "idle": 0.3}
     assert tp.timeline(kernels, wall_us=800.0, steps=2)["idle"] == 0.35     # per step
+    # the exposed 40 µs by collective: AllGather 20 of its 30, ReduceScatter all 20
+    assert tp.nccl_exposed_by_op(kernels, steps=1) == {"AllGather": 0.02, "ReduceScatter": 0.02}
+    assert tp.nccl_op("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 2500.0) == "ReduceScatter long"
+    assert tp.nccl_op("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 30.0) == "SendRecv"
 
 
 def test_train_profile_counts_the_hosts_waits_and_the_idle_after_them(tmp_path):
