@@ -137,20 +137,20 @@ def test_refusals_name_the_fix():
 
 
 @pytest.mark.parametrize("flags, cuda, cp, on", [
-    ([], True, 2, True),                                  # the rule: CP > 1, linear layers
+    ([], True, 2, True),                                  # the rule: CP > 1 on GPUs
     ([], False, 2, False),                                # CPU
     ([], True, 1, False),                                 # one CP rank: its host keeps ahead
-    (["--sp-model-kind", "softmax"], True, 2, False),     # no linear layers: no gain measured
+    (["--sp-model-kind", "softmax"], True, 2, True),
     (["--sp-model-kind", "gated"], True, 2, True),
     (["--packing", "documents"], True, 2, False),         # shapes change every batch
     (["--recompute-granularity", "full"], True, 2, False),
     (["--linear-op-graphs"], True, 2, False),             # the op's own graphs were asked for
     (["--no-cuda-graphs"], True, 2, False),               # a flag given wins
-    (["--sp-model-kind", "softmax", "--cuda-graphs"], True, 2, True),
+    (["--sp-model-kind", "softmax", "--cuda-graphs"], True, 1, True),
 ])
 def test_cuda_graphs_default_rule(flags, cuda, cp, on):
-    """``--cuda-graphs`` unset: on for CP > 1 on GPUs of models with linear or gated layers
-    and fixed shapes without recompute (``TrainArgs.resolve_cuda_graphs``); given: as given."""
+    """``--cuda-graphs`` unset: on for CP > 1 on GPUs with fixed shapes and no recompute
+    (``TrainArgs.resolve_cuda_graphs``); given: as given."""
     args = parse_args(ARGV + flags)
     args.resolve_cuda_graphs(cuda=cuda, cp=cp)
     assert args.cuda_graphs is on
