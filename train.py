@@ -235,7 +235,7 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
                 note_agreed_plans(cp_ctx, plans or ())
                 batches = upload_micro_batches(nxt, device)
                 stopped = signals.stopped_by is not None
-                progress.step(step, loss, gnorm, lr)
+                progress.step(step, loss, float(gnorm), lr)     # computed by now: no wait
                 collector.after_step(step)
                 periodic = args.save_interval and step % args.save_interval == 0
                 if args.save and (periodic or stopped or step == args.train_iters):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from sp_attention.precision import acc_dtype
 
-__all__ = ["MasterAdamW", "lr_at", "squared_norm", "clip_scale", "init_adam_state"]
+__all__ = ["MasterAdamW", "lr_at", "squared_norm", "clip_scale", "clip_", "init_adam_state"]
 
 
 def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:
@@ -59,9 +59,24 @@ def init_adam_state(opt: torch.optim.AdamW, masters: list, step: float = 0.0) ->
                 "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format)}
 
 
-def clip_scale(norm: float, clip_grad: float) -> float:
-    """The factor that clips a gradient of global norm ``norm`` to ``clip_grad`` (0: off)."""
-    return min(1.0, clip_grad / (norm + 1e-6)) if clip_grad > 0 else 1.0
+def clip_scale(norm: torch.Tensor, clip_grad: float) -> Optional[torch.Tensor]:
+    """The factor that clips a gradient of global norm ``norm`` (a 0-dim fp64 tensor) to
+    ``clip_grad``: ``min(1, clip_grad / (norm + 1e-6))`` in fp64 — a 0-dim tensor on
+    ``norm``'s device, so the step never waits for the GPU to read the norm (on CUDA that wait
+    kept the host from launching the optimizer and the next step's work until the backward
+    had finished); ``None`` when clipping is off (``clip_grad`` 0)."""
+    if clip_grad <= 0:
+        return None
+    return torch.clamp(clip_grad / (norm + 1e-6), max=1.0)
+
+
+def clip_(grads: list, norm: torch.Tensor, clip_grad: float) -> None:
+    """Clip ``grads`` (one dtype) in place to global norm ``clip_grad`` (:func:`clip_scale`,
+    rounded to their dtype as a Python float multiplying them would be; a factor of exactly 1
+    leaves them bit for bit as they are)."""
+    scale = clip_scale(norm, clip_grad)
+    if scale is not None and grads:
+        torch._foreach_mul_(grads, scale.to(grads[0].dtype))
 
 
 class MasterAdamW:
@@ -99,16 +114,17 @@ class MasterAdamW:
         """Nothing travels after a step here (:meth:`ShardedAdamW.settle
         <sp_train.sharded_optim.ShardedAdamW.settle>` finishes its parameter gathers)."""
 
-    def grad_norm(self, grads: Optional[list] = None) -> float:
+    def grad_norm(self, grads: Optional[list] = None) -> torch.Tensor:
         """The global L2 norm of the gradients (``.grad``, or ``grads`` aligned with
-        ``params``): :func:`squared_norm`, summed over the TP group."""
+        ``params``): :func:`squared_norm`, summed over the TP group; a 0-dim fp64 tensor on
+        the gradients' device (read it after the step's agreement: no wait of its own)."""
         grads = [p.grad for p in self.params] if grads is None else grads
         sq = squared_norm(self.params, grads, self.tp_rank)
         if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
             dist.all_reduce(sq, group=self.tp_group)
-        return float(sq.sqrt())
+        return sq.sqrt()
 
-    def step(self, lr: float, clip_grad: float, grads: Optional[list] = None) -> float:
+    def step(self, lr: float, clip_grad: float, grads: Optional[list] = None) -> torch.Tensor:
         """Clip to ``clip_grad`` (0 = off), step at ``lr``; returns the gradient norm. The
         gradients are ``.grad``, or ``grads`` (one per parameter, in ``params`` order; fp32, as
         :class:`sp_train.reduce.GradientReducer` returns them: the masters step from them
@@ -116,15 +132,13 @@ class MasterAdamW:
         if grads is not None and len(grads) != len(self.params):
             raise ValueError(f"grads: {len(grads)} tensors for {len(self.params)} parameters")
         norm = self.grad_norm(grads)
-        scale = clip_scale(norm, clip_grad)
         given = grads if grads is not None else [p.grad for p in self.params]
         grads = []
         for m, p, g in zip(self.master, self.params, given):
             g = g if g is not None else torch.zeros_like(m)
             m.grad = g.to(m.dtype) if g.dtype != m.dtype else g
             grads.append(m.grad)
-        if scale != 1.0:
-            torch._foreach_mul_(grads, scale)
+        clip_(grads, norm, clip_grad)
         for group in self.opt.param_groups:
             group["lr"] = lr
         self.opt.step()

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from sp_attention.comm import all_gather_single, reduce_scatter_single
 
 from .cuda_graphs import GRAPHED
-from .optim import clip_scale, init_adam_state, squared_norm
+from .optim import clip_, init_adam_state, squared_norm
 from .reduce import group_size, shard_size
 
 __all__ = ["ShardedAdamW"]
@@ -118,8 +118,9 @@ class ShardedAdamW:
         return [[shard[o:o + (e - s)] for _, s, e, o in bk.pieces]
                 for bk, shard in zip(self.buckets, shards)]
 
-    def grad_norm(self, shards: list) -> float:
-        """The global L2 norm: each rank's slices, summed over DP × CP and TP."""
+    def grad_norm(self, shards: list) -> torch.Tensor:
+        """The global L2 norm: each rank's slices, summed over DP × CP and TP; a 0-dim fp64
+        tensor on the device (no host sync)."""
         pieces = self._piece_grads(shards)
         params = [bk.params[i] for bk in self.buckets for i, *_ in bk.pieces]
         sq = squared_norm(params, [g for gs in pieces for g in gs], self.tp_rank)
@@ -128,23 +129,21 @@ class ShardedAdamW:
             dist.all_reduce(sq, group=self.group)
         if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
             dist.all_reduce(sq, group=self.tp_group)
-        return float(sq.sqrt())
+        return sq.sqrt()
 
-    def step(self, lr: float, clip_grad: float, grads: Optional[list]) -> float:
+    def step(self, lr: float, clip_grad: float, grads: Optional[list]) -> torch.Tensor:
         """Clip to ``clip_grad`` (0 = off), step at ``lr``, all-gather the parameters; returns
         the gradient norm. ``grads``: the reducer's slices, one per bucket."""
         if grads is None or len(grads) != len(self.buckets):
             raise ValueError(f"ShardedAdamW.step needs one gradient slice per bucket "
                              f"({len(self.buckets)}), as GradientReducer(shard=True) returns")
         norm = self.grad_norm(grads)
-        scale = clip_scale(norm, clip_grad)
         pieces = [g for gs in self._piece_grads(grads) for g in gs]
         masters = [m for ms in self.master for m in ms]
         pieces = [g if g.dtype == torch.float32 else g.to(torch.float32) for g in pieces]
         for m, g in zip(masters, pieces):
             m.grad = g
-        if scale != 1.0 and pieces:
-            torch._foreach_mul_(pieces, scale)
+        clip_(pieces, norm, clip_grad)
         if self.opt is not None:
             for group in self.opt.param_groups:
                 group["lr"] = lr

@@ -44,7 +44,7 @@ def _pair(world, dtype, bucket_elements, device="cpu"):
 def _step(model, opt, red, rank, step, clip=0.3):
     red.arm(0.5)
     _loss(model, rank, step).backward()
-    return opt.step(0.05, clip, red.finish())
+    return float(opt.step(0.05, clip, red.finish()))
 
 
 def _gathered(state: dict) -> dict:

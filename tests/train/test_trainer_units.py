@@ -491,6 +491,44 @@ def test_master_adamw_matches_plain_clipped_adamw(dtype):
             assert torch.allclose(p.detach().to(r.dtype), r.detach(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("norm", [0.37, 1.0, 5.123456789])
+def test_clip_on_the_device_is_the_python_float_clip_bit_for_bit(dtype, norm):
+    """``clip_`` scales by min(1, clip / (norm + 1e-6)) computed in fp64 on the norm's device
+    (no host read of the norm) and gives exactly what multiplying by that Python float did —
+    below the threshold, at it, above it, fp32 and fp64 gradients."""
+    from sp_train.optim import clip_, clip_scale
+    g = [torch.randn(7, 5, generator=torch.Generator().manual_seed(1)).to(dtype),
+         torch.randn(3, generator=torch.Generator().manual_seed(2)).to(dtype)]
+    t = torch.tensor(norm, dtype=torch.float64)
+    want = [x.clone() for x in g]
+    scale = min(1.0, 1.0 / (norm + 1e-6))
+    if scale != 1.0:
+        torch._foreach_mul_(want, scale)
+    clip_(g, t, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(g, want))
+    assert clip_scale(t, 0.0) is None
+    assert float(clip_scale(t, 1.0)) == scale
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+def test_the_optimizer_step_does_not_wait_for_the_gpu():
+    """MasterAdamW's step (norm, clip, fused AdamW, copy back) issues no host sync: the host
+    goes on to the next step's work while the GPU finishes this one."""
+    m = torch.nn.Linear(64, 64).cuda().to(torch.bfloat16)
+    o = MasterAdamW(list(m.named_parameters()), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
+                    tp_group=None, tp_rank=0)
+    m(torch.ones(2, 64, device="cuda", dtype=torch.bfloat16)).float().pow(2).sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        norm = o.step(1e-2, 0.1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert norm.is_cuda and float(norm) > 0.1
+
+
 def test_master_adamw_steps_from_given_fp32_gradients():
     """``step(grads=)`` (the reducer's fp32 sums) steps the masters as ``.grad`` would."""
     models, opts = [], []
