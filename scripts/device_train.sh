@@ -18,8 +18,9 @@
 #                 (one Triton cache per model; what autotuned -> autotune_hf.tgz)
 #     parity      train_parity.py: CP = P against two CP = 1 runs, 300 steps, PNG
 #     slurm       scripts/slurm/one_host.sh 2 P/2: the sbatch path as two nodes, save + resume
-#     graphs      KINDS at CP = P without and with GRAPH_FLAGS (--cuda-graphs: layers replayed
-#                 from CUDA graphs; --linear-op-graphs: the linear ops alone), each pair on
+#     graphs      KINDS at CP = P eager (--no-cuda-graphs) and with GRAPH_FLAGS (--cuda-graphs,
+#                 the default at CP > 1: layers replayed from CUDA graphs; --linear-op-graphs: the
+#                 linear ops alone), each pair on
 #                 this machine
 #     distopt     KINDS at CP = P three ways in one call: the replicated optimizer,
 #                 --use-distributed-optimizer, and with --overlap-param-gather too
@@ -176,10 +177,10 @@ for l in open(sys.argv[1]):
     r = json.loads(l); c = r["command"]
     print(r["model_kind"], r["status"], "mfu", round(100 * r.get("mfu", 0), 1), "mem", round(r.get("mem_gb", 0), 1), "overlap" if "overlap-param" in c else "distopt" if "distributed-opt" in c else "replicated")' "$OUT/train_distopt.jsonl" ;;
     graphs)
-      # --cuda-graphs against the same runs without it, KINDS at CP = P, each kind's plain run
+      # --cuda-graphs against the same runs without it, KINDS at CP = P, each kind's eager run
       # first (it compiles the kernels both use), then its graphed run
       for kind in $KINDS; do
-        for flags in "" "${GRAPH_FLAGS:---cuda-graphs}"; do
+        for flags in "--no-cuda-graphs" "${GRAPH_FLAGS:---cuda-graphs}"; do
           python3 benchmarks/train_scaling.py --kinds "$kind" --layouts "cp$P" --seq-length "$SEQ" \
             --train-iters "$ITERS" --timeout "$T" --out "$OUT/train_graphs.jsonl" \
             --log-root "$OUT/graphs_${kind}${flags// /_}" -- $flags >> "$OUT/train_graphs.log" 2>&1
