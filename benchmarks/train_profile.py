@@ -120,6 +120,59 @@ def nccl_exposed_by_op(kernels: list, steps: int) -> dict:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def _clip(spans: list, lo: float, hi: float) -> list:
+    """The parts of merged ``spans`` inside ``[lo, hi]``."""
+    return [[max(a, lo), min(b, hi)] for a, b in spans if b > lo and a < hi]
+
+
+def step_boundary(kernels: list) -> dict:
+    """The steps' boundaries, ms each on average: from the last GEMM of a backward to the first
+    GEMM of the next forward around AdamW's kernels (``window``) — the backward's tail
+    (the last gradient buckets), the norm, clip and AdamW (``optimizer``), other kernels (the
+    embedding, casts: ``other_compute``), NCCL with nothing beside it by collective
+    (``nccl_only``: the last reduce-scatter, the parameters' gathers, the step's agreement) and
+    ``idle`` (the GPU waiting for the host). Only boundaries with a GEMM on both sides count."""
+    def optimizer_kernel(n: str) -> bool:      # the norm's, the clip's and AdamW's kernels
+        return "multi_tensor" in n.lower() or kind_of(n) == "optimizer"
+    gemm = sorted((a, b) for a, b, n in kernels if kind_of(n) == "gemm")
+    opt = sorted((a, b) for a, b, n in kernels if optimizer_kernel(n))
+    windows = []
+    for a, b in ((a, b) for a, b, n in kernels if "adam" in n.lower()):   # AdamW: the anchor
+        before = [e for _, e in gemm if e <= a]
+        after = [s for s, _ in gemm if s >= b]
+        if before and after and (not windows or windows[-1] != (max(before), min(after))):
+            windows.append((max(before), min(after)))
+    if not windows:
+        return {"count": 0}
+    every = _union([(a, b) for a, b, _ in kernels])
+    optimizer = _union(opt)
+    other = _union([(a, b) for a, b, n in kernels
+                    if "nccl" not in n.lower() and not optimizer_kernel(n)
+                    and kind_of(n) != "gemm"])
+    compute = _union([(a, b) for a, b, n in kernels if "nccl" not in n.lower()])
+    ops: dict = {}
+    for a, b, n in kernels:
+        if "nccl" in n.lower():
+            ops.setdefault(nccl_op(n, b - a), []).append((a, b))
+    total = {"window": 0.0, "optimizer": 0.0, "other_compute": 0.0, "idle": 0.0}
+    nccl_only: dict = {}
+    for lo, hi in windows:
+        comp = _clip(compute, lo, hi)
+        total["window"] += hi - lo
+        total["optimizer"] += _length(_clip(optimizer, lo, hi))
+        total["other_compute"] += _length(_clip(other, lo, hi)) - _intersect(
+            _clip(other, lo, hi), _clip(optimizer, lo, hi))
+        total["idle"] += (hi - lo) - _length(_clip(every, lo, hi))
+        for op, spans in ops.items():
+            mine = _clip(_union(spans), lo, hi)
+            nccl_only[op] = nccl_only.get(op, 0.0) + _length(mine) - _intersect(mine, comp)
+    n = len(windows)
+    out = {k: round(v / 1e3 / n, 2) for k, v in total.items()}
+    out["nccl_only"] = {k: round(v / 1e3 / n, 2) for k, v in
+                        sorted(nccl_only.items(), key=lambda kv: -kv[1]) if v > 0}
+    return {"count": n, **out}
+
+
 def trace_events(path) -> list:
     """The ``traceEvents`` of a Chrome trace the profiler wrote (``.gz``: compressed); a list
     (events read before) is returned as it is, so one trace is parsed once."""
@@ -237,13 +290,16 @@ def analyze(path: str, steps: int, out: Optional[str] = None) -> dict:
     kinds = print_kinds(per_kernel, steps)
     line = timeline(kernels, wall_us, steps)
     by_op = nccl_exposed_by_op(kernels, steps)
+    edge = step_boundary(kernels)
     waits = host_syncs(events, steps)
     print(f"{path}: timeline per step (ms; compute + nccl_exposed + idle = wall "
           f"{wall_us / 1e3 / max(1, steps):.1f}): " + json.dumps(line))
     print(f"{path}: NCCL nothing hid, by collective, per step (ms): " + json.dumps(by_op))
+    print(f"{path}: between the steps (ms, last backward GEMM to first forward GEMM): "
+          + json.dumps(edge))
     print(f"{path}: host waits for the GPU per step: " + json.dumps(waits))
     append_row(out, profile_row(per_kernel, steps, kinds, trace=path, timeline_ms=line,
-                                nccl_exposed_by_op_ms=by_op,
+                                nccl_exposed_by_op_ms=by_op, boundary_ms=edge,
                                 wall_ms=round(wall_us / 1e3 / max(1, steps), 2),
                                 host_waits=waits))
     return line
@@ -314,11 +370,14 @@ def main() -> None:
         kernels = trace_kernels(events)
         extra["timeline_ms"] = timeline(kernels, wall * 1e6, steps)
         extra["nccl_exposed_by_op_ms"] = nccl_exposed_by_op(kernels, steps)
+        extra["boundary_ms"] = step_boundary(kernels)
         extra["host_waits"] = host_syncs(events, steps)
         print(f"rank {rank} timeline per step (ms; compute + nccl_exposed + idle = wall "
               f"{wall * 1e3 / steps:.1f}): " + json.dumps(extra["timeline_ms"]))
         print(f"rank {rank} NCCL nothing hid, by collective, per step (ms): "
               + json.dumps(extra["nccl_exposed_by_op_ms"]))
+        print(f"rank {rank} between the steps (ms, last backward GEMM to first forward GEMM): "
+              + json.dumps(extra["boundary_ms"]))
         print(f"rank {rank} host waits for the GPU per step (idle within 1 ms after them, by "
               f"the op launched before): " + json.dumps(extra["host_waits"]))
     append_row(ours.out, profile_row(per_kernel, steps, kinds, **extra))

@@ -273,6 +273,27 @@ def test_train_profile_timeline_splits_the_wall(tmp_path):
     assert tp.nccl_op("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 30.0) == "SendRecv"
 
 
+def test_train_profile_splits_the_step_boundary():
+    """train_profile's ``boundary_ms``: from a backward's last GEMM to the next forward's first
+    around AdamW's kernels, split into the optimizer, other kernels, NCCL alone by collective
+    and idle; a boundary without a GEMM after it (the last profiled step) does not count."""
+    from benchmarks import train_profile as tp
+    ad = "multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>, FusedAdamMathFunctor"
+    kernels = [(0, 100, "nvjet_gemm"),                                   # the backward's last
+               (100, 300, "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL"),  # 200 alone
+               (300, 350, "multi_tensor_apply_kernel<LpNormFunctor>"),   # the norm: optimizer
+               (350, 450, ad),
+               (450, 460, "bfloat16_copy_kernel"),
+               (460, 560, "ncclDevKernel_AllGather_RING_LL"),            # 100 alone
+               # 560-600 idle
+               (600, 620, "embedding_gather"), (620, 700, "nvjet_gemm"),   # the next forward
+               (900, 950, ad)]                                           # no GEMM after it
+    got = tp.step_boundary(kernels)
+    assert got == {"count": 1, "window": 0.52, "optimizer": 0.15, "other_compute": 0.03,
+                   "idle": 0.04, "nccl_only": {"ReduceScatter": 0.2, "AllGather": 0.1}}
+    assert tp.step_boundary([(0, 10, "nvjet_gemm")]) == {"count": 0}
+
+
 def test_train_profile_counts_the_hosts_waits_and_the_idle_after_them(tmp_path):
     """train_profile --trace: each stream/event sync of the host per step, named by the GPU op
     launched just before it, and the GPU idle within the window after it returned (windows
