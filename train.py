@@ -186,7 +186,8 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
         f"{'bf16' if bf16 else 'fp32'} | {args.recompute().describe()}, {args.loss_impl} loss"
         f"{', distributed optimizer' if reducer.shard else ''}"
         f"{' (parameter gather overlapped)' if optimizer.overlap_param_gather else ''}"
-        f"{', layers replayed from CUDA graphs' if graphs is not None else ''} | "
+        f"{', layers replayed from CUDA graphs' if graphs is not None else ''}"
+        f"{' (--no-cuda-graphs: eager)' if graphs is not None else ''} | "
         f"{data.description} | steps {start + 1}..{args.train_iters}"
         f" × {args.global_batch_size} seqs × {args.seq_length} tokens"
         + (f" | resumed from {resume_from}" if resume_from else
