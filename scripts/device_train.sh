@@ -193,8 +193,9 @@ for l in open(sys.argv[1]):
     print(r["model_kind"], r["status"], "mfu", round(100 * (r.get("mfu") or 0), 1), "step", r.get("step_time_s"), " ".join(f for f in r["command"].split() if "graphs" in f) or "eager")' "$OUT/train_graphs.jsonl" ;;
     profile)
       # where a CP = P step goes on each GPU (compute / NCCL alone / NCCL hidden / idle, the host's
-      # waits), PROFILE_KINDS at SEQ with train.py's defaults (+ PROFILE_EXTRA, e.g. "--packing
-      # documents"): each rank's tables as a JSON line in profile.jsonl; the traces (gzip) only
+      # waits, the exposed NCCL by collective, the step boundary), PROFILE_KINDS at SEQ with
+      # train.py's defaults (+ PROFILE_EXTRA, e.g. "--packing documents"): each rank's tables as
+      # a JSON line in profile.jsonl; the traces (gzip) only
       # with PROFILE_TRACES=1 (they are large: the device tool brings back 8 files)
       for kind in ${PROFILE_KINDS:-hybrid softmax}; do
         timeout "$T" torchrun --nproc-per-node "$P" --master-port 29641 benchmarks/train_profile.py \
@@ -203,7 +204,9 @@ for l in open(sys.argv[1]):
           --preset 1b --sp-model-kind "$kind" --context-parallel-size "$P" --seq-length "$SEQ" \
           --train-iters 5 --micro-batch-size 1 --global-batch-size 1 --vocab-size 128256 \
           --no-progress-bar --log-dir "/tmp/profile_$kind" ${PROFILE_EXTRA:-} > "$OUT/profile_$kind.log" 2>&1
-        echo "profile $kind exit $?"; grep -h "timeline per step\|per step (ms) by kind" "$OUT/profile_$kind.log" | cut -c1-300
+        echo "profile $kind exit $?"
+        grep -h "timeline per step\|per step (ms) by kind\|by collective\|between the steps" \
+          "$OUT/profile_$kind.log" | cut -c1-300
         if [ "${PROFILE_TRACES:-0}" = 1 ]; then gzip -f /tmp/profile_"$kind"_rank*.json && mv /tmp/profile_"$kind"_rank*.json.gz "$OUT/"; fi
       done ;;
     long)
