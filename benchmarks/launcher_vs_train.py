@@ -14,7 +14,7 @@ launcher: from its ``elapsed time per iteration``); ``ratio`` = launcher ÷ trai
 The launcher runs with the Megatron flags of what train.py does by default on GPUs (the
 gradient sum overlapped with the backward: ``--overlap-grad-reduce``; the distributed optimizer
 with its gather overlapped: ``--use-distributed-optimizer --overlap-param-gather``; the fused
-SwiGLU);
+SwiGLU); train.py runs its layers eagerly as the launcher does (``--no-cuda-graphs``);
 ``--megatron-defaults`` runs it with Megatron's own defaults instead (the rows before the
 eighteenth session), ``--launcher-extra`` adds flags (recorded in each row).
 ``--resume-check``: the launcher saves Megatron's checkpoint on those GPUs and a second run
@@ -47,6 +47,10 @@ HYBRID = ["--sp-hybrid-pattern", "LLLS", "--context-parallel-impl", "blelloch"]
 # the sum after the backward, no distributed optimizer; the launcher's runs before the
 # eighteenth session passed --no-bias-swiglu-fusion as well)
 MATCH_TRAIN = ["--overlap-grad-reduce", "--use-distributed-optimizer", "--overlap-param-gather"]
+# train.py's flags for the pairing: the launcher runs its layers eagerly (Megatron's own CUDA
+# graphs are not tried here), so train.py does too — its layer graphs, on by default at CP > 1
+# since the twenty-third session, would compare the graphs, not the integrations
+TRAIN_FLAGS = ["--no-cuda-graphs"]
 
 
 def settings_flags(match_train: bool) -> list:
@@ -195,13 +199,13 @@ def main() -> int:
                 w_cmd = train_command(kind, lay, preset="1b", seq_length=a.seq_length,
                                       train_iters=2, log_dir=os.path.join(tmp, tag + "_warm"),
                                       vocab_size=SHAPE["vocab_size"], port=29620,
-                                      extra=HYBRID if kind == "hybrid" else ())
+                                      extra=TRAIN_FLAGS + (HYBRID if kind == "hybrid" else []))
                 w_status, w_wall, _ = run(w_cmd, os.path.join(tmp, tag + "_warm.log"), a.warm)
                 warm = {"status": w_status, "wall_s": w_wall}
             t_cmd = train_command(kind, lay, preset="1b", seq_length=a.seq_length,
                                   train_iters=a.train_iters, log_dir=os.path.join(tmp, tag),
                                   vocab_size=SHAPE["vocab_size"], port=29621,
-                                  extra=HYBRID if kind == "hybrid" else ())
+                                  extra=TRAIN_FLAGS + (HYBRID if kind == "hybrid" else []))
             t_status, t_wall, t_log = run(t_cmd, os.path.join(tmp, tag + "_train.log"),
                                           a.timeout)
             recs = [json.loads(x) for x in open(os.path.join(tmp, tag, "log.jsonl"))
@@ -224,6 +228,7 @@ def main() -> int:
                    "launcher_settings": "megatron_defaults" if a.megatron_defaults
                    else "match_train", "launcher_extra": a.launcher_extra or None,
                    "launcher_flags": settings_flags(not a.megatron_defaults),
+                   "train_flags": TRAIN_FLAGS,
                    "date": time.strftime("%Y-%m-%d"),
                    "command": "python benchmarks/launcher_vs_train.py " + " ".join(sys.argv[1:])}
             for label, status, log in (("train", t_status, t_log), ("launcher", l_status, l_log)):

@@ -386,6 +386,7 @@ def test_launcher_vs_train_warm_run_comes_first(monkeypatch, tmp_path):
     (warm, t_warm), (timed, _), (launcher, _) = calls
     assert t_warm == 77 and warm[warm.index("--train-iters") + 1] == "2"
     assert timed[timed.index("--train-iters") + 1] == "12" and "train.py" in " ".join(timed)
+    assert "--no-cuda-graphs" in timed and "--no-cuda-graphs" in warm   # eager, as the launcher
     assert "megatron_patches.pretrain_gpt" in launcher
     # train.py's settings on GPUs by default: the overlapped gradient sum, the distributed
     # optimizer with its gather overlapped, the fused SwiGLU
