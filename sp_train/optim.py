@@ -73,7 +73,7 @@ def clip_scale(norm: torch.Tensor, clip_grad: float) -> Optional[torch.Tensor]:
 def clip_(grads: list, norm: torch.Tensor, clip_grad: float) -> None:
     """Clip ``grads`` (one dtype) in place to global norm ``clip_grad`` (:func:`clip_scale`,
     rounded to their dtype as a Python float multiplying them would be; a factor of exactly 1
-    leaves them bit for bit as they are)."""
+    leaves them bit for bit as they are, at the cost of one pass the host-side factor skipped)."""
     scale = clip_scale(norm, clip_grad)
     if scale is not None and grads:
         torch._foreach_mul_(grads, scale.to(grads[0].dtype))
