@@ -103,20 +103,23 @@ def nccl_op(name: str, dur_us: float) -> str:
     return (m.group(1) if m else "other") + (" long" if dur_us >= 1000.0 else "")
 
 
+def _nccl_by_op(kernels: list) -> dict:
+    """The NCCL kernels' merged spans by collective (:func:`nccl_op`)."""
+    ops: dict = {}
+    for a, b, n in kernels:
+        if "nccl" in n.lower():
+            ops.setdefault(nccl_op(n, b - a), []).append((a, b))
+    return {op: _union(spans) for op, spans in ops.items()}
+
+
 def nccl_exposed_by_op(kernels: list, steps: int) -> dict:
     """``nccl_exposed`` of :func:`timeline` split by collective (:func:`nccl_op`), ms per
     step: the time each one's kernels ran with no compute kernel beside them (two
     collectives running at once both count)."""
     comp = _union([(a, b) for a, b, n in kernels if "nccl" not in n.lower()])
-    ops: dict = {}
-    for a, b, n in kernels:
-        if "nccl" in n.lower():
-            ops.setdefault(nccl_op(n, b - a), []).append((a, b))
     steps = max(1, steps)
-    out = {}
-    for op, spans in ops.items():
-        mine = _union(spans)
-        out[op] = round((_length(mine) - _intersect(mine, comp)) / 1e3 / steps, 2)
+    out = {op: round((_length(mine) - _intersect(mine, comp)) / 1e3 / steps, 2)
+           for op, mine in _nccl_by_op(kernels).items()}
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
@@ -150,21 +153,17 @@ def step_boundary(kernels: list) -> dict:
                     if "nccl" not in n.lower() and not optimizer_kernel(n)
                     and kind_of(n) != "gemm"])
     compute = _union([(a, b) for a, b, n in kernels if "nccl" not in n.lower()])
-    ops: dict = {}
-    for a, b, n in kernels:
-        if "nccl" in n.lower():
-            ops.setdefault(nccl_op(n, b - a), []).append((a, b))
+    ops = _nccl_by_op(kernels)
     total = {"window": 0.0, "optimizer": 0.0, "other_compute": 0.0, "idle": 0.0}
     nccl_only: dict = {}
     for lo, hi in windows:
-        comp = _clip(compute, lo, hi)
+        comp, mine_opt, mine_other = (_clip(x, lo, hi) for x in (compute, optimizer, other))
         total["window"] += hi - lo
-        total["optimizer"] += _length(_clip(optimizer, lo, hi))
-        total["other_compute"] += _length(_clip(other, lo, hi)) - _intersect(
-            _clip(other, lo, hi), _clip(optimizer, lo, hi))
+        total["optimizer"] += _length(mine_opt)
+        total["other_compute"] += _length(mine_other) - _intersect(mine_other, mine_opt)
         total["idle"] += (hi - lo) - _length(_clip(every, lo, hi))
         for op, spans in ops.items():
-            mine = _clip(_union(spans), lo, hi)
+            mine = _clip(spans, lo, hi)
             nccl_only[op] = nccl_only.get(op, 0.0) + _length(mine) - _intersect(mine, comp)
     n = len(windows)
     out = {k: round(v / 1e3 / n, 2) for k, v in total.items()}

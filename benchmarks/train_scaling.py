@@ -220,11 +220,12 @@ def main() -> int:
             if os.environ.get("SP_ATTENTION_PLAIN_LAUNCHES") == "1":
                 rec["launches"] = "triton"      # Triton's own path (sp_attention.triton_launch)
             rec.update(_estimate(log, rec.get("mem_gb")))
-            if os.path.exists(log):      # --cuda-graphs is on by default for some runs: say so
-                rec["cuda_graphs"] = "layers replayed from CUDA graphs" in open(log).read()
+            text = open(log).read() if os.path.exists(log) else None
+            if text is not None:         # --cuda-graphs is on by default for some runs: say so
+                rec["cuda_graphs"] = "layers replayed from CUDA graphs" in text
             if status != "ok":
                 failed += 1
-                rec["log_tail"] = error_tail(open(log).read())
+                rec["log_tail"] = error_tail(text or "")
             emit(rec, a.out)
     return 1 if failed else 0
 
