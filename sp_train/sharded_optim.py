@@ -17,6 +17,9 @@ instead of before it. Anything that reads the parameters outside the model's for
 :meth:`ShardedAdamW.settle` first (the model's own forward ends with it, for a loss that reads
 the output weight after the model; checkpoints and the next step call it).
 
+Each rank's masters of a bucket are views of one flat fp32 slice (zeros past the bucket's
+end), so a bucket's gather input is one cast of that slice.
+
 Checkpoints keep MasterAdamW's per-parameter format (``<param>.exp_avg`` …, full tensors), so
 a run resumes with or without the distributed optimizer, at any DP × CP: on save each
 parameter's state is gathered to one rank (parameters dealt round-robin), which writes it; on
@@ -87,10 +90,19 @@ class ShardedAdamW:
         self._name = {id(p): n for n, p in zip(self.names, self.params)}
         self.buckets = [_Bucket(b, self.world, self.rank) for b in buckets]
         self._first = [sum(len(b) for b in buckets[:j]) for j in range(len(buckets))]
-        # this rank's fp32 masters: one leaf tensor per piece
-        self.master = [[p.detach().reshape(-1)[s:e].to(torch.float32, copy=True)
-                        .requires_grad_(True) for i, s, e, _ in bk.pieces
-                        for p in (bk.params[i],)] for bk in self.buckets]
+        # this rank's fp32 masters: one flat slice per bucket (zeros past the bucket's end),
+        # one leaf view of it per piece
+        self.flat = []
+        self.master = []
+        for bk in self.buckets:
+            dev = bk.params[0].device
+            flat = torch.zeros(bk.size, dtype=torch.float32, device=dev)
+            ms = []
+            for i, s, e, o in bk.pieces:
+                flat[o:o + e - s].copy_(bk.params[i].detach().reshape(-1)[s:e])
+                ms.append(flat[o:o + e - s].detach().requires_grad_(True))
+            self.flat.append(flat)
+            self.master.append(ms)
         decay, no_decay = [], []
         for bk, ms in zip(self.buckets, self.master):
             for (i, *_), m in zip(bk.pieces, ms):
@@ -158,11 +170,7 @@ class ShardedAdamW:
 
     def _own_slices(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s slice of this rank, from the masters, in the bucket's dtype."""
-        bk = self.buckets[b]
-        own = torch.zeros(bk.size, dtype=bk.dtype, device=bk.params[0].device)
-        for (_, s, e, o), m in zip(bk.pieces, self.master[b]):
-            own[o:o + e - s].copy_(m)
-        return own
+        return self.flat[b].to(self.buckets[b].dtype)
 
     def _copy_in(self, b: int, full: torch.Tensor) -> None:
         bk = self.buckets[b]
