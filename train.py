@@ -230,11 +230,11 @@ def main(argv: Optional[Sequence[str]] = None, signals: Optional[StopSignals] = 
                 except ValueError as e:
                     error = e
                 plans = plan_digests(nxt, args.local_attention_only, layout.dp)
+                batches = upload_micro_batches(nxt, device)     # queued: the host waits below
                 loss, count, signals.stopped_by = agree_step(
                     share, signals.signum, layout.tp, local_token_count(nxt), plans,
                     groups.dp_rank, layout.dp, error)
                 note_agreed_plans(cp_ctx, plans or ())
-                batches = upload_micro_batches(nxt, device)
                 stopped = signals.stopped_by is not None
                 progress.step(step, loss, float(gnorm), lr)     # computed by now: no wait
                 collector.after_step(step)

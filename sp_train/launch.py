@@ -20,6 +20,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from sp_attention.caches import to_device
+
 __all__ = ["map_slurm_env", "first_host", "init_distributed", "StopSignals", "TrainHooks",
            "STOP_SIGNALS", "say_bad_input", "agree_step",
            "STOP_EXIT_STATUS", "BAD_INPUT_EXIT_STATUS"]
@@ -122,9 +124,13 @@ def agree_step(share: torch.Tensor, signum: Optional[int], tp: int, next_tokens:
     device = share.device if dist.get_backend() == "nccl" else torch.device("cpu")
     flags = [float(signum == s) for s in STOP_SIGNALS]
     pieces = _plan_pieces(plans, dp_rank, dp)
-    v = torch.cat([(share.to(device) / tp).view(1), (next_tokens.to(device) / tp).view(1),
-                   torch.tensor([float(data_error is not None)] + flags + pieces,
-                                dtype=torch.float64, device=device)])
+    host = torch.tensor([float(data_error is not None)] + flags + pieces, dtype=torch.float64)
+    tokens = next_tokens.detach().to(torch.float64) / tp
+    if tokens.device.type == "cpu":          # the host's numbers in one copy, queued: no wait
+        rest = to_device(torch.cat([tokens.view(1), host]), device)
+    else:
+        rest = torch.cat([tokens.to(device).view(1), to_device(host, device)])
+    v = torch.cat([(share.to(device) / tp).view(1), rest])
     dist.all_reduce(v)
     loss, tokens, failed, *got = v.tolist()  # a count of whole tokens: exact once rounded
     if data_error is not None:

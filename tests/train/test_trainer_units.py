@@ -648,6 +648,32 @@ def test_agree_step_loss_next_tokens_and_stop(world, tp):
         assert stop == signal.SIGINT
 
 
+def _agree_sync_worker(rank, world):
+    import warnings
+    from sp_train.launch import agree_step
+    share = torch.ones((), dtype=torch.float64, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = agree_step(share, None, 1, torch.tensor(7.0, dtype=torch.float64))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return out, sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+def test_the_agreement_waits_for_the_gpu_once():
+    """agree_step on NCCL: the host's numbers travel in one queued copy; the one wait for the
+    GPU is the read of the all-reduced vector (each extra wait leaves the GPU idle while the
+    host catches up, at every step's boundary)."""
+    from sp_attention.testing import run_distributed
+    (out, syncs), = run_distributed(_agree_sync_worker, 1, backend="nccl", timeout=120)
+    assert out == (1.0, 7.0, None) and syncs == 1
+
+
 def _data_error_worker(rank, world):
     from sp_train.launch import agree_step
     error = ValueError("label id 300 at row 0 is outside the vocabulary") if rank == 1 else None
