@@ -3,8 +3,9 @@ prints the CUDA kernels by time per step, the time per kind of kernel (NCCL, GEM
 cross-entropy, norm, optimizer, copies, other element-wise), the summed kernel time and the
 wall time of the profiled steps. Only steady steps are recorded: ``--profile-skip`` steps
 (default 2: compilation, autotuning, allocator growth) run first, then ``--profile-steps``
-(default 3) are profiled; pass ``--train-iters`` > their sum (a step's wall runs from its start
-to the next one's; the harness adds no sync, so the host runs ahead as in a real run). Kinds are guessed from kernel
+(default 3) are profiled; pass ``--train-iters`` ≥ their sum. The harness syncs only at the
+profiled window's edges: between the profiled steps the host runs ahead as in a real run, so
+the boundaries inside the window (``boundary_ms``) are a real run's. Kinds are guessed from kernel
 names (Megatron's torch.compile'd fusions show as ``triton_*``: read the names). ``--trace
 FILE.json`` also writes the Chrome trace and splits each step's wall time on this rank's GPU
 into compute, NCCL that nothing hid, NCCL beside compute and idle (the GPU waiting for the host
@@ -335,25 +336,28 @@ def main() -> None:
     prof = torch.profiler.profile(activities=acts, schedule=torch.profiler.schedule(
         wait=max(0, skip - 1), warmup=1 if skip else 0, active=active, repeat=1))
     step_fn = train.train_step
-    starts = []
+    starts, ends = [], []
 
     def profiled_step(*a, **kw):       # train.main looks train_step up per call
-        # no sync of our own: the host runs ahead as in a real run (a sync here would make the
-        # step's boundary wait for the parameters' gathers and the next step's data)
+        # a sync only at the profiled window's edges: between its steps the host runs ahead
+        # as in a real run (a sync there would make each step's boundary wait for the
+        # parameters' gathers and the next step's data)
+        i = len(starts)
+        if i == skip == 0:
+            torch.cuda.synchronize()
         starts.append(time.perf_counter())
         out = step_fn(*a, **kw)
+        if i in (skip - 1, skip + active - 1):
+            torch.cuda.synchronize()   # the window starts with nothing queued and ends with
+            ends.append(time.perf_counter())     # its steps' kernels done
         prof.step()
         return out
 
     train.train_step = profiled_step
     with prof:
         train.main(argv)
-    torch.cuda.synchronize()
-    starts.append(time.perf_counter())  # the last step's end (the run's teardown included)
-    # a step's wall: from its start to the next one's (the host waits for each step's
-    # agreement, so in the steady state a host step lasts a GPU step)
-    records = [b - a for a, b in zip(starts[skip:skip + active], starts[skip + 1:])]
-    wall = sum(records)
+    records = starts[skip:skip + active]
+    wall = (ends[-1] - starts[skip]) if len(starts) > skip and ends else 0.0
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"
               and not e.key.startswith("ProfilerStep")]      # the profiler's step marker
     total_us = sum(e.device_time_total for e in events)

@@ -202,7 +202,7 @@ for l in open(sys.argv[1]):
           --profile-skip 3 --profile-steps 2 --cuda-only --trace "/tmp/profile_${kind}_rank{rank}.json" \
           --out "$OUT/profile.jsonl" \
           --preset 1b --sp-model-kind "$kind" --context-parallel-size "$P" --seq-length "$SEQ" \
-          --train-iters 6 --micro-batch-size 1 --global-batch-size 1 --vocab-size 128256 \
+          --train-iters 5 --micro-batch-size 1 --global-batch-size 1 --vocab-size 128256 \
           --no-progress-bar --log-dir "/tmp/profile_$kind" ${PROFILE_EXTRA:-} > "$OUT/profile_$kind.log" 2>&1
         echo "profile $kind exit $?"
         grep -h "timeline per step\|per step (ms) by kind\|by collective\|between the steps" \
