@@ -129,3 +129,34 @@ def test_reducer_single_rank_scales_and_needs_arm():
     (w * 4).sum().backward()
     reducer.finish()
     assert torch.equal(w.grad, torch.ones(3, dtype=torch.float64))
+
+
+def _bf16_buckets_worker(rank, world):
+    """bf16 gradients into fp32 buckets on the GPU (the multi-tensor cast): the sums equal the
+    fp32 sums of every rank's gradient bit for bit (two ranks: one addition, either order)."""
+    from sp_train.reduce import GradientReducer
+    shapes = [(64, 48), (48,), (3, 5, 7), (1000,)]
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16, device="cuda"))
+              for s in shapes]
+
+    def grads(r):
+        return [seeded(s, 10 * r + i, dtype=torch.float32).to(torch.bfloat16).cuda()
+                if i != 2 else None for i, s in enumerate(shapes)]   # one never reached
+    reducer = GradientReducer(params, dist.group.WORLD, overlap=False, write_back=False,
+                              bucket_elements=3200)
+    assert len(reducer.buckets) < len(params)          # several parameters in one bucket
+    reducer.arm(scale=1.0)
+    for p, g in zip(params, grads(rank)):
+        p.grad = g
+    sums = reducer.finish()
+    for i, (p, got) in enumerate(zip(params, sums)):
+        want = sum(g[i].float() if g[i] is not None else torch.zeros(p.shape, device="cuda")
+                   for g in (grads(r) for r in range(world)))
+        assert got.dtype == torch.float32 and torch.equal(got, want), i
+    return True
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (device machine)")
+def test_bf16_gradients_into_fp32_buckets_on_nccl():
+    assert all(run_distributed(_bf16_buckets_worker, 2, backend="nccl", timeout=120))
