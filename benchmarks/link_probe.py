@@ -1,5 +1,7 @@
-"""Probe the links between the GPUs of one host: NCCL all-gather, reduce-scatter and p2p
-bandwidth for a few message sizes (the α/β figures the schedules' overlap depends on).
+"""Probe the links between the GPUs of one host: NCCL all-gather, reduce-scatter, all-to-all
+and p2p bandwidth for a few message sizes (the α/β figures the schedules' overlap depends on).
+Each row records the ``NCCL_*`` variables of the environment (``nccl_env``, as every
+benchmark's row does), so runs under different settings compare.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/link_probe.py [--out FILE]
 """
@@ -15,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import base_parser, device_name, emit, init_dist, time_ms  # noqa: E402
 from sp_attention import build_sp_context  # noqa: E402
 from sp_attention.planning.layout import ring_neighbors  # noqa: E402
-from sp_attention.comm import all_gather_flat, reduce_scatter_flat  # noqa: E402
+from sp_attention.comm import all_gather_flat, all_to_all_flat, reduce_scatter_flat  # noqa: E402
 
 
 def main() -> None:
@@ -32,6 +34,7 @@ def main() -> None:
         out = torch.empty(world * n, device=dev, dtype=torch.bfloat16)
         peer_prev, peer_next = ring_neighbors(rank, world)   # WORLD group: group = global
         recv = torch.empty_like(x)
+        swapped = torch.empty_like(x)
 
         def p2p():
             ops = [dist.P2POp(dist.isend, x, peer_next), dist.P2POp(dist.irecv, recv, peer_prev)]
@@ -41,10 +44,14 @@ def main() -> None:
                                    a.warmup, a.iters, a.repeats),
              "reduce_scatter": time_ms(lambda: reduce_scatter_flat(x, out, ctx), a.device,
                                        a.warmup, a.iters, a.repeats),
+             "all_to_all": time_ms(lambda: all_to_all_flat(swapped, x, ctx), a.device,
+                                   a.warmup, a.iters, a.repeats),
              "p2p_ring_hop": time_ms(p2p, a.device, a.warmup, a.iters, a.repeats)}
         for op, ms in t.items():
-            # bytes each rank receives: (P-1)·n for the collectives, n for one hop
-            recv_bytes = (world - 1) * n * 2 if op != "p2p_ring_hop" else n * 2
+            # bytes each rank receives: (P-1)·n for the gather and the reduce-scatter,
+            # (P-1)/P·n for the all-to-all (its own share stays), n for one hop
+            recv_bytes = {"p2p_ring_hop": n * 2, "all_to_all": (world - 1) * n * 2 // world}.get(
+                op, (world - 1) * n * 2)
             emit({"bench": "link_probe", "op": op, "MiB_per_rank": mib, "world": world,
                   "ms": ms, "GB_s_received": recv_bytes / ms / 1e6,
                   "device": device_name(a.device)}, a.out, rank)
