@@ -357,7 +357,10 @@ def main() -> None:
     with prof:
         train.main(argv)
     records = starts[skip:skip + active]
-    wall = (ends[-1] - starts[skip]) if len(starts) > skip and ends else 0.0
+    if len(starts) < skip + active:     # the run ended inside the window (--train-iters short)
+        torch.cuda.synchronize()
+        ends.append(time.perf_counter())
+    wall = (ends[-1] - starts[skip]) if len(starts) > skip else 0.0
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"
               and not e.key.startswith("ProfilerStep")]      # the profiler's step marker
     total_us = sum(e.device_time_total for e in events)
