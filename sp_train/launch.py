@@ -125,12 +125,10 @@ def agree_step(share: torch.Tensor, signum: Optional[int], tp: int, next_tokens:
     flags = [float(signum == s) for s in STOP_SIGNALS]
     pieces = _plan_pieces(plans, dp_rank, dp)
     host = torch.tensor([float(data_error is not None)] + flags + pieces, dtype=torch.float64)
-    tokens = next_tokens.detach().to(torch.float64) / tp
-    if tokens.device.type == "cpu":          # the host's numbers in one copy, queued: no wait
-        rest = to_device(torch.cat([tokens.view(1), host]), device)
-    else:
-        rest = torch.cat([tokens.to(device).view(1), to_device(host, device)])
-    v = torch.cat([(share.to(device) / tp).view(1), rest])
+    tokens = (next_tokens.detach().to(torch.float64) / tp).view(1)
+    # the host's numbers queued behind the step (no wait); the read below is the one wait
+    v = torch.cat([(share.to(device) / tp).view(1), to_device(tokens, device),
+                   to_device(host, device)])
     dist.all_reduce(v)
     loss, tokens, failed, *got = v.tolist()  # a count of whole tokens: exact once rounded
     if data_error is not None:

@@ -148,12 +148,9 @@ class GradientReducer:
         flat = torch.empty(padded, dtype=acc_dtype(ps[0]), device=ps[0].device)
         # cast on the way, one pass: one multi-tensor kernel (a cast by torch.cat or copy_
         # runs element by element, at a third of the bandwidth)
-        views, offset = [], 0
-        for p in ps:
-            views.append(flat[offset:offset + p.numel()])
-            offset += p.numel()
-        torch._foreach_copy_(views, [(p.grad if p.grad is not None else torch.zeros_like(p))
-                                     .reshape(-1) for p in ps])
+        torch._foreach_copy_(flat[:n].split([p.numel() for p in ps]),
+                             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                              for p in ps])
         flat[n:].zero_()
         if not self.write_back:
             for p in ps:

@@ -99,8 +99,9 @@ class ShardedAdamW:
             flat = torch.zeros(bk.size, dtype=torch.float32, device=dev)
             ms = []
             for i, s, e, o in bk.pieces:
-                flat[o:o + e - s].copy_(bk.params[i].detach().reshape(-1)[s:e])
-                ms.append(flat[o:o + e - s].detach().requires_grad_(True))
+                m = flat[o:o + e - s].detach()
+                m.copy_(bk.params[i].detach().reshape(-1)[s:e])
+                ms.append(m.requires_grad_(True))
             self.flat.append(flat)
             self.master.append(ms)
         decay, no_decay = [], []
